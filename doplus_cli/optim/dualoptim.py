@@ -1,0 +1,122 @@
+"""DualOptim (Zhong et al., 2025): fully decoupled states, one complete AdamW per objective.
+
+Each objective owns a real `torch.optim.AdamW` (32-bit) or `bitsandbytes.optim.AdamW8bit` (8-bit) over the
+same parameters, so its step is exactly that optimizer's step with that objective's state. This class keeps
+the public param groups (for LR schedulers and per-group options) and copies their hyper-parameters into
+the inner optimizer of the objective being stepped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from doplus_cli.optim import quant
+from doplus_cli.optim.dualoptim_plus import (
+    check_common,
+    check_lr_multipliers,
+    check_objectives,
+    unknown_objective,
+)
+
+_SYNCED_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+class DualOptim(Optimizer):
+    """One AdamW state and step counter per objective; `step(objective=k)` is AdamW with state k.
+
+    Args:
+        fused: passed to `torch.optim.AdamW` (32-bit states). None uses torch's fused kernel where torch
+            supports it (CPU and CUDA floating-point parameters), which is also what makes DualOptim as
+            fast as a single AdamW; False gives torch's default (single-tensor/foreach) arithmetic.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict],
+        lr: float = 1e-5,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        objectives: Sequence[str] = ("forget", "retain"),
+        state_bits: int = 32,
+        *,
+        lr_multipliers: Mapping[str, float] | None = None,
+        fused: bool | None = None,
+    ) -> None:
+        check_common(lr, betas, eps, weight_decay, state_bits)
+        self.objectives = check_objectives(objectives)
+        self.lr_multipliers = check_lr_multipliers(lr_multipliers, self.objectives)
+        self.state_bits = state_bits
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.is_sparse:
+                    raise ValueError("DualOptim does not support sparse parameters")
+        if fused is None and state_bits == 32:
+            fused = all(
+                p.is_floating_point() and p.device.type in ("cpu", "cuda")
+                for group in self.param_groups
+                for p in group["params"]
+            )
+        self.fused = fused
+        self.inner: dict[str, Optimizer] = {name: self._make_inner() for name in self.objectives}
+
+    def _make_inner(self) -> Optimizer:
+        groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": group["params"]}
+                  for group in self.param_groups]
+        if self.state_bits == 8:
+            import bitsandbytes as bnb
+
+            return bnb.optim.AdamW8bit(groups, min_8bit_size=quant.MIN_8BIT_SIZE)
+        return torch.optim.AdamW(groups, fused=self.fused or None)
+
+    @torch.no_grad()
+    def step(self, objective: str = "forget", closure=None):  # type: ignore[override]
+        """AdamW step of `objective`'s own optimizer, with the current param-group hyper-parameters."""
+        if objective not in self.objectives:
+            raise unknown_objective(objective, self.objectives)
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None and param.grad.is_sparse:
+                    raise ValueError("DualOptim does not support sparse gradients")
+        inner = self.inner[objective]
+        scale = self.lr_multipliers.get(objective, 1.0)
+        for outer, group in zip(self.param_groups, inner.param_groups):
+            for key in _SYNCED_KEYS:
+                group[key] = outer[key]
+            group["lr"] = outer["lr"] * scale
+        return inner.step(closure)
+
+    @property
+    def state(self):  # noqa: D401 - the union view is what memory accounting and tools expect
+        """Per-parameter states of all objectives: ``state[p][objective]`` is that objective's AdamW state."""
+        merged: dict = {}
+        for name, inner in getattr(self, "inner", {}).items():
+            for param, value in inner.state.items():
+                merged.setdefault(param, {})[name] = value
+        return merged
+
+    @state.setter
+    def state(self, value) -> None:  # Optimizer.__init__ assigns an empty defaultdict
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "param_groups": super().state_dict()["param_groups"],
+            "state": {},
+            "objectives": {name: inner.state_dict() for name, inner in self.inner.items()},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        missing = set(self.objectives) - set(state_dict.get("objectives", {}))
+        if missing:
+            raise ValueError(f"state_dict has no state for objectives {sorted(missing)}")
+        super().load_state_dict({"param_groups": state_dict["param_groups"], "state": {}})
+        for name, inner in self.inner.items():
+            inner.load_state_dict(state_dict["objectives"][name])

@@ -1,0 +1,391 @@
+"""DualOptim+: one shared base optimizer state plus one delta state per objective (paper, Section 3.2).
+
+    opt = DualOptimPlus(model.parameters(), lr=1e-5, objectives=("forget", "retain"))
+    loss_forget.backward(); opt.step(objective="forget"); opt.zero_grad()
+    loss_retain.backward(); opt.step(objective="retain"); opt.zero_grad()
+
+The caller always names the objective whose gradient is in `.grad`; nothing is inferred from a counter.
+The update rules are in `kernels.py`; this class owns hyper-parameters, state layout and dispatch.
+
+State of one parameter (plain tensors and dicts, so `torch.load(weights_only=True)` can read it):
+
+    step                         t_B, float32 scalar tensor, counts every update of this parameter
+    exp_avg, exp_avg_sq          m_B, v_B (AdamW rule)      | momentum_buffer  m_B (Muon rule)
+    delta[k].step                t_k, counts updates by objective k
+    delta[k].exp_avg, .exp_avg_sq   m_k, v_k                | delta[k].momentum_buffer
+    <name>_absmax                with 8-bit states: <name> holds uint8 codes, this the fp32 block absmax
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from doplus_cli.optim import quant
+from doplus_cli.optim.kernels import (
+    AdamWPlusScalars,
+    MuonPlusScalars,
+    adamw_plus_fused,
+    adamw_plus_fused_8bit,
+    adamw_plus_reference,
+    muon_plus_reference,
+)
+
+INNER_OPTIMIZERS = ("adamw", "muon")
+STATE_BITS = (8, 32)
+QUANTIZE_CHOICES = ("all", "base", "delta")
+# Below this many elements the compiled kernel's call overhead outweighs its single pass over memory.
+FUSED_MIN_NUMEL = 1 << 16
+FUSED_8BIT_CHUNK_ROWS = 512  # 128k elements per call of the 8-bit kernel
+
+_ADAMW_STATES = (("exp_avg", True), ("exp_avg_sq", False))  # (name, signed map) of the base state
+_MUON_STATES = (("momentum_buffer", True),)
+
+
+def check_objectives(objectives: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(objectives, str):
+        objectives = (objectives,)
+    objectives = tuple(objectives)
+    if not objectives:
+        raise ValueError("objectives must name at least one objective, e.g. ('forget', 'retain')")
+    for name in objectives:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"objective names must be non-empty strings, got {name!r}")
+    if len(set(objectives)) != len(objectives):
+        raise ValueError(f"objective names must be unique, got {list(objectives)}")
+    return objectives
+
+
+def check_lr_multipliers(multipliers: Mapping[str, float] | None, objectives: tuple[str, ...]) -> dict:
+    multipliers = dict(multipliers or {})
+    for name, value in multipliers.items():
+        if name not in objectives:
+            raise ValueError(f"lr_multipliers names unknown objective {name!r}; objectives are {list(objectives)}")
+        if not value >= 0.0:
+            raise ValueError(f"lr multiplier for {name!r} must be >= 0, got {value}")
+    return multipliers
+
+
+def check_common(lr: float, betas: Sequence[float], eps: float, weight_decay: float, state_bits: int) -> None:
+    if not lr >= 0.0:
+        raise ValueError(f"invalid learning rate: {lr}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {tuple(betas)}")
+    if not eps >= 0.0:
+        raise ValueError(f"invalid eps: {eps}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"invalid weight_decay: {weight_decay}")
+    if state_bits not in STATE_BITS:
+        raise ValueError(f"state_bits must be 8 or 32, got {state_bits!r}")
+
+
+def unknown_objective(objective: Any, objectives: tuple[str, ...]) -> ValueError:
+    return ValueError(
+        f"unknown objective {objective!r}: this optimizer was built with objectives={list(objectives)}"
+    )
+
+
+class DualOptimPlus(Optimizer):
+    """DualOptim+ with the AdamW rule (Algorithm 1) or, for 2-D weights, the Muon rule (Algorithm 2).
+
+    Args:
+        params: parameters or param groups. A group may set ``use_muon`` (True/False) to override the
+            default choice of rule (with ``inner="muon"``: Muon for 2-D tensors, AdamW for the rest; use
+            `muon_param_groups` to keep embeddings and the output head on AdamW).
+        lr, betas, eps, weight_decay: as in `torch.optim.AdamW`; betas are the delta states' factors.
+        base_betas: the base state's factors; None means the same as ``betas``.
+        objectives: names of the objectives, any number >= 1 (one base state, one delta state each).
+        inner: "adamw" or "muon".
+        state_bits: 32 (float32 states) or 8 (blockwise 8-bit, bitsandbytes' dynamic maps).
+        lr_multipliers: per-objective learning-rate factors, e.g. ``{"forget": 2.0}``.
+        quantize: with 8-bit states, which states are 8-bit: "all", "base" or "delta" (paper, Table 9).
+        fused: use the compiled one-pass kernels (True), the eager reference (False), or decide per
+            tensor by size (None).
+        ns_coefficients, ns_steps, ns_eps, adjust_lr_fn: Muon's Newton–Schulz settings, as `torch.optim.Muon`.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict],
+        lr: float = 1e-5,
+        betas: tuple[float, float] = (0.9, 0.95),
+        base_betas: tuple[float, float] | None = None,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        objectives: Sequence[str] = ("forget", "retain"),
+        inner: str = "adamw",
+        state_bits: int = 32,
+        *,
+        lr_multipliers: Mapping[str, float] | None = None,
+        quantize: str = "all",
+        fused: bool | None = None,
+        ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315),
+        ns_steps: int = 5,
+        ns_eps: float = 1e-7,
+        adjust_lr_fn: str | None = None,
+    ) -> None:
+        check_common(lr, betas, eps, weight_decay, state_bits)
+        if base_betas is not None and (len(base_betas) != 2 or not all(0.0 <= b < 1.0 for b in base_betas)):
+            raise ValueError(f"base_betas must be two numbers in [0, 1) or None, got {base_betas!r}")
+        if inner not in INNER_OPTIMIZERS:
+            raise ValueError(f"unknown inner optimizer {inner!r}: choose one of {list(INNER_OPTIMIZERS)}")
+        if quantize not in QUANTIZE_CHOICES:
+            raise ValueError(f"quantize must be one of {list(QUANTIZE_CHOICES)}, got {quantize!r}")
+        self.objectives = check_objectives(objectives)
+        self.lr_multipliers = check_lr_multipliers(lr_multipliers, self.objectives)
+        self.inner = inner
+        self.state_bits = state_bits
+        self.quantize = quantize
+        self.fused = fused
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            base_betas=None if base_betas is None else tuple(base_betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            use_muon=None,
+            ns_coefficients=tuple(ns_coefficients),
+            ns_steps=ns_steps,
+            ns_eps=ns_eps,
+            adjust_lr_fn=adjust_lr_fn,
+        )
+        super().__init__(params, defaults)
+
+    # -- which rule, which storage -------------------------------------------------------------------
+
+    def _uses_muon(self, param: Tensor, group: dict) -> bool:
+        if group.get("use_muon") is not None:
+            return bool(group["use_muon"]) and param.ndim == 2
+        return self.inner == "muon" and param.ndim == 2
+
+    def _is_8bit(self, param: Tensor, is_base: bool) -> bool:
+        if self.state_bits != 8 or param.numel() < quant.MIN_8BIT_SIZE:
+            return False
+        return self.quantize == "all" or (self.quantize == "base") == is_base
+
+    def _use_fused(self, param: Tensor, grad: Tensor) -> bool:
+        if self.fused is False or not (param.is_contiguous() and grad.is_contiguous()):
+            return False
+        return self.fused is True or param.numel() >= FUSED_MIN_NUMEL
+
+    def _new_states(self, param: Tensor, names: Sequence[tuple[str, bool]], is_base: bool) -> dict:
+        """Zero-initialised states: float32 like the parameter, or flat uint8 codes plus block absmax."""
+        states: dict[str, Tensor] = {"step": torch.tensor(0.0, dtype=torch.float32)}
+        for name, _signed in names:
+            if self._is_8bit(param, is_base):
+                states[name] = torch.zeros(param.numel(), dtype=torch.uint8, device=param.device)
+                states[name + "_absmax"] = torch.zeros(
+                    quant.num_blocks(param.numel()), dtype=torch.float32, device=param.device
+                )
+            else:
+                states[name] = torch.zeros_like(param, dtype=torch.float32, memory_format=torch.contiguous_format)
+        return states
+
+    def _state_for(self, param: Tensor, group: dict, objective: str) -> tuple[dict, dict]:
+        names = _MUON_STATES if self._uses_muon(param, group) else _ADAMW_STATES
+        state = self.state[param]
+        if not state:
+            state.update(self._new_states(param, names, is_base=True))
+            state["delta"] = {}
+        if objective not in state["delta"]:
+            state["delta"][objective] = self._new_states(param, names, is_base=False)
+        return state, state["delta"][objective]
+
+    # -- the step ------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, objective: str = "forget", closure=None):  # type: ignore[override]
+        """Update every parameter that has a gradient with the gradient of `objective`."""
+        if objective not in self.objectives:
+            raise unknown_objective(objective, self.objectives)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        lr_scale = self.lr_multipliers.get(objective, 1.0)
+        for group in self.param_groups:
+            hp_cache: dict[tuple, Tensor] = {}
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if param.grad.is_sparse:
+                    raise ValueError("DualOptimPlus does not support sparse gradients")
+                state, delta = self._state_for(param, group, objective)
+                state["step"] += 1
+                delta["step"] += 1
+                if self._uses_muon(param, group):
+                    self._muon_update(param, group, state, delta, lr_scale)
+                else:
+                    self._adamw_update(param, group, state, delta, lr_scale, hp_cache)
+        return loss
+
+    def _adamw_scalars(self, group: dict, state: dict, delta: dict, lr_scale: float) -> AdamWPlusScalars:
+        beta1, beta2 = group["betas"]
+        base_beta1, base_beta2 = group["base_betas"] or group["betas"]
+        return AdamWPlusScalars(
+            lr=float(group["lr"]) * lr_scale,
+            weight_decay=group["weight_decay"],
+            beta1=beta1,
+            beta2=beta2,
+            base_beta1=base_beta1,
+            base_beta2=base_beta2,
+            eps=group["eps"],
+            base_step=int(state["step"].item()),
+            delta_step=int(delta["step"].item()),
+        )
+
+    def _adamw_update(
+        self, param: Tensor, group: dict, state: dict, delta: dict, lr_scale: float, hp_cache: dict
+    ) -> None:
+        s = self._adamw_scalars(group, state, delta, lr_scale)
+        grad = param.grad
+        slots = [(state, "exp_avg", True), (state, "exp_avg_sq", False), (delta, "exp_avg", True),
+                 (delta, "exp_avg_sq", False)]
+        if not self._use_fused(param, grad):
+            _adamw_reference_slots(param.view(-1), grad.reshape(-1), slots, s, 0, param.numel())
+            return
+        key = (s, str(param.device))
+        if key not in hp_cache:
+            hp_cache[key] = s.packed(param.device)
+        hp = hp_cache[key]
+        if not any(container[name].dtype == torch.uint8 for container, name, _ in slots):
+            adamw_plus_fused(
+                param, grad, state["exp_avg"], state["exp_avg_sq"], delta["exp_avg"], delta["exp_avg_sq"], hp
+            )
+            return
+        _adamw_fused_8bit_slots(param, grad, slots, s, hp)
+
+    def _muon_update(self, param: Tensor, group: dict, state: dict, delta: dict, lr_scale: float) -> None:
+        s = MuonPlusScalars(
+            lr=float(group["lr"]) * lr_scale,
+            weight_decay=group["weight_decay"],
+            momentum=group["betas"][0],
+            base_momentum=(group["base_betas"] or group["betas"])[0],
+            ns_coefficients=group["ns_coefficients"],
+            ns_steps=group["ns_steps"],
+            ns_eps=group["ns_eps"],
+            adjust_lr_fn=group["adjust_lr_fn"],
+        )
+        base = _read_slot(state, "momentum_buffer", True, 0, param.numel()).view(param.shape)
+        mom = _read_slot(delta, "momentum_buffer", True, 0, param.numel()).view(param.shape)
+        muon_plus_reference(param, param.grad, base, mom, s)
+        _write_slot(state, "momentum_buffer", True, base.view(-1), 0)
+        _write_slot(delta, "momentum_buffer", True, mom.view(-1), 0)
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load as `torch.optim.Optimizer` does, but keep every state tensor's dtype (uint8 codes, float32
+        states of low-precision parameters), so that a reloaded optimizer continues bit-identically."""
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, saved in state_dict["state"].items():
+            param = params[index]
+            self.state[param] = _clone_to(saved, param.device)
+
+
+def _clone_to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, Tensor):
+        if value.ndim == 0 and value.dtype == torch.float32:  # step counters stay on the host, as in torch
+            return value.detach().clone()
+        return value.detach().to(device=device, copy=True)
+    if isinstance(value, dict):
+        return {k: _clone_to(v, device) for k, v in value.items()}
+    return value
+
+
+# -- state slots: a float32 tensor or 8-bit codes with their block absmax ------------------------------
+
+
+def _read_slot(container: dict, name: str, signed: bool, start: int, stop: int) -> Tensor:
+    """Float32 values of elements [start, stop) of a state (a view when it is float32). start % 256 == 0."""
+    stored = container[name]
+    if stored.dtype != torch.uint8:
+        return stored.view(-1)[start:stop]
+    blocks = slice(start // quant.BLOCKSIZE, quant.num_blocks(stop))
+    return quant.dequantize(stored[start:stop], container[name + "_absmax"][blocks], signed)
+
+
+def _write_slot(container: dict, name: str, signed: bool, values: Tensor, start: int) -> None:
+    stored = container[name]
+    if stored.dtype != torch.uint8:
+        if values.data_ptr() != stored.view(-1)[start:].data_ptr():
+            stored.view(-1)[start : start + values.numel()].copy_(values)
+        return
+    stop = start + values.numel()
+    blocks = slice(start // quant.BLOCKSIZE, quant.num_blocks(stop))
+    quant.quantize(values, signed, stored[start:stop], container[name + "_absmax"][blocks])
+
+
+def _adamw_reference_slots(
+    flat_param: Tensor, flat_grad: Tensor, slots: list, s: AdamWPlusScalars, start: int, stop: int
+) -> None:
+    """Reference AdamW rule on elements [start, stop): dequantize (bitsandbytes), update, re-quantize."""
+    values = [_read_slot(c, name, signed, start, stop) for c, name, signed in slots]
+    param_part = flat_param[start:stop]
+    adamw_plus_reference(param_part, flat_grad[start:stop], *values, s)
+    for (container, name, signed), value in zip(slots, values):
+        _write_slot(container, name, signed, value, start)
+
+
+def _adamw_fused_8bit_slots(param: Tensor, grad: Tensor, slots: list, s: AdamWPlusScalars, hp: Tensor) -> None:
+    """Compiled 8-bit kernel on the whole 256-blocks; the short last block (if any) takes the reference."""
+    numel = param.numel()
+    whole = numel // quant.BLOCKSIZE * quant.BLOCKSIZE
+    flat_param, flat_grad = param.view(-1), grad.view(-1)
+    device = str(param.device)
+    maps = (quant.code_map(True, device), quant.code_map(False, device))
+    tables = tuple(
+        (t.bucket_start, t.thresholds, t.skip, t.fixup_steps)
+        for t in (quant.search_tables(True, device), quant.search_tables(False, device))
+    )
+    rows = whole // quant.BLOCKSIZE
+    # Row chunks keep the kernel's per-block temporaries small enough to stay in cache and be reused.
+    for first in range(0, rows, FUSED_8BIT_CHUNK_ROWS):
+        last = min(rows, first + FUSED_8BIT_CHUNK_ROWS)
+        lo, hi = first * quant.BLOCKSIZE, last * quant.BLOCKSIZE
+        states = []
+        for container, name, _signed in slots:
+            stored = container[name]
+            if stored.dtype == torch.uint8:
+                states.append((stored[lo:hi].view(-1, quant.BLOCKSIZE), container[name + "_absmax"][first:last]))
+            else:
+                states.append((stored.view(-1)[lo:hi].view(-1, quant.BLOCKSIZE),))
+        adamw_plus_fused_8bit(
+            flat_param[lo:hi].view(-1, quant.BLOCKSIZE),
+            flat_grad[lo:hi].view(-1, quant.BLOCKSIZE),
+            tuple(states),
+            maps,
+            tables,
+            hp,
+        )
+    if whole < numel:
+        _adamw_reference_slots(flat_param, flat_grad, slots, s, whole, numel)
+
+
+def muon_param_groups(model: torch.nn.Module, **group_options: Any) -> list[dict]:
+    """Param groups for ``inner="muon"``: Muon for hidden 2-D weights, AdamW for embeddings, the output head,
+    norms and biases (Muon practice). Frozen parameters are left out."""
+    skip: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
+            skip.update(id(p) for p in module.parameters(recurse=False))
+    get_out = getattr(model, "get_output_embeddings", None)
+    head = get_out() if callable(get_out) else None
+    if head is not None:
+        skip.update(id(p) for p in head.parameters())
+    muon, adamw = [], []
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        (muon if param.ndim == 2 and id(param) not in skip else adamw).append(param)
+    groups = []
+    if muon:
+        groups.append({"params": muon, "use_muon": True, **group_options})
+    if adamw:
+        groups.append({"params": adamw, "use_muon": False, **group_options})
+    return groups
