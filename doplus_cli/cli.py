@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from typing import Optional
 
 import click
 import typer
@@ -67,7 +66,7 @@ def bench_optimizer(
     device: str = typer.Option("auto", "--device", help="auto (cuda if available), cpu or cuda."),
     steps: int = typer.Option(7, "--steps", min=5, help="Timed steps per optimizer (median is reported)."),
     warmup: int = typer.Option(2, "--warmup", min=1, help="Untimed steps first (compilation happens here)."),
-    only: Optional[str] = typer.Option(
+    only: str | None = typer.Option(
         None, "--only", help="Comma-separated subset of rows, e.g. adamw,doplus,doplus-8bit."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout instead of a table."),

@@ -42,8 +42,8 @@ QUANTIZE_CHOICES = ("all", "base", "delta")
 FUSED_MIN_NUMEL = 1 << 16
 FUSED_8BIT_CHUNK_ROWS = 512  # 128k elements per call of the 8-bit kernel
 
-_ADAMW_STATES = (("exp_avg", True), ("exp_avg_sq", False))  # (name, signed map) of the base state
-_MUON_STATES = (("momentum_buffer", True),)
+_ADAMW_STATES = ("exp_avg", "exp_avg_sq")
+_MUON_STATES = ("momentum_buffer",)
 
 
 def check_objectives(objectives: Sequence[str]) -> tuple[str, ...]:
@@ -172,17 +172,18 @@ class DualOptimPlus(Optimizer):
             return False
         return self.fused is True or param.numel() >= FUSED_MIN_NUMEL
 
-    def _new_states(self, param: Tensor, names: Sequence[tuple[str, bool]], is_base: bool) -> dict:
-        """Zero-initialised states: float32 like the parameter, or flat uint8 codes plus block absmax."""
+    def _new_states(self, param: Tensor, names: Sequence[str], is_base: bool) -> dict:
+        """Zero-initialised states: float32 (float64 for float64 parameters), or uint8 codes + block absmax."""
         states: dict[str, Tensor] = {"step": torch.tensor(0.0, dtype=torch.float32)}
-        for name, _signed in names:
+        state_dtype = torch.promote_types(param.dtype, torch.float32)
+        for name in names:
             if self._is_8bit(param, is_base):
                 states[name] = torch.zeros(param.numel(), dtype=torch.uint8, device=param.device)
                 states[name + "_absmax"] = torch.zeros(
                     quant.num_blocks(param.numel()), dtype=torch.float32, device=param.device
                 )
             else:
-                states[name] = torch.zeros_like(param, dtype=torch.float32, memory_format=torch.contiguous_format)
+                states[name] = torch.zeros_like(param, dtype=state_dtype, memory_format=torch.contiguous_format)
         return states
 
     def _state_for(self, param: Tensor, group: dict, objective: str) -> tuple[dict, dict]:
@@ -243,14 +244,20 @@ class DualOptimPlus(Optimizer):
     ) -> None:
         s = self._adamw_scalars(group, state, delta, lr_scale)
         grad = param.grad
-        slots = [(state, "exp_avg", True), (state, "exp_avg_sq", False), (delta, "exp_avg", True),
-                 (delta, "exp_avg_sq", False)]
+        # (container, name, signed map): the delta second moment can be negative, so it is signed too
+        slots = [
+            (state, "exp_avg", True),
+            (state, "exp_avg_sq", False),
+            (delta, "exp_avg", True),
+            (delta, "exp_avg_sq", True),
+        ]
         if not self._use_fused(param, grad):
             _adamw_reference_slots(param.view(-1), grad.reshape(-1), slots, s, 0, param.numel())
             return
-        key = (s, str(param.device))
+        state_dtype = torch.promote_types(param.dtype, torch.float32)
+        key = (s, str(param.device), state_dtype)
         if key not in hp_cache:
-            hp_cache[key] = s.packed(param.device)
+            hp_cache[key] = s.packed(param.device, state_dtype)
         hp = hp_cache[key]
         if not any(container[name].dtype == torch.uint8 for container, name, _ in slots):
             adamw_plus_fused(

@@ -61,8 +61,9 @@ class AdamWPlusScalars:
     def inv_delta_bc2(self) -> float:
         return 1.0 / (1.0 - self.beta2**self.delta_step)
 
-    def packed(self, device: torch.device) -> Tensor:
-        """All scalars as one float32 vector, so a compiled kernel takes them as data, not as constants."""
+    def packed(self, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
+        """All scalars as one vector in the states' dtype: a compiled kernel takes them as data, not as
+        constants, so a new learning rate or step needs no recompilation."""
         values = [
             self.lr,
             1.0 - self.lr * self.weight_decay,
@@ -80,7 +81,7 @@ class AdamWPlusScalars:
             self.inv_delta_bc1,
             self.inv_delta_bc2,
         ]
-        return torch.tensor(values, dtype=torch.float32, device=device)
+        return torch.tensor(values, dtype=dtype, device=device)
 
 
 def adamw_plus_reference(
@@ -92,11 +93,11 @@ def adamw_plus_reference(
     exp_avg_sq: Tensor,
     s: AdamWPlusScalars,
 ) -> None:
-    """DualOptim+ AdamW rule in eager PyTorch, updating all tensors in place (states are float32)."""
+    """DualOptim+ AdamW rule in eager PyTorch, updating all tensors in place; math in the states' dtype."""
     # Products are written out (no alpha= fused multiply-adds) so that the compiled kernel, which rounds
     # each product separately, gives the same bits.
-    g = grad.float()
-    theta = param.float() * (1.0 - s.lr * s.weight_decay)  # decoupled weight decay
+    g = grad.to(exp_avg.dtype)
+    theta = param.to(exp_avg.dtype) * (1.0 - s.lr * s.weight_decay)  # decoupled weight decay
     base_m_hat = base_exp_avg * s.inv_base_bc1  # base read with the previous step's bias correction
     base_v_hat = base_exp_avg_sq * s.inv_base_bc2
     exp_avg.copy_(s.beta1 * exp_avg + (1.0 - s.beta1) * (g - base_m_hat))  # delta: residual (Eq. 4)
@@ -131,7 +132,7 @@ def _adamw_plus_inplace(
     param: Tensor, grad: Tensor, mb: Tensor, vb: Tensor, md: Tensor, vd: Tensor, hp: Tensor
 ) -> None:
     theta, mb_new, vb_new, md_new, vd_new = _adamw_plus_math(
-        param.float(), grad.float(), mb, vb, md, vd, hp
+        param.to(mb.dtype), grad.to(mb.dtype), mb, vb, md, vd, hp
     )
     param.copy_(theta)
     mb.copy_(mb_new)
@@ -221,17 +222,15 @@ def muon_plus_reference(
     """
     from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-    g = grad.float()
+    g = grad.to(momentum_buffer.dtype)
     momentum_buffer.mul_(s.momentum).add_(g - base_momentum_buffer)
     update = _zeropower_via_newtonschulz(
         base_momentum_buffer + momentum_buffer, s.ns_coefficients, s.ns_steps, s.ns_eps
     )
     adjusted_lr = _adjust_lr(s.lr, s.adjust_lr_fn, param.shape)
-    theta = param.float()
-    theta.mul_(1.0 - s.lr * s.weight_decay)
-    theta.add_(update.float(), alpha=-adjusted_lr)
-    if theta.data_ptr() != param.data_ptr():
-        param.copy_(theta)
+    theta = param.to(momentum_buffer.dtype) * (1.0 - s.lr * s.weight_decay)
+    theta.add_(update.to(theta.dtype), alpha=-adjusted_lr)
+    param.copy_(theta)
     base_momentum_buffer.mul_(s.base_momentum).add_(g)
 
 

@@ -32,7 +32,7 @@ def _bnb_functional():
     return bnbf
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def code_map(signed: bool, device: str) -> Tensor:
     """bitsandbytes' dynamic map: signed for first moments and delta second moments, unsigned for v_B."""
     return _bnb_functional().create_dynamic_map(signed=signed).to(device)
@@ -84,7 +84,7 @@ def _bnb_codes_of_normalised(values: Tensor, signed: bool) -> Tensor:
     return codes.view(n, BLOCKSIZE)[:, 0].to(torch.int64)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def decision_thresholds(signed: bool, device: str) -> Tensor:
     """The 255 smallest normalised values at which bitsandbytes' code steps up: code(x) = #{thr ≤ x}.
 
@@ -130,7 +130,7 @@ class SearchTables:
     fixup_steps: int
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def search_tables(signed: bool, device: str) -> SearchTables:
     thresholds = decision_thresholds(signed, device).cpu()
     raw = torch.arange(1 << 16, dtype=torch.int64) << 16

@@ -1,0 +1,358 @@
+"""DualOptim+ and DualOptim against independent references written here (float64 loops, torch AdamW)."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+
+from doplus_cli.optim import DualOptim, DualOptimPlus, muon_param_groups
+
+SHAPES = [(7,), (5, 3), (4, 4, 4), (300,)]
+
+
+def cycle(frequencies: dict[str, int], steps: int) -> list[str]:
+    """The objective sequence: F_1 steps of the first objective, then F_2 of the second, ... repeated."""
+    order = [name for name, count in frequencies.items() for _ in range(count)]
+    return [order[i % len(order)] for i in range(steps)]
+
+
+class Float64DualOptimPlus:
+    """The issue #2 rule, one line per line, on float64 tensors."""
+
+    def __init__(self, params, lr, betas, base_betas, eps, weight_decay, lr_multipliers=None):
+        self.params = [p.detach().double().clone() for p in params]
+        self.lr, self.eps, self.wd = lr, eps, weight_decay
+        self.b1, self.b2 = betas
+        self.bb1, self.bb2 = base_betas
+        self.mult = lr_multipliers or {}
+        self.t_base = [0] * len(params)
+        self.m_base = [torch.zeros_like(p) for p in self.params]
+        self.v_base = [torch.zeros_like(p) for p in self.params]
+        self.delta: dict[str, list[dict]] = {}
+
+    def step(self, objective, grads, lr=None):
+        lr = (self.lr if lr is None else lr) * self.mult.get(objective, 1.0)
+        deltas = self.delta.setdefault(
+            objective,
+            [{"t": 0, "m": torch.zeros_like(p), "v": torch.zeros_like(p)} for p in self.params],
+        )
+        for i, g in enumerate(grads):
+            g = g.double()
+            d = deltas[i]
+            self.t_base[i] += 1
+            d["t"] += 1
+            t_b, t_k = self.t_base[i], d["t"]
+            theta = self.params[i] * (1 - lr * self.wd)
+            if t_b == 1:
+                m_hat_b = torch.zeros_like(g)
+                v_hat_b = torch.zeros_like(g)
+            else:
+                m_hat_b = self.m_base[i] / (1 - self.bb1 ** (t_b - 1))
+                v_hat_b = self.v_base[i] / (1 - self.bb2 ** (t_b - 1))
+            d["m"] = self.b1 * d["m"] + (1 - self.b1) * (g - m_hat_b)
+            d["v"] = self.b2 * d["v"] + (1 - self.b2) * (g * g - v_hat_b)
+            m = m_hat_b + d["m"] / (1 - self.b1**t_k)
+            v = v_hat_b + d["v"] / (1 - self.b2**t_k)
+            self.params[i] = theta - lr * m / (v.abs().sqrt() + self.eps)
+            self.m_base[i] = self.bb1 * self.m_base[i] + (1 - self.bb1) * g
+            self.v_base[i] = self.bb2 * self.v_base[i] + (1 - self.bb2) * g * g
+
+
+def random_grads(generator, shapes, objective_index):
+    # objectives pull in different (partly conflicting) directions, like forget and retain gradients
+    return [
+        torch.randn(shape, generator=generator) * 0.1 + (0.05 if objective_index % 2 == 0 else -0.03)
+        for shape in shapes
+    ]
+
+
+FREQUENCIES = {
+    "1:1 two objectives": {"forget": 1, "retain": 1},
+    "1:5 two objectives": {"forget": 1, "retain": 5},
+    "2:3 two objectives": {"forget": 2, "retain": 3},
+    "one objective": {"task": 1},
+    "three objectives 2:1:3": {"a": 2, "b": 1, "c": 3},
+}
+
+
+# float64 parameters make the optimizer's arithmetic float64 too, so both paths must agree with the loop to
+# rounding (float32 would not: an element whose v̂_B + v̂_k nearly cancels amplifies float32 rounding).
+@pytest.mark.parametrize("fused", [False, True], ids=["reference", "fused"])
+@pytest.mark.parametrize("schedule", list(FREQUENCIES), ids=list(FREQUENCIES))
+def test_adamw_rule_matches_float64_loop(schedule, fused, dtype=torch.float64, tol=1e-10):
+    frequencies = FREQUENCIES[schedule]
+    objectives = tuple(frequencies)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, dtype=dtype)) for shape in SHAPES]
+    lr, betas, base_betas, eps, wd = 1e-2, (0.9, 0.95), (0.8, 0.99), 1e-8, 0.1
+    multipliers = {objectives[0]: 2.0}
+    reference = Float64DualOptimPlus(params, lr, betas, base_betas, eps, wd, multipliers)
+    opt = DualOptimPlus(
+        params, lr=lr, betas=betas, base_betas=base_betas, eps=eps, weight_decay=wd,
+        objectives=objectives, lr_multipliers=multipliers, fused=fused,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 - step / 40)
+    generator = torch.Generator().manual_seed(1)
+    for step, objective in enumerate(cycle(frequencies, 30)):
+        grads = random_grads(generator, SHAPES, objectives.index(objective))
+        for p, g in zip(params, grads):
+            p.grad = g.to(dtype)
+        reference.step(objective, grads, lr=lr * (1.0 - step / 40))
+        opt.step(objective=objective)
+        scheduler.step()
+    for p, expected in zip(params, reference.params):
+        torch.testing.assert_close(p.detach().double(), expected, rtol=tol, atol=tol)
+    # the states too: base first moment and every delta's second moment
+    for i, p in enumerate(params):
+        state = opt.state[p]
+        torch.testing.assert_close(state["exp_avg"].double(), reference.m_base[i], rtol=tol, atol=tol)
+        assert int(state["step"]) == reference.t_base[i]
+        for name in objectives:
+            delta = state["delta"][name]
+            torch.testing.assert_close(
+                delta["exp_avg_sq"].double(), reference.delta[name][i]["v"], rtol=tol, atol=tol
+            )
+            assert int(delta["step"]) == reference.delta[name][i]["t"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_kernel_equals_reference_path(dtype):
+    """The compiled one-pass kernel gives the eager reference's bits (float32 states, either param dtype)."""
+    torch.manual_seed(0)
+    shapes = [(300, 257), (70000,)]
+    params = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in shapes]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.95), base_betas=(0.8, 0.99), weight_decay=0.1)
+    fused, reference = DualOptimPlus(params, fused=True, **kwargs), DualOptimPlus(twins, fused=False, **kwargs)
+    generator = torch.Generator().manual_seed(2)
+    for objective in cycle({"forget": 2, "retain": 3}, 10):
+        for p, q in zip(params, twins):
+            p.grad = torch.randn(p.shape, generator=generator).to(dtype)
+            q.grad = p.grad.clone()
+        fused.step(objective=objective)
+        reference.step(objective=objective)
+    for p, q in zip(params, twins):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(fused.state[p][key], reference.state[q][key], rtol=1e-6, atol=1e-9)
+
+
+def test_base_read_before_gradient_enters_on_first_steps():
+    """Hand-computed: one scalar, g = 1 then g = 3, betas 0.5, no weight decay, lr 1."""
+    p = torch.nn.Parameter(torch.zeros(1, dtype=torch.float32))
+    opt = DualOptimPlus([p], lr=1.0, betas=(0.5, 0.5), eps=0.0, objectives=("f", "r"), fused=False)
+    p.grad = torch.tensor([1.0])
+    opt.step(objective="f")
+    # t_B=1: m̂_B=v̂_B=0; m_f=0.5, v_f=0.5; m̂=1, v̂=1 → θ = 0 − 1·1/1 = −1; then m_B=0.5, v_B=0.5
+    assert p.item() == pytest.approx(-1.0)
+    assert opt.state[p]["exp_avg"].item() == pytest.approx(0.5)
+    p.grad = torch.tensor([3.0])
+    opt.step(objective="r")
+    # t_B=2: m̂_B = 0.5/(1−0.5) = 1, v̂_B = 1; m_r = 0.5·(3−1) = 1, v_r = 0.5·(9−1) = 4
+    # t_r=1: m = 1 + 1/0.5 = 3, v = 1 + 4/0.5 = 9 → θ = −1 − 3/3 = −2; m_B = 0.25+1.5 = 1.75
+    assert p.item() == pytest.approx(-2.0)
+    assert opt.state[p]["delta"]["r"]["exp_avg"].item() == pytest.approx(1.0)
+    assert opt.state[p]["exp_avg"].item() == pytest.approx(1.75)
+    assert opt.state[p]["exp_avg_sq"].item() == pytest.approx(0.25 + 4.5)
+
+
+@pytest.mark.parametrize("ff,fr", [(1, 1), (1, 5), (2, 3)])
+@pytest.mark.parametrize("case", ["conflicting", "equal", "base-zero"])
+def test_theorem_3_1_state_limits(ff, fr, case):
+    """Gradients m·G (forget) and n·G (retain) in a fixed F_f:F_r cycle: states at cycle ends → Theorem 3.1."""
+    beta = 0.9
+    m, n = {"conflicting": (0.7, -0.4), "equal": (0.5, 0.5), "base-zero": (None, 0.6)}[case]
+    if case == "base-zero":
+        m = -(1 - beta**fr) / (beta**fr * (1 - beta**ff)) * n
+    G = torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64)
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    opt = DualOptimPlus([p], lr=0.0, betas=(beta, 0.95), fused=False)
+    for objective in cycle({"forget": ff, "retain": fr}, (ff + fr) * 400):
+        p.grad = (m if objective == "forget" else n) * G
+        opt.step(objective=objective)
+    state = opt.state[p]
+    c = ff + fr
+    base = (beta**fr * (1 - beta**ff) * m + (1 - beta**fr) * n) / (1 - beta**c) * G
+    delta_f = ff * beta ** (ff - 1) * (1 - beta) * (1 - beta**fr) / ((1 - beta**ff) * (1 - beta**c)) * (m - n) * G
+    delta_r = fr * beta ** (fr - 1) * (1 - beta) * (1 - beta**ff) / ((1 - beta**fr) * (1 - beta**c)) * (n - m) * G
+    torch.testing.assert_close(state["exp_avg"].double(), base, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(state["delta"]["forget"]["exp_avg"].double(), delta_f, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(state["delta"]["retain"]["exp_avg"].double(), delta_r, rtol=1e-4, atol=1e-6)
+    if case == "equal":  # DualOptim+ acts like Alternate: no delta left
+        assert state["delta"]["forget"]["exp_avg"].abs().max() < 1e-6
+    if case == "base-zero":  # base → 0: DualOptim+ acts like DualOptim
+        assert state["exp_avg"].abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_dualoptim_equals_two_adamw_stepped_alternately(fused):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    opt = DualOptim(params, objectives=("forget", "retain"), fused=fused, **kwargs)
+    forget_adamw = torch.optim.AdamW(twins, fused=fused or None, **kwargs)
+    retain_adamw = torch.optim.AdamW(twins, fused=fused or None, **kwargs)
+    generator = torch.Generator().manual_seed(3)
+    for objective in cycle({"forget": 1, "retain": 5}, 24):
+        grads = random_grads(generator, SHAPES, 0 if objective == "forget" else 1)
+        for p, q, g in zip(params, twins, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step(objective=objective)
+        (forget_adamw if objective == "forget" else retain_adamw).step()
+    for p, q in zip(params, twins):
+        assert torch.equal(p, q)
+
+
+def test_dualoptim_lr_multiplier_scales_only_its_objective():
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = DualOptim([p], lr=0.1, objectives=("forget", "retain"), lr_multipliers={"forget": 0.0})
+    p.grad = torch.ones(4)
+    opt.step(objective="forget")
+    assert torch.equal(p, torch.ones(4))
+    opt.step(objective="retain")
+    assert (p < 1).all()
+
+
+def test_parameters_without_gradients_are_skipped():
+    used, unused = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    for opt in (DualOptimPlus([used, unused], lr=0.1), DualOptim([used, unused], lr=0.1)):
+        used.grad = torch.ones(3)
+        opt.step(objective="forget")
+        assert torch.equal(unused, torch.ones(3))
+        assert unused not in opt.state or not opt.state[unused]
+
+
+def ns5_bf16(x: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Newton–Schulz quintic iteration (Jordan et al.), in bf16 as torch.optim.Muon runs it."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    y = x.bfloat16()
+    transposed = x.shape[0] > x.shape[1]
+    if transposed:
+        y = y.T
+    y = y / y.norm().clamp(min=1e-7)
+    for _ in range(steps):  # y ← a·y + (b·Y + c·Y²)·y with Y = y·yᵀ, as fused multiply-adds like torch
+        gram = y @ y.T
+        y = torch.addmm(y, torch.addmm(gram, gram, gram, beta=b, alpha=c), y, beta=a)
+    return (y.T if transposed else y).float()
+
+
+def test_muon_rule_matches_reference_loop():
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(16, 8) * 0.1)
+    bias = torch.nn.Parameter(torch.zeros(8))
+    lr, beta, wd = 0.02, 0.9, 0.01
+    opt = DualOptimPlus([weight, bias], lr=lr, betas=(beta, 0.95), weight_decay=wd, inner="muon", fused=False)
+    theta = weight.detach().clone()
+    m_base = torch.zeros_like(theta)
+    m_delta = {"forget": torch.zeros_like(theta), "retain": torch.zeros_like(theta)}
+    generator = torch.Generator().manual_seed(5)
+    for objective in cycle({"forget": 1, "retain": 2}, 9):
+        g = torch.randn(16, 8, generator=generator)
+        weight.grad, bias.grad = g.clone(), torch.ones(8)
+        opt.step(objective=objective)
+        m_delta[objective] = beta * m_delta[objective] + (g - m_base)
+        o = ns5_bf16(m_base + m_delta[objective])
+        expected = theta * (1 - lr * wd) - lr * math.sqrt(max(1, 16 / 8)) * o
+        m_base = beta * m_base + g
+        torch.testing.assert_close(weight.detach(), expected, rtol=0, atol=1e-6)
+        torch.testing.assert_close(opt.state[weight]["momentum_buffer"], m_base, rtol=1e-6, atol=1e-6)
+        delta = opt.state[weight]["delta"][objective]["momentum_buffer"]
+        torch.testing.assert_close(delta, m_delta[objective], rtol=1e-6, atol=1e-6)
+        theta = weight.detach().clone()
+    assert "momentum_buffer" in opt.state[weight] and "exp_avg" in opt.state[bias]
+
+
+def test_muon_param_groups_keep_embeddings_and_head_on_adamw():
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 4)
+            self.hidden = torch.nn.Linear(4, 4)
+            self.norm = torch.nn.LayerNorm(4)
+            self.head = torch.nn.Linear(4, 10, bias=False)
+
+        def get_output_embeddings(self):
+            return self.head
+
+    model = Tiny()
+    groups = muon_param_groups(model, lr=0.01)
+    muon = {id(p) for g in groups if g["use_muon"] for p in g["params"]}
+    assert muon == {id(model.hidden.weight)}
+    assert all(g["lr"] == 0.01 for g in groups)
+
+
+def roundtrip(optimizer_state: dict) -> dict:
+    buffer = io.BytesIO()
+    torch.save(optimizer_state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: DualOptimPlus(ps, lr=1e-2, weight_decay=0.01),
+        lambda ps: DualOptimPlus(ps, lr=1e-2, state_bits=8),
+        lambda ps: DualOptimPlus(ps, lr=1e-2, state_bits=8, fused=True),
+        lambda ps: DualOptimPlus(ps, lr=1e-2, inner="muon"),
+        lambda ps: DualOptim(ps, lr=1e-2),
+        lambda ps: DualOptim(ps, lr=1e-2, state_bits=8),
+    ],
+    ids=["doplus", "doplus-8bit", "doplus-8bit-fused", "doplus-muon", "dualoptim", "dualoptim-8bit"],
+)
+def test_state_dict_roundtrip_continues_bit_identically(make):
+    torch.manual_seed(0)
+    shapes = [(96, 64), (64,), (5000,)]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    opt = make(params)
+    generator = torch.Generator().manual_seed(9)
+    sequence = cycle({"forget": 1, "retain": 2}, 12)
+
+    def run(optimizer, parameters, objectives):
+        for objective in objectives:
+            for p in parameters:
+                p.grad = torch.randn(p.shape, generator=generator)
+            optimizer.step(objective=objective)
+
+    run(opt, params, sequence[:5])
+    saved = roundtrip(opt.state_dict())
+    clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed = make(clones)
+    resumed.load_state_dict(saved)
+    state_generator = generator.get_state()
+    run(opt, params, sequence[5:])
+    generator.set_state(state_generator)
+    run(resumed, clones, sequence[5:])
+    for p, q in zip(params, clones):
+        assert torch.equal(p, q)
+
+
+def test_misuse_raises_clear_value_errors():
+    p = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match="unknown objective 'retian'"):
+        opt = DualOptimPlus([p])
+        p.grad = torch.ones(3)
+        opt.step(objective="retian")
+    with pytest.raises(ValueError, match="unknown objective"):
+        DualOptim([p]).step(objective="x")
+    with pytest.raises(ValueError, match="state_bits must be 8 or 32"):
+        DualOptimPlus([p], state_bits=16)
+    with pytest.raises(ValueError, match="state_bits must be 8 or 32"):
+        DualOptim([p], state_bits=4)
+    with pytest.raises(ValueError, match="unknown inner optimizer 'sgd'"):
+        DualOptimPlus([p], inner="sgd")
+    with pytest.raises(ValueError, match="at least one objective"):
+        DualOptimPlus([p], objectives=())
+    with pytest.raises(ValueError, match="unique"):
+        DualOptimPlus([p], objectives=("a", "a"))
+    with pytest.raises(ValueError, match="lr_multipliers names unknown objective"):
+        DualOptimPlus([p], lr_multipliers={"forgt": 2.0})
+    embedding = torch.nn.Embedding(10, 3, sparse=True)
+    embedding(torch.tensor([1, 2])).sum().backward()
+    for opt in (DualOptimPlus(embedding.parameters()), DualOptim(embedding.parameters())):
+        with pytest.raises(ValueError, match="sparse gradients"):
+            opt.step(objective="forget")

@@ -1,0 +1,160 @@
+"""8-bit states: bitsandbytes' own functions are the reference."""
+
+from __future__ import annotations
+
+import bitsandbytes.functional as bnbf
+import pytest
+import torch
+
+from doplus_cli.optim import DualOptimPlus, quant
+from doplus_cli.optim.kernels import _dequantize_blocks, _quantize_blocks
+
+
+def bnb_quantize(x: torch.Tensor, signed: bool):
+    code = bnbf.create_dynamic_map(signed=signed)
+    codes, state = bnbf.quantize_blockwise(x.reshape(-1), code=code, blocksize=256)
+    return codes, state.absmax
+
+
+def spread_values(n: int, signed: bool, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp(torch.rand(n, generator=g) * 12 - 6)
+    x[:256] = 0.0  # an all-zero block
+    x[256:512] = 1e-30  # a block of tiny values
+    return x if signed else x.abs()
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_search_tables_reproduce_bitsandbytes_codes(signed):
+    x = spread_values(256 * 3000, signed, seed=1)
+    expected_codes, expected_absmax = bnb_quantize(x, signed)
+    t = quant.search_tables(signed, "cpu")
+    codes, absmax = _quantize_blocks(x.view(-1, 256), t.bucket_start, t.thresholds, t.skip, t.fixup_steps)
+    assert torch.equal(absmax, expected_absmax)
+    assert torch.equal(codes.view(-1), expected_codes)
+    # and dequantisation is bitsandbytes' code[A]·absmax
+    expected = bnbf.dequantize_blockwise(
+        expected_codes, absmax=expected_absmax, code=quant.code_map(signed, "cpu"), blocksize=256
+    )
+    assert torch.equal(_dequantize_blocks(codes, absmax, quant.code_map(signed, "cpu")).view(-1), expected)
+
+
+def test_thresholds_are_sorted_and_bracket_the_map():
+    for signed in (True, False):
+        thresholds = quant.decision_thresholds(signed, "cpu")
+        assert thresholds.shape == (255,)
+        assert bool((thresholds[1:] >= thresholds[:-1]).all())
+        code = quant.code_map(signed, "cpu")
+        # a code's own value quantises to itself
+        t = quant.search_tables(signed, "cpu")
+        own = _quantize_blocks(
+            torch.cat([code, torch.ones(0)]).view(1, 256), t.bucket_start, t.thresholds, t.skip, t.fixup_steps
+        )[0].view(-1)
+        bnb_own, _ = bnb_quantize(code, signed)
+        assert torch.equal(own, bnb_own)
+
+
+def make_params(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    # 70_000 elements: whole blocks plus a short last block (70_000 % 256 = 112); 100 elements: fp32 states
+    return [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in [(70_000,), (64, 80), (100,)]]
+
+
+def run(opt, params, steps, seed=4, frequencies=(1, 2)):
+    g = torch.Generator().manual_seed(seed)
+    order = ["forget"] * frequencies[0] + ["retain"] * frequencies[1]
+    for i in range(steps):
+        objective = order[i % len(order)]
+        for p in params:
+            p.grad = (torch.randn(p.shape, generator=g) * 0.1 + (0.05 if objective == "forget" else -0.05)).to(
+                p.dtype
+            )
+        opt.step(objective=objective)
+
+
+@pytest.mark.parametrize("quantize", ["all", "base", "delta"])
+def test_fused_8bit_equals_bitsandbytes_reference_path(quantize):
+    fused_params, ref_params = make_params(), make_params()
+    kwargs = dict(lr=1e-2, weight_decay=0.01, state_bits=8, quantize=quantize)
+    fused = DualOptimPlus(fused_params, fused=True, **kwargs)
+    reference = DualOptimPlus(ref_params, fused=False, **kwargs)
+    run(fused, fused_params, 9)
+    run(reference, ref_params, 9)
+    # The compiled arithmetic may round the last bit of θ differently from eager code (it is free to
+    # reassociate x/y); the 8-bit codes, which a rule or quantiser error would change, must be identical.
+    for p, q in zip(fused_params, ref_params):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+        a, b = fused.state[p], reference.state[q]
+        for key in ("exp_avg", "exp_avg_sq"):
+            for sa, sb in ((a, b), (a["delta"]["retain"], b["delta"]["retain"])):
+                if sa[key].dtype == torch.uint8:
+                    assert torch.equal(sa[key], sb[key]), key
+                    torch.testing.assert_close(sa[key + "_absmax"], sb[key + "_absmax"], rtol=1e-6, atol=0)
+                else:
+                    torch.testing.assert_close(sa[key], sb[key], rtol=1e-6, atol=1e-9)
+
+
+def test_which_states_are_8bit():
+    params = make_params()
+    cases = [("all", True, True), ("base", True, False), ("delta", False, True)]
+    for quantize, base_8bit, delta_8bit in cases:
+        opt = DualOptimPlus(params, lr=1e-3, state_bits=8, quantize=quantize)
+        run(opt, params, 2)
+        big, small = params[0], params[2]
+        assert (opt.state[big]["exp_avg"].dtype == torch.uint8) == base_8bit
+        assert (opt.state[big]["delta"]["forget"]["exp_avg_sq"].dtype == torch.uint8) == delta_8bit
+        assert opt.state[small]["exp_avg"].dtype == torch.float32  # < 4096 elements stay fp32
+        if base_8bit:
+            assert opt.state[big]["exp_avg_absmax"].shape == (-(-70_000 // 256),)
+
+
+def test_8bit_state_bytes_at_most_030_of_32bit():
+    params32, params8 = make_params(), make_params()
+    opt32 = DualOptimPlus(params32, lr=1e-3)
+    opt8 = DualOptimPlus(params8, lr=1e-3, state_bits=8)
+    run(opt32, params32, 2)
+    run(opt8, params8, 2)
+    bytes32 = sum(quant.state_bytes(s) for s in opt32.state.values())
+    bytes8 = sum(quant.state_bytes(s) for s in opt8.state.values())
+    # 6 states: 32-bit = 24 B/element; 8-bit = 6 · (1 + 4/256) B/element for the tensors >= 4096 elements
+    n_big = 70_000 + 64 * 80
+    assert bytes32 == 24 * (n_big + 100) + 3 * 3 * 4  # + one float32 step counter per state dict
+    assert bytes8 <= 0.30 * bytes32
+
+
+def test_delta_second_moment_can_be_negative_in_8bit():
+    params8 = make_params()
+    opt = DualOptimPlus(params8, lr=1e-3, state_bits=8)
+    run(opt, params8, 6)
+    state = opt.state[params8[0]]["delta"]["retain"]
+    values = quant.dequantize(state["exp_avg_sq"], state["exp_avg_sq_absmax"], signed=True)
+    assert (values < 0).any()
+
+
+def test_8bit_tracks_32bit_on_a_small_regression():
+    """Two least-squares objectives with conflicting targets; 8-bit states must land where 32-bit ones do."""
+    torch.manual_seed(0)
+    features = torch.randn(256, 64)
+    shared = torch.randn(64, 80)
+    targets = {name: features @ (shared + 0.3 * torch.randn(64, 80)) for name in ("forget", "retain")}
+    start = torch.randn(64, 80) * 0.1
+
+    def total_loss(weight):
+        return sum(((features @ weight - t) ** 2).mean().item() for t in targets.values())
+
+    def train(state_bits):
+        weight = torch.nn.Parameter(start.clone())
+        opt = DualOptimPlus([weight], lr=1e-2, state_bits=state_bits)
+        for step in range(150):
+            objective = "forget" if step % 3 == 0 else "retain"
+            loss = ((features @ weight - targets[objective]) ** 2).mean()
+            weight.grad = torch.autograd.grad(loss, weight)[0]
+            opt.step(objective=objective)
+        return weight.detach()
+
+    w32, w8 = train(32), train(8)
+    assert total_loss(w32) < 0.2 * total_loss(start)
+    # Measured: 8-bit ends 3.4% above 32-bit in loss, 16% of the path apart (bitsandbytes AdamW8bit vs
+    # AdamW: 1.8%, 4%); quantisation error in v_B and v_k is amplified where v̂_B + v̂_k nearly cancels.
+    assert abs(total_loss(w8) - total_loss(w32)) < 0.05 * total_loss(w32)
+    assert (w8 - w32).norm() < 0.25 * (w32 - start).norm()
