@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 
-import click
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from doplus_cli.errors import UserError
 
@@ -88,19 +88,14 @@ def bench_optimizer(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point: user errors become one line on stderr and exit code 2."""
+    """Console-script entry point: user errors become one line on stderr and exit code 2.
+
+    Usage errors (unknown option, bad value) are click's: also one line and exit code 2.
+    """
     try:
-        app(args=argv, standalone_mode=False)
+        app(args=argv)
     except UserError as error:
         if _debug["on"]:
             raise
-        err_console.print(f"[bold red]error:[/] {error}", markup=True)
-        sys.exit(error.exit_code)
-    except click.exceptions.ClickException as error:
-        error.show()
-        sys.exit(error.exit_code)
-    except click.exceptions.Abort:
-        err_console.print("aborted")
-        sys.exit(130)
-    except click.exceptions.Exit as error:
+        err_console.print(Text("error: ", style="bold red") + Text(str(error)))
         sys.exit(error.exit_code)

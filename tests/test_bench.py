@@ -1,0 +1,181 @@
+"""`doplus bench optimizer`: size parsing, option checks, the synthetic parameter set and the JSON it prints."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import pytest
+import torch
+from rich.console import Console
+
+from doplus_cli.bench import optimizer as bench
+from doplus_cli.cli import main
+from doplus_cli.errors import UserError
+
+FAST = ["--steps", "5", "--warmup", "1"]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("50M", 50_000_000),
+        ("1.5G", 1_500_000_000),
+        ("200k", 200_000),
+        ("123456", 123_456),
+        ("2K", 2_000),
+        ("0.5k", 500),
+        (" 7m ", 7_000_000),
+    ],
+)
+def test_parse_size(text, expected):
+    assert bench.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "abc", "5X", "50MB", "1.5", "0", "0k", "-5", "1e6", "1.2.3M", "0.0001k"])
+def test_parse_size_rejects(text):
+    with pytest.raises(UserError, match="--params"):
+        bench.parse_size(text)
+
+
+def test_from_cli_validates_options():
+    config = bench.BenchConfig.from_cli(params="200k", dtype="bfloat16", device="cpu", only="doplus, adamw")
+    assert config.params == 200_000 and config.dtype is torch.bfloat16 and config.device == "cpu"
+    assert config.only == ("adamw", "doplus")  # the table's order, whatever the order asked for
+    with pytest.raises(UserError, match="--dtype.*float32, bfloat16, float16"):
+        bench.BenchConfig.from_cli(params="1M", dtype="int8")
+    with pytest.raises(UserError, match="--only: unknown row\\(s\\) nope; choose from adamw"):
+        bench.BenchConfig.from_cli(params="1M", only="adamw,nope")
+    with pytest.raises(UserError, match="--device"):
+        bench.BenchConfig.from_cli(params="1M", device="tpu")
+    with pytest.raises(UserError, match="--steps"):
+        bench.BenchConfig.from_cli(params="1M", steps=3)
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="--device: 'cuda'.*not available"):
+            bench.BenchConfig.from_cli(params="1M", device="cuda")
+
+
+@pytest.mark.parametrize("count", [1, 10, 1_000, 53_311, 53_312, 300_000, 50_000_000, 1_500_000_000])
+def test_synthetic_shapes_are_exact_and_transformer_like(count):
+    shapes, layout = bench.synthetic_shapes(count)
+    assert sum(math.prod(shape) for shape in shapes) == count
+    assert all(len(shape) in (1, 2) and min(shape) >= 1 for shape in shapes)
+    if count >= 53_312:  # at least one whole layer: 7 matrices and a norm vector per layer
+        d = layout["hidden"]
+        assert d % 64 == 0 and layout["layers"] >= 1
+        assert shapes[:8].count((d, d)) == 4 and shapes[7] == (d,)
+        assert sum(len(shape) == 1 for shape in shapes) >= layout["layers"]
+
+
+def _fp32_state_bytes(numel: int) -> int:
+    return 4 * numel
+
+
+def _8bit_state_bytes(numel: int) -> int:
+    """bitsandbytes' layout: one uint8 code per element and one fp32 absmax per 256-element block."""
+    if numel < 4096:  # too small for 8-bit: stays float32
+        return _fp32_state_bytes(numel)
+    return numel + 4 * -(-numel // 256)
+
+
+def test_cli_json_end_to_end(capsys):
+    main(["bench", "optimizer", "--params", "300k", *FAST, "--json", "--only", "adamw,doplus,doplus-8bit"])
+    out = capsys.readouterr().out
+    result = json.loads(out)
+    n = result["params"]
+    assert n == 300_000 and result["dtype"] == "float32" and result["steps"] == 5 and result["warmup"] == 1
+    assert result["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert result["copy_gbps"] > 0 and result["threads"] >= 1
+    rows = {row["name"]: row for row in result["rows"]}
+    assert list(rows) == ["adamw", "doplus", "doplus-8bit"]
+    for row in rows.values():
+        assert "error" not in row, row
+        assert row["median_step_s"] > 0 and row["first_step_s"] > 0 and len(row["step_times_s"]) == 5
+        assert row["gbps"] == pytest.approx(row["bytes_per_step"] / row["median_step_s"] / 1e9)
+        assert row["fraction_of_copy_bandwidth"] == pytest.approx(row["gbps"] / result["copy_gbps"])
+    assert rows["adamw"]["ratio_to_adamw"] == 1.0
+    assert rows["doplus"]["ratio_to_adamw"] == pytest.approx(
+        rows["doplus"]["median_step_s"] / rows["adamw"]["median_step_s"]
+    )
+
+    shapes, _ = bench.synthetic_shapes(n)
+    tensors = len(shapes)
+    assert result["synthetic"]["tensors"] == tensors
+    # AdamW: exp_avg, exp_avg_sq in fp32 and a float32 step counter per tensor
+    assert rows["adamw"]["state_bytes"] == 2 * 4 * n + 4 * tensors
+    # DualOptim+: base m, v and, after forget and retain steps, a delta m, v per objective: 6 fp32 states,
+    # and three step counters (base, forget, retain) per tensor
+    doplus = rows["doplus"]["state_bytes"]
+    assert doplus == 6 * 4 * n + 3 * 4 * tensors
+    assert rows["doplus"]["state_bytes_per_param"] == pytest.approx(24.0, abs=0.01)
+    numels = [math.prod(shape) for shape in shapes]
+    assert rows["doplus-8bit"]["state_bytes"] == sum(6 * _8bit_state_bytes(k) for k in numels) + 3 * 4 * tensors
+    assert rows["doplus-8bit"]["state_bytes"] <= 0.30 * doplus
+
+    # bytes a one-pass step must move, per element with fp32 parameters: AdamW 28, DualOptim+ 44 (11/7)
+    assert rows["adamw"]["bytes_per_step"] == 28 * n
+    assert rows["doplus"]["bytes_per_step"] == 44 * n
+    assert rows["doplus-8bit"]["bytes_per_step"] == sum(12 * k + 2 * 4 * _8bit_state_bytes(k) for k in numels)
+
+    screen = io.StringIO()
+    bench.print_table(result, console=Console(file=screen, width=200))
+    text = screen.getvalue()
+    assert "doplus-8bit" in text and "copy bandwidth" in text and "300,000 parameters" in text
+
+
+def test_cli_table_and_dual_rows(capsys):
+    main(["bench", "optimizer", "--params", "60k", *FAST, "--only", "dualoptim,adamw-fused,doplus-muon"])
+    captured = capsys.readouterr()
+    assert "copy bandwidth" in captured.out and "60,000 parameters" in captured.out
+    for name in ("dualoptim", "adamw-fused", "doplus-muon"):
+        assert name in captured.out
+    assert "error" not in captured.out
+
+
+def test_dual_rows_hold_both_objectives(capsys):
+    main(["bench", "optimizer", "--params", "60k", *FAST, "--json", "--only", "dualoptim,doplus-muon"])
+    result = json.loads(capsys.readouterr().out)
+    n, tensors = result["params"], result["synthetic"]["tensors"]
+    rows = {row["name"]: row for row in result["rows"]}
+    assert "ratio_to_adamw" in rows["dualoptim"] and rows["dualoptim"]["ratio_to_adamw"] is None  # no adamw row
+    # DualOptim: a full AdamW state (m, v, step) per objective
+    assert rows["dualoptim"]["state_bytes"] == 2 * (2 * 4 * n + 4 * tensors)
+    # DualOptim+ with Muon: one momentum buffer in the base and per objective for 2-D weights (3 fp32 states),
+    # the AdamW rule's 6 states for vectors
+    shapes, _ = bench.synthetic_shapes(n)
+    states = sum((3 if len(shape) == 2 else 6) * 4 * math.prod(shape) for shape in shapes)
+    assert rows["doplus-muon"]["state_bytes"] == states + 3 * 4 * tensors
+
+
+def test_a_failing_row_is_reported_not_fatal(monkeypatch):
+    def broken(params):
+        raise RuntimeError("no kernel [for this]")
+
+    rows = (bench.ROWS[0], bench.Row("broken", "always fails", broken, False))
+    monkeypatch.setattr(bench, "ROWS", rows)
+    config = bench.BenchConfig(params=20_000, dtype=torch.float32, device="cpu", steps=5, warmup=1)
+    result = bench.run_optimizer_bench(config, progress=False)
+    assert [row["name"] for row in result["rows"]] == ["adamw", "broken"]
+    assert result["rows"][1]["error"] == "RuntimeError: no kernel [for this]"
+    assert result["rows"][0]["ratio_to_adamw"] == 1.0
+    screen = io.StringIO()
+    bench.print_table(result, console=Console(file=screen, width=200))
+    assert "no kernel [for this]" in screen.getvalue()
+
+
+def test_unknown_row_exits_2_with_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "optimizer", "--params", "300k", "--json", "--only", "adamw,nope"])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "--only" in lines[0] and "nope" in lines[0] and "doplus-8bit" in lines[0]
+
+
+def test_bad_size_exits_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "optimizer", "--params", "fifty", "--json"])
+    assert exit_info.value.code == 2
+    assert "--params" in capsys.readouterr().err

@@ -1,0 +1,44 @@
+"""The `doplus` command's shell: subcommands, one-line errors, exit codes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from doplus_cli.cli import main
+
+
+def test_help_lists_every_subcommand():
+    result = subprocess.run([sys.executable, "-m", "doplus_cli", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0
+    out = result.stdout
+    for name in ("unlearn", "align", "multitask", "evaluate", "bench"):
+        assert name in out
+
+
+@pytest.mark.parametrize("name,issue", [("unlearn", 3), ("align", 3), ("multitask", 3), ("evaluate", 4)])
+def test_unbuilt_subcommands_say_so_in_one_line_and_exit_2(capsys, name, issue):
+    with pytest.raises(SystemExit) as exit_info:
+        main([name, "--model", "x"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert f"doplus {name}" in err and f"#{issue}" in err
+
+
+def test_unknown_option_exits_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "optimizer", "--no-such-option"])
+    assert exit_info.value.code == 2
+    assert "No such option" in capsys.readouterr().err
+
+
+def test_console_script_entry_point_runs_as_a_module():
+    result = subprocess.run(
+        [sys.executable, "-m", "doplus_cli", "unlearn"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().startswith("error:")
