@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> None:
     """
     try:
         app(args=argv)
+    except SystemExit as done:  # click ends every run with sys.exit; success returns normally instead
+        if done.code not in (0, None):
+            raise
     except UserError as error:
         if _debug["on"]:
             raise
