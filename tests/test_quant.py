@@ -29,7 +29,11 @@ def test_search_tables_reproduce_bitsandbytes_codes(signed):
     x = spread_values(256 * 3000, signed, seed=1)
     expected_codes, expected_absmax = bnb_quantize(x, signed)
     t = quant.search_tables(signed, "cpu")
-    codes, absmax = _quantize_blocks(x.view(-1, 256), t.bucket_start, t.thresholds, t.skip, t.fixup_steps)
+    full = (t.bucket_start, t.thresholds, t.skip, t.fixup_steps, t.bucket_threshold, t.bucket_codes)
+    codes, absmax = _quantize_blocks(x.view(-1, 256), full)
+    # the generic path (a fix-up loop over runs of equal thresholds) must agree with the one-threshold path
+    generic = _quantize_blocks(x.view(-1, 256), full[:3] + (t.fixup_steps + 1,) + full[4:])[0]
+    assert torch.equal(generic, codes)
     assert torch.equal(absmax, expected_absmax)
     assert torch.equal(codes.view(-1), expected_codes)
     # and dequantisation is bitsandbytes' code[A]·absmax
@@ -47,9 +51,8 @@ def test_thresholds_are_sorted_and_bracket_the_map():
         code = quant.code_map(signed, "cpu")
         # a code's own value quantises to itself
         t = quant.search_tables(signed, "cpu")
-        own = _quantize_blocks(
-            torch.cat([code, torch.ones(0)]).view(1, 256), t.bucket_start, t.thresholds, t.skip, t.fixup_steps
-        )[0].view(-1)
+        full = (t.bucket_start, t.thresholds, t.skip, t.fixup_steps, t.bucket_threshold, t.bucket_codes)
+        own = _quantize_blocks(code.view(1, 256), full)[0].view(-1)
         bnb_own, _ = bnb_quantize(code, signed)
         assert torch.equal(own, bnb_own)
 

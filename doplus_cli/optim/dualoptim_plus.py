@@ -347,7 +347,7 @@ def _adamw_fused_8bit_slots(param: Tensor, grad: Tensor, slots: list, s: AdamWPl
     device = str(param.device)
     maps = (quant.code_map(True, device), quant.code_map(False, device))
     tables = tuple(
-        (t.bucket_start, t.thresholds, t.skip, t.fixup_steps)
+        (t.bucket_start, t.thresholds, t.skip, t.fixup_steps, t.bucket_threshold, t.bucket_codes)
         for t in (quant.search_tables(True, device), quant.search_tables(False, device))
     )
     rows = whole // quant.BLOCKSIZE

@@ -244,15 +244,19 @@ def _dequantize_blocks(codes: Tensor, absmax: Tensor, code_map: Tensor) -> Tenso
     return code_map[codes.long()] * absmax.unsqueeze(1)
 
 
-def _quantize_blocks(
-    x: Tensor, bucket_start: Tensor, thresholds: Tensor, skip: Tensor, fixup_steps: int
-) -> tuple[Tensor, Tensor]:
+def _quantize_blocks(x: Tensor, tables: tuple) -> tuple[Tensor, Tensor]:
     """[blocks, 256] float32 → (uint8 codes, absmax); code = #{thresholds ≤ x·(1/absmax)} (see quant.py)."""
+    bucket_start, thresholds, skip, fixup_steps, bucket_threshold, bucket_codes = tables
     absmax = x.abs().amax(dim=1)
     normed = x * (1.0 / absmax).unsqueeze(1)
-    idx = bucket_start[(normed.view(torch.int32) >> 16) & 0xFFFF]
-    for _ in range(fixup_steps):
-        idx = torch.where(thresholds[idx] <= normed, skip[idx], idx)
+    bucket = (normed.view(torch.int32) >> 16) & 0xFFFF
+    if fixup_steps == 1:  # bitsandbytes' maps: at most one distinct threshold per bucket
+        packed = bucket_codes[bucket]
+        idx = torch.where(bucket_threshold[bucket] <= normed, packed >> 8, packed & 0xFF)
+    else:
+        idx = bucket_start[bucket]
+        for _ in range(fixup_steps):
+            idx = torch.where(thresholds[idx] <= normed, skip[idx], idx)
     idx = torch.where(absmax.unsqueeze(1) == 0, torch.zeros_like(idx), idx)
     return idx.to(torch.uint8), absmax
 
@@ -262,7 +266,7 @@ def _adamw_plus_8bit_inplace(
     grad: Tensor,
     states: tuple[tuple[Tensor, ...], ...],
     maps: tuple[Tensor, Tensor],
-    tables: tuple[tuple[Tensor, Tensor, Tensor, int], tuple[Tensor, Tensor, Tensor, int]],
+    tables: tuple[tuple, tuple],
     hp: Tensor,
 ) -> None:
     """`states` = (m_B, v_B, m_k, v_k), each `(fp32,)` or `(codes, absmax)`; all shaped [blocks, 256].
@@ -280,7 +284,7 @@ def _adamw_plus_8bit_inplace(
         if len(state) == 1:
             state[0].copy_(value)
         else:
-            codes, absmax = _quantize_blocks(value, *tables[which[i]])
+            codes, absmax = _quantize_blocks(value, tables[which[i]])
             state[0].copy_(codes)
             state[1].copy_(absmax)
 
@@ -293,7 +297,7 @@ def adamw_plus_fused_8bit(
     grad: Tensor,
     states: tuple[tuple[Tensor, ...], ...],
     maps: tuple[Tensor, Tensor],
-    tables: tuple[tuple[Tensor, Tensor, Tensor, int], tuple[Tensor, Tensor, Tensor, int]],
+    tables: tuple[tuple, tuple],
     hp: Tensor,
 ) -> None:
     """8-bit AdamW rule over the whole blocks of flattened tensors (the caller handles a short last block)."""

@@ -122,12 +122,17 @@ class SearchTables:
     thresholds[i]:   the i-th threshold (padded with +inf at 255);
     skip[i]:         #{thresholds ≤ thresholds[i]}, i.e. the code past a run of equal thresholds;
     fixup_steps:     how many distinct thresholds one bucket can hold (1 for bitsandbytes' maps).
+    bucket_threshold, bucket_codes: when fixup_steps == 1, the one threshold inside bucket b (+inf if none)
+                     and the codes below / at-or-above it packed as low | high << 8, so a value needs two
+                     table loads at the same index instead of three dependent ones.
     """
 
     bucket_start: Tensor
     thresholds: Tensor
     skip: Tensor
     fixup_steps: int
+    bucket_threshold: Tensor
+    bucket_codes: Tensor
 
 
 @functools.cache
@@ -146,12 +151,17 @@ def search_tables(signed: bool, device: str) -> SearchTables:
     fixup_steps = int(inside[valid].max().item()) if bool(valid.any()) else 0
     padded = torch.cat([thresholds, torch.tensor([float("inf")])])
     skip = torch.searchsorted(thresholds, padded, right=True).clamp(max=255)
+    inner_threshold = padded[bucket_start]  # the first threshold above the bucket's lowest value
+    inner_threshold = torch.where(inner_threshold <= highest.clamp(-1, 1), inner_threshold, float("inf"))
+    codes_above = skip[bucket_start]
     dev = torch.device(device)
     return SearchTables(
         bucket_start=bucket_start.to(torch.int32).to(dev),
         thresholds=padded.to(dev),
         skip=skip.to(torch.int32).to(dev),
         fixup_steps=fixup_steps,
+        bucket_threshold=inner_threshold.to(dev),
+        bucket_codes=(bucket_start | (codes_above << 8)).to(torch.int32).to(dev),
     )
 
 
