@@ -289,16 +289,5 @@ def _adamw_plus_8bit_inplace(
             state[1].copy_(absmax)
 
 
-_adamw_plus_8bit_compiled = CompiledKernel(_adamw_plus_8bit_inplace, "DualOptim+ AdamW 8-bit")
-
-
-def adamw_plus_fused_8bit(
-    param: Tensor,
-    grad: Tensor,
-    states: tuple[tuple[Tensor, ...], ...],
-    maps: tuple[Tensor, Tensor],
-    tables: tuple[tuple, tuple],
-    hp: Tensor,
-) -> None:
-    """8-bit AdamW rule over the whole blocks of flattened tensors (the caller handles a short last block)."""
-    _adamw_plus_8bit_compiled(param, grad, states, maps, tables, hp)
+# The 8-bit AdamW rule over the whole 256-blocks of flattened tensors (the caller handles a short last block).
+adamw_plus_fused_8bit = CompiledKernel(_adamw_plus_8bit_inplace, "DualOptim+ AdamW 8-bit")
