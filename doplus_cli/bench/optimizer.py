@@ -107,34 +107,14 @@ def _torch_adamw_fused(params: list[Tensor]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY, fused=True)
 
 
-def _dualoptim(state_bits: int) -> Callable[[list[Tensor]], torch.optim.Optimizer]:
+def _dual(name: str, **options: Any) -> Callable[[list[Tensor]], torch.optim.Optimizer]:
+    """Builder for `doplus_cli.optim.<name>` (DualOptim or DualOptimPlus) with the bench's shared settings."""
+
     def build(params: list[Tensor]) -> torch.optim.Optimizer:
-        from doplus_cli.optim import DualOptim
+        from doplus_cli import optim
 
-        return DualOptim(
-            params,
-            lr=LR,
-            betas=BETAS,
-            weight_decay=WEIGHT_DECAY,
-            objectives=OBJECTIVES,
-            state_bits=state_bits,
-        )
-
-    return build
-
-
-def _doplus(state_bits: int, inner: str = "adamw") -> Callable[[list[Tensor]], torch.optim.Optimizer]:
-    def build(params: list[Tensor]) -> torch.optim.Optimizer:
-        from doplus_cli.optim import DualOptimPlus
-
-        return DualOptimPlus(
-            params,
-            lr=LR,
-            betas=BETAS,
-            weight_decay=WEIGHT_DECAY,
-            objectives=OBJECTIVES,
-            inner=inner,
-            state_bits=state_bits,
+        return getattr(optim, name)(
+            params, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY, objectives=OBJECTIVES, **options
         )
 
     return build
@@ -149,11 +129,11 @@ def _bnb_adamw8bit(params: list[Tensor]) -> torch.optim.Optimizer:
 ROWS: tuple[Row, ...] = (
     Row("adamw", "torch.optim.AdamW, default implementation (the ratio baseline)", _torch_adamw, False),
     Row("adamw-fused", "torch.optim.AdamW(fused=True)", _torch_adamw_fused, False),
-    Row("dualoptim", "DualOptim: one AdamW per objective, 32-bit states", _dualoptim(32), True),
-    Row("dualoptim-8bit", "DualOptim: one AdamW per objective, 8-bit states", _dualoptim(8), True),
-    Row("doplus", "DualOptim+ (AdamW rule): base + per-objective delta, 32-bit states", _doplus(32), True),
-    Row("doplus-8bit", "DualOptim+ (AdamW rule): base + per-objective delta, 8-bit states", _doplus(8), True),
-    Row("doplus-muon", "DualOptim+, Muon rule on 2-D weights, AdamW rule on 1-D", _doplus(32, "muon"), True),
+    Row("dualoptim", "DualOptim: one AdamW per objective, 32-bit states", _dual("DualOptim", state_bits=32), True),
+    Row("dualoptim-8bit", "DualOptim: one AdamW per objective, 8-bit states", _dual("DualOptim", state_bits=8), True),
+    Row("doplus", "DualOptim+ (AdamW rule), 32-bit states", _dual("DualOptimPlus", state_bits=32), True),
+    Row("doplus-8bit", "DualOptim+ (AdamW rule), 8-bit states", _dual("DualOptimPlus", state_bits=8), True),
+    Row("doplus-muon", "DualOptim+, Muon on 2-D weights, AdamW on 1-D", _dual("DualOptimPlus", inner="muon"), True),
     Row("bnb-adamw8bit", "bitsandbytes.optim.AdamW8bit (8-bit anchor)", _bnb_adamw8bit, False),
 )
 ROW_NAMES = tuple(row.name for row in ROWS)
