@@ -8,6 +8,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+from doplus_cli.config import default_of
 from doplus_cli.errors import UserError
 
 app = typer.Typer(
@@ -31,26 +32,103 @@ def _root(
     _debug["on"] = debug
 
 
-def _not_built(name: str, issue: int) -> None:
-    raise UserError(f"`doplus {name}` is not built yet (tracked in issue #{issue}).")
+def _not_built(name: str, issue: int | None = None) -> None:
+    tracked = f" (tracked in issue #{issue})" if issue else ""
+    raise UserError(f"`doplus {name}` is not built yet{tracked}.")
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def unlearn() -> None:
-    """Unlearn a forget set while keeping a retain set (not built yet)."""
-    _not_built("unlearn", 3)
+def _default(name: str) -> str:
+    return f" [default: {default_of(name)}]"
+
+
+@app.command()
+def unlearn(
+    recipe: str | None = typer.Option(None, "--recipe", help="YAML recipe; flags given here override its values."),
+    model: str | None = typer.Option(
+        None, "--model", help="Hub id, local model folder or .gguf file [default: embedded SmolLM2-135M-Instruct]"
+    ),
+    dtype: str | None = typer.Option(None, "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16."
+                                     + _default("dtype")),
+    trust_remote_code: bool | None = typer.Option(
+        None, "--trust-remote-code/--no-trust-remote-code", help="Allow the model's own code to run." + _default(
+            "trust_remote_code")
+    ),
+    forget: str | None = typer.Option(None, "--forget", help="Forget set: FILE.jsonl or hf:NAME[:CONFIG][@SPLIT]."),
+    retain: str | None = typer.Option(None, "--retain", help="Retain set: FILE.jsonl or hf:NAME[:CONFIG][@SPLIT]."),
+    question_key: str | None = typer.Option(None, "--question-key", help="Question field." + _default("question_key")),
+    answer_key: str | None = typer.Option(None, "--answer-key", help="Answer field." + _default("answer_key")),
+    max_length: int | None = typer.Option(None, "--max-length", help="Tokens per example." + _default("max_length")),
+    answers_from_model: bool | None = typer.Option(
+        None, "--answers-from-model/--no-answers-from-model",
+        help="Use the starting model's own greedy answers as targets (real-world setting)." + _default(
+            "answers_from_model"),
+    ),
+    max_new_tokens: int | None = typer.Option(
+        None, "--max-new-tokens", help="Tokens generated per answer (targets, sample table)." + _default(
+            "max_new_tokens")
+    ),
+    loss: str | None = typer.Option(
+        None, "--loss", help="FORGET[+RETAIN]: FORGET in GA, NPO, DPO, ME, IDK; RETAIN in GD, KL, AP." + _default(
+            "loss")
+    ),
+    beta: float | None = typer.Option(None, "--beta", help="Temperature of NPO, DPO and AP." + _default("beta")),
+    forget_coeff: float | None = typer.Option(None, "--forget-coeff", help="Weight of the forget loss." + _default(
+        "forget_coeff")),
+    retain_coeff: float | None = typer.Option(None, "--retain-coeff", help="Weight of the retain loss." + _default(
+        "retain_coeff")),
+    scheme: str | None = typer.Option(None, "--scheme", help="joint, alternate, dualoptim or doplus." + _default(
+        "scheme")),
+    optimizer: str | None = typer.Option(None, "--optimizer", help="adamw or muon (doplus)." + _default("optimizer")),
+    state_bits: int | None = typer.Option(None, "--state-bits", help="32 or 8 (blockwise 8-bit states)." + _default(
+        "state_bits")),
+    forget_freq: int | None = typer.Option(None, "--forget-freq", help="F_f: forget steps per cycle." + _default(
+        "forget_freq")),
+    retain_freq: int | None = typer.Option(None, "--retain-freq", help="F_r: retain steps per cycle." + _default(
+        "retain_freq")),
+    betas: str | None = typer.Option(None, "--betas", help="AdamW betas as B1,B2 [default: 0.9,0.95]"),
+    steps: int | None = typer.Option(None, "--steps", help="Optimizer steps." + _default("steps")),
+    lr: float | None = typer.Option(None, "--lr", help="Peak learning rate." + _default("lr")),
+    forget_lr: float | None = typer.Option(None, "--forget-lr", help="Learning rate of forget steps [default: --lr]"),
+    batch_size: int | None = typer.Option(None, "--batch-size", help="Examples per device per micro-step." + _default(
+        "batch_size")),
+    grad_accum: int | None = typer.Option(None, "--grad-accum", help="Micro-steps per optimizer step (averaged)."
+                                          + _default("grad_accum")),
+    warmup_steps: int | None = typer.Option(
+        None, "--warmup-steps", help="Linear warmup, then linear decay to 0 [default: one pass over the forget set]"
+    ),
+    weight_decay: float | None = typer.Option(None, "--weight-decay", help="AdamW weight decay." + _default(
+        "weight_decay")),
+    max_grad_norm: float | None = typer.Option(None, "--max-grad-norm", help="Gradient clipping (0: off)." + _default(
+        "max_grad_norm")),
+    seed: int | None = typer.Option(None, "--seed", help="Seed for weights' RNG and data order." + _default("seed")),
+    out: str | None = typer.Option(None, "--out", help="Output folder [default: runs/unlearn-DATE-TIME]"),
+    overwrite: bool | None = typer.Option(None, "--overwrite/--no-overwrite", help="Replace the run in a non-empty"
+                                          " --out folder." + _default("overwrite")),
+    show_samples: int | None = typer.Option(
+        None, "--show-samples", help="Questions per set shown before/after (0: none)." + _default("show_samples")
+    ),
+) -> None:
+    """Unlearn a forget set while keeping a retain set; writes final/, metrics.jsonl and a report."""
+    overrides = {name: value for name, value in locals().items() if name != "recipe"}
+    from doplus_cli.config import resolve_config
+    from doplus_cli.engine.loop import print_summary, run_unlearn
+
+    config = resolve_config(recipe, overrides)
+    report = run_unlearn(config, err_console)
+    if report:
+        print_summary(report, Console(highlight=False))
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def align() -> None:
     """Safety alignment as targeted unlearning (not built yet)."""
-    _not_built("align", 3)
+    _not_built("align")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def multitask() -> None:
     """Multi-task training with one base state and N delta states (not built yet)."""
-    _not_built("multitask", 3)
+    _not_built("multitask")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -88,17 +166,30 @@ def bench_optimizer(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point: user errors become one line on stderr and exit code 2.
+    """Console-script entry point: every user error is one line on stderr and exit code 2.
 
-    Usage errors (unknown option, bad value) are click's: also one line and exit code 2.
+    Usage errors (unknown option, bad value) come from click; they are printed as one line too, with a
+    pointer to `--help`. `--debug` re-raises instead, with the full traceback.
     """
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError
+
     try:
-        app(args=argv)
-    except SystemExit as done:  # click ends every run with sys.exit; success returns normally instead
-        if done.code not in (0, None):
+        code = app(args=argv, standalone_mode=False)
+    except NoArgsIsHelpError as error:
+        error.show()
+        sys.exit(error.exit_code)
+    except ClickException as error:
+        if _debug["on"]:
             raise
+        command = error.ctx.command_path if getattr(error, "ctx", None) is not None else "doplus"
+        err_console.print(
+            Text("error: ", style="bold red") + Text(f"{error.format_message()} (see `{command} --help`)")
+        )
+        sys.exit(getattr(error, "exit_code", 2))
     except UserError as error:
         if _debug["on"]:
             raise
         err_console.print(Text("error: ", style="bold red") + Text(str(error)))
         sys.exit(error.exit_code)
+    if isinstance(code, int) and code != 0:
+        sys.exit(code)

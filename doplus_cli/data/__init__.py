@@ -1,0 +1,1 @@
+"""Forget/retain data: sources (JSON lines, hub), prompt formatting and label masks, batches."""

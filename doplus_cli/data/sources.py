@@ -1,0 +1,169 @@
+"""Forget and retain sets: local JSON-lines files or Hugging Face hub datasets, read lazily.
+
+A local file is scanned once when it is opened: every line is parsed and checked (so a malformed line 9,000
+stops the run before training, not after an hour) and only its byte offset is kept. Rows are read back
+from disk by offset when a batch needs them, so a set of any size never sits in memory. A hub dataset is
+Arrow memory-mapped by `datasets`, which gives the same random access.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from array import array
+from dataclasses import dataclass
+from typing import Protocol
+
+from doplus_cli.errors import UserError
+
+
+@dataclass(frozen=True)
+class Row:
+    """One example: a question with its answer, or a plain text (untargeted corpora)."""
+
+    question: str | None = None
+    answer: str | None = None
+    text: str | None = None
+
+    @property
+    def is_text(self) -> bool:
+        return self.text is not None
+
+
+class Source(Protocol):
+    name: str
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Row: ...
+
+
+@dataclass(frozen=True)
+class Keys:
+    question: str = "question"
+    answer: str = "answer"
+    text: str = "text"
+    need_answer: bool = True  # False when answers come from the model (`answers_from_model`)
+
+
+def _row_from(record: object, keys: Keys, where: str) -> Row:
+    """Check one record and turn it into a Row; `where` is 'FILE:LINE' for the error message."""
+    if not isinstance(record, dict):
+        raise UserError(f"{where}: expected a JSON object per line, got {type(record).__name__}")
+    if keys.question in record:
+        question = record[keys.question]
+        if not isinstance(question, str):
+            raise UserError(f"{where}: field '{keys.question}' must be a string, got {type(question).__name__}")
+        if not keys.need_answer:
+            return Row(question=question)
+        if keys.answer not in record:
+            raise UserError(f"{where}: missing field '{keys.answer}' (set --answer-key to read another field)")
+        answer = record[keys.answer]
+        if not isinstance(answer, str):
+            raise UserError(f"{where}: field '{keys.answer}' must be a string, got {type(answer).__name__}")
+        return Row(question=question, answer=answer)
+    if keys.text in record and keys.answer not in record:
+        text = record[keys.text]
+        if not isinstance(text, str):
+            raise UserError(f"{where}: field '{keys.text}' must be a string, got {type(text).__name__}")
+        return Row(text=text)
+    raise UserError(
+        f"{where}: missing field '{keys.question}' (set --question-key to read another field, "
+        f"or give rows with only a '{keys.text}' field for an untargeted corpus)"
+    )
+
+
+class JsonlSource:
+    """A JSON-lines file (`.jsonl`, or `.json` holding one object per line) with lazy row access."""
+
+    def __init__(self, path: str, keys: Keys = Keys()) -> None:
+        self.name = path
+        self.path = path
+        self.keys = keys
+        if not os.path.isfile(path):
+            raise UserError(f"{path}: file not found" if not os.path.isdir(path) else f"{path}: is a folder")
+        self._offsets = array("q")
+        self._line_numbers = array("q")
+        self.text_rows = 0
+        self._scan()
+
+    def _scan(self) -> None:
+        with open(self.path, "rb") as handle:
+            offset = 0
+            for line_number, raw in enumerate(handle, start=1):
+                start, offset = offset, offset + len(raw)
+                if not raw.strip():
+                    continue
+                row = self._parse(raw, line_number)
+                self.text_rows += row.is_text
+                self._offsets.append(start)
+                self._line_numbers.append(line_number)
+
+    def _parse(self, raw: bytes, line_number: int) -> Row:
+        where = f"{self.path}:{line_number}"
+        try:
+            record = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            hint = " (doplus reads JSON lines: one object per line)" if line_number == 1 else ""
+            raise UserError(f"{where}: malformed JSON ({getattr(error, 'msg', error)}){hint}") from None
+        return _row_from(record, self.keys, where)
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    def __getitem__(self, index: int) -> Row:
+        with open(self.path, "rb") as handle:
+            handle.seek(self._offsets[index])
+            return self._parse(handle.readline(), self._line_numbers[index])
+
+
+class HubSource:
+    """`hf:NAME[:CONFIG][@SPLIT]` through `datasets` (downloaded once, then Arrow memory-mapped)."""
+
+    def __init__(self, spec: str, keys: Keys = Keys()) -> None:
+        self.name = spec
+        self.keys = keys
+        name, config, split = parse_hub_spec(spec)
+        import datasets
+
+        try:
+            self._data = datasets.load_dataset(name, config, split=split)
+        except Exception as error:  # datasets raises many types for "not reachable" / "no such config"
+            offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") or os.environ.get(
+                "HF_DATASETS_OFFLINE", ""
+            ).lower() in ("1", "true", "yes")
+            why = "offline mode is set" if offline else str(error).splitlines()[0][:200]
+            raise UserError(
+                f"{spec}: cannot load the hub dataset ({why}); export it to JSON lines where the hub is "
+                "reachable and pass the file instead"
+            ) from error
+        columns = set(self._data.column_names)
+        if keys.question not in columns and keys.text not in columns:
+            raise UserError(f"{spec}: missing field '{keys.question}' (columns: {', '.join(sorted(columns))})")
+        if keys.question in columns and keys.need_answer and keys.answer not in columns:
+            raise UserError(f"{spec}: missing field '{keys.answer}' (columns: {', '.join(sorted(columns))})")
+        self.text_rows = len(self._data) if keys.question not in columns else 0
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __getitem__(self, index: int) -> Row:
+        return _row_from(self._data[int(index)], self.keys, f"{self.name}[{index}]")
+
+
+def parse_hub_spec(spec: str) -> tuple[str, str | None, str]:
+    """`hf:NAME[:CONFIG][@SPLIT]` -> (name, config, split); the split defaults to train."""
+    body = spec[len("hf:"):]
+    body, _, split = body.partition("@")
+    name, _, config = body.partition(":")
+    if not name:
+        raise UserError(f"{spec}: write a hub dataset as hf:NAME[:CONFIG][@SPLIT], e.g. hf:locuslab/TOFU:forget10")
+    return name, config or None, split or "train"
+
+
+def open_source(spec: str, role: str, keys: Keys = Keys()) -> Source:
+    """Open the forget or retain set named by `spec`; an empty set is an error."""
+    source: Source = HubSource(spec, keys) if spec.startswith("hf:") else JsonlSource(spec, keys)
+    if len(source) == 0:
+        raise UserError(f"{spec}: the {role} set is empty")
+    return source

@@ -1,0 +1,1 @@
+"""The unlearning engine: the forget/retain schedule, optimizers, the training loop and its outputs."""

@@ -1,0 +1,82 @@
+"""Greedy answers from the model: targets for `answers_from_model` and the before/after sample table."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+
+import torch
+from rich.progress import Progress
+
+from doplus_cli.data.formatting import PromptFormatter, left_padded_prompts
+from doplus_cli.data.sources import Source
+from doplus_cli.errors import UserError
+
+MAX_SELF_ANSWERED_ROWS = 5000
+
+
+def _chunks(items: Sequence, size: int) -> Iterator[Sequence]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+@torch.no_grad()
+def greedy_answers(
+    model: torch.nn.Module,
+    formatter: PromptFormatter,
+    questions: Sequence[str],
+    max_new_tokens: int,
+    batch_size: int = 16,
+    progress: Progress | None = None,
+    description: str = "generating",
+) -> list[str]:
+    """Greedy completions of each question's prompt, batched with left padding."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    tokenizer = formatter.tokenizer
+    answers: list[str] = []
+    task = progress.add_task(description, total=len(questions), status="") if progress is not None else None
+    try:
+        for chunk in _chunks(list(questions), batch_size):
+            batch = {k: v.to(device) for k, v in left_padded_prompts(formatter, list(chunk)).items()}
+            output = model.generate(
+                **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                temperature=None, top_p=None, top_k=None,
+            )
+            new_tokens = output[:, batch["input_ids"].shape[1]:]
+            answers.extend(t.strip() for t in tokenizer.batch_decode(new_tokens, skip_special_tokens=True))
+            if task is not None:
+                progress.advance(task, len(chunk))
+    finally:
+        model.train(was_training)
+    return answers
+
+
+def write_self_answered(
+    model: torch.nn.Module,
+    formatter: PromptFormatter,
+    source: Source,
+    path: str,
+    max_new_tokens: int,
+    progress: Progress | None = None,
+) -> None:
+    """Answer every question of `source` with the model itself and write JSON lines {question, answer}
+    to `path` (the paper's real-world setting: the model's own answers are the targets)."""
+    if len(source) > MAX_SELF_ANSWERED_ROWS:
+        raise UserError(
+            f"{source.name}: {len(source)} rows is too many to answer with the model first "
+            f"(answers_from_model is for sets up to {MAX_SELF_ANSWERED_ROWS}); give answers in the file"
+        )
+    rows = [source[i] for i in range(len(source))]
+    if any(r.is_text for r in rows):
+        raise UserError(f"{source.name}: answers_from_model needs question rows, not 'text' rows")
+    answers = greedy_answers(
+        model, formatter, [r.question for r in rows], max_new_tokens, progress=progress,
+        description=f"answering {os.path.basename(source.name)}",
+    )
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as handle:
+        for row, answer in zip(rows, answers):
+            handle.write(json.dumps({"question": row.question, "answer": answer}) + "\n")

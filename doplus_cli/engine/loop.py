@@ -1,0 +1,284 @@
+"""`doplus unlearn`: one unlearning run, top to bottom.
+
+load model -> open forget/retain sets -> build the scheme's optimizer -> for each step: pick the objective,
+draw its batch, compute its loss, backward, clip, `optimizer.step(objective=...)`, log -> save final/ and
+the report. Accelerate holds the device and process details, so the same loop runs on one CPU or many GPUs.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import time
+from contextlib import nullcontext
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from doplus_cli.config import UnlearnConfig
+from doplus_cli.data.batches import IndexStream, build_batch
+from doplus_cli.data.formatting import PromptFormatter
+from doplus_cli.data.sources import Keys, Source, open_source
+from doplus_cli.engine import outputs
+from doplus_cli.engine.generation import greedy_answers, write_self_answered
+from doplus_cli.engine.optimizers import build_optimizer
+from doplus_cli.engine.schedule import objective_at, steps_per_objective
+from doplus_cli.errors import UserError
+from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossContext, LossSpec
+from doplus_cli.models import load_model_and_tokenizer
+
+
+def default_out_dir() -> str:
+    return os.path.join("runs", "unlearn-" + datetime.now().strftime("%Y%m%d-%H%M%S"))
+
+
+def _progress(console: Console, enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not enabled,
+        transient=False,
+    )
+
+
+class Objective:
+    """One objective's data and loss: the forget set with its forget loss, or the retain set with its own."""
+
+    def __init__(self, name: str, source: Source, loss: LossSpec, coeff: float, stream: IndexStream) -> None:
+        self.name, self.source, self.loss, self.coeff, self.stream = name, source, loss, coeff, stream
+
+    def next_batch(self, formatter: PromptFormatter, device: torch.device, seed: int) -> dict:
+        batch = build_batch(
+            self.source, self.stream.next_indices(), formatter, with_rejection=self.loss.needs_rejection, seed=seed
+        )
+        return {part: {k: v.to(device) for k, v in tensors.items()} for part, tensors in batch.items()}
+
+
+def _check_rows_fit(objective_name: str, source: Source, loss: LossSpec) -> None:
+    if loss.needs_rejection and source.text_rows:
+        raise UserError(
+            f"{source.name}: {source.text_rows} rows have only a 'text' field; {loss.name} needs question/answer rows"
+        )
+
+
+def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[str, Any]:
+    """Run one unlearning job as configured; return the report (also written to `config.out`)."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from transformers import get_linear_schedule_with_warmup
+
+    console = console or Console(stderr=True)
+    started = time.perf_counter()
+    accelerator = Accelerator()
+    main_process = accelerator.is_main_process
+    set_seed(config.seed)
+
+    forget_spec, retain_spec = FORGET_LOSSES[config.forget_loss], RETAIN_LOSSES.get(config.retain_loss or "")
+    keys = Keys(config.question_key, config.answer_key, need_answer=not config.answers_from_model)
+    forget_source = open_source(config.forget, "forget", keys)
+    retain_source = open_source(config.retain, "retain", keys) if retain_spec is not None else None
+    world = accelerator.num_processes
+    effective_batch = config.batch_size * config.grad_accum * world
+    if config.warmup_steps is None:  # one pass over the forget set
+        config.warmup_steps = math.ceil(len(forget_source) / effective_batch)
+    config.warmup_steps = min(config.warmup_steps, config.steps)
+    config.out = config.out or default_out_dir()
+    out = outputs.prepare_out_dir(config.out, config.overwrite) if main_process else Path(config.out)
+
+    model, tokenizer, model_name = load_model_and_tokenizer(config.model, config.dtype, config.trust_remote_code)
+    formatter = PromptFormatter(tokenizer, config.max_length)
+    if main_process:
+        outputs.write_config(out, {**config.to_dict(), "out": str(out)})
+    model.to(accelerator.device)
+    progress = _progress(console, main_process)
+
+    with progress:
+        if config.answers_from_model:
+            forget_source, retain_source = _self_answer(
+                model, formatter, config, out, forget_source, retain_source, progress, accelerator
+            )
+        _check_rows_fit("forget", forget_source, forget_spec)
+        if retain_source is not None:
+            _check_rows_fit("retain", retain_source, retain_spec)
+        samples = _pick_samples(forget_source, retain_source, config.show_samples)
+        before = _answers(model, formatter, samples, config, progress, "answers before") if samples else []
+
+        reference = None
+        if forget_spec.needs_reference or (retain_spec is not None and retain_spec.needs_reference):
+            reference = copy.deepcopy(model).eval().requires_grad_(False)
+
+        objectives = {
+            "forget": Objective(
+                "forget", forget_source, forget_spec, config.forget_coeff,
+                IndexStream(len(forget_source), config.batch_size, config.seed, accelerator.process_index, world),
+            )
+        }
+        if retain_source is not None:
+            objectives["retain"] = Objective(
+                "retain", retain_source, retain_spec, config.retain_coeff,
+                IndexStream(len(retain_source), config.batch_size, config.seed + 1, accelerator.process_index, world),
+            )
+        warmup = config.warmup_steps
+
+        model.train()
+        optimizer, scheduled = build_optimizer(config, model)
+        scheduler = get_linear_schedule_with_warmup(scheduled, warmup, config.steps)
+        model = accelerator.prepare(model)
+        context = LossContext(model, reference, config.beta)
+        metrics = outputs.MetricsWriter(out / "metrics.jsonl") if main_process else None
+        task = progress.add_task("unlearning", total=config.steps, status="")
+        try:
+            for step in range(config.steps):
+                step_started = time.perf_counter()
+                objective = objective_at(step, config.scheme, config.forget_freq, config.retain_freq)
+                terms = _accumulate_gradients(objective, objectives, context, formatter, config, accelerator)
+                max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
+                grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
+                lr = scheduler.get_last_lr()[0] * getattr(optimizer, "lr_multipliers", {}).get(objective, 1.0)
+                optimizer.step(objective=objective)
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                peak, _ = outputs.peak_memory_gb(accelerator.device)
+                record = {"step": step + 1, "objective": objective, **terms, "lr": lr, "grad_norm": grad_norm,
+                          "seconds": time.perf_counter() - step_started, "peak_memory_gb": peak}
+                if metrics is not None:
+                    metrics.write(record)
+                status = f"{objective:<6} " + " ".join(f"{k.removesuffix('_loss')} {v:.4f}" for k, v in terms.items()
+                                                       if k != "total_loss")
+                progress.update(task, advance=1, status=status + f"  {1 / max(record['seconds'], 1e-9):.2f} step/s")
+        finally:
+            if metrics is not None:
+                metrics.close()
+
+        unwrapped = accelerator.unwrap_model(model)
+        after = _answers(unwrapped, formatter, samples, config, progress, "answers after") if samples else []
+
+    accelerator.wait_for_everyone()
+    if not main_process:
+        return {}
+    final = outputs.save_final(unwrapped, tokenizer, out)
+    peak, peak_kind = outputs.peak_memory_gb(accelerator.device)
+    report = {
+        "status": "completed",
+        "model": model_name,
+        "final": str(final),
+        "config": {**config.to_dict(), "out": str(out)},
+        "data": {"forget_rows": len(forget_source), "retain_rows": len(retain_source) if retain_source else 0},
+        "steps": config.steps,
+        "warmup_steps": warmup,
+        "steps_per_objective": steps_per_objective(config.steps, config.scheme, config.forget_freq, config.retain_freq),
+        "losses": outputs.loss_summary(metrics.records),
+        "wall_time_s": time.perf_counter() - started,
+        "peak_memory_gb": peak,
+        "peak_memory_kind": peak_kind,
+        "environment": outputs.environment(accelerator.device, world, effective_batch, config.seed,
+                                           str(unwrapped.dtype).removeprefix("torch.")),
+        **_sample_report(samples, before, after),
+    }
+    outputs.write_report(out, report)
+    return report
+
+
+def _accumulate_gradients(
+    objective: str, objectives: dict[str, Objective], context: LossContext, formatter: PromptFormatter,
+    config: UnlearnConfig, accelerator,
+) -> dict[str, float]:
+    """Backward `grad_accum` micro-batches of this step's objective (gradients averaged); return the mean
+    of each loss term. A joint step sums the weighted forget and retain losses on one batch of each."""
+    parts = list(objectives) if objective == "joint" else [objective]
+    sums = {f"{name}_loss": 0.0 for name in parts}
+    model = context.model
+    for micro in range(config.grad_accum):
+        last = micro == config.grad_accum - 1
+        with nullcontext() if last else accelerator.no_sync(model):
+            total = 0.0
+            for name in parts:
+                part = objectives[name]
+                batch = part.next_batch(formatter, accelerator.device, config.seed)
+                value = part.loss.fn(context, batch)
+                sums[f"{name}_loss"] += value.item() / config.grad_accum
+                total = total + part.coeff * value
+            accelerator.backward(total / config.grad_accum)
+    if objective == "joint":
+        sums["total_loss"] = sum(objectives[n].coeff * sums[f"{n}_loss"] for n in parts)
+    return sums
+
+
+def _self_answer(model, formatter, config, out, forget_source, retain_source, progress, accelerator):
+    """Replace the sets' answers by the model's own greedy answers, written to out/data/*.jsonl."""
+    keys = Keys()
+    paths = {"forget": str(out / "data" / "forget.jsonl"), "retain": str(out / "data" / "retain.jsonl")}
+    if accelerator.is_main_process:
+        write_self_answered(model, formatter, forget_source, paths["forget"], config.max_new_tokens, progress)
+        if retain_source is not None:
+            write_self_answered(model, formatter, retain_source, paths["retain"], config.max_new_tokens, progress)
+    accelerator.wait_for_everyone()
+    forget = open_source(paths["forget"], "forget", keys)
+    retain = open_source(paths["retain"], "retain", keys) if retain_source is not None else None
+    return forget, retain
+
+
+def _pick_samples(forget: Source, retain: Source | None, n: int) -> list[tuple[str, str]]:
+    """The first `n` question rows of each set, for the before/after table."""
+    picked = []
+    for name, source in (("forget", forget), ("retain", retain)):
+        if source is None:
+            continue
+        rows = [source[i] for i in range(min(len(source), n * 4))]
+        picked += [(name, r.question) for r in rows if not r.is_text][:n]
+    return picked
+
+
+def _answers(model, formatter, samples, config, progress, description) -> list[str]:
+    return greedy_answers(
+        model, formatter, [q for _, q in samples], config.max_new_tokens, progress=progress, description=description
+    )
+
+
+def _sample_report(samples, before, after) -> dict[str, Any]:
+    if not samples:
+        return {}
+    rows = [
+        {"set": s, "question": q, "before": b, "after": a, "rouge_l_recall": outputs.rouge_l_recall(a, b)}
+        for (s, q), b, a in zip(samples, before, after)
+    ]
+    means = {}
+    for name in dict.fromkeys(r["set"] for r in rows):
+        values = [r["rouge_l_recall"] for r in rows if r["set"] == name]
+        means[name] = sum(values) / len(values)
+    return {"samples": rows, "sample_rouge_mean": means}
+
+
+def print_summary(report: dict[str, Any], console: Console) -> None:
+    """The before/after table and where the outputs are."""
+    if report.get("samples"):
+        table = Table(title="Answers before and after unlearning", show_lines=True)
+        for column in ("set", "question", "before", "after"):
+            table.add_column(column, overflow="fold")
+        table.add_column("ROUGE-L", justify="right")
+        for s in report["samples"]:
+            style = "red" if s["set"] == "forget" else "green"
+            score = f"{s['rouge_l_recall']:.2f}"
+            table.add_row(f"[{style}]{s['set']}[/]", s["question"], s["before"], s["after"], score)
+        console.print(table)
+        means = ", ".join(f"{k} {v:.2f}" for k, v in report["sample_rouge_mean"].items())
+        console.print(f"Mean ROUGE-L recall of the answer after against before: {means} (1 = unchanged)")
+    losses = report["losses"]
+    parts = []
+    for terms in losses.values():
+        for term, values in terms.items():
+            if term != "steps":
+                parts.append(f"{term} {values['start']:.3f} -> {values['end']:.3f}")
+    console.print(f"{report['steps']} steps in {report['wall_time_s']:.0f} s; " + "; ".join(parts))
+    console.print(f"model: {report['final']}   report: {Path(report['final']).parent / 'report.md'}")

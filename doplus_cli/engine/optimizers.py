@@ -1,0 +1,112 @@
+"""The optimizer of each update scheme, behind one call: `optimizer.step(objective=...)`.
+
+- joint, alternate: one shared AdamW state (torch AdamW, or bitsandbytes AdamW8bit for 8-bit states);
+- dualoptim: one AdamW state per objective (`DualOptim`);
+- doplus: a shared base state plus one delta state per objective (`DualOptimPlus`), AdamW or Muon.
+
+Biases and norm weights (every parameter with fewer than 2 dimensions) get no weight decay, as in the
+Hugging Face Trainer the paper's code ran on.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim import Optimizer
+
+from doplus_cli.config import UnlearnConfig
+from doplus_cli.errors import UserError
+from doplus_cli.optim import DualOptim, DualOptimPlus, muon_param_groups, quant
+
+
+class SharedState:
+    """joint / alternate: every objective steps the same optimizer state.
+
+    `lr_multipliers` scales the learning rate of one objective's steps (`--forget-lr` with the alternate
+    scheme); the LR scheduler drives `inner`.
+    """
+
+    def __init__(self, inner: Optimizer, lr_multipliers: dict[str, float] | None = None) -> None:
+        self.inner = inner
+        self.lr_multipliers = dict(lr_multipliers or {})
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @torch.no_grad()
+    def step(self, objective: str) -> None:
+        multiplier = self.lr_multipliers.get(objective, 1.0)
+        if multiplier == 1.0:
+            self.inner.step()
+            return
+        saved = [group["lr"] for group in self.inner.param_groups]
+        for group in self.inner.param_groups:
+            group["lr"] = group["lr"] * multiplier
+        try:
+            self.inner.step()
+        finally:
+            for group, lr in zip(self.inner.param_groups, saved):
+                group["lr"] = lr
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+
+def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Two param groups: matrices with weight decay, vectors (biases, norms) without."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.ndim >= 2]
+    no_decay = [p for p in trainable if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def lr_multipliers(config: UnlearnConfig) -> dict[str, float]:
+    """{"forget": forget_lr / lr} when `--forget-lr` is given."""
+    if config.forget_lr is None or config.forget_lr == config.lr:
+        return {}
+    if config.lr == 0:
+        raise UserError("--forget-lr needs --lr > 0 (the forget rate is applied as a multiple of it)")
+    return {"forget": config.forget_lr / config.lr}
+
+
+def build_optimizer(config: UnlearnConfig, model: torch.nn.Module) -> tuple[object, Optimizer]:
+    """(the optimizer the loop steps with an objective, the torch Optimizer the LR scheduler drives)."""
+    multipliers = lr_multipliers(config)
+    common = dict(lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+    if config.scheme in ("joint", "alternate"):
+        groups = decay_groups(model, config.weight_decay)
+        if config.state_bits == 8:
+            import bitsandbytes as bnb
+
+            inner = bnb.optim.AdamW8bit(groups, min_8bit_size=quant.MIN_8BIT_SIZE, **common)
+        else:
+            params = [p for group in groups for p in group["params"]]
+            fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params) or None
+            inner = torch.optim.AdamW(groups, fused=fused, **common)
+        shared = SharedState(inner, multipliers)
+        return shared, inner
+    objectives = ("forget", "retain") if config.retain_loss is not None else ("forget",)
+    if config.scheme == "dualoptim":
+        optimizer = DualOptim(
+            decay_groups(model, config.weight_decay), objectives=objectives, state_bits=config.state_bits,
+            lr_multipliers=multipliers, **common,
+        )
+        return optimizer, optimizer
+    if config.optimizer == "muon":
+        groups = muon_param_groups(model)
+    else:
+        groups = decay_groups(model, config.weight_decay)
+    optimizer = DualOptimPlus(
+        groups, objectives=objectives, inner=config.optimizer, state_bits=config.state_bits,
+        lr_multipliers=multipliers, **common,
+    )
+    return optimizer, optimizer

@@ -1,0 +1,204 @@
+"""What a run writes under `--out`: config.yaml, metrics.jsonl, final/, report.json and report.md.
+
+`final/` and `report.json` are written only when the run has succeeded, each under a temporary name and
+then renamed, so an interrupted run never leaves a folder that looks finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from doplus_cli.errors import UserError
+
+# Everything a run writes; `--overwrite` removes these and nothing else.
+RUN_FILES = ("config.yaml", "metrics.jsonl", "report.json", "report.md", "final", "data", "evals", "checkpoints")
+
+
+def prepare_out_dir(path: str, overwrite: bool) -> Path:
+    """Create `path`, or refuse an existing non-empty folder unless `overwrite`."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{path}: --out exists and is a file, not a folder")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise UserError(f"{path}: output folder exists and is not empty (pass --overwrite to replace its run)")
+        for name in RUN_FILES:
+            target = out / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+        for stale in out.glob("*.tmp*"):
+            shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def write_config(out: Path, resolved: dict[str, Any]) -> None:
+    (out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+
+
+class MetricsWriter:
+    """metrics.jsonl: one JSON object per optimizer step, flushed as it is written."""
+
+    def __init__(self, path: Path) -> None:
+        self.records: list[dict[str, Any]] = []
+        self._handle = open(path, "w")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        self._handle.write(json.dumps(record) + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_final(model: torch.nn.Module, tokenizer, out: Path) -> Path:
+    """final/: the model (safetensors) and tokenizer, written to final.tmp and renamed."""
+    tmp, final = out / "final.tmp", out / "final"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final
+
+
+def peak_memory_gb(device: torch.device) -> tuple[float, str]:
+    """(peak memory in GB, what was measured): CUDA peak allocated, or the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9, "cuda_max_allocated"
+    import resource
+
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss_kb * 1024 / 1e9, "process_peak_rss"
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment(device: torch.device, world_size: int, effective_batch: int, seed: int, dtype: str) -> dict[str, Any]:
+    packages = ("doplus-cli", "torch", "transformers", "accelerate", "bitsandbytes", "datasets", "peft")
+    if device.type == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        device_name = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "versions": {name: _version(name) for name in packages},
+        "device": device_name,
+        "world_size": world_size,
+        "effective_batch": effective_batch,
+        "seed": seed,
+        "dtype": dtype,
+    }
+
+
+def loss_summary(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per objective: step count and, for each loss term, its value at the first and last step of that
+    objective and the mean over its last (up to) 10 steps."""
+    summary: dict[str, dict[str, Any]] = {}
+    for objective in dict.fromkeys(r["objective"] for r in records):
+        rows = [r for r in records if r["objective"] == objective]
+        terms = [k for k in rows[0] if k.endswith("_loss")]
+        summary[objective] = {"steps": len(rows)}
+        for term in terms:
+            tail = [r[term] for r in rows[-10:]]
+            summary[objective][term] = {
+                "start": rows[0][term], "end": rows[-1][term], "end_mean10": sum(tail) / len(tail)
+            }
+    return summary
+
+
+def rouge_l_recall(prediction: str, reference: str) -> float:
+    """ROUGE-L recall (stemmed) of `prediction` against `reference`."""
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    return scorer.score(reference, prediction)["rougeL"].recall
+
+
+def _cell(text: str, limit: int = 90) -> str:
+    text = " ".join(str(text).split()).replace("|", "\\|")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    cfg = report["config"]
+    env = report["environment"]
+    lines = [
+        f"# doplus unlearn: {cfg['loss']} with {cfg['scheme']}",
+        "",
+        f"- model: {report['model']}",
+        f"- forget: {cfg['forget']} ({report['data']['forget_rows']} rows); "
+        f"retain: {cfg['retain']} ({report['data']['retain_rows']} rows)",
+        f"- scheme {cfg['scheme']}, optimizer {cfg['optimizer']} ({cfg['state_bits']}-bit states), "
+        f"F_f:F_r = {cfg['forget_freq']}:{cfg['retain_freq']}, lr {cfg['lr']}"
+        + (f" (forget {cfg['forget_lr']})" if cfg.get("forget_lr") is not None else "")
+        + f", betas {tuple(cfg['betas'])}, weight decay {cfg['weight_decay']}, warmup {report['warmup_steps']} steps",
+        f"- {report['steps']} steps ({', '.join(f'{k}: {v}' for k, v in report['steps_per_objective'].items())}), "
+        f"effective batch {env['effective_batch']}, seed {env['seed']}",
+        f"- wall time {report['wall_time_s']:.1f} s, peak memory {report['peak_memory_gb']:.2f} GB "
+        f"({report['peak_memory_kind']})",
+        "",
+        "## Losses",
+        "",
+        "| objective | term | start | end | mean of last 10 |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    for objective, terms in report["losses"].items():
+        for term, values in terms.items():
+            if term == "steps":
+                continue
+            lines.append(
+                f"| {objective} | {term} | {values['start']:.4f} | {values['end']:.4f} | {values['end_mean10']:.4f} |"
+            )
+    if report.get("samples"):
+        lines += [
+            "",
+            "## Answers before and after",
+            "",
+            "ROUGE-L recall of the answer after unlearning against the answer before (1: unchanged).",
+            "",
+            "| set | question | before | after | ROUGE-L |",
+            "| --- | --- | --- | --- | ---: |",
+        ]
+        for s in report["samples"]:
+            lines.append(
+                f"| {s['set']} | {_cell(s['question'], 60)} | {_cell(s['before'])} | {_cell(s['after'])} "
+                f"| {s['rouge_l_recall']:.2f} |"
+            )
+        for name, value in report.get("sample_rouge_mean", {}).items():
+            lines.append(f"\nMean ROUGE-L recall, {name}: {value:.3f}")
+    lines += ["", "## Environment", ""]
+    lines.append(f"- device: {env['device']}, world size {env['world_size']}, dtype {env['dtype']}")
+    lines.append("- " + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v) + f", python {env['python']}")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out: Path, report: dict[str, Any]) -> None:
+    atomic_write_text(out / "report.md", render_markdown(report))
+    atomic_write_text(out / "report.json", json.dumps(report, indent=2) + "\n")

