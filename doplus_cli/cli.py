@@ -165,6 +165,22 @@ def bench_optimizer(
         print_table(result)
 
 
+def _quiet_libraries() -> None:
+    """Keep library chatter out of the run's output: weight-loading progress bars, bitsandbytes' notice
+    about an optional CPU kernel package. Warnings that matter still show."""
+    import logging
+    import os
+
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        pass
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: every user error is one line on stderr and exit code 2.
 
@@ -173,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     """
     from typer._click.exceptions import ClickException, NoArgsIsHelpError
 
+    _quiet_libraries()
     try:
         code = app(args=argv, standalone_mode=False)
     except NoArgsIsHelpError as error:

@@ -52,6 +52,11 @@ def logits_of(model: torch.nn.Module, tensors: dict[str, Tensor]) -> Tensor:
     return model(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits
 
 
+def _upcast(x: Tensor) -> Tensor:
+    """bf16/fp16 logits are upcast to float32 before softmax; float32 and float64 stay as they are."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 def shifted(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Logits at positions that predict a label, the labels, and the answer-token mask."""
     logits, labels = logits[:, :-1, :], labels[:, 1:]
@@ -63,7 +68,7 @@ def token_nll(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     """Per-token NLL [B, T-1] (0 off the answer) and the answer-token mask."""
     logits, labels, mask = shifted(logits, labels)
     nll = F.cross_entropy(
-        logits.float().reshape(-1, logits.size(-1)), labels.clamp_min(0).reshape(-1), reduction="none"
+        _upcast(logits).reshape(-1, logits.size(-1)), labels.clamp_min(0).reshape(-1), reduction="none"
     ).view(labels.shape)
     return nll * mask, mask
 
@@ -114,7 +119,7 @@ def dpo(ctx: LossContext, batch: Batch) -> Tensor:
 def maximum_entropy(ctx: LossContext, batch: Batch) -> Tensor:
     """ME: mean over answer tokens of KL(uniform || p_theta) = -log V - (1/V) * sum_v log p_theta(v)."""
     logits, _, mask = shifted(logits_of(ctx.model, batch["answer"]), batch["answer"]["labels"])
-    log_probs = F.log_softmax(logits.float(), dim=-1)
+    log_probs = F.log_softmax(_upcast(logits), dim=-1)
     vocab = log_probs.size(-1)
     kl = -math.log(vocab) - log_probs.mean(-1)
     return (kl * mask).sum() / mask.sum().clamp_min(1)
@@ -139,8 +144,8 @@ def kl_to_reference(ctx: LossContext, batch: Batch) -> Tensor:
     logits, _, mask = shifted(logits_of(ctx.model, tensors), tensors["labels"])
     with torch.no_grad():
         ref_logits, _, _ = shifted(logits_of(ctx.reference, tensors), tensors["labels"])
-    log_p = F.log_softmax(logits.float(), dim=-1)
-    log_ref = F.log_softmax(ref_logits.float(), dim=-1)
+    log_p = F.log_softmax(_upcast(logits), dim=-1)
+    log_ref = F.log_softmax(_upcast(ref_logits), dim=-1)
     kl = (log_ref.exp() * (log_ref - log_p)).sum(-1)
     return (kl * mask).sum() / mask.sum().clamp_min(1)
 

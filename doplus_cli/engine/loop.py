@@ -230,13 +230,14 @@ def _self_answer(model, formatter, config, out, forget_source, retain_source, pr
 
 
 def _pick_samples(forget: Source, retain: Source | None, n: int) -> list[tuple[str, str]]:
-    """The first `n` question rows of each set, for the before/after table."""
+    """`n` question rows of each set, evenly spaced through it, for the before/after table."""
     picked = []
     for name, source in (("forget", forget), ("retain", retain)):
-        if source is None:
+        if source is None or n == 0 or source.text_rows == len(source):
             continue
-        rows = [source[i] for i in range(min(len(source), n * 4))]
-        picked += [(name, r.question) for r in rows if not r.is_text][:n]
+        spaced = sorted({i * len(source) // n for i in range(n)})
+        rows = [source[i] for i in spaced]
+        picked += [(name, r.question) for r in rows if not r.is_text]
     return picked
 
 

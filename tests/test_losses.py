@@ -1,0 +1,187 @@
+"""Every loss against a float64 reference written here with plain loops, and the direction it moves the
+forget/retain likelihoods when minimised on a toy batch."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from doplus_cli.data.formatting import PromptFormatter, collate
+from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossContext, sequence_nll
+
+QUESTIONS = ["What gender is author Basil Mahfouz Al-Kuwaiti?", "Where was Jaime Vasquez born?"]
+ANSWERS = ["Author Basil Mahfouz Al-Kuwaiti is male.", "Jaime Vasquez was born in Santiago, Chile."]
+REJECTIONS = ["I don't know.", "I have no information about that person."]
+BETA = 0.7
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_llama):
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float64)
+    reference = copy.deepcopy(model)
+    with torch.no_grad():  # a reference that differs from the model, so every log-ratio is non-zero
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    formatter = PromptFormatter(tokenizer, max_length=64)
+    pad = tokenizer.pad_token_id
+    batch = {
+        "answer": collate([formatter.encode(q, a) for q, a in zip(QUESTIONS, ANSWERS)], pad),
+        "rejection": collate([formatter.encode(q, r) for q, r in zip(QUESTIONS, REJECTIONS)], pad),
+    }
+    return model, reference.eval(), batch
+
+
+# ---- the reference: plain Python float64 loops over samples, positions and the vocabulary ----
+
+def _log_softmax_row(row: list[float]) -> list[float]:
+    top = max(row)
+    log_z = top + math.log(sum(math.exp(x - top) for x in row))
+    return [x - log_z for x in row]
+
+
+def _answer_rows(model, tensors):
+    """[(per-position log-prob rows, target ids)] per sample: positions t predicting labels[t+1] != -100."""
+    with torch.no_grad():
+        logits = model(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits
+    samples = []
+    for i in range(logits.shape[0]):
+        rows, targets = [], []
+        for t in range(logits.shape[1] - 1):
+            label = int(tensors["labels"][i, t + 1])
+            if label != -100:
+                rows.append(_log_softmax_row(logits[i, t].tolist()))
+                targets.append(label)
+        samples.append((rows, targets))
+    return samples
+
+
+def _nll_sums(model, tensors) -> list[float]:
+    return [-sum(row[y] for row, y in zip(rows, ys)) for rows, ys in _answer_rows(model, tensors)]
+
+
+def _mean_ce(model, tensors) -> float:
+    total, count = 0.0, 0
+    for rows, ys in _answer_rows(model, tensors):
+        total += -sum(row[y] for row, y in zip(rows, ys))
+        count += len(ys)
+    return total / count
+
+
+def _log_sigmoid(x: float) -> float:
+    return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
+
+
+def reference_value(name: str, model, reference, batch) -> float:
+    if name == "GA":
+        return -_mean_ce(model, batch["answer"])
+    if name in ("IDK",):
+        return _mean_ce(model, batch["rejection"])
+    if name == "GD":
+        return _mean_ce(model, batch["answer"])
+    if name == "NPO":
+        nll, ref = _nll_sums(model, batch["answer"]), _nll_sums(reference, batch["answer"])
+        return -(2 / BETA) * sum(_log_sigmoid(BETA * (a - b)) for a, b in zip(nll, ref)) / len(nll)
+    if name == "DPO":
+        win = [-a + b for a, b in zip(_nll_sums(model, batch["rejection"]), _nll_sums(reference, batch["rejection"]))]
+        lose = [-a + b for a, b in zip(_nll_sums(model, batch["answer"]), _nll_sums(reference, batch["answer"]))]
+        return -(2 / BETA) * sum(_log_sigmoid(BETA * (w - v)) for w, v in zip(win, lose)) / len(win)
+    if name == "AP":
+        idk, ans = _nll_sums(model, batch["rejection"]), _nll_sums(model, batch["answer"])
+        return -(1 / BETA) * sum(_log_sigmoid(BETA * (a - b)) for a, b in zip(idk, ans)) / len(idk)
+    if name == "ME":  # KL(uniform || p) per answer token, averaged over all answer tokens
+        total, count = 0.0, 0
+        for rows, _ in _answer_rows(model, batch["answer"]):
+            for row in rows:
+                v = len(row)
+                total += sum((1 / v) * (math.log(1 / v) - lp) for lp in row)
+                count += 1
+        return total / count
+    if name == "KL":  # KL(p_ref || p_theta) per answer token, averaged
+        total, count = 0.0, 0
+        pairs = zip(_answer_rows(model, batch["answer"]), _answer_rows(reference, batch["answer"]))
+        for (rows, _), (ref_rows, _) in pairs:
+            for row, ref_row in zip(rows, ref_rows):
+                total += sum(math.exp(r) * (r - p) for r, p in zip(ref_row, row))
+                count += 1
+        return total / count
+    raise KeyError(name)
+
+
+ALL_LOSSES = [("forget", n) for n in FORGET_LOSSES] + [("retain", n) for n in RETAIN_LOSSES]
+
+
+@pytest.mark.parametrize("kind,name", ALL_LOSSES)
+def test_loss_equals_float64_loop_reference(setup, kind, name):
+    model, reference, batch = setup
+    spec = (FORGET_LOSSES if kind == "forget" else RETAIN_LOSSES)[name]
+    value = spec.fn(LossContext(model, reference if spec.needs_reference else None, BETA), batch)
+    assert value.dtype == torch.float32 or value.dtype == torch.float64
+    assert torch.isfinite(value)
+    expected = reference_value(name, model, reference, batch)
+    assert value.item() == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+def test_npo_at_the_reference_is_2_log2_over_beta(setup):
+    model, _, batch = setup
+    value = FORGET_LOSSES["NPO"].fn(LossContext(model, model, BETA), batch)
+    assert value.item() == pytest.approx(2 * math.log(2) / BETA, rel=1e-9)
+
+
+def _nll(model, tensors) -> float:
+    with torch.no_grad():
+        return sequence_nll(model, tensors).sum().item()
+
+
+def _minimise(spec, model, reference, batch, steps=15, lr=0.05):
+    model = copy.deepcopy(model).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for _ in range(steps):
+        loss = spec.fn(LossContext(model, reference, BETA), batch)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    return model
+
+
+def _uniform_kl(model, tensors) -> float:
+    with torch.no_grad():
+        return FORGET_LOSSES["ME"].fn(LossContext(model), {"answer": tensors}).item()
+
+
+@pytest.mark.parametrize("name", list(FORGET_LOSSES) + list(RETAIN_LOSSES))
+def test_minimising_the_loss_moves_likelihoods_the_intended_way(setup, name):
+    model, reference, batch = setup
+    spec = FORGET_LOSSES.get(name) or RETAIN_LOSSES[name]
+    if name == "KL":  # start away from the reference, so pulling back toward it is visible
+        start = _minimise(FORGET_LOSSES["GA"], model, None, batch, steps=5)
+        ref = model
+    else:
+        start, ref = model, reference
+    # a random init predicts nearly uniformly already, so ME needs a larger step to move visibly
+    trained = _minimise(spec, start, ref, batch, lr=1.0 if name == "ME" else 0.05)
+    answer, rejection = batch["answer"], batch["rejection"]
+    if name in ("GA", "NPO"):  # forget answers become less likely
+        assert _nll(trained, answer) > _nll(start, answer) + 1e-3
+    elif name == "ME":  # predictions on forget answers move toward uniform
+        assert _uniform_kl(trained, answer) < 0.9 * _uniform_kl(start, answer)
+    elif name == "IDK":  # the rejection answer becomes more likely
+        assert _nll(trained, rejection) < _nll(start, rejection) - 1e-3
+    elif name == "DPO":  # the rejection answer gains on the true answer
+        assert _nll(trained, rejection) - _nll(trained, answer) < _nll(start, rejection) - _nll(start, answer) - 1e-3
+    elif name == "GD":  # retain answers become more likely
+        assert _nll(trained, answer) < _nll(start, answer) - 1e-3
+    elif name == "KL":  # back toward the reference's likelihood of the retain answers
+        kl = RETAIN_LOSSES["KL"].fn
+        with torch.no_grad():
+            before = kl(LossContext(start, ref, BETA), batch).item()
+            after = kl(LossContext(trained, ref, BETA), batch).item()
+        assert after < 0.95 * before
+    elif name == "AP":  # the true answer gains on the rejection answer
+        assert _nll(trained, answer) - _nll(trained, rejection) < _nll(start, answer) - _nll(start, rejection) - 1e-3

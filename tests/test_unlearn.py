@@ -1,0 +1,315 @@
+"""`doplus unlearn` end to end on a tiny random Llama: schemes, outputs, objectives, recipes, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM
+
+from doplus_cli.cli import main
+from doplus_cli.config import resolve_config
+from doplus_cli.data import sources
+from doplus_cli.engine import optimizers
+from doplus_cli.engine.loop import run_unlearn
+from doplus_cli.optim import DualOptim, DualOptimPlus
+
+
+@pytest.fixture(scope="module")
+def data(tofu_dir, tmp_path_factory):
+    """Small forget/retain files cut from TOFU (read from ../shared, written to a temporary folder)."""
+    folder = tmp_path_factory.mktemp("data")
+    paths = {}
+    for role, name, n in (("forget", "forget01.json", 8), ("retain", "retain90.json", 12)):
+        lines = [line for line in open(tofu_dir / name) if line.strip()][:n]
+        paths[role] = folder / f"{role}.jsonl"
+        paths[role].write_text("".join(lines))
+    return paths
+
+
+def run_cli(*args):
+    """Run `doplus ARGS`; return the exit code (0 on success)."""
+    try:
+        main([str(a) for a in args])
+    except SystemExit as done:
+        return done.code
+    return 0
+
+
+def base_args(model, data, out, *extra):
+    return ["unlearn", "--model", model, "--forget", data["forget"], "--retain", data["retain"], "--out", out,
+            "--batch-size", 2, "--max-length", 48, "--show-samples", 1, "--max-new-tokens", 4, "--lr", 1e-3, *extra]
+
+
+def read_metrics(out):
+    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+@pytest.mark.parametrize(
+    "scheme,extra",
+    [
+        ("joint", []),
+        ("alternate", []),
+        ("dualoptim", []),
+        ("doplus", []),
+        ("doplus", ["--state-bits", 8]),
+        ("doplus", ["--optimizer", "muon"]),
+        ("dualoptim", ["--state-bits", 8]),
+    ],
+)
+def test_every_scheme_runs_and_writes_a_loadable_final_model(tiny_llama, data, tmp_path, scheme, extra):
+    out = tmp_path / "run"
+    code = run_cli(*base_args(tiny_llama, data, out, "--scheme", scheme, "--steps", 7, "--loss", "NPO+GD", *extra))
+    assert code == 0
+    start = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    final = AutoModelForCausalLM.from_pretrained(out / "final")
+    moved = sum((a - b).abs().sum().item() for a, b in zip(start.parameters(), final.parameters()))
+    assert moved > 0
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == list(range(1, 8))
+    expected = ["joint"] * 7 if scheme == "joint" else ["forget"] + ["retain"] * 5 + ["forget"]
+    assert [r["objective"] for r in records] == expected
+    for r in records:
+        assert {"lr", "grad_norm", "seconds", "peak_memory_gb"} <= set(r)
+        assert all(math.isfinite(v) for k, v in r.items() if k.endswith("_loss"))
+    if scheme == "joint":
+        assert all(r["total_loss"] == pytest.approx(r["forget_loss"] + r["retain_loss"]) for r in records)
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "completed"
+    assert report["steps_per_objective"] == ({"joint": 7} if scheme == "joint" else {"forget": 2, "retain": 5})
+    assert report["losses"]["forget" if scheme != "joint" else "joint"]["forget_loss"]["start"] == pytest.approx(
+        records[0]["forget_loss"])
+    assert report["environment"]["world_size"] == 1 and report["environment"]["effective_batch"] == 2
+    assert "torch" in report["environment"]["versions"]
+    assert (out / "report.md").read_text().startswith("# doplus unlearn: NPO+GD with " + scheme)
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert config["scheme"] == scheme and config["steps"] == 7 and config["warmup_steps"] == 4  # ceil(8 / 2)
+
+
+def test_each_step_hands_the_optimizer_the_objective_of_the_set_its_batch_came_from(tiny_llama, data, tmp_path,
+                                                                                    monkeypatch):
+    events = []
+    read = sources.JsonlSource.__getitem__
+
+    def spy_read(self, index):
+        events.append(("read", self.path))
+        return read(self, index)
+
+    def spy_step(original):
+        def step(self, objective="forget", closure=None):
+            events.append(("step", objective))
+            return original(self, objective=objective)
+        return step
+
+    monkeypatch.setattr(sources.JsonlSource, "__getitem__", spy_read)
+    monkeypatch.setattr(DualOptimPlus, "step", spy_step(DualOptimPlus.step))
+    monkeypatch.setattr(DualOptim, "step", spy_step(DualOptim.step))
+    paths = {str(data["forget"]): "forget", str(data["retain"]): "retain"}
+    for scheme, freqs in (("doplus", (2, 3)), ("dualoptim", (1, 2))):
+        events.clear()
+        config = resolve_config(None, {
+            "model": tiny_llama, "forget": str(data["forget"]), "retain": str(data["retain"]), "scheme": scheme,
+            "forget_freq": freqs[0], "retain_freq": freqs[1], "steps": 11, "batch_size": 2, "grad_accum": 2,
+            "max_length": 32, "show_samples": 0, "out": str(tmp_path / scheme), "loss": "GA+GD",
+        })
+        run_unlearn(config)
+        steps, reads = [], set()
+        for kind, value in events:
+            if kind == "read":
+                reads.add(paths[value])
+            else:
+                steps.append((value, reads))
+                reads = set()
+        cycle = ["forget"] * freqs[0] + ["retain"] * freqs[1]
+        assert [objective for objective, _ in steps] == [cycle[i % len(cycle)] for i in range(11)]
+        assert all(read_sets == {objective} for objective, read_sets in steps)
+
+
+def test_shared_optimizer_joint_step_sees_both_sets(tiny_llama, data, tmp_path, monkeypatch):
+    seen = []
+    read = sources.JsonlSource.__getitem__
+    monkeypatch.setattr(sources.JsonlSource, "__getitem__", lambda self, i: (seen.append(self.path), read(self, i))[1])
+    config = resolve_config(None, {
+        "model": tiny_llama, "forget": str(data["forget"]), "retain": str(data["retain"]), "scheme": "joint",
+        "steps": 1, "batch_size": 3, "show_samples": 0, "out": str(tmp_path / "j"), "loss": "GA+GD",
+    })
+    run_unlearn(config)
+    assert seen.count(str(data["forget"])) == 3 and seen.count(str(data["retain"])) == 3
+
+
+def test_warmup_then_linear_decay_and_forget_lr(tiny_llama, data, tmp_path):
+    out = tmp_path / "lr"
+    code = run_cli(*base_args(tiny_llama, data, out, "--scheme", "alternate", "--steps", 10, "--warmup-steps", 2,
+                              "--lr", 0.01, "--forget-lr", 0.03, "--forget-freq", 1, "--retain-freq", 1,
+                              "--loss", "GA+GD"))
+    assert code == 0
+    lrs = [(r["objective"], r["lr"]) for r in read_metrics(out)]
+    # LambdaLR: step s (0-based) has factor s/2 for s < 2, then (10 - s) / 8
+    factors = [0.0, 0.5] + [(10 - s) / 8 for s in range(2, 10)]
+    expected = [(("forget", 0.03) if s % 2 == 0 else ("retain", 0.01)) for s in range(10)]
+    for (objective, lr), (want_objective, peak), factor in zip(lrs, expected, factors):
+        assert objective == want_objective and lr == pytest.approx(peak * factor)
+
+
+def test_forget_lr_multiplies_the_shared_adamw_step(tiny_llama):
+    """SharedState with a multiplier equals a torch AdamW stepped at the scaled rate."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    w_ref = torch.nn.Parameter(w.detach().clone())
+    shared = optimizers.SharedState(torch.optim.AdamW([w], lr=0.1), {"forget": 3.0})
+    plain = torch.optim.AdamW([w_ref], lr=0.1)
+    for objective in ("forget", "retain", "forget"):
+        grad = torch.randn(4, 4)
+        w.grad, w_ref.grad = grad.clone(), grad.clone()
+        shared.step(objective)
+        plain.param_groups[0]["lr"] = 0.3 if objective == "forget" else 0.1
+        plain.step()
+        assert shared.param_groups[0]["lr"] == 0.1
+    assert torch.equal(w, w_ref)
+
+
+def test_forget_loss_alone_takes_only_forget_steps(tiny_llama, data, tmp_path):
+    out = tmp_path / "ga"
+    code = run_cli("unlearn", "--model", tiny_llama, "--forget", data["forget"], "--loss", "GA", "--steps", 3,
+                   "--out", out, "--show-samples", 0, "--batch-size", 2)
+    assert code == 0
+    assert [r["objective"] for r in read_metrics(out)] == ["forget"] * 3
+    assert (out / "final" / "config.json").is_file()
+
+
+def test_chat_template_model_and_every_forget_loss_run(tiny_chat_llama, data, tmp_path):
+    for loss in ("GA+KL", "DPO+AP", "ME+GD", "IDK+AP"):
+        out = tmp_path / loss.replace("+", "-")
+        assert run_cli(*base_args(tiny_chat_llama, data, out, "--loss", loss, "--steps", 3)) == 0
+        assert all(math.isfinite(r["grad_norm"]) for r in read_metrics(out))
+
+
+def test_recipe_values_and_command_line_overrides(tiny_llama, data, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": str(tiny_llama), "forget": str(data["forget"]), "retain": str(data["retain"]),
+        "lr": "2e-4", "steps": 5, "scheme": "alternate", "forget-freq": 2, "beta": 0.3,
+    }))
+    config = resolve_config(str(recipe), {"steps": 3, "scheme": None, "seed": 9})
+    assert config.lr == 2e-4 and config.forget_freq == 2 and config.beta == 0.3  # from the recipe
+    assert config.steps == 3 and config.seed == 9  # the command line wins
+    assert config.scheme == "alternate"  # a flag not given leaves the recipe's value
+    assert config.retain_freq == 5 and config.weight_decay == 0.01  # defaults fill the rest
+    out = tmp_path / "out"
+    assert run_cli("unlearn", "--recipe", recipe, "--steps", 2, "--out", out, "--show-samples", 0) == 0
+    written = yaml.safe_load((out / "config.yaml").read_text())
+    assert written["steps"] == 2 and written["lr"] == 2e-4 and written["scheme"] == "alternate"
+
+
+def test_recipe_paths_are_found_next_to_the_recipe(tiny_llama, data, tmp_path, monkeypatch):
+    folder = tmp_path / "recipes"
+    (folder / "d").mkdir(parents=True)
+    (folder / "d" / "f.jsonl").write_text(data["forget"].read_text())
+    (folder / "x.yaml").write_text("forget: d/f.jsonl\nloss: GA\n")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_config(str(folder / "x.yaml"), {}).forget == str(folder / "d" / "f.jsonl")
+
+
+def test_failed_run_leaves_no_final_model_or_report(tiny_llama, data, tmp_path, monkeypatch):
+    from doplus_cli import losses
+
+    calls = {"n": 0}
+    original = losses.RETAIN_LOSSES["GD"]
+
+    def failing(ctx, batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated crash in the middle of training")
+        return original.fn(ctx, batch)
+
+    monkeypatch.setitem(losses.RETAIN_LOSSES, "GD", losses.LossSpec("GD", failing))
+    out = tmp_path / "crash"
+    config = resolve_config(None, {"model": tiny_llama, "forget": str(data["forget"]), "retain": str(data["retain"]),
+                                   "loss": "GA+GD", "steps": 6, "out": str(out), "show_samples": 0})
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_unlearn(config)
+    assert not (out / "final").exists() and not (out / "report.json").exists()
+    assert len(read_metrics(out)) == 3  # the steps that finished are kept for diagnosis
+
+
+# ---- bad input: one line naming file, line and field; exit code 2; no traceback ----
+
+def _bad(tmp_path, name, lines):
+    path = tmp_path / name
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+@pytest.mark.parametrize(
+    "case,needle",
+    [
+        ("malformed", "bad.jsonl:2: malformed JSON"),
+        ("missing_answer", "bad.jsonl:2: missing field 'answer'"),
+        ("empty_forget", "the forget set is empty"),
+        ("empty_retain", "the retain set is empty"),
+        ("unknown_loss", "unknown loss 'XX+GD'"),
+        ("unknown_scheme", "unknown scheme 'sequential'"),
+        ("missing_model", "does-not-exist: model path does not exist"),
+        ("offline_hub", "not a local path and not in the Hugging Face cache (HF_HUB_OFFLINE is set)"),
+        ("nonempty_out", "output folder exists and is not empty"),
+        ("unknown_option", "No such option: --forgett"),
+        ("bad_number", "option 'lr' must be float"),
+        ("recipe_typo", "unknown option 'stepz' (did you mean 'steps'?)"),
+        ("text_rows_idk", "rows have only a 'text' field; IDK needs question/answer rows"),
+    ],
+)
+def test_bad_input_is_one_line_with_exit_code_2(tiny_llama, data, tmp_path, capsys, case, needle):
+    good = {"--model": tiny_llama, "--forget": data["forget"], "--retain": data["retain"], "--steps": 1,
+            "--out": tmp_path / "out", "--loss": "GA+GD"}
+    flags = []
+    if case == "malformed":
+        good["--forget"] = _bad(tmp_path, "bad.jsonl", ['{"question": "q", "answer": "a"}', '{"question": "q",'])
+    elif case == "missing_answer":
+        good["--retain"] = _bad(tmp_path, "bad.jsonl", ['{"question": "q", "answer": "a"}', '{"question": "q"}'])
+    elif case == "empty_forget":
+        good["--forget"] = _bad(tmp_path, "empty.jsonl", [])
+    elif case == "empty_retain":
+        good["--retain"] = _bad(tmp_path, "empty.jsonl", [""])
+    elif case == "unknown_loss":
+        good["--loss"] = "XX+GD"
+    elif case == "unknown_scheme":
+        flags = ["--scheme", "sequential"]
+    elif case == "missing_model":
+        good["--model"] = tmp_path / "does-not-exist"
+    elif case == "offline_hub":
+        good["--model"] = "nobody-has/this-model-xyz"
+    elif case == "nonempty_out":
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "notes.txt").write_text("keep me")
+    elif case == "unknown_option":
+        flags = ["--forgett", "x"]
+    elif case == "bad_number":
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text("lr: fast\n")
+        flags = ["--recipe", recipe]
+    elif case == "recipe_typo":
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text("stepz: 3\n")
+        flags = ["--recipe", recipe]
+    elif case == "text_rows_idk":
+        good["--forget"] = _bad(tmp_path, "corpus.jsonl", ['{"text": "a corpus line"}'])
+        good["--loss"] = "IDK+GD"
+    args = ["unlearn", *[str(x) for pair in good.items() for x in pair], *map(str, flags)]
+    capsys.readouterr()
+    assert run_cli(*args) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err
+    assert err.count("\n") == 0 and "Traceback" not in err
+    if case == "nonempty_out":
+        assert (tmp_path / "out" / "notes.txt").read_text() == "keep me"
+        assert run_cli(*args, "--overwrite") == 0
+        assert (tmp_path / "out" / "final").is_dir() and (tmp_path / "out" / "notes.txt").exists()
+
+
+def test_debug_shows_the_traceback(tiny_llama, data, tmp_path):
+    with pytest.raises(Exception, match="model path does not exist"):
+        main(["--debug", "unlearn", "--model", str(tmp_path / "nope"), "--forget", str(data["forget"]), "--loss", "GA",
+              "--out", str(tmp_path / "o")])
