@@ -138,6 +138,8 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
         context = LossContext(model, reference, config.beta)
         metrics = outputs.MetricsWriter(out / "metrics.jsonl") if main_process else None
         task = progress.add_task("unlearning", total=config.steps, status="")
+        # In a batch job's log (no terminal) a live bar draws nothing; print a plain line now and then.
+        log_lines, log_every = not console.is_terminal, max(1, config.steps // 20)
         try:
             for step in range(config.steps):
                 step_started = time.perf_counter()
@@ -157,6 +159,9 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
                 status = f"{objective:<6} " + " ".join(f"{k.removesuffix('_loss')} {v:.4f}" for k, v in terms.items()
                                                        if k != "total_loss")
                 progress.update(task, advance=1, status=status + f"  {1 / max(record['seconds'], 1e-9):.2f} step/s")
+                if log_lines and main_process and ((step + 1) % log_every == 0 or step + 1 == config.steps):
+                    console.print(f"step {step + 1}/{config.steps} {status} lr {lr:.3g} grad_norm {grad_norm:.3g} "
+                                  f"{record['seconds']:.2f} s/step", highlight=False)
         finally:
             if metrics is not None:
                 metrics.close()

@@ -1,0 +1,41 @@
+"""Every shipped recipe resolves to a valid configuration with the paper's settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from doplus_cli.config import resolve_config
+
+RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").rglob("*.yaml"))
+
+
+def test_the_paper_settings_are_shipped():
+    names = {str(p.relative_to(p.parents[2])) if "tofu" in p.parts else p.name for p in RECIPES}
+    for model in ("phi-1.5", "llama2-7b"):
+        for loss in ("idk_gd", "me_gd", "dpo_gd", "npo_gd"):
+            assert f"tofu/{model}/{loss}.yaml" in names
+    assert "quickstart.yaml" in names
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(p.parents[1])))
+def test_recipe_resolves(path):
+    config = resolve_config(str(path), {})
+    assert config.description
+    if "tofu" in path.parts:
+        assert config.forget == "hf:locuslab/TOFU:forget10" and config.retain == "hf:locuslab/TOFU:retain90"
+        assert (config.lr, config.steps, config.forget_freq, config.retain_freq) == (1e-5, 300, 1, 5)
+        assert config.betas == (0.9, 0.95) and config.weight_decay == 0.01 and config.beta == 0.1
+        effective = {"phi-1.5": 40, "llama2-7b": 128}[path.parent.name]
+        assert config.batch_size * config.grad_accum == effective
+        assert config.model == {"phi-1.5": "locuslab/tofu_ft_phi-1.5", "llama2-7b": "locuslab/tofu_ft_llama2-7b"}[
+            path.parent.name]
+        assert config.forget_coeff == (0.1 if config.loss == "ME+GD" else 1.0)
+    if "real_world" in path.parts:
+        assert config.model == "meta-llama/Meta-Llama-3-8B-Instruct" and config.lr == 5e-6
+        assert config.batch_size * config.grad_accum == 128 and config.answers_from_model
+        assert Path(config.forget).is_file() and Path(config.retain).is_file()
+    if path.name == "quickstart.yaml":
+        assert config.model is None and config.answers_from_model  # the embedded model, its own answers
+        assert Path(config.forget).is_file() and Path(config.retain).is_file()
