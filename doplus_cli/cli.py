@@ -17,6 +17,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help texts show [default: ...] and hf:NAME[:CONFIG][@SPLIT] literally
 )
 bench_app = typer.Typer(help="Measure optimizer and end-to-end speed and memory.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")

@@ -58,6 +58,8 @@ def read_metrics(out):
         ("doplus", ["--state-bits", 8]),
         ("doplus", ["--optimizer", "muon"]),
         ("dualoptim", ["--state-bits", 8]),
+        ("alternate", ["--state-bits", 8, "--dtype", "bfloat16"]),
+        ("doplus", ["--state-bits", 8, "--dtype", "bfloat16"]),
     ],
 )
 def test_every_scheme_runs_and_writes_a_loadable_final_model(tiny_llama, data, tmp_path, scheme, extra):
@@ -254,6 +256,7 @@ def _bad(tmp_path, name, lines):
         ("unknown_scheme", "unknown scheme 'sequential'"),
         ("missing_model", "does-not-exist: model path does not exist"),
         ("offline_hub", "not a local path and not in the Hugging Face cache (HF_HUB_OFFLINE is set)"),
+        ("offline_hub_data", "hf:nobody-has/this-data: cannot load the hub dataset (offline mode is set)"),
         ("nonempty_out", "output folder exists and is not empty"),
         ("unknown_option", "No such option: --forgett"),
         ("bad_number", "option 'lr' must be float"),
@@ -281,6 +284,8 @@ def test_bad_input_is_one_line_with_exit_code_2(tiny_llama, data, tmp_path, caps
         good["--model"] = tmp_path / "does-not-exist"
     elif case == "offline_hub":
         good["--model"] = "nobody-has/this-model-xyz"
+    elif case == "offline_hub_data":
+        good["--retain"] = "hf:nobody-has/this-data"
     elif case == "nonempty_out":
         (tmp_path / "out").mkdir()
         (tmp_path / "out" / "notes.txt").write_text("keep me")

@@ -140,6 +140,7 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
         task = progress.add_task("unlearning", total=config.steps, status="")
         # In a batch job's log (no terminal) a live bar draws nothing; print a plain line now and then.
         log_lines, log_every = not console.is_terminal, max(1, config.steps // 20)
+        last_losses = {f"{name}_loss": float("nan") for name in objectives}  # latest value of each term
         try:
             for step in range(config.steps):
                 step_started = time.perf_counter()
@@ -156,8 +157,9 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
                           "seconds": time.perf_counter() - step_started, "peak_memory_gb": peak}
                 if metrics is not None:
                     metrics.write(record)
-                status = f"{objective:<6} " + " ".join(f"{k.removesuffix('_loss')} {v:.4f}" for k, v in terms.items()
-                                                       if k != "total_loss")
+                last_losses.update({k: v for k, v in terms.items() if k != "total_loss"})
+                shown = " ".join(f"{k.removesuffix('_loss')} {v:.4f}" for k, v in last_losses.items())
+                status = f"{objective:<6} {shown}"
                 progress.update(task, advance=1, status=status + f"  {1 / max(record['seconds'], 1e-9):.2f} step/s")
                 if log_lines and main_process and ((step + 1) % log_every == 0 or step + 1 == config.steps):
                     console.print(f"step {step + 1}/{config.steps} {status} lr {lr:.3g} grad_norm {grad_norm:.3g} "
