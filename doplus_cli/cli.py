@@ -108,6 +108,25 @@ def unlearn(
     show_samples: int | None = typer.Option(
         None, "--show-samples", help="Questions per set shown before/after (0: none)." + _default("show_samples")
     ),
+    eval_every: int | None = typer.Option(
+        None, "--eval-every", help="Evaluate every N steps (and at the end) into OUT/evals/step-N/ [default: never]"
+    ),
+    eval_suite: str | None = typer.Option(None, "--eval-suite", help="Suite run during training." + _default(
+        "eval_suite")),
+    eval_split: str | None = typer.Option(None, "--eval-split", help="TOFU forget split." + _default("eval_split")),
+    eval_data_dir: str | None = typer.Option(
+        None, "--eval-data-dir", help="Folder of TOFU JSON-lines files [default: hf:locuslab/TOFU]"
+    ),
+    eval_max_samples: int | None = typer.Option(None, "--eval-max-samples", help="Questions per set [default: all]"),
+    eval_max_new_tokens: int | None = typer.Option(
+        None, "--eval-max-new-tokens", help="Greedy tokens per answer." + _default("eval_max_new_tokens")
+    ),
+    eval_nli_model: str | None = typer.Option(
+        None, "--eval-nli-model", help="NLI model [default: sileod/deberta-v3-base-tasksource-nli]"
+    ),
+    eval_embedding_model: str | None = typer.Option(
+        None, "--eval-embedding-model", help="Embedding model [default: all-MiniLM-L6-v2]"
+    ),
 ) -> None:
     """Unlearn a forget set while keeping a retain set; writes final/, metrics.jsonl and a report."""
     overrides = {name: value for name, value in locals().items() if name != "recipe"}
@@ -132,10 +151,98 @@ def multitask() -> None:
     _not_built("multitask")
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def evaluate() -> None:
-    """Evaluate a model with the paper's metrics (not built yet)."""
-    _not_built("evaluate", 4)
+@app.command()
+def evaluate(
+    folders: list[str] | None = typer.Argument(None, help="With --compare: evaluation folders to compare."),
+    compare: bool = typer.Option(False, "--compare", help="Print the given evaluation folders side by side."),
+    model: str | None = typer.Option(
+        None, "--model", help="Hub id, model folder (e.g. a run's final/) or .gguf [default: embedded SmolLM2]"
+    ),
+    suite: str = typer.Option("tofu", "--suite", help="tofu, real-world, lm-eval, or several comma-separated."),
+    split: str = typer.Option("forget10", "--split", help="TOFU forget split: forget01, forget05, forget10."),
+    data_dir: str | None = typer.Option(
+        None, "--data-dir", help="Folder of TOFU JSON-lines files [default: hf:locuslab/TOFU from the hub]"
+    ),
+    forget: str | None = typer.Option(None, "--forget", help="real-world: forget-people JSON lines."),
+    retain: str | None = typer.Option(None, "--retain", help="real-world: neighbour-people JSON lines."),
+    out: str | None = typer.Option(None, "--out", help="Output folder [default: evals/DATE-TIME]"),
+    max_samples: int | None = typer.Option(None, "--max-samples", help="At most N questions per set (quick looks)."),
+    batch_size: int = typer.Option(16, "--batch-size", min=1, help="Generation and NLL batch size."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Greedy tokens per answer."),
+    embedding_model: str | None = typer.Option(
+        None, "--embedding-model", help="Sentence-transformers model for Cosine Similarity [default: all-MiniLM-L6-v2]"
+    ),
+    nli_model: str | None = typer.Option(
+        None, "--nli-model", help="NLI model for the Entailment Score [default: sileod/deberta-v3-base-tasksource-nli]"
+    ),
+    targeted: bool | None = typer.Option(
+        None, "--targeted/--untargeted",
+        help="OVR formula (IDK/DPO are targeted) [default: from the run's loss, else both]",
+    ),
+    tasks: str = typer.Option(
+        "arc_challenge,mmlu,truthfulqa_mc2,triviaqa,gsm8k", "--tasks", help="lm-eval tasks, comma-separated."
+    ),
+    limit: float | None = typer.Option(None, "--limit", help="lm-eval: samples per task (or a fraction < 1)."),
+    lm_eval_include: str | None = typer.Option(None, "--lm-eval-include", help="Folder of extra lm-eval task YAMLs."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the model's own code to run."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an evaluation already in --out."),
+    seed: int = typer.Option(0, "--seed", help="Seed (rejection answers drawn for TFE)."),
+) -> None:
+    """Evaluate a model with the paper's six indicators and MU/UFE/TFE/OVR (TOFU, real-world, lm-eval)."""
+    from doplus_cli.evaluation.report import compare_table
+
+    if compare:
+        if not folders or len(folders) < 2:
+            raise UserError("--compare needs at least two evaluation folders: doplus evaluate --compare DIR1 DIR2")
+        Console(highlight=False).print(compare_table(folders), markup=False)
+        return
+    if folders:
+        raise UserError(f"unexpected argument '{folders[0]}' (folders are only taken with --compare)")
+    from doplus_cli.evaluation.runner import EvalConfig, parse_suites, run_evaluate
+
+    if dtype not in ("auto", "float32", "bfloat16"):
+        raise UserError(f"unknown dtype '{dtype}': choose one of auto, float32, bfloat16")
+    config = EvalConfig(
+        model=model, suites=parse_suites(suite), split=split, data_dir=data_dir, forget=forget, retain=retain,
+        out=out, max_samples=max_samples, batch_size=batch_size, max_new_tokens=max_new_tokens,
+        embedding_model=embedding_model, nli_model=nli_model, targeted=targeted,
+        tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), limit=limit, lm_eval_include=lm_eval_include,
+        dtype=dtype, trust_remote_code=trust_remote_code, overwrite=overwrite, seed=seed,
+    )
+    record = run_evaluate(config, err_console)
+    _print_eval(record)
+
+
+def _print_eval(record: dict) -> None:
+    from rich.table import Table
+
+    console = Console(highlight=False)
+    for section in record["sections"]:
+        if section["suite"] == "lm-eval":
+            table = Table(title=f"lm-eval (limit {section['limit']})")
+            table.add_column("task")
+            table.add_column("metric")
+            table.add_column("value", justify="right")
+            for task, (metric, value) in section["headline"].items():
+                table.add_row(task, metric, "n/a" if value is None else f"{100 * value:.2f}")
+            console.print(table)
+            continue
+        table = Table(title=f"{section['suite']}: indicators (%)")
+        sets = [s["name"] for s in section["sets"]]
+        table.add_column("indicator")
+        for name in sets:
+            table.add_column(name, justify="right")
+        from doplus_cli.evaluation.suites import INDICATORS
+
+        for indicator in INDICATORS:
+            cells = [section["values"].get(f"{s}_{indicator}") for s in sets]
+            table.add_row(indicator, *["n/a" if v is None else f"{100 * v:.2f}" for v in cells])
+        console.print(table)
+        for agg in section["aggregates"]:
+            value = "n/a" if agg["value"] is None else f"{100 * agg['value']:.2f}"
+            console.print(f"{agg['name']}: {value}" + (f"  ({agg['note']})" if agg["note"] else ""), markup=False)
+    console.print(f"report: {record['out']}/report.md  ({record['wall_time_s']:.0f} s)", markup=False)
 
 
 @bench_app.command("optimizer")

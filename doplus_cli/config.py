@@ -25,7 +25,7 @@ STATE_BITS = (32, 8)
 FORGET_LOSS_NAMES = ("GA", "NPO", "DPO", "ME", "IDK")
 RETAIN_LOSS_NAMES = ("GD", "KL", "AP")
 # Keys in a recipe whose relative paths are looked up next to the recipe file first.
-_PATH_KEYS = ("model", "forget", "retain")
+_PATH_KEYS = ("model", "forget", "retain", "eval_data_dir")
 
 
 @dataclass
@@ -71,6 +71,15 @@ class UnlearnConfig:
     out: str | None = None  # None: runs/unlearn-YYYYmmdd-HHMMSS
     overwrite: bool = False
     show_samples: int = 3
+    # Evaluation during training (`doplus evaluate`'s suites at every N-th step, into OUT/evals/step-N/)
+    eval_every: int = 0  # 0: never
+    eval_suite: str = "tofu"
+    eval_split: str = "forget10"
+    eval_data_dir: str | None = None  # None: hf:locuslab/TOFU
+    eval_max_samples: int | None = None
+    eval_max_new_tokens: int = 64
+    eval_nli_model: str | None = None
+    eval_embedding_model: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -230,6 +239,11 @@ def validate(config: UnlearnConfig) -> None:
         raise UserError(f"--forget-lr must be a number >= 0, got {config.forget_lr}")
     if not all(0.0 <= b < 1.0 for b in config.betas):
         raise UserError(f"--betas must be two numbers in [0, 1), got {config.betas}")
+    if config.eval_every < 0:
+        raise UserError(f"--eval-every must be >= 0, got {config.eval_every}")
+    if config.eval_every and config.eval_suite != "tofu":
+        raise UserError(f"unknown --eval-suite '{config.eval_suite}' for evaluation during training: only tofu "
+                        "(run `doplus evaluate --suite ...` on final/ afterwards for the others)")
     if config.forget is None:
         raise UserError("no forget set: pass --forget FILE.jsonl (or hf:NAME[:CONFIG][@SPLIT]) or set it in the recipe")
     if config.retain_loss is not None and config.retain is None:

@@ -22,6 +22,45 @@ def _chunks(items: Sequence, size: int) -> Iterator[Sequence]:
 
 
 @torch.no_grad()
+def greedy_generate(
+    model: torch.nn.Module,
+    formatter: PromptFormatter,
+    questions: Sequence[str],
+    max_new_tokens: int,
+    batch_size: int = 16,
+    progress: Progress | None = None,
+    description: str = "generating",
+) -> tuple[list[str], list[list[int]]]:
+    """Greedy completions of each question's prompt, batched with left padding: (texts, token ids).
+
+    The token ids stop before the first EOS/pad token; the texts are decoded without special tokens.
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    tokenizer = formatter.tokenizer
+    stop = {tokenizer.eos_token_id, tokenizer.pad_token_id} - {None}
+    texts: list[str] = []
+    tokens: list[list[int]] = []
+    task = progress.add_task(description, total=len(questions), status="") if progress is not None else None
+    try:
+        for chunk in _chunks(list(questions), batch_size):
+            batch = {k: v.to(device) for k, v in left_padded_prompts(formatter, list(chunk)).items()}
+            output = model.generate(
+                **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                temperature=None, top_p=None, top_k=None,
+            )
+            for row in output[:, batch["input_ids"].shape[1]:].tolist():
+                cut = next((i for i, t in enumerate(row) if t in stop), len(row))
+                tokens.append(row[:cut])
+                texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True).strip())
+            if task is not None:
+                progress.advance(task, len(chunk))
+    finally:
+        model.train(was_training)
+    return texts, tokens
+
+
 def greedy_answers(
     model: torch.nn.Module,
     formatter: PromptFormatter,
@@ -31,27 +70,8 @@ def greedy_answers(
     progress: Progress | None = None,
     description: str = "generating",
 ) -> list[str]:
-    """Greedy completions of each question's prompt, batched with left padding."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    tokenizer = formatter.tokenizer
-    answers: list[str] = []
-    task = progress.add_task(description, total=len(questions), status="") if progress is not None else None
-    try:
-        for chunk in _chunks(list(questions), batch_size):
-            batch = {k: v.to(device) for k, v in left_padded_prompts(formatter, list(chunk)).items()}
-            output = model.generate(
-                **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                temperature=None, top_p=None, top_k=None,
-            )
-            new_tokens = output[:, batch["input_ids"].shape[1]:]
-            answers.extend(t.strip() for t in tokenizer.batch_decode(new_tokens, skip_special_tokens=True))
-            if task is not None:
-                progress.advance(task, len(chunk))
-    finally:
-        model.train(was_training)
-    return answers
+    """Greedy answers (text only) to each question."""
+    return greedy_generate(model, formatter, questions, max_new_tokens, batch_size, progress, description)[0]
 
 
 def write_self_answered(

@@ -141,6 +141,8 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
         # In a batch job's log (no terminal) a live bar draws nothing; print a plain line now and then.
         log_lines, log_every = not console.is_terminal, max(1, config.steps // 20)
         last_losses = {f"{name}_loss": float("nan") for name in objectives}  # latest value of each term
+        evals: list[dict[str, Any]] = []
+        eval_state: dict[str, Any] = {}
         try:
             for step in range(config.steps):
                 step_started = time.perf_counter()
@@ -161,6 +163,9 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
                 shown = " ".join(f"{k.removesuffix('_loss')} {v:.4f}" for k, v in last_losses.items())
                 status = f"{objective:<6} {shown}"
                 progress.update(task, advance=1, status=status + f"  {1 / max(record['seconds'], 1e-9):.2f} step/s")
+                if config.eval_every and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps):
+                    evals.append(_evaluate_during_training(step + 1, accelerator, model, tokenizer, config, out,
+                                                           progress, eval_state))
                 if log_lines and main_process and ((step + 1) % log_every == 0 or step + 1 == config.steps):
                     console.print(f"step {step + 1}/{config.steps} {status} lr {lr:.3g} grad_norm {grad_norm:.3g} "
                                   f"{record['seconds']:.2f} s/step", highlight=False)
@@ -193,8 +198,69 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
                                            str(unwrapped.dtype).removeprefix("torch.")),
         **_sample_report(samples, before, after),
     }
+    if evals:
+        report["evals"] = evals
+        report["eval_curves"] = _plot_curves(evals, out)
     outputs.write_report(out, report)
     return report
+
+
+def _evaluate_during_training(step, accelerator, model, tokenizer, config, out, progress, state) -> dict[str, Any]:
+    """`doplus evaluate`'s TOFU suite on the current weights into OUT/evals/step-N/ (main process only);
+    returns the step's aggregates for the curves in the run report."""
+    from doplus_cli.evaluation.runner import EvalConfig, evaluate_model, load_judges
+
+    row: dict[str, Any] = {"step": step}
+    if accelerator.is_main_process:
+        eval_config = EvalConfig(
+            model=config.model, suites=(config.eval_suite,), split=config.eval_split, data_dir=config.eval_data_dir,
+            max_samples=config.eval_max_samples, max_new_tokens=config.eval_max_new_tokens,
+            batch_size=max(config.batch_size, 8), embedding_model=config.eval_embedding_model,
+            nli_model=config.eval_nli_model, seed=config.seed,
+        )
+        unwrapped = accelerator.unwrap_model(model)
+        if "judges" not in state:
+            device = "cuda" if accelerator.device.type == "cuda" else "cpu"
+            state["judges"] = load_judges(eval_config, device, need=True)
+        folder = out / "evals" / f"step-{step}"
+        folder.mkdir(parents=True, exist_ok=True)
+        targeted = config.forget_loss in ("IDK", "DPO")
+        record = evaluate_model(unwrapped, tokenizer, eval_config, folder, f"step {step}", progress, targeted,
+                                state["judges"])
+        unwrapped.train()
+        for section in record["sections"]:
+            for aggregate in section.get("aggregates", []):
+                row[aggregate["name"]] = None if aggregate["value"] is None else 100 * aggregate["value"]
+                if aggregate["note"]:
+                    row.setdefault("notes", {})[aggregate["name"]] = aggregate["note"]
+        row["folder"] = str(folder)
+    accelerator.wait_for_everyone()
+    return row
+
+
+def _plot_curves(evals: list[dict[str, Any]], out: Path) -> str | None:
+    """evals/curves.png: MU, UFE, TFE and OVR against the step (None when matplotlib is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in ("MU", "UFE", "TFE", "OVR"):
+        points = [(e["step"], e[name]) for e in evals if e.get(name) is not None]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("%")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    path = out / "evals" / "curves.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
 
 
 def _accumulate_gradients(

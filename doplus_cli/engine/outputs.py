@@ -193,6 +193,17 @@ def render_markdown(report: dict[str, Any]) -> str:
             )
         for name, value in report.get("sample_rouge_mean", {}).items():
             lines.append(f"\nMean ROUGE-L recall, {name}: {value:.3f}")
+    if report.get("evals"):
+        names = [n for n in ("MU", "UFE", "TFE", "OVR") if any(e.get(n) is not None for e in report["evals"])]
+        lines += ["", "## Evaluations during training (TOFU suite, %)", "",
+                  "| step | " + " | ".join(names) + " |", "| ---: |" + " ---: |" * len(names)]
+        for e in report["evals"]:
+            cells = ["n/a" if e.get(n) is None else f"{e[n]:.2f}" for n in names]
+            lines.append(f"| {e['step']} | " + " | ".join(cells) + " |")
+        notes = {note for e in report["evals"] for note in e.get("notes", {}).values()}
+        lines += [f"\nCoverage: {note}" for note in sorted(notes)]
+        if report.get("eval_curves"):
+            lines += ["", "![curves](evals/curves.png)"]
     lines += ["", "## Environment", ""]
     lines.append(f"- device: {env['device']}, world size {env['world_size']}, dtype {env['dtype']}")
     lines.append("- " + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v) + f", python {env['python']}")

