@@ -188,3 +188,25 @@ def test_bad_input_is_one_line_with_exit_code_2(tiny_llama, tofu_dir, tmp_path, 
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and err.count("\n") == 0 and "Traceback" not in err
+
+
+def test_tofu_and_lm_eval_in_one_call(tiny_llama, tofu_dir, tmp_path):
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    docs = [{"question": f"Is {n} even?", "choices": ["yes", "no"], "label": n % 2} for n in range(4)]
+    (tasks / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tasks / "tiny_parity.yaml").write_text(
+        "task: tiny_parity\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {tasks / 'docs.jsonl'}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: \"Question: {{question}}\\nAnswer:\"\n"
+        "doc_to_choice: choices\ndoc_to_target: label\n"
+        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\nmetadata:\n  version: 1.0\n"
+    )
+    out = tmp_path / "both"
+    assert run_cli("evaluate", "--model", tiny_llama, "--suite", "tofu,lm-eval", "--data-dir", tofu_dir,
+                   "--max-samples", 1, "--max-new-tokens", 2, "--tasks", "tiny_parity", "--limit", 3,
+                   "--lm-eval-include", tasks, "--out", out) == 0
+    summary = json.loads((out / "SUMMARY.json").read_text())
+    assert "MU" in summary and 0.0 <= summary["lmeval_tiny_parity_acc"] <= 1.0
+    assert json.loads((out / "LM_EVAL.json").read_text())["n_samples"]["tiny_parity"] == 3
+    assert "## lm-eval" in (out / "report.md").read_text()
