@@ -10,16 +10,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForSequenceClassification
 
-from doplus_cli.cli import main
 from doplus_cli.data.formatting import IGNORE_INDEX, PromptFormatter
-
-
-def run_cli(*args):
-    try:
-        main([str(a) for a in args])
-    except SystemExit as done:
-        return done.code
-    return 0
+from tests.helpers import run_cli
 
 
 @pytest.fixture(scope="module")

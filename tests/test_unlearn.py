@@ -16,6 +16,7 @@ from doplus_cli.data import sources
 from doplus_cli.engine import optimizers
 from doplus_cli.engine.loop import run_unlearn
 from doplus_cli.optim import DualOptim, DualOptimPlus
+from tests.helpers import run_cli
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +31,6 @@ def data(tofu_dir, tmp_path_factory):
     return paths
 
 
-def run_cli(*args):
-    """Run `doplus ARGS`; return the exit code (0 on success)."""
-    try:
-        main([str(a) for a in args])
-    except SystemExit as done:
-        return done.code
-    return 0
 
 
 def base_args(model, data, out, *extra):
