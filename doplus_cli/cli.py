@@ -108,6 +108,14 @@ def unlearn(
     show_samples: int | None = typer.Option(
         None, "--show-samples", help="Questions per set shown before/after (0: none)." + _default("show_samples")
     ),
+    save_every: int | None = typer.Option(
+        None, "--save-every", help="Write checkpoints/step-N/ every N steps [default: never]"
+    ),
+    keep_last: int | None = typer.Option(None, "--keep-last", help="Keep the newest K checkpoints [default: all]"),
+    resume: str | None = typer.Option(
+        None, "--resume", help="Continue the run in --out: `--resume` alone takes its latest checkpoint, "
+        "`--resume PATH` the checkpoint folder given.",
+    ),
     eval_every: int | None = typer.Option(
         None, "--eval-every", help="Evaluate every N steps (and at the end) into OUT/evals/step-N/ [default: never]"
     ),
@@ -289,6 +297,16 @@ def _quiet_libraries() -> None:
         pass
 
 
+def _resume_defaults_to_latest(argv: list[str]) -> list[str]:
+    """`--resume` without a value (last, or followed by another option) means `--resume latest`."""
+    result = []
+    for i, arg in enumerate(argv):
+        result.append(arg)
+        if arg == "--resume" and (i + 1 == len(argv) or argv[i + 1].startswith("-")):
+            result.append("latest")
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: every user error is one line on stderr and exit code 2.
 
@@ -298,6 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     from typer._click.exceptions import ClickException, NoArgsIsHelpError
 
     _quiet_libraries()
+    argv = _resume_defaults_to_latest(list(sys.argv[1:] if argv is None else argv))
     try:
         code = app(args=argv, standalone_mode=False)
     except NoArgsIsHelpError as error:

@@ -71,6 +71,10 @@ class UnlearnConfig:
     out: str | None = None  # None: runs/unlearn-YYYYmmdd-HHMMSS
     overwrite: bool = False
     show_samples: int = 3
+    # Checkpoints and resume
+    save_every: int = 0  # 0: no checkpoints
+    keep_last: int = 0  # 0: keep every checkpoint
+    resume: str | None = None  # "latest" or a checkpoint folder
     # Evaluation during training (`doplus evaluate`'s suites at every N-th step, into OUT/evals/step-N/)
     eval_every: int = 0  # 0: never
     eval_suite: str = "tofu"
@@ -239,6 +243,11 @@ def validate(config: UnlearnConfig) -> None:
         raise UserError(f"--forget-lr must be a number >= 0, got {config.forget_lr}")
     if not all(0.0 <= b < 1.0 for b in config.betas):
         raise UserError(f"--betas must be two numbers in [0, 1), got {config.betas}")
+    for name in ("save_every", "keep_last"):
+        if getattr(config, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")
+    if config.resume is not None and config.out is None:
+        raise UserError("--resume needs --out: the folder of the run to continue")
     if config.eval_every < 0:
         raise UserError(f"--eval-every must be >= 0, got {config.eval_every}")
     if config.eval_every and config.eval_suite != "tofu":

@@ -10,3 +10,9 @@ class UserError(Exception):
     """
 
     exit_code = 2
+
+
+class RunError(UserError):
+    """A run that cannot go on (a non-finite loss, say): one line, exit code 1."""
+
+    exit_code = 1

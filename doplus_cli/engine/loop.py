@@ -10,6 +10,10 @@ from __future__ import annotations
 import copy
 import math
 import os
+import shlex
+import signal
+import sys
+import threading
 import time
 from contextlib import nullcontext
 from datetime import datetime
@@ -25,11 +29,11 @@ from doplus_cli.config import UnlearnConfig
 from doplus_cli.data.batches import IndexStream, build_batch
 from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.data.sources import Keys, Source, open_source
-from doplus_cli.engine import outputs
+from doplus_cli.engine import checkpoint, outputs
 from doplus_cli.engine.generation import greedy_answers, write_self_answered
 from doplus_cli.engine.optimizers import build_optimizer
 from doplus_cli.engine.schedule import objective_at, steps_per_objective
-from doplus_cli.errors import UserError
+from doplus_cli.errors import RunError, UserError
 from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossContext, LossSpec
 from doplus_cli.models import load_model_and_tokenizer
 
@@ -94,7 +98,14 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
         config.warmup_steps = math.ceil(len(forget_source) / effective_batch)
     config.warmup_steps = min(config.warmup_steps, config.steps)
     config.out = config.out or default_out_dir()
-    out = outputs.prepare_out_dir(config.out, config.overwrite) if main_process else Path(config.out)
+    resume_from, saved = None, None
+    if config.resume:
+        resume_from = checkpoint.find_checkpoint(config.resume, Path(config.out))
+        saved = checkpoint.read_state(resume_from)
+        _refuse_changed_config(resume_from, saved["config"], config.to_dict())
+        out = Path(config.out)
+    else:
+        out = outputs.prepare_out_dir(config.out, config.overwrite) if main_process else Path(config.out)
 
     model, tokenizer, model_name = load_model_and_tokenizer(config.model, config.dtype, config.trust_remote_code)
     formatter = PromptFormatter(tokenizer, config.max_length)
@@ -106,13 +117,17 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
     with progress:
         if config.answers_from_model:
             forget_source, retain_source = _self_answer(
-                model, formatter, config, out, forget_source, retain_source, progress, accelerator
+                model, formatter, config, out, forget_source, retain_source, progress, accelerator,
+                reuse=resume_from is not None,
             )
         _check_rows_fit("forget", forget_source, forget_spec)
         if retain_source is not None:
             _check_rows_fit("retain", retain_source, retain_spec)
         samples = _pick_samples(forget_source, retain_source, config.show_samples)
-        before = _answers(model, formatter, samples, config, progress, "answers before") if samples else []
+        if saved is not None:
+            before = saved["extra"].get("before", [])
+        else:
+            before = _answers(model, formatter, samples, config, progress, "answers before") if samples else []
 
         reference = None
         if forget_spec.needs_reference or (retain_spec is not None and retain_spec.needs_reference):
@@ -134,22 +149,40 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
         model.train()
         optimizer, scheduled = build_optimizer(config, model)
         scheduler = get_linear_schedule_with_warmup(scheduled, warmup, config.steps)
+        streams = {name: part.stream for name, part in objectives.items()}
+        start_step, records, evals = 0, [], []
+        if resume_from is not None:
+            state = checkpoint.load_checkpoint(resume_from, model, optimizer, scheduler, streams)
+            start_step, records = state["step"], checkpoint.saved_records(resume_from)
+            evals = state["extra"].get("evals", [])
+            console.print(f"resuming from {resume_from} at step {start_step}", highlight=False)
         model = accelerator.prepare(model)
         context = LossContext(model, reference, config.beta)
-        metrics = outputs.MetricsWriter(out / "metrics.jsonl") if main_process else None
-        task = progress.add_task("unlearning", total=config.steps, status="")
+        metrics = outputs.MetricsWriter(out / "metrics.jsonl", records) if main_process else None
+        task = progress.add_task("unlearning", total=config.steps, completed=start_step, status="")
         # In a batch job's log (no terminal) a live bar draws nothing; print a plain line now and then.
         log_lines, log_every = not console.is_terminal, max(1, config.steps // 20)
         last_losses = {f"{name}_loss": float("nan") for name in objectives}  # latest value of each term
-        evals: list[dict[str, Any]] = []
         eval_state: dict[str, Any] = {}
+        stop = StopRequest()
+
+        def save(step_done: int) -> Path | None:
+            if not main_process:
+                return None
+            return checkpoint.save_checkpoint(
+                out / "checkpoints", step_done, accelerator.unwrap_model(model), optimizer, scheduler, streams,
+                config.to_dict(), metrics.records, {"before": before, "evals": evals}, config.keep_last,
+            )
+
         try:
-            for step in range(config.steps):
+            stop.install()
+            for step in range(start_step, config.steps):
                 step_started = time.perf_counter()
                 objective = objective_at(step, config.scheme, config.forget_freq, config.retain_freq)
                 terms = _accumulate_gradients(objective, objectives, context, formatter, config, accelerator)
                 max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
                 grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
+                _stop_if_not_finite(step + 1, terms, grad_norm, out)
                 lr = scheduler.get_last_lr()[0] * getattr(optimizer, "lr_multipliers", {}).get(objective, 1.0)
                 optimizer.step(objective=objective)
                 scheduler.step()
@@ -169,7 +202,13 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
                 if log_lines and main_process and ((step + 1) % log_every == 0 or step + 1 == config.steps):
                     console.print(f"step {step + 1}/{config.steps} {status} lr {lr:.3g} grad_norm {grad_norm:.3g} "
                                   f"{record['seconds']:.2f} s/step", highlight=False)
+                if config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
+                    save(step + 1)
+                if stop.signal_name is not None and step + 1 < config.steps:
+                    path = save(step + 1)
+                    raise RunInterrupted(stop, step + 1, path)
         finally:
+            stop.restore()
             if metrics is not None:
                 metrics.close()
 
@@ -203,6 +242,62 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
         report["eval_curves"] = _plot_curves(evals, out)
     outputs.write_report(out, report)
     return report
+
+
+class RunInterrupted(UserError):
+    """SIGTERM or Ctrl-C: a checkpoint was written; say how to resume. Exit code 128 + signal number."""
+
+    def __init__(self, stop: StopRequest, step: int, path: Path | None) -> None:
+        argv = [a for a in sys.argv[1:] if a != "--overwrite"]
+        if "--resume" not in argv:
+            argv.append("--resume")
+        command = "doplus " + " ".join(shlex.quote(a) for a in argv)
+        super().__init__(f"stopped by {stop.signal_name} after step {step}; checkpoint {path}; resume with: {command}")
+        self.exit_code = 128 + stop.signal_number
+
+
+class StopRequest:
+    """SIGTERM (a cluster preempting the job) and SIGINT (Ctrl-C) end the run after the current step, with a
+    checkpoint, instead of killing it mid-step."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self.signal_number = 0
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, number, frame) -> None:
+        self.signal_number, self.signal_name = number, signal.Signals(number).name
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for number in (signal.SIGTERM, signal.SIGINT):
+            self._previous[number] = signal.signal(number, self._handle)
+
+    def restore(self) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous.clear()
+
+
+def _stop_if_not_finite(step: int, terms: dict[str, float], grad_norm: float, out: Path) -> None:
+    """A NaN or infinite loss or gradient ends the run before it reaches the weights."""
+    bad = {k: v for k, v in terms.items() if not math.isfinite(v)}
+    if not math.isfinite(grad_norm):
+        bad["grad_norm"] = grad_norm
+    if bad:
+        found = checkpoint.list_checkpoints(out / "checkpoints")
+        kept = f"the last good checkpoint is {found[-1]}" if found else "no checkpoint was written (--save-every)"
+        what = ", ".join(f"{k} = {v}" for k, v in bad.items())
+        raise RunError(f"step {step}: non-finite {what}; stopped before the optimizer step; {kept}; "
+                       "try a lower --lr or --forget-lr, or --dtype float32")
+
+
+def _refuse_changed_config(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
+    keys = checkpoint.differing_keys(saved, current)
+    if keys:
+        changes = ", ".join(f"{k} ({saved.get(k)!r} -> {current.get(k)!r})" for k in keys)
+        raise UserError(f"{path}: cannot resume with a different configuration: {changes}")
 
 
 def _evaluate_during_training(step, accelerator, model, tokenizer, config, out, progress, state) -> dict[str, Any]:
@@ -288,11 +383,13 @@ def _accumulate_gradients(
     return sums
 
 
-def _self_answer(model, formatter, config, out, forget_source, retain_source, progress, accelerator):
-    """Replace the sets' answers by the model's own greedy answers, written to out/data/*.jsonl."""
+def _self_answer(model, formatter, config, out, forget_source, retain_source, progress, accelerator, reuse=False):
+    """Replace the sets' answers by the model's own greedy answers, written to out/data/*.jsonl (a resumed run
+    reads the files its first part wrote)."""
     keys = Keys()
     paths = {"forget": str(out / "data" / "forget.jsonl"), "retain": str(out / "data" / "retain.jsonl")}
-    if accelerator.is_main_process:
+    reuse = reuse and all(os.path.isfile(p) for p in paths.values())
+    if accelerator.is_main_process and not reuse:
         write_self_answered(model, formatter, forget_source, paths["forget"], config.max_new_tokens, progress)
         if retain_source is not None:
             write_self_answered(model, formatter, retain_source, paths["retain"], config.max_new_tokens, progress)

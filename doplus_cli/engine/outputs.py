@@ -51,9 +51,12 @@ def write_config(out: Path, resolved: dict[str, Any]) -> None:
 class MetricsWriter:
     """metrics.jsonl: one JSON object per optimizer step, flushed as it is written."""
 
-    def __init__(self, path: Path) -> None:
-        self.records: list[dict[str, Any]] = []
+    def __init__(self, path: Path, records: list[dict[str, Any]] | None = None) -> None:
+        """Start the file afresh, or with `records` (the steps a resumed run already took)."""
+        self.records: list[dict[str, Any]] = list(records or [])
         self._handle = open(path, "w")
+        self._handle.writelines(json.dumps(r) + "\n" for r in self.records)
+        self._handle.flush()
 
     def write(self, record: dict[str, Any]) -> None:
         self.records.append(record)

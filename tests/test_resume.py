@@ -1,0 +1,122 @@
+"""Checkpoints and exact resume: SIGKILL at a random step, SIGTERM, a changed configuration, NaN guard."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from doplus_cli.engine.checkpoint import list_checkpoints
+from tests.helpers import run_cli
+
+
+@pytest.fixture(scope="module")
+def data(tofu_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("resume-data")
+    for role, name, n in (("forget", "forget01.json", 10), ("retain", "retain90.json", 16)):
+        (folder / f"{role}.jsonl").write_text("".join(list(open(tofu_dir / name))[:n]))
+    return folder
+
+
+def args(model, data, out, steps, *extra):
+    return ["unlearn", "--model", model, "--forget", data / "forget.jsonl", "--retain", data / "retain.jsonl",
+            "--loss", "NPO+GD", "--steps", steps, "--lr", 1e-3, "--batch-size", 2, "--max-length", 48,
+            "--show-samples", 0, "--out", out, *extra]
+
+
+def launch(arguments):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen([sys.executable, "-m", "doplus_cli", *map(str, arguments)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_steps(out, n, process, timeout=180):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        path = out / "metrics.jsonl"
+        if path.exists() and sum(1 for _ in open(path)) >= n:
+            return
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.01)
+    raise AssertionError("the run did not reach the step in time")
+
+
+def final_weights(out):
+    return load_file(str(out / "final" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("extra", [[], ["--state-bits", "8"]], ids=["doplus-32bit", "doplus-8bit"])
+def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tiny_llama, data, tmp_path, extra):
+    steps = 60
+    reference = tmp_path / "uninterrupted"
+    assert run_cli(*args(tiny_llama, data, reference, steps, *extra)) == 0
+    out = tmp_path / "killed"
+    process = launch(args(tiny_llama, data, out, steps, "--save-every", 1, "--keep-last", 3, *extra))
+    kill_after = random.Random(os.getpid()).randint(3, steps - 10)
+    wait_for_steps(out, kill_after, process)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (out / "final").exists() and not (out / "report.json").exists()
+    kept = list_checkpoints(out / "checkpoints")
+    assert 1 <= len(kept) <= 3  # --keep-last 3
+    assert run_cli(*args(tiny_llama, data, out, steps, "--save-every", 1, "--keep-last", 3, *extra), "--resume") == 0
+    a, b = final_weights(reference), final_weights(out)
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    records = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert json.loads((out / "report.json").read_text())["losses"]["forget"]["steps"] == 10
+
+
+def test_sigterm_writes_a_checkpoint_and_the_resumed_run_completes(tiny_llama, data, tmp_path):
+    steps = 400
+    out = tmp_path / "preempted"
+    process = launch(args(tiny_llama, data, out, steps))
+    wait_for_steps(out, 5, process)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM after step" in err and "--resume" in err and "Traceback" not in err
+    kept = list_checkpoints(out / "checkpoints")
+    assert len(kept) == 1 and not (out / "final").exists()
+    stopped_at = int(kept[0].name.removeprefix("step-"))
+    assert stopped_at < steps
+    assert run_cli(*args(tiny_llama, data, out, steps), "--resume", kept[0]) == 0
+    assert (out / "final" / "model.safetensors").is_file()
+    assert len(open(out / "metrics.jsonl").readlines()) == steps
+
+
+def test_resume_with_a_changed_learning_rate_is_refused(tiny_llama, data, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run_cli(*args(tiny_llama, data, out, 4, "--save-every", 2)) == 0
+    capsys.readouterr()
+    assert run_cli(*args(tiny_llama, data, out, 4)[:-2], "--lr", 5e-4, "--out", out, "--resume") == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot resume with a different configuration: lr (0.001 -> 0.0005)" in err and "\n" not in err
+
+
+def test_a_non_finite_loss_stops_before_the_weights_change(tiny_llama, data, tmp_path, capsys, monkeypatch):
+    from doplus_cli import losses
+
+    original = losses.FORGET_LOSSES["NPO"]
+    calls = {"n": 0}
+
+    def poisoned(ctx, batch):
+        calls["n"] += 1
+        value = original.fn(ctx, batch)
+        return value * float("nan") if calls["n"] == 2 else value
+
+    monkeypatch.setitem(losses.FORGET_LOSSES, "NPO", losses.LossSpec("NPO", poisoned, needs_reference=True))
+    out = tmp_path / "nan"
+    capsys.readouterr()
+    assert run_cli(*args(tiny_llama, data, out, 12, "--save-every", 3)) == 1
+    err = capsys.readouterr().err
+    assert "step 7: non-finite forget_loss = nan" in err and "checkpoints/step-6" in err
+    assert not (out / "final").exists()
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step-3", "step-6"]
