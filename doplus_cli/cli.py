@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -24,6 +25,7 @@ app.add_typer(bench_app, name="bench")
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 _debug = {"on": False}
+_argv: dict[str, list[str]] = {"value": []}  # the arguments main() parsed, for --num-processes relaunching
 
 
 @app.callback()
@@ -108,6 +110,10 @@ def unlearn(
     show_samples: int | None = typer.Option(
         None, "--show-samples", help="Questions per set shown before/after (0: none)." + _default("show_samples")
     ),
+    num_processes: int | None = typer.Option(
+        None, "--num-processes", min=1,
+        help="Run on N processes through `accelerate launch` (N GPUs, or N CPU processes over gloo).",
+    ),
     save_every: int | None = typer.Option(
         None, "--save-every", help="Write checkpoints/step-N/ every N steps [default: never]"
     ),
@@ -137,7 +143,9 @@ def unlearn(
     ),
 ) -> None:
     """Unlearn a forget set while keeping a retain set; writes final/, metrics.jsonl and a report."""
-    overrides = {name: value for name, value in locals().items() if name != "recipe"}
+    overrides = {name: value for name, value in locals().items() if name not in ("recipe", "num_processes")}
+    if num_processes is not None and num_processes > 1 and "LOCAL_RANK" not in os.environ:
+        _relaunch_with_accelerate(num_processes)
     from doplus_cli.config import resolve_config
     from doplus_cli.engine.loop import print_summary, run_unlearn
 
@@ -297,6 +305,33 @@ def _quiet_libraries() -> None:
         pass
 
 
+def _relaunch_with_accelerate(num_processes: int) -> None:
+    """`doplus unlearn --num-processes N ...` = `accelerate launch --num_processes N -m doplus_cli unlearn ...`.
+
+    accelerate's multi-process launcher (torchrun underneath) is used on CPU too: without CUDA the engine asks
+    accelerate for CPU processes, which then form a gloo group.
+    """
+    import subprocess
+
+    args, skip = [], False
+    for arg in _argv["value"]:
+        if skip:
+            skip = False
+            continue
+        if arg == "--num-processes":
+            skip = True
+            continue
+        if arg.startswith("--num-processes="):
+            continue
+        args.append(arg)
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+               str(num_processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "-m", "doplus_cli", *args]
+    err_console.print(Text(f"launching {num_processes} processes: accelerate launch ... -m doplus_cli "
+                           + " ".join(args)))
+    sys.exit(subprocess.call(command))
+
+
 def _resume_defaults_to_latest(argv: list[str]) -> list[str]:
     """`--resume` without a value (last, or followed by another option) means `--resume latest`."""
     result = []
@@ -317,6 +352,7 @@ def main(argv: list[str] | None = None) -> None:
 
     _quiet_libraries()
     argv = _resume_defaults_to_latest(list(sys.argv[1:] if argv is None else argv))
+    _argv["value"] = argv
     try:
         code = app(args=argv, standalone_mode=False)
     except NoArgsIsHelpError as error:

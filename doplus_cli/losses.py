@@ -20,11 +20,23 @@ from doplus_cli.data.formatting import IGNORE_INDEX
 Batch = dict[str, dict[str, Tensor]]
 
 
+def local_token_count(mask: Tensor) -> Tensor:
+    return mask.sum().clamp_min(1)
+
+
 @dataclass
 class LossContext:
+    """What a loss needs besides its batch.
+
+    `token_count` turns a batch's answer-token mask into the denominator of token-mean losses. On one
+    process it is the batch's count; on N processes the loop passes the all-reduced count divided by N, so
+    that the gradients DDP averages equal those of one process on the whole global batch.
+    """
+
     model: torch.nn.Module
     reference: torch.nn.Module | None = None
     beta: float = 0.1
+    token_count: Callable[[Tensor], Tensor] = local_token_count
 
 
 @dataclass(frozen=True)
@@ -79,10 +91,10 @@ def sequence_nll(model: torch.nn.Module, tensors: dict[str, Tensor]) -> Tensor:
     return nll.sum(-1)
 
 
-def mean_ce(model: torch.nn.Module, tensors: dict[str, Tensor]) -> Tensor:
+def mean_ce(model: torch.nn.Module, tensors: dict[str, Tensor], token_count=local_token_count) -> Tensor:
     """Mean token cross-entropy over every answer token of the batch."""
     nll, mask = token_nll(logits_of(model, tensors), tensors["labels"])
-    return nll.sum() / mask.sum().clamp_min(1)
+    return nll.sum() / token_count(mask)
 
 
 def _reference_nll(ctx: LossContext, tensors: dict[str, Tensor]) -> Tensor:
@@ -93,7 +105,7 @@ def _reference_nll(ctx: LossContext, tensors: dict[str, Tensor]) -> Tensor:
 @_register(FORGET_LOSSES, "GA")
 def gradient_ascent(ctx: LossContext, batch: Batch) -> Tensor:
     """GA: -CE on the forget answers."""
-    return -mean_ce(ctx.model, batch["answer"])
+    return -mean_ce(ctx.model, batch["answer"], ctx.token_count)
 
 
 @_register(FORGET_LOSSES, "NPO", needs_reference=True)
@@ -122,19 +134,19 @@ def maximum_entropy(ctx: LossContext, batch: Batch) -> Tensor:
     log_probs = F.log_softmax(_upcast(logits), dim=-1)
     vocab = log_probs.size(-1)
     kl = -math.log(vocab) - log_probs.mean(-1)
-    return (kl * mask).sum() / mask.sum().clamp_min(1)
+    return (kl * mask).sum() / ctx.token_count(mask)
 
 
 @_register(FORGET_LOSSES, "IDK", needs_rejection=True, targeted=True)
 def idk(ctx: LossContext, batch: Batch) -> Tensor:
     """IDK: CE of a rejection answer given the forget question."""
-    return mean_ce(ctx.model, batch["rejection"])
+    return mean_ce(ctx.model, batch["rejection"], ctx.token_count)
 
 
 @_register(RETAIN_LOSSES, "GD")
 def gradient_descent(ctx: LossContext, batch: Batch) -> Tensor:
     """GD: CE on the retain answers."""
-    return mean_ce(ctx.model, batch["answer"])
+    return mean_ce(ctx.model, batch["answer"], ctx.token_count)
 
 
 @_register(RETAIN_LOSSES, "KL", needs_reference=True)
@@ -147,7 +159,7 @@ def kl_to_reference(ctx: LossContext, batch: Batch) -> Tensor:
     log_p = F.log_softmax(_upcast(logits), dim=-1)
     log_ref = F.log_softmax(_upcast(ref_logits), dim=-1)
     kl = (log_ref.exp() * (log_ref - log_p)).sum(-1)
-    return (kl * mask).sum() / mask.sum().clamp_min(1)
+    return (kl * mask).sum() / ctx.token_count(mask)
 
 
 @_register(RETAIN_LOSSES, "AP", needs_rejection=True)

@@ -34,12 +34,22 @@ from doplus_cli.engine.generation import greedy_answers, write_self_answered
 from doplus_cli.engine.optimizers import build_optimizer
 from doplus_cli.engine.schedule import objective_at, steps_per_objective
 from doplus_cli.errors import RunError, UserError
-from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossContext, LossSpec
+from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossContext, LossSpec, local_token_count
 from doplus_cli.models import load_model_and_tokenizer
 
 
 def default_out_dir() -> str:
     return os.path.join("runs", "unlearn-" + datetime.now().strftime("%Y%m%d-%H%M%S"))
+
+
+def _shared_default_out(accelerator) -> str:
+    """The main process's default folder name, on every process (their clocks may differ by a second)."""
+    from accelerate.utils import broadcast_object_list
+
+    name = [default_out_dir()]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(name)
+    return name[0]
 
 
 def _progress(console: Console, enabled: bool) -> Progress:
@@ -84,7 +94,9 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
 
     console = console or Console(stderr=True)
     started = time.perf_counter()
-    accelerator = Accelerator()
+    # cpu=True without CUDA: several processes started by `accelerate launch --multi_gpu` or torchrun then
+    # form a gloo group on CPU (accelerate's own `--cpu` launcher needs MPI for more than one process).
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
     main_process = accelerator.is_main_process
     set_seed(config.seed)
 
@@ -97,7 +109,7 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
     if config.warmup_steps is None:  # one pass over the forget set
         config.warmup_steps = math.ceil(len(forget_source) / effective_batch)
     config.warmup_steps = min(config.warmup_steps, config.steps)
-    config.out = config.out or default_out_dir()
+    config.out = config.out or _shared_default_out(accelerator)
     resume_from, saved = None, None
     if config.resume:
         resume_from = checkpoint.find_checkpoint(config.resume, Path(config.out))
@@ -157,7 +169,7 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
             evals = state["extra"].get("evals", [])
             console.print(f"resuming from {resume_from} at step {start_step}", highlight=False)
         model = accelerator.prepare(model)
-        context = LossContext(model, reference, config.beta)
+        context = LossContext(model, reference, config.beta, _token_count(accelerator))
         metrics = outputs.MetricsWriter(out / "metrics.jsonl", records) if main_process else None
         task = progress.add_task("unlearning", total=config.steps, completed=start_step, status="")
         # In a batch job's log (no terminal) a live bar draws nothing; print a plain line now and then.
@@ -358,6 +370,19 @@ def _plot_curves(evals: list[dict[str, Any]], out: Path) -> str | None:
     return str(path)
 
 
+def _token_count(accelerator):
+    """The denominator of token-mean losses: this batch's answer tokens on one process; on N processes the
+    global count / N (DDP averages gradients, so each rank's share of the global mean comes out right)."""
+    if accelerator.num_processes == 1:
+        return local_token_count
+
+    def global_count(mask: torch.Tensor) -> torch.Tensor:
+        total = accelerator.reduce(mask.sum().detach().float(), reduction="sum")
+        return (total / accelerator.num_processes).clamp_min(1e-6)
+
+    return global_count
+
+
 def _accumulate_gradients(
     objective: str, objectives: dict[str, Objective], context: LossContext, formatter: PromptFormatter,
     config: UnlearnConfig, accelerator,
@@ -378,6 +403,10 @@ def _accumulate_gradients(
                 sums[f"{name}_loss"] += value.item() / config.grad_accum
                 total = total + part.coeff * value
             accelerator.backward(total / config.grad_accum)
+    if accelerator.num_processes > 1:  # log the global batch's loss, as one process would see it
+        names = list(sums)
+        mean = accelerator.reduce(torch.tensor([sums[n] for n in names], device=accelerator.device), "mean")
+        sums = dict(zip(names, mean.tolist()))
     if objective == "joint":
         sums["total_loss"] = sum(objectives[n].coeff * sums[f"{n}_loss"] for n in parts)
     return sums

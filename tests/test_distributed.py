@@ -1,0 +1,86 @@
+"""Two CPU processes (gloo, through `accelerate launch`) at per-process batch b against one process at 2b."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.helpers import run_cli
+
+
+@pytest.fixture(scope="module")
+def data(tofu_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ddp-data")
+    for role, name, n in (("forget", "forget01.json", 12), ("retain", "retain90.json", 16)):
+        (folder / f"{role}.jsonl").write_text("".join(list(open(tofu_dir / name))[:n]))
+    return folder
+
+
+def common(model, data, out, *extra):
+    return ["unlearn", "--model", model, "--forget", data / "forget.jsonl", "--retain", data / "retain.jsonl",
+            "--steps", 6, "--lr", 1e-3, "--max-length", 48, "--show-samples", 0, "--out", out, *extra]
+
+
+def two_processes(arguments):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-m", "doplus_cli", *map(str, arguments), "--num-processes", "2"],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def weights(out):
+    return load_file(str(out / "final" / "model.safetensors"))
+
+
+def metrics(out):
+    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+def max_difference(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize(
+    "name,extra,tolerance",
+    [
+        ("joint", ["--scheme", "joint", "--loss", "NPO+GD"], 1e-6),
+        ("doplus-forget", ["--scheme", "doplus", "--loss", "NPO"], 1e-5),
+    ],
+)
+def test_two_processes_at_batch_b_equal_one_at_2b(tiny_llama, data, tmp_path, name, extra, tolerance):
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert run_cli(*common(tiny_llama, data, one, "--batch-size", 4, *extra)) == 0
+    two_processes(common(tiny_llama, data, two, "--batch-size", 2, *extra))
+    report = json.loads((two / "report.json").read_text())
+    assert report["environment"]["world_size"] == 2 and report["environment"]["effective_batch"] == 4
+    start = load_file(str(tiny_llama / "model.safetensors"))
+    moved = max_difference(weights(one), start)
+    assert moved > 100 * tolerance  # the runs did move the weights
+    assert max_difference(weights(one), weights(two)) < tolerance
+    for a, b in zip(metrics(one), metrics(two)):
+        assert a["objective"] == b["objective"]
+        for key in ("forget_loss", "retain_loss", "grad_norm"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-5)
+
+
+def test_doplus_with_both_objectives_takes_the_same_gradients(tiny_llama, data, tmp_path):
+    """Forget and retain steps under DualOptim+ on two processes see the losses and gradient norms of one
+    process at twice the batch. (Their weights agree less tightly than joint's: where a retain gradient is
+    tiny next to the forget gradient, the rule's base + delta second moment cancels in float32, which
+    amplifies last-bit differences; see the README.)"""
+    one, two = tmp_path / "one", tmp_path / "two"
+    extra = ["--scheme", "doplus", "--loss", "NPO+GD", "--forget-freq", 1, "--retain-freq", 2, "--lr", 1e-5]
+    assert run_cli(*common(tiny_llama, data, one, "--batch-size", 4, *extra)) == 0
+    two_processes(common(tiny_llama, data, two, "--batch-size", 2, *extra))
+    for a, b in zip(metrics(one), metrics(two)):
+        assert a["objective"] == b["objective"]
+        for key in ("forget_loss", "retain_loss", "grad_norm"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-3)
+    assert (two / "final" / "config.json").is_file() and not (two / "final.tmp").exists()
