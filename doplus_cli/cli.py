@@ -110,6 +110,24 @@ def unlearn(
     show_samples: int | None = typer.Option(
         None, "--show-samples", help="Questions per set shown before/after (0: none)." + _default("show_samples")
     ),
+    lora_rank: int | None = typer.Option(None, "--lora-rank", help="Train LoRA adapters of rank R (peft) [default: "
+                                         "0, every weight]"),
+    lora_alpha: float | None = typer.Option(None, "--lora-alpha", help="LoRA alpha." + _default("lora_alpha")),
+    lora_targets: str | None = typer.Option(
+        None, "--lora-targets", help="Modules to adapt, comma-separated [default: peft's for the architecture]"
+    ),
+    lora_dropout: float | None = typer.Option(None, "--lora-dropout", help="LoRA dropout." + _default(
+        "lora_dropout")),
+    gradient_checkpointing: bool | None = typer.Option(
+        None, "--gradient-checkpointing/--no-gradient-checkpointing",
+        help="Recompute activations in backward (less memory)." + _default("gradient_checkpointing"),
+    ),
+    save_adapter_only: bool | None = typer.Option(
+        None, "--save-adapter-only/--save-merged", help="final/ holds the LoRA adapter only [default: merged model]"
+    ),
+    ref_offload: str | None = typer.Option(
+        None, "--ref-offload", help="cpu: keep the reference model (NPO, DPO, KL) on the CPU [default: on the device]"
+    ),
     num_processes: int | None = typer.Option(
         None, "--num-processes", min=1,
         help="Run on N processes through `accelerate launch` (N GPUs, or N CPU processes over gloo).",

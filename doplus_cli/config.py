@@ -71,6 +71,14 @@ class UnlearnConfig:
     out: str | None = None  # None: runs/unlearn-YYYYmmdd-HHMMSS
     overwrite: bool = False
     show_samples: int = 3
+    # LoRA and memory
+    lora_rank: int = 0  # 0: train every weight
+    lora_alpha: float = 16.0
+    lora_targets: str | None = None  # comma-separated module names; None: peft's default for the architecture
+    lora_dropout: float = 0.0
+    gradient_checkpointing: bool = False
+    save_adapter_only: bool = False
+    ref_offload: str | None = None  # "cpu": keep the reference model (NPO, DPO, KL) on the CPU
     # Checkpoints and resume
     save_every: int = 0  # 0: no checkpoints
     keep_last: int = 0  # 0: keep every checkpoint
@@ -243,6 +251,12 @@ def validate(config: UnlearnConfig) -> None:
         raise UserError(f"--forget-lr must be a number >= 0, got {config.forget_lr}")
     if not all(0.0 <= b < 1.0 for b in config.betas):
         raise UserError(f"--betas must be two numbers in [0, 1), got {config.betas}")
+    if config.lora_rank < 0:
+        raise UserError(f"--lora-rank must be >= 0, got {config.lora_rank}")
+    if config.save_adapter_only and config.lora_rank == 0:
+        raise UserError("--save-adapter-only needs LoRA (--lora-rank R)")
+    if config.ref_offload not in (None, "cpu"):
+        raise UserError(f"unknown --ref-offload '{config.ref_offload}': only cpu (keep the reference model on the CPU)")
     for name in ("save_every", "keep_last"):
         if getattr(config, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")

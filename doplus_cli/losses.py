@@ -97,9 +97,15 @@ def mean_ce(model: torch.nn.Module, tensors: dict[str, Tensor], token_count=loca
     return nll.sum() / token_count(mask)
 
 
+def _on_reference_device(ctx: LossContext, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The batch moved to the reference model's device (it may be kept on CPU: `--ref-offload cpu`)."""
+    device = next(ctx.reference.parameters()).device
+    return {k: v.to(device) for k, v in tensors.items()}
+
+
 def _reference_nll(ctx: LossContext, tensors: dict[str, Tensor]) -> Tensor:
     with torch.no_grad():
-        return sequence_nll(ctx.reference, tensors)
+        return sequence_nll(ctx.reference, _on_reference_device(ctx, tensors)).to(tensors["labels"].device)
 
 
 @_register(FORGET_LOSSES, "GA")
@@ -155,7 +161,9 @@ def kl_to_reference(ctx: LossContext, batch: Batch) -> Tensor:
     tensors = batch["answer"]
     logits, _, mask = shifted(logits_of(ctx.model, tensors), tensors["labels"])
     with torch.no_grad():
-        ref_logits, _, _ = shifted(logits_of(ctx.reference, tensors), tensors["labels"])
+        ref_tensors = _on_reference_device(ctx, tensors)
+        ref_logits = logits_of(ctx.reference, ref_tensors).to(tensors["labels"].device)
+        ref_logits, _, _ = shifted(ref_logits, tensors["labels"])
     log_p = F.log_softmax(_upcast(logits), dim=-1)
     log_ref = F.log_softmax(_upcast(ref_logits), dim=-1)
     kl = (log_ref.exp() * (log_ref - log_p)).sum(-1)

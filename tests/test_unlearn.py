@@ -312,3 +312,35 @@ def test_debug_shows_the_traceback(tiny_llama, data, tmp_path):
     with pytest.raises(Exception, match="model path does not exist"):
         main(["--debug", "unlearn", "--model", str(tmp_path / "nope"), "--forget", str(data["forget"]), "--loss", "GA",
               "--out", str(tmp_path / "o")])
+
+
+def test_lora_run_changes_only_the_adapted_modules_and_saves_a_merged_model(tiny_llama, data, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "lora"
+    assert run_cli(*base_args(tiny_llama, data, out, "--lora-rank", 4, "--lora-targets", "q_proj,v_proj",
+                              "--steps", 4, "--lr", 1e-2, "--gradient-checkpointing", "--ref-offload", "cpu")) == 0
+    start = load_file(str(tiny_llama / "model.safetensors"))
+    final = load_file(str(out / "final" / "model.safetensors"))
+    assert set(final) == set(start)  # merged: plain weight names, no lora_A/lora_B
+    changed = {k for k in start if not torch.equal(start[k], final[k])}
+    assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed)
+    AutoModelForCausalLM.from_pretrained(out / "final")
+    report = json.loads((out / "report.json").read_text())
+    assert report["lora"]["adapter_norms"]["modules"] == 4 and report["lora"]["adapter_norms"]["delta_total"] > 0
+
+
+def test_lora_checkpoints_hold_the_adapters_and_resume_exactly(tiny_llama, data, tmp_path):
+    from safetensors.torch import load_file
+
+    extra = ["--lora-rank", 4, "--steps", 6, "--lr", 1e-2, "--save-adapter-only"]
+    assert run_cli(*base_args(tiny_llama, data, tmp_path / "a", *extra)) == 0
+    out = tmp_path / "b"
+    assert run_cli(*base_args(tiny_llama, data, out, *extra, "--save-every", 2)) == 0
+    saved = load_file(str(out / "checkpoints" / "step-2" / "model.safetensors"))
+    assert saved and all("lora_" in name for name in saved)  # adapters only
+    assert run_cli(*base_args(tiny_llama, data, out, *extra, "--save-every", 2),
+                   "--resume", out / "checkpoints" / "step-2") == 0
+    a = load_file(str(tmp_path / "a" / "final" / "adapter_model.safetensors"))
+    b = load_file(str(out / "final" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -79,6 +79,16 @@ class Objective:
         return {part: {k: v.to(device) for k, v in tensors.items()} for part, tensors in batch.items()}
 
 
+def _lora_settings(config: UnlearnConfig):
+    if config.lora_rank <= 0:
+        return None
+    from doplus_cli.lora import LoraSettings
+
+    targets = tuple(t.strip() for t in config.lora_targets.split(",") if t.strip()) if config.lora_targets else None
+    return LoraSettings(rank=config.lora_rank, alpha=config.lora_alpha, targets=targets,
+                        dropout=config.lora_dropout, gradient_checkpointing=config.gradient_checkpointing)
+
+
 def _check_rows_fit(objective_name: str, source: Source, loss: LossSpec) -> None:
     if loss.needs_rejection and source.text_rows:
         raise UserError(
@@ -144,6 +154,16 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
         reference = None
         if forget_spec.needs_reference or (retain_spec is not None and retain_spec.needs_reference):
             reference = copy.deepcopy(model).eval().requires_grad_(False)
+            if config.ref_offload == "cpu":
+                reference.to("cpu")
+        lora = _lora_settings(config)
+        if lora is not None:  # after the reference copy, so the reference stays the plain starting model
+            from doplus_cli.lora import apply_lora
+
+            model = apply_lora(model, lora)
+        elif config.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.config.use_cache = False
 
         objectives = {
             "forget": Objective(
@@ -230,6 +250,14 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
     accelerator.wait_for_everyone()
     if not main_process:
         return {}
+    lora_report = {}
+    if _lora_settings(config) is not None:
+        from doplus_cli.lora import adapter_norms, final_model
+
+        lora_report = {"lora": {"rank": config.lora_rank, "alpha": config.lora_alpha, "targets": config.lora_targets,
+                                "adapter_norms": adapter_norms(unwrapped),
+                                "final": "adapter only" if config.save_adapter_only else "merged model"}}
+        unwrapped = final_model(unwrapped, config.save_adapter_only)
     final = outputs.save_final(unwrapped, tokenizer, out)
     peak, peak_kind = outputs.peak_memory_gb(accelerator.device)
     report = {
@@ -248,6 +276,7 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
         "environment": outputs.environment(accelerator.device, world, effective_batch, config.seed,
                                            str(unwrapped.dtype).removeprefix("torch.")),
         **_sample_report(samples, before, after),
+        **lora_report,
     }
     if evals:
         report["evals"] = evals

@@ -149,6 +149,15 @@ def _cell(text: str, limit: int = 90) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def _lora_lines(lora: dict[str, Any] | None) -> list[str]:
+    if not lora:
+        return []
+    norms = lora["adapter_norms"]
+    return [f"- LoRA rank {lora['rank']}, alpha {lora['alpha']}, targets {lora['targets'] or 'default'}: "
+            f"{norms['modules']} adapted modules, adapter norm {norms['total']:.4g}, "
+            f"||scale B A|| {norms['delta_total']:.4g}; final/: {lora['final']}"]
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     cfg = report["config"]
     env = report["environment"]
@@ -166,6 +175,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"effective batch {env['effective_batch']}, seed {env['seed']}",
         f"- wall time {report['wall_time_s']:.1f} s, peak memory {report['peak_memory_gb']:.2f} GB "
         f"({report['peak_memory_kind']})",
+        *_lora_lines(report.get("lora")),
         "",
         "## Losses",
         "",
