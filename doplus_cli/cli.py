@@ -329,6 +329,7 @@ def _relaunch_with_accelerate(num_processes: int) -> None:
     accelerate's multi-process launcher (torchrun underneath) is used on CPU too: without CUDA the engine asks
     accelerate for CPU processes, which then form a gloo group.
     """
+    import signal
     import subprocess
 
     args, skip = [], False
@@ -347,7 +348,10 @@ def _relaunch_with_accelerate(num_processes: int) -> None:
                "-m", "doplus_cli", *args]
     err_console.print(Text(f"launching {num_processes} processes: accelerate launch ... -m doplus_cli "
                            + " ".join(args)))
-    sys.exit(subprocess.call(command))
+    process = subprocess.Popen(command)
+    for number in (signal.SIGTERM, signal.SIGINT):  # a preempted job's signal reaches every process
+        signal.signal(number, lambda received, _frame: process.send_signal(received))
+    sys.exit(process.wait())
 
 
 def _resume_defaults_to_latest(argv: list[str]) -> list[str]:

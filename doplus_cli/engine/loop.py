@@ -236,8 +236,11 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
                                   f"{record['seconds']:.2f} s/step", highlight=False)
                 if config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
                     save(step + 1)
-                if stop.signal_name is not None and step + 1 < config.steps:
+                if stop.requested(accelerator) and step + 1 < config.steps:
                     path = save(step + 1)
+                    accelerator.wait_for_everyone()
+                    if not main_process:  # the main process says what happened and how to resume
+                        raise SystemExit(128 + stop.signal_number)
                     raise RunInterrupted(stop, step + 1, path)
         finally:
             stop.restore()
@@ -308,6 +311,17 @@ class StopRequest:
 
     def _handle(self, number, frame) -> None:
         self.signal_number, self.signal_name = number, signal.Signals(number).name
+
+    def requested(self, accelerator) -> bool:
+        """Whether any process was signalled: all processes stop after the same step."""
+        if accelerator.num_processes == 1:
+            return self.signal_name is not None
+        flag = torch.tensor([float(self.signal_name is not None)], device=accelerator.device)
+        if accelerator.reduce(flag, reduction="sum").item() > 0:
+            if self.signal_name is None:
+                self.signal_number, self.signal_name = int(signal.SIGTERM), "SIGTERM (on another process)"
+            return True
+        return False
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():

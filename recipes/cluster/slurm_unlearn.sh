@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Multi-node `doplus unlearn` under SLURM through `accelerate launch` (DDP), preemption-safe.
+#
+#   RECIPE=recipes/tofu/llama2-7b/npo_gd.yaml OUT=runs/npo-llama2 sbatch recipes/cluster/slurm_unlearn.sh
+#
+# SLURM sends SIGTERM two minutes before the time limit or on preemption (--signal); every process of the run
+# stops after the same step, the main process writes checkpoints/step-N/ and the job exits with 143. With
+# --requeue the job comes back and this script finds the checkpoint and adds --resume, which continues
+# bit-for-bit where it stopped (a changed configuration is refused, naming the keys that differ).
+# Written for this cluster shape; adapt the #SBATCH lines to yours. Not exercised on a real cluster by CI.
+#SBATCH --job-name=doplus-unlearn
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=32
+#SBATCH --time=24:00:00
+#SBATCH --signal=TERM@120
+#SBATCH --requeue
+#SBATCH --output=%x-%j.out
+set -euo pipefail
+
+RECIPE=${RECIPE:?set RECIPE=recipes/...yaml}
+OUT=${OUT:-runs/${SLURM_JOB_NAME}}
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+SAVE_EVERY=${SAVE_EVERY:-50}
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+MASTER_PORT=${MASTER_PORT:-29500}
+
+RESUME=""
+if compgen -G "$OUT/checkpoints/step-*" > /dev/null; then
+    RESUME="--resume"
+fi
+
+srun --kill-on-bad-exit=1 bash -c "accelerate launch --multi_gpu \
+    --num_machines $SLURM_NNODES --num_processes $((SLURM_NNODES * GPUS_PER_NODE)) \
+    --machine_rank \$SLURM_NODEID --main_process_ip $MASTER_ADDR --main_process_port $MASTER_PORT \
+    --mixed_precision no --dynamo_backend no \
+    -m doplus_cli unlearn --recipe $RECIPE --out $OUT --save-every $SAVE_EVERY --keep-last 2 $RESUME"
