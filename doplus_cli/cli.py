@@ -128,6 +128,9 @@ def unlearn(
     ref_offload: str | None = typer.Option(
         None, "--ref-offload", help="cpu: keep the reference model (NPO, DPO, KL) on the CPU [default: on the device]"
     ),
+    fsdp: bool | None = typer.Option(
+        None, "--fsdp/--no-fsdp", help="Shard weights, gradients and optimizer states across processes (FSDP2)."
+    ),
     num_processes: int | None = typer.Option(
         None, "--num-processes", min=1,
         help="Run on N processes through `accelerate launch` (N GPUs, or N CPU processes over gloo).",

@@ -79,6 +79,7 @@ class UnlearnConfig:
     gradient_checkpointing: bool = False
     save_adapter_only: bool = False
     ref_offload: str | None = None  # "cpu": keep the reference model (NPO, DPO, KL) on the CPU
+    fsdp: bool = False  # full shard (FSDP2) across processes: weights, gradients and optimizer states
     # Checkpoints and resume
     save_every: int = 0  # 0: no checkpoints
     keep_last: int = 0  # 0: keep every checkpoint
@@ -257,6 +258,15 @@ def validate(config: UnlearnConfig) -> None:
         raise UserError("--save-adapter-only needs LoRA (--lora-rank R)")
     if config.ref_offload not in (None, "cpu"):
         raise UserError(f"unknown --ref-offload '{config.ref_offload}': only cpu (keep the reference model on the CPU)")
+    if config.fsdp:
+        unsupported = [flag for flag, on in (
+            ("--state-bits 8", config.state_bits == 8), ("--optimizer muon", config.optimizer == "muon"),
+            ("--save-every/--resume", bool(config.save_every or config.resume)),
+            ("--eval-every", config.eval_every > 0),
+            ("--lora-rank", config.lora_rank > 0),
+        ) if on]
+        if unsupported:
+            raise UserError(f"--fsdp does not support {', '.join(unsupported)} yet; drop them or run without --fsdp")
     for name in ("save_every", "keep_last"):
         if getattr(config, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")

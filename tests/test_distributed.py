@@ -84,3 +84,31 @@ def test_doplus_with_both_objectives_takes_the_same_gradients(tiny_llama, data, 
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-3)
     assert (two / "final" / "config.json").is_file() and not (two / "final.tmp").exists()
+
+
+def test_fsdp_two_processes_equal_one_process(tiny_llama, data, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    extra = ["--scheme", "joint", "--loss", "NPO+GD"]
+    assert run_cli(*common(tiny_llama, data, one, "--batch-size", 4, *extra)) == 0
+    two_processes(common(tiny_llama, data, two, "--batch-size", 2, "--fsdp", *extra))
+    a, b = weights(one), weights(two)
+    assert a.keys() == b.keys()  # final/ holds the full, gathered weights
+    assert max_difference(a, b) < 1e-6 < 1e-4 < max_difference(a, load_file(str(tiny_llama / "model.safetensors")))
+
+
+def test_fsdp_keeps_each_optimizer_state_shard_on_its_process(tiny_llama):
+    worker = os.path.join(os.path.dirname(__file__), "fsdp_worker.py")
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", worker,
+                             str(tiny_llama)], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in rows) == [0, 1]
+    for row in rows:  # each process holds half of every state (dimension 0 split in two)
+        assert row["local"] * 2 == row["full"]
+
+
+def test_fsdp_refuses_what_it_does_not_support_yet(tiny_llama, data, tmp_path, capsys):
+    capsys.readouterr()
+    assert run_cli(*common(tiny_llama, data, tmp_path / "x", "--fsdp", "--state-bits", 8)) == 2
+    assert "--fsdp does not support --state-bits 8 yet" in capsys.readouterr().err

@@ -29,7 +29,7 @@ from doplus_cli.config import UnlearnConfig
 from doplus_cli.data.batches import IndexStream, build_batch
 from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.data.sources import Keys, Source, open_source
-from doplus_cli.engine import checkpoint, outputs
+from doplus_cli.engine import checkpoint, outputs, sharding
 from doplus_cli.engine.generation import greedy_answers, write_self_answered
 from doplus_cli.engine.optimizers import build_optimizer
 from doplus_cli.engine.schedule import objective_at, steps_per_objective
@@ -179,6 +179,9 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
         warmup = config.warmup_steps
 
         model.train()
+        fsdp = config.fsdp and world > 1
+        if fsdp:  # before the optimizer: its states are then created as shards, like the parameters
+            model = sharding.shard_model(model)
         optimizer, scheduled = build_optimizer(config, model)
         scheduler = get_linear_schedule_with_warmup(scheduled, warmup, config.steps)
         streams = {name: part.stream for name, part in objectives.items()}
@@ -188,7 +191,8 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
             start_step, records = state["step"], checkpoint.saved_records(resume_from)
             evals = state["extra"].get("evals", [])
             console.print(f"resuming from {resume_from} at step {start_step}", highlight=False)
-        model = accelerator.prepare(model)
+        if not fsdp:
+            model = accelerator.prepare(model)
         context = LossContext(model, reference, config.beta, _token_count(accelerator))
         metrics = outputs.MetricsWriter(out / "metrics.jsonl", records) if main_process else None
         task = progress.add_task("unlearning", total=config.steps, completed=start_step, status="")
@@ -213,7 +217,10 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
                 objective = objective_at(step, config.scheme, config.forget_freq, config.retain_freq)
                 terms = _accumulate_gradients(objective, objectives, context, formatter, config, accelerator)
                 max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
-                grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
+                if fsdp:
+                    grad_norm = sharding.clip_grad_norm(model, max_norm)
+                else:
+                    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
                 _stop_if_not_finite(step + 1, terms, grad_norm, out)
                 lr = scheduler.get_last_lr()[0] * getattr(optimizer, "lr_multipliers", {}).get(objective, 1.0)
                 optimizer.step(objective=objective)
@@ -249,6 +256,7 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
 
         unwrapped = accelerator.unwrap_model(model)
         after = _answers(unwrapped, formatter, samples, config, progress, "answers after") if samples else []
+        full_weights = sharding.full_state_dict(model) if fsdp else None  # every process takes part
 
     accelerator.wait_for_everyone()
     if not main_process:
@@ -261,7 +269,7 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
                                 "adapter_norms": adapter_norms(unwrapped),
                                 "final": "adapter only" if config.save_adapter_only else "merged model"}}
         unwrapped = final_model(unwrapped, config.save_adapter_only)
-    final = outputs.save_final(unwrapped, tokenizer, out)
+    final = outputs.save_final(unwrapped, tokenizer, out, full_weights)
     peak, peak_kind = outputs.peak_memory_gb(accelerator.device)
     report = {
         "status": "completed",
@@ -437,7 +445,7 @@ def _accumulate_gradients(
     model = context.model
     for micro in range(config.grad_accum):
         last = micro == config.grad_accum - 1
-        with nullcontext() if last else accelerator.no_sync(model):
+        with nullcontext() if last or config.fsdp else accelerator.no_sync(model):
             total = 0.0
             for name in parts:
                 part = objectives[name]

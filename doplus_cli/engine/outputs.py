@@ -73,11 +73,12 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_final(model: torch.nn.Module, tokenizer, out: Path) -> Path:
-    """final/: the model (safetensors) and tokenizer, written to final.tmp and renamed."""
+def save_final(model: torch.nn.Module, tokenizer, out: Path, state_dict: dict | None = None) -> Path:
+    """final/: the model (safetensors) and tokenizer, written to final.tmp and renamed. `state_dict`: the
+    full weights of a sharded (FSDP) model, gathered beforehand."""
     tmp, final = out / "final.tmp", out / "final"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": state_dict} if state_dict else {}))
     tokenizer.save_pretrained(tmp)
     if final.exists():
         shutil.rmtree(final)
