@@ -2,6 +2,8 @@
 # Multi-node `doplus unlearn` under SLURM through `accelerate launch` (DDP), preemption-safe.
 #
 #   RECIPE=recipes/tofu/llama2-7b/npo_gd.yaml OUT=runs/npo-llama2 sbatch recipes/cluster/slurm_unlearn.sh
+#   FSDP=1 RECIPE=... sbatch recipes/cluster/slurm_unlearn.sh     # shard weights and optimizer states (no
+#                                                                 # checkpoints yet with --fsdp: SAVE_EVERY=0)
 #
 # SLURM sends SIGTERM two minutes before the time limit or on preemption (--signal); every process of the run
 # stops after the same step, the main process writes checkpoints/step-N/ and the job exits with 143. With
@@ -26,13 +28,20 @@ SAVE_EVERY=${SAVE_EVERY:-50}
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 MASTER_PORT=${MASTER_PORT:-29500}
 
-RESUME=""
+EXTRA=""
+if [ "${FSDP:-0}" = "1" ]; then
+    EXTRA="--fsdp"
+    SAVE_EVERY=0
+fi
+if [ "$SAVE_EVERY" != "0" ]; then
+    EXTRA="$EXTRA --save-every $SAVE_EVERY --keep-last 2"
+fi
 if compgen -G "$OUT/checkpoints/step-*" > /dev/null; then
-    RESUME="--resume"
+    EXTRA="$EXTRA --resume"
 fi
 
 srun --kill-on-bad-exit=1 bash -c "accelerate launch --multi_gpu \
     --num_machines $SLURM_NNODES --num_processes $((SLURM_NNODES * GPUS_PER_NODE)) \
     --machine_rank \$SLURM_NODEID --main_process_ip $MASTER_ADDR --main_process_port $MASTER_PORT \
     --mixed_precision no --dynamo_backend no \
-    -m doplus_cli unlearn --recipe $RECIPE --out $OUT --save-every $SAVE_EVERY --keep-last 2 $RESUME"
+    -m doplus_cli unlearn --recipe $RECIPE --out $OUT $EXTRA"
