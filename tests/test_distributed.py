@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -112,3 +113,15 @@ def test_fsdp_refuses_what_it_does_not_support_yet(tiny_llama, data, tmp_path, c
     capsys.readouterr()
     assert run_cli(*common(tiny_llama, data, tmp_path / "x", "--fsdp", "--state-bits", 8)) == 2
     assert "--fsdp does not support --state-bits 8 yet" in capsys.readouterr().err
+
+
+def test_two_process_run_resumes_bit_identically(tiny_llama, data, tmp_path):
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    two_processes(common(tiny_llama, data, whole, "--batch-size", 2))
+    two_processes(common(tiny_llama, data, resumed, "--batch-size", 2, "--save-every", 2))
+    checkpoint = resumed / "checkpoints" / "step-2"
+    shutil.rmtree(resumed / "final")
+    (resumed / "report.json").unlink()
+    two_processes(common(tiny_llama, data, resumed, "--batch-size", 2, "--save-every", 2) + ["--resume", checkpoint])
+    a, b = weights(whole), weights(resumed)
+    assert all((a[k] == b[k]).all() for k in a)
