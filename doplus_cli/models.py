@@ -119,9 +119,13 @@ def model_folder(spec: str | None) -> tuple[str, str]:
     return spec, spec
 
 
+def hub_offline(*also: str) -> bool:
+    """Whether Hugging Face offline mode is set (HF_HUB_OFFLINE, or any of the variables in `also`)."""
+    return any(os.environ.get(name, "").lower() in ("1", "true", "yes", "on") for name in ("HF_HUB_OFFLINE", *also))
+
+
 def _hub_error(spec: str, error: Exception) -> UserError:
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
-    why = "HF_HUB_OFFLINE is set" if offline else "the hub could not be reached"
+    why = "HF_HUB_OFFLINE is set" if hub_offline() else "the hub could not be reached"
     return UserError(
         f"{spec}: not a local path and not in the Hugging Face cache ({why}); download it where you have "
         f"access (`hf download {spec} --local-dir DIR`) and pass --model DIR [{type(error).__name__}]"

@@ -11,7 +11,7 @@ import torch
 
 from doplus_cli.cli import main
 from doplus_cli.data.formatting import PromptFormatter
-from doplus_cli.engine.generation import greedy_answers
+from doplus_cli.engine.generation import greedy_generate
 from doplus_cli.models import embedded_gguf_path, load_model_and_tokenizer, model_folder
 
 pytestmark = pytest.mark.slow
@@ -45,7 +45,7 @@ def test_embedded_model_loads_with_its_chat_template_and_answers(cache):
     assert 130e6 < sum(p.numel() for p in model.parameters()) < 140e6
     formatter = PromptFormatter(tokenizer)
     assert formatter.chat and "<|im_start|>assistant" in formatter.prompt_text("hi")
-    answer = greedy_answers(model, formatter, ["What is the capital of France?"], max_new_tokens=16)[0]
+    answer = greedy_generate(model, formatter, ["What is the capital of France?"], max_new_tokens=16)[0][0]
     assert "Paris" in answer  # the dequantised weights are the real model's
 
 

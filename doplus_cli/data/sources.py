@@ -46,6 +46,15 @@ class Keys:
     need_answer: bool = True  # False when answers come from the model (`answers_from_model`)
 
 
+def parse_json_line(raw: bytes, path: str, line_number: int) -> object:
+    """One line of a JSON-lines file, or a one-line error naming the file and line."""
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        hint = " (doplus reads JSON lines: one object per line)" if line_number == 1 else ""
+        raise UserError(f"{path}:{line_number}: malformed JSON ({getattr(error, 'msg', error)}){hint}") from None
+
+
 def _row_from(record: object, keys: Keys, where: str) -> Row:
     """Check one record and turn it into a Row; `where` is 'FILE:LINE' for the error message."""
     if not isinstance(record, dict):
@@ -83,8 +92,10 @@ class JsonlSource:
         if not os.path.isfile(path):
             raise UserError(f"{path}: file not found" if not os.path.isdir(path) else f"{path}: is a folder")
         self._offsets = array("q")
+        self._lengths = array("q")
         self._line_numbers = array("q")
         self.text_rows = 0
+        self._handle = None
         self._scan()
 
     def _scan(self) -> None:
@@ -97,24 +108,20 @@ class JsonlSource:
                 row = self._parse(raw, line_number)
                 self.text_rows += row.is_text
                 self._offsets.append(start)
+                self._lengths.append(len(raw))
                 self._line_numbers.append(line_number)
 
     def _parse(self, raw: bytes, line_number: int) -> Row:
-        where = f"{self.path}:{line_number}"
-        try:
-            record = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            hint = " (doplus reads JSON lines: one object per line)" if line_number == 1 else ""
-            raise UserError(f"{where}: malformed JSON ({getattr(error, 'msg', error)}){hint}") from None
-        return _row_from(record, self.keys, where)
+        return _row_from(parse_json_line(raw, self.path, line_number), self.keys, f"{self.path}:{line_number}")
 
     def __len__(self) -> int:
         return len(self._offsets)
 
     def __getitem__(self, index: int) -> Row:
-        with open(self.path, "rb") as handle:
-            handle.seek(self._offsets[index])
-            return self._parse(handle.readline(), self._line_numbers[index])
+        if self._handle is None:  # one unbuffered handle for the run: one seek and one read per row
+            self._handle = open(self.path, "rb", buffering=0)
+        self._handle.seek(self._offsets[index])
+        return self._parse(self._handle.read(self._lengths[index]), self._line_numbers[index])
 
 
 class HubSource:
@@ -129,10 +136,9 @@ class HubSource:
         try:
             self._data = datasets.load_dataset(name, config, split=split)
         except Exception as error:  # datasets raises many types for "not reachable" / "no such config"
-            offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") or os.environ.get(
-                "HF_DATASETS_OFFLINE", ""
-            ).lower() in ("1", "true", "yes")
-            why = "offline mode is set" if offline else str(error).splitlines()[0][:200]
+            from doplus_cli.models import hub_offline
+
+            why = "offline mode is set" if hub_offline("HF_DATASETS_OFFLINE") else str(error).splitlines()[0][:200]
             raise UserError(
                 f"{spec}: cannot load the hub dataset ({why}); export it to JSON lines where the hub is "
                 "reachable and pass the file instead"

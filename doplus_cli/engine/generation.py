@@ -61,19 +61,6 @@ def greedy_generate(
     return texts, tokens
 
 
-def greedy_answers(
-    model: torch.nn.Module,
-    formatter: PromptFormatter,
-    questions: Sequence[str],
-    max_new_tokens: int,
-    batch_size: int = 16,
-    progress: Progress | None = None,
-    description: str = "generating",
-) -> list[str]:
-    """Greedy answers (text only) to each question."""
-    return greedy_generate(model, formatter, questions, max_new_tokens, batch_size, progress, description)[0]
-
-
 def write_self_answered(
     model: torch.nn.Module,
     formatter: PromptFormatter,
@@ -92,7 +79,7 @@ def write_self_answered(
     rows = [source[i] for i in range(len(source))]
     if any(r.is_text for r in rows):
         raise UserError(f"{source.name}: answers_from_model needs question rows, not 'text' rows")
-    answers = greedy_answers(
+    answers, _ = greedy_generate(
         model, formatter, [r.question for r in rows], max_new_tokens, progress=progress,
         description=f"answering {os.path.basename(source.name)}",
     )

@@ -30,10 +30,11 @@ from doplus_cli.data.batches import IndexStream, build_batch
 from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.data.sources import Keys, Source, open_source
 from doplus_cli.engine import checkpoint, outputs, sharding
-from doplus_cli.engine.generation import greedy_answers, write_self_answered
+from doplus_cli.engine.generation import greedy_generate, write_self_answered
 from doplus_cli.engine.optimizers import build_optimizer
 from doplus_cli.engine.schedule import objective_at, steps_per_objective
 from doplus_cli.errors import RunError, UserError
+from doplus_cli.evaluation.metrics import rouge_l_recall
 from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossContext, LossSpec, local_token_count
 from doplus_cli.models import load_model_and_tokenizer
 
@@ -89,7 +90,7 @@ def _lora_settings(config: UnlearnConfig):
                         dropout=config.lora_dropout, gradient_checkpointing=config.gradient_checkpointing)
 
 
-def _check_rows_fit(objective_name: str, source: Source, loss: LossSpec) -> None:
+def _check_rows_fit(source: Source, loss: LossSpec) -> None:
     if loss.needs_rejection and source.text_rows:
         raise UserError(
             f"{source.name}: {source.text_rows} rows have only a 'text' field; {loss.name} needs question/answer rows"
@@ -142,9 +143,9 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
                 model, formatter, config, out, forget_source, retain_source, progress, accelerator,
                 reuse=resume_from is not None,
             )
-        _check_rows_fit("forget", forget_source, forget_spec)
+        _check_rows_fit(forget_source, forget_spec)
         if retain_source is not None:
-            _check_rows_fit("retain", retain_source, retain_spec)
+            _check_rows_fit(retain_source, retain_spec)
         samples = _pick_samples(forget_source, retain_source, config.show_samples)
         if saved is not None:
             before = saved["extra"].get("before", [])
@@ -176,14 +177,13 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
                 "retain", retain_source, retain_spec, config.retain_coeff,
                 IndexStream(len(retain_source), config.batch_size, config.seed + 1, accelerator.process_index, world),
             )
-        warmup = config.warmup_steps
 
         model.train()
         fsdp = config.fsdp and world > 1
         if fsdp:  # before the optimizer: its states are then created as shards, like the parameters
             model = sharding.shard_model(model)
         optimizer, scheduled = build_optimizer(config, model)
-        scheduler = get_linear_schedule_with_warmup(scheduled, warmup, config.steps)
+        scheduler = get_linear_schedule_with_warmup(scheduled, config.warmup_steps, config.steps)
         streams = {name: part.stream for name, part in objectives.items()}
         start_step, records, evals = 0, [], []
         if resume_from is not None:
@@ -262,7 +262,7 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
     if not main_process:
         return {}
     lora_report = {}
-    if _lora_settings(config) is not None:
+    if lora is not None:
         from doplus_cli.lora import adapter_norms, final_model
 
         lora_report = {"lora": {"rank": config.lora_rank, "alpha": config.lora_alpha, "targets": config.lora_targets,
@@ -278,7 +278,7 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
         "config": {**config.to_dict(), "out": str(out)},
         "data": {"forget_rows": len(forget_source), "retain_rows": len(retain_source) if retain_source else 0},
         "steps": config.steps,
-        "warmup_steps": warmup,
+        "warmup_steps": config.warmup_steps,
         "steps_per_objective": steps_per_objective(config.steps, config.scheme, config.forget_freq, config.retain_freq),
         "losses": outputs.loss_summary(metrics.records),
         "wall_time_s": time.perf_counter() - started,
@@ -382,7 +382,7 @@ def _evaluate_during_training(step, accelerator, model, tokenizer, config, out, 
             state["judges"] = load_judges(eval_config, device, need=True)
         folder = out / "evals" / f"step-{step}"
         folder.mkdir(parents=True, exist_ok=True)
-        targeted = config.forget_loss in ("IDK", "DPO")
+        targeted = FORGET_LOSSES[config.forget_loss].targeted
         record = evaluate_model(unwrapped, tokenizer, eval_config, folder, f"step {step}", progress, targeted,
                                 state["judges"])
         unwrapped.train()
@@ -492,16 +492,17 @@ def _pick_samples(forget: Source, retain: Source | None, n: int) -> list[tuple[s
 
 
 def _answers(model, formatter, samples, config, progress, description) -> list[str]:
-    return greedy_answers(
+    texts, _ = greedy_generate(
         model, formatter, [q for _, q in samples], config.max_new_tokens, progress=progress, description=description
     )
+    return texts
 
 
 def _sample_report(samples, before, after) -> dict[str, Any]:
     if not samples:
         return {}
     rows = [
-        {"set": s, "question": q, "before": b, "after": a, "rouge_l_recall": outputs.rouge_l_recall(a, b)}
+        {"set": s, "question": q, "before": b, "after": a, "rouge_l_recall": rouge_l_recall(a, b)}
         for (s, q), b, a in zip(samples, before, after)
     ]
     means = {}

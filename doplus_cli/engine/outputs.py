@@ -137,14 +137,6 @@ def loss_summary(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return summary
 
 
-def rouge_l_recall(prediction: str, reference: str) -> float:
-    """ROUGE-L recall (stemmed) of `prediction` against `reference`."""
-    from rouge_score import rouge_scorer
-
-    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
-    return scorer.score(reference, prediction)["rougeL"].recall
-
-
 def _cell(text: str, limit: int = 90) -> str:
     text = " ".join(str(text).split()).replace("|", "\\|")
     return text if len(text) <= limit else text[: limit - 1] + "…"

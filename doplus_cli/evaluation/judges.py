@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from doplus_cli.models import hub_offline
+
 DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 DEFAULT_NLI_MODEL = "sileod/deberta-v3-base-tasksource-nli"
 NLI_LABELS = ("entailment", "neutral", "contradiction")
@@ -103,16 +105,12 @@ def packaged_embedder_folder() -> Path | None:
     return folder if (folder / "modules.json").is_file() else None
 
 
-def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-
-
 def _why(name: str, error: Exception) -> str:
     """A short account of why `name` did not load, for the one-line reason."""
     if os.path.isdir(os.path.expanduser(name)):
         detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return f"local folder: {detail}"[:200]
-    if _offline():
+    if hub_offline():
         return "offline: not in the local cache"
     return f"not on the hub or the hub could not be reached: {type(error).__name__}"
 
@@ -144,7 +142,7 @@ def load_embedder(name: str | None = None, device: str = "cpu") -> tuple[Embedde
         _quiet()
         from sentence_transformers import SentenceTransformer
 
-        model = SentenceTransformer(source, device=device, local_files_only=_offline())
+        model = SentenceTransformer(source, device=device, local_files_only=hub_offline())
     except Exception as error:  # any failure becomes a reason: the indicator is left out, not the run
         return None, f"no embedding model: '{label}' could not be loaded ({_why(source, error)})"
     return Embedder(model, label), None
@@ -158,7 +156,7 @@ def load_nli(name: str | None = None, device: str = "cpu") -> tuple[NLIJudge | N
         _quiet()
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        offline = _offline()
+        offline = hub_offline()
         tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=offline)
         model = AutoModelForSequenceClassification.from_pretrained(name, local_files_only=offline).to(device)
         judge = NLIJudge(model, tokenizer, name)

@@ -191,10 +191,13 @@ def _split(
     return used, missing, f"{name} over {len(used)} of {len(keys)} {unit}: {'; '.join(why)}"
 
 
-def model_utility(values: Mapping[str, float | None], reasons: Mapping[str, str] = _NO_REASONS) -> Aggregate:
+def model_utility(
+    values: Mapping[str, float | None], reasons: Mapping[str, str] = _NO_REASONS, keys: Sequence[str] = MU_KEYS
+) -> Aggregate:
     """MU = harmonic mean of the 18 values {retain, real_authors, world_facts} x {rouge, probability,
-    truth_ratio, token_entropy, cosine_similarity, entailment}: high when knowledge outside the forget set is kept."""
-    used, missing, note = _split("MU", MU_KEYS, values, reasons, "values")
+    truth_ratio, token_entropy, cosine_similarity, entailment}: high when knowledge outside the forget set is kept.
+    `keys` names other sets' values (the real-world suite: the neighbour set's six)."""
+    used, missing, note = _split("MU", keys, values, reasons, "values")
     value = harmonic_mean([values[k] for k in used]) if used else None
     return Aggregate("MU", value, used, missing, note, f"MU = HM({', '.join(used)})")
 

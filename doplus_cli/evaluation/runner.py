@@ -11,12 +11,13 @@ from typing import Any
 
 from rich.console import Console
 
+from doplus_cli.engine.outputs import atomic_write_text
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation import metrics
 from doplus_cli.evaluation.suites import INDICATORS, Judges, QASet, evaluate_set, load_real_world_sets, load_tofu_sets
+from doplus_cli.losses import FORGET_LOSSES
 
 SUITES = ("tofu", "real-world", "lm-eval")
-TARGETED_LOSSES = ("IDK", "DPO")
 
 # OpenUnlearning's key names where the metric is the same one; the paper's names for the rest.
 OPENUNLEARNING_NAMES = {
@@ -80,7 +81,8 @@ def targeted_from_run(model: str | None) -> bool | None:
     import yaml
 
     loss = str((yaml.safe_load(config.read_text()) or {}).get("loss", ""))
-    return loss.split("+")[0] in TARGETED_LOSSES if loss else None
+    spec = FORGET_LOSSES.get(loss.split("+")[0])
+    return spec.targeted if spec is not None else None
 
 
 def load_judges(config: EvalConfig, device: str, need: bool) -> Judges:
@@ -119,8 +121,8 @@ def qa_suite(
     reasons = _reasons(judges)
     if suite == "tofu":
         mu = metrics.model_utility(values, reasons)
-    else:  # real-world: MU over the neighbour set's six indicators
-        mu = neighbour_utility(values, reasons)
+    else:  # real-world: MU over the neighbour set's six indicators (Section 5.2)
+        mu = metrics.model_utility(values, reasons, keys=[f"neighbour_{i}" for i in INDICATORS])
     ufe = metrics.untargeted_forget_efficacy(values, reasons)
     tfe = metrics.targeted_forget_efficacy(values, reasons)
     aggregates = [mu, ufe, tfe]
@@ -150,21 +152,8 @@ def _named(aggregate: metrics.Aggregate, name: str) -> metrics.Aggregate:
     return aggregate
 
 
-def neighbour_utility(values, reasons) -> metrics.Aggregate:
-    """Real-world MU: harmonic mean of the neighbour set's six indicators (Section 5.2)."""
-    keys = [f"neighbour_{i}" for i in INDICATORS]
-    used = [k for k in keys if values.get(k) is not None]
-    missing = [k for k in keys if values.get(k) is None]
-    why = sorted({reasons.get(k.removeprefix("neighbour_"), "missing") for k in missing})
-    note = f"MU over {len(used)} of {len(keys)} values: {', '.join(why)}" if missing else ""
-    value = metrics.harmonic_mean([values[k] for k in used]) if used else None
-    return metrics.Aggregate("MU", value, used, missing, note)
-
-
 def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 def prepare_eval_dir(path: str, overwrite: bool) -> Path:

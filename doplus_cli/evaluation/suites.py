@@ -7,13 +7,13 @@ in batched forward passes (Probability, Truth Ratio). No per-sample Python loop 
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.data.rejections import rejection_for
+from doplus_cli.data.sources import parse_json_line
 from doplus_cli.engine.generation import greedy_generate
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation import metrics
@@ -64,10 +64,7 @@ def _read_rows(path: str, need_paraphrase: bool, max_samples: int | None) -> lis
             if not raw.strip():
                 continue
             where = f"{path}:{line_number}"
-            try:
-                row = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                raise UserError(f"{where}: malformed JSON ({getattr(error, 'msg', error)})") from None
+            row = parse_json_line(raw, path, line_number)
             samples.append(_sample(row, where, need_paraphrase))
             if max_samples is not None and len(samples) >= max_samples:
                 break
