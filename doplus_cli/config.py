@@ -220,6 +220,18 @@ def _choice(name: str, value: Any, choices: tuple) -> None:
         raise UserError(f"unknown {name} '{value}': choose one of {', '.join(map(str, choices))}")
 
 
+def check_fsdp(config: UnlearnConfig) -> None:
+    """What a sharded run cannot do yet (checked again once the launcher's FSDP configuration is known)."""
+    if not config.fsdp:
+        return
+    unsupported = [flag for flag, on in (
+        ("--eval-every", config.eval_every > 0),
+        ("--lora-rank", config.lora_rank > 0),
+    ) if on]
+    if unsupported:
+        raise UserError(f"FSDP does not support {', '.join(unsupported)} yet; drop them or run without FSDP")
+
+
 def validate(config: UnlearnConfig) -> None:
     """Check option values and combinations; every message is one line naming the option."""
     _choice("scheme", config.scheme, SCHEMES)
@@ -258,15 +270,7 @@ def validate(config: UnlearnConfig) -> None:
         raise UserError("--save-adapter-only needs LoRA (--lora-rank R)")
     if config.ref_offload not in (None, "cpu"):
         raise UserError(f"unknown --ref-offload '{config.ref_offload}': only cpu (keep the reference model on the CPU)")
-    if config.fsdp:
-        unsupported = [flag for flag, on in (
-            ("--state-bits 8", config.state_bits == 8), ("--optimizer muon", config.optimizer == "muon"),
-            ("--save-every/--resume", bool(config.save_every or config.resume)),
-            ("--eval-every", config.eval_every > 0),
-            ("--lora-rank", config.lora_rank > 0),
-        ) if on]
-        if unsupported:
-            raise UserError(f"--fsdp does not support {', '.join(unsupported)} yet; drop them or run without --fsdp")
+    check_fsdp(config)
     for name in ("save_every", "keep_last"):
         if getattr(config, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")

@@ -5,6 +5,11 @@ weights (safetensors), the optimizer state (all of DualOptim+'s states, 8-bit co
 scheduler, the data position of each set, the RNG states, the resolved configuration and the metrics so far.
 It is written under a temporary name and renamed, so a folder named `step-N` is always complete. Everything
 loads through weights-only paths: safetensors, JSON and `torch.load(weights_only=True)`.
+
+On several processes each one writes its own RNG states (`rng.rank{R}.pt`). Under FSDP each one also writes
+its shard of the weights and of the optimizer states (`model.rank{R}.safetensors`, `optimizer.rank{R}.pt`),
+nothing is gathered, and a resumption needs the same number of processes; the folder must be on a file
+system every process sees (as a cluster's shared storage is).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from doplus_cli.errors import UserError
+from doplus_cli.optim.dualoptim_plus import local_shard
 
 # Options that may change between a run and its resumption: they do not change what is computed.
 RESUMABLE_CHANGES = {"resume", "overwrite", "save_every", "keep_last", "show_samples", "description", "out"}
@@ -59,46 +65,90 @@ def _numpy_state_to_json(state) -> list:
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The weights a run changes (all of them, or the adapters under LoRA), contiguous for safetensors."""
-    names = {name for name, p in model.named_parameters() if p.requires_grad}
-    return {name: t.detach().contiguous().clone() for name, t in model.state_dict().items() if name in names}
+    """The weights a run changes (all of them, or the adapters under LoRA), contiguous for safetensors; under
+    FSDP this process's shard of each."""
+    return {name: local_shard(p.detach()).contiguous().clone()
+            for name, p in model.named_parameters() if p.requires_grad}
+
+
+class Processes:
+    """Who writes what: this process's index, how many there are, a barrier, and whether weights and
+    optimizer states are sharded (FSDP)."""
+
+    def __init__(self, accelerator=None, sharded: bool = False) -> None:
+        self.rank = accelerator.process_index if accelerator else 0
+        self.world = accelerator.num_processes if accelerator else 1
+        self.sharded = sharded
+        self._accelerator = accelerator
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            self._accelerator.wait_for_everyone()
+
+    def name(self, stem: str, suffix: str) -> str:
+        return f"{stem}{suffix}" if self.world == 1 else f"{stem}.rank{self.rank}{suffix}"
+
+
+def _fsync(paths) -> None:
+    for path in paths:  # the data reach the disk before the rename makes the checkpoint visible
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
 
 
 def save_checkpoint(
     folder: Path, step: int, model: torch.nn.Module, optimizer, scheduler, streams: dict[str, Any],
     config: dict[str, Any], records: list[dict[str, Any]], extra: dict[str, Any], keep_last: int,
+    processes: Processes | None = None,
 ) -> Path:
-    """Write `folder/step-{step}` atomically; prune to the newest `keep_last` (0 keeps all)."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """Write `folder/step-{step}` atomically; prune to the newest `keep_last` (0 keeps all). Every process
+    calls it; each writes its own part."""
+    processes = processes or Processes()
     final = folder / f"step-{step}"
     tmp = folder / f".step-{step}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file(trainable_state(model), str(tmp / "model.safetensors"))
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    if processes.main:
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    processes.barrier()
+    written = []
+    if processes.sharded or processes.main:
+        model_file = tmp / ("model.safetensors" if not processes.sharded else processes.name("model", ".safetensors"))
+        optimizer_file = tmp / ("optimizer.pt" if not processes.sharded else processes.name("optimizer", ".pt"))
+        save_file(trainable_state(model), str(model_file))
+        torch.save(optimizer.state_dict(), optimizer_file)
+        written += [model_file, optimizer_file]
     rng = rng_state()
-    torch.save({"torch": rng["torch"], **({"cuda": rng["cuda"]} if "cuda" in rng else {})}, tmp / "rng.pt")
-    state = {
-        "step": step,
-        "streams": {name: stream.state_dict() for name, stream in streams.items()},
-        "python_rng": _python_state_to_json(rng["python"]),
-        "numpy_rng": _numpy_state_to_json(rng["numpy"]),
-        "config": config,
-        "extra": extra,
-    }
-    (tmp / "state.json").write_text(json.dumps(state, indent=1, default=str))
-    with open(tmp / "metrics.jsonl", "w") as handle:
-        handle.writelines(json.dumps(r) + "\n" for r in records)
-    for path in tmp.iterdir():  # the data reach the disk before the rename makes the checkpoint visible
-        with open(path, "rb") as handle:
-            os.fsync(handle.fileno())
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    if keep_last > 0:
-        for old in list_checkpoints(folder)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+    rng["python"], rng["numpy"] = _python_state_to_json(rng["python"]), _numpy_state_to_json(rng["numpy"])
+    rng_file = tmp / processes.name("rng", ".pt")
+    torch.save(rng, rng_file)
+    written.append(rng_file)
+    _fsync(written)
+    processes.barrier()
+    if processes.main:
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        state = {
+            "step": step,
+            "world_size": processes.world,
+            "sharded": processes.sharded,
+            "streams": {name: stream.state_dict() for name, stream in streams.items()},
+            "config": config,
+            "extra": extra,
+        }
+        (tmp / "state.json").write_text(json.dumps(state, indent=1, default=str))
+        with open(tmp / "metrics.jsonl", "w") as handle:
+            handle.writelines(json.dumps(r) + "\n" for r in records)
+        _fsync([tmp / "scheduler.pt", tmp / "state.json", tmp / "metrics.jsonl"])
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        if keep_last > 0:
+            for old in list_checkpoints(folder)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    processes.barrier()
     return final
 
 
@@ -127,28 +177,47 @@ def read_state(path: Path) -> dict[str, Any]:
     return json.loads((path / "state.json").read_text())
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer, scheduler, streams: dict[str, Any]) -> dict:
+def check_processes(path: Path, state: dict[str, Any], processes: Processes) -> None:
+    """A checkpoint continues only on the process layout that wrote it: the number of processes sets each
+    one's rows of every batch, and FSDP shards are cut for that number."""
+    world, sharded = state.get("world_size", 1), state.get("sharded", False)
+    if world != processes.world:
+        raise UserError(f"{path}: written by {world} process(es), this run has {processes.world}; resume with "
+                        f"--num-processes {world} (each process's rows of every batch depend on it)")
+    if sharded != processes.sharded:
+        written, now = ("with" if sharded else "without"), ("with" if processes.sharded else "without")
+        raise UserError(f"{path}: written {written} FSDP, this run is {now}; resume it {written} --fsdp")
+
+
+def load_checkpoint(
+    path: Path, model: torch.nn.Module, optimizer, scheduler, streams: dict[str, Any],
+    processes: Processes | None = None,
+) -> dict:
     """Restore weights, optimizer, scheduler, data positions and RNG states; return the saved state."""
+    processes = processes or Processes()
     state = read_state(path)
-    weights = load_file(str(path / "model.safetensors"), device=str(next(model.parameters()).device))
-    missing = [name for name in trainable_state(model) if name not in weights]
+    check_processes(path, state, processes)
+    model_file = path / ("model.safetensors" if not processes.sharded else processes.name("model", ".safetensors"))
+    optimizer_file = path / ("optimizer.pt" if not processes.sharded else processes.name("optimizer", ".pt"))
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    weights = load_file(str(model_file), device=str(local_shard(next(iter(params.values()))).device))
+    missing = [name for name in params if name not in weights]
     if missing:
         raise UserError(f"{path}: checkpoint lacks weights for {len(missing)} parameters (e.g. {missing[0]})")
     with torch.no_grad():
-        params = dict(model.named_parameters())
         for name, tensor in weights.items():
-            params[name].copy_(tensor)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+            local_shard(params[name]).copy_(tensor)
+    optimizer.load_state_dict(torch.load(optimizer_file, weights_only=True))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     for name, stream in streams.items():
         stream.load_state_dict(state["streams"][name])
-    rng = torch.load(path / "rng.pt", weights_only=True)
+    rng = torch.load(path / processes.name("rng", ".pt"), weights_only=True)
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
-    version, internal, gauss = state["python_rng"]
+    version, internal, gauss = rng["python"]
     random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy_rng"]
+    name, keys, pos, has_gauss, cached = rng["numpy"]
     np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     return state
 

@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from doplus_cli.config import UnlearnConfig
+from doplus_cli.config import UnlearnConfig, check_fsdp
 from doplus_cli.data.batches import IndexStream, build_batch
 from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.data.sources import Keys, Source, open_source
@@ -116,6 +116,9 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
     forget_source = open_source(config.forget, "forget", keys)
     retain_source = open_source(config.retain, "retain", keys) if retain_spec is not None else None
     world = accelerator.num_processes
+    config.fsdp = bool(config.fsdp or sharding.launched_with_fsdp(accelerator))
+    check_fsdp(config)
+    fsdp = config.fsdp and world > 1
     effective_batch = config.batch_size * config.grad_accum * world
     if config.warmup_steps is None:  # one pass over the forget set
         config.warmup_steps = math.ceil(len(forget_source) / effective_batch)
@@ -125,6 +128,7 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
     if config.resume:
         resume_from = checkpoint.find_checkpoint(config.resume, Path(config.out))
         saved = checkpoint.read_state(resume_from)
+        checkpoint.check_processes(resume_from, saved, checkpoint.Processes(accelerator, fsdp))
         _refuse_changed_config(resume_from, saved["config"], config.to_dict())
         out = Path(config.out)
     else:
@@ -179,15 +183,15 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
             )
 
         model.train()
-        fsdp = config.fsdp and world > 1
-        if fsdp:  # before the optimizer: its states are then created as shards, like the parameters
-            model = sharding.shard_model(model)
-        optimizer, scheduled = build_optimizer(config, model)
+        if fsdp:  # before the optimizer, which then keeps states for this process's shards only
+            model = sharding.shard_model(accelerator, model)
+        optimizer, scheduled = build_optimizer(config, model, sharded=fsdp)
         scheduler = get_linear_schedule_with_warmup(scheduled, config.warmup_steps, config.steps)
         streams = {name: part.stream for name, part in objectives.items()}
+        processes = checkpoint.Processes(accelerator, sharded=fsdp)
         start_step, records, evals = 0, [], []
         if resume_from is not None:
-            state = checkpoint.load_checkpoint(resume_from, model, optimizer, scheduler, streams)
+            state = checkpoint.load_checkpoint(resume_from, model, optimizer, scheduler, streams, processes)
             start_step, records = state["step"], checkpoint.saved_records(resume_from)
             evals = state["extra"].get("evals", [])
             console.print(f"resuming from {resume_from} at step {start_step}", highlight=False)
@@ -202,12 +206,11 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
         eval_state: dict[str, Any] = {}
         stop = StopRequest()
 
-        def save(step_done: int) -> Path | None:
-            if not main_process:
-                return None
+        def save(step_done: int) -> Path:  # every process takes part
             return checkpoint.save_checkpoint(
                 out / "checkpoints", step_done, accelerator.unwrap_model(model), optimizer, scheduler, streams,
-                config.to_dict(), metrics.records, {"before": before, "evals": evals}, config.keep_last,
+                config.to_dict(), metrics.records if metrics else [], {"before": before, "evals": evals},
+                config.keep_last, processes,
             )
 
         try:
@@ -245,7 +248,6 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
                     save(step + 1)
                 if stop.requested(accelerator) and step + 1 < config.steps:
                     path = save(step + 1)
-                    accelerator.wait_for_everyone()
                     if not main_process:  # the main process says what happened and how to resume
                         raise SystemExit(128 + stop.signal_number)
                     raise RunInterrupted(stop, step + 1, path)

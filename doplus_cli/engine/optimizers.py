@@ -6,6 +6,10 @@
 
 Biases and norm weights (every parameter with fewer than 2 dimensions) get no weight decay, as in the
 Hugging Face Trainer the paper's code ran on.
+
+Under FSDP every optimizer keeps states for this process's shard only, as plain tensors: DualOptim+ steps
+the shards of its DTensor parameters itself; torch's and bitsandbytes' optimizers are given each shard as a
+parameter of its own (`OnLocalShards`), which also lets bitsandbytes' 8-bit states work there.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from torch.optim import Optimizer
 from doplus_cli.config import UnlearnConfig
 from doplus_cli.errors import UserError
 from doplus_cli.optim import DualOptim, DualOptimPlus, muon_param_groups, quant
+from doplus_cli.optim.dualoptim_plus import local_shard
 
 
 class SharedState:
@@ -78,12 +83,80 @@ def lr_multipliers(config: UnlearnConfig) -> dict[str, float]:
     return {"forget": config.forget_lr / config.lr}
 
 
-def build_optimizer(config: UnlearnConfig, model: torch.nn.Module) -> tuple[object, Optimizer]:
-    """(the optimizer the loop steps with an objective, the torch Optimizer the LR scheduler drives)."""
+class OnLocalShards:
+    """An optimizer over views of this process's shards of sharded (FSDP) parameters.
+
+    Each view is a parameter sharing storage with its shard, so stepping it updates the model. Before each
+    step it is pointed at the shard again (FSDP may move a shard to new storage, e.g. when it first pads it)
+    and handed the local shard of its parameter's gradient.
+    """
+
+    def __init__(self, optimizer, pairs: list[tuple[torch.Tensor, torch.nn.Parameter]]) -> None:
+        self.optimizer, self.pairs = optimizer, pairs
+        self.lr_multipliers = getattr(optimizer, "lr_multipliers", {})
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def step(self, objective: str) -> None:
+        for param, view in self.pairs:
+            view.data = local_shard(param.detach())
+            view.grad = None if param.grad is None else local_shard(param.grad)
+        self.optimizer.step(objective=objective)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for param, view in self.pairs:
+            param.grad, view.grad = None, None
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+def local_views(groups: list[dict]) -> tuple[list[dict], list[tuple[torch.Tensor, torch.nn.Parameter]]]:
+    """The same param groups over parameters that view each parameter's local shard."""
+    pairs, view_groups = [], []
+    for group in groups:
+        views = []
+        for param in group["params"]:
+            view = torch.nn.Parameter(local_shard(param).detach(), requires_grad=param.requires_grad)
+            pairs.append((param, view))
+            views.append(view)
+        view_groups.append({**group, "params": views})
+    return view_groups, pairs
+
+
+def build_optimizer(config: UnlearnConfig, model: torch.nn.Module, sharded: bool = False) -> tuple[object, Optimizer]:
+    """(the optimizer the loop steps with an objective, the torch Optimizer the LR scheduler drives).
+
+    `sharded`: the model's parameters are FSDP shards (DTensors)."""
+    if sharded and config.scheme != "doplus":
+        groups, pairs = local_views(decay_groups(model, config.weight_decay))
+        stepped, scheduled = _build_unsharded(config, groups)
+        return OnLocalShards(stepped, pairs), scheduled
+    if config.scheme != "doplus":
+        return _build_unsharded(config, decay_groups(model, config.weight_decay))
+    objectives = ("forget", "retain") if config.retain_loss is not None else ("forget",)
+    if config.optimizer == "muon":
+        groups = muon_param_groups(model)
+    else:
+        groups = decay_groups(model, config.weight_decay)
+    optimizer = DualOptimPlus(
+        groups, objectives=objectives, inner=config.optimizer, state_bits=config.state_bits,
+        lr_multipliers=lr_multipliers(config), lr=config.lr, betas=tuple(config.betas),
+        weight_decay=config.weight_decay,
+    )
+    return optimizer, optimizer
+
+
+def _build_unsharded(config: UnlearnConfig, groups: list[dict]) -> tuple[object, Optimizer]:
+    """joint / alternate (one shared state) and dualoptim (one state per objective) over `groups`."""
     multipliers = lr_multipliers(config)
     common = dict(lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
     if config.scheme in ("joint", "alternate"):
-        groups = decay_groups(model, config.weight_decay)
         if config.state_bits == 8:
             import bitsandbytes as bnb
 
@@ -95,18 +168,6 @@ def build_optimizer(config: UnlearnConfig, model: torch.nn.Module) -> tuple[obje
         shared = SharedState(inner, multipliers)
         return shared, inner
     objectives = ("forget", "retain") if config.retain_loss is not None else ("forget",)
-    if config.scheme == "dualoptim":
-        optimizer = DualOptim(
-            decay_groups(model, config.weight_decay), objectives=objectives, state_bits=config.state_bits,
-            lr_multipliers=multipliers, **common,
-        )
-        return optimizer, optimizer
-    if config.optimizer == "muon":
-        groups = muon_param_groups(model)
-    else:
-        groups = decay_groups(model, config.weight_decay)
-    optimizer = DualOptimPlus(
-        groups, objectives=objectives, inner=config.optimizer, state_bits=config.state_bits,
-        lr_multipliers=multipliers, **common,
-    )
+    optimizer = DualOptim(groups, objectives=objectives, state_bits=config.state_bits, lr_multipliers=multipliers,
+                          **common)
     return optimizer, optimizer

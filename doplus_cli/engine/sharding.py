@@ -1,31 +1,57 @@
-"""FSDP (full shard) for `doplus unlearn --fsdp` on several processes, with PyTorch's FSDP2 (`fully_shard`).
+"""FSDP (full shard) across processes, with PyTorch's FSDP2 as accelerate applies it.
 
-Each decoder block (the classes a Hugging Face model lists in `_no_split_modules`) and then the whole model
-become FSDP units: parameters, gradients and, because DualOptim+'s states are created like their parameters,
-every optimizer state are DTensors of which each process holds one shard. The optimizer's elementwise rule
-runs on those shards as it is; the full weights exist only inside a forward or backward pass, and once more
-at the end, gathered to write final/.
+A run is sharded when `doplus unlearn --fsdp` asks for it or when `accelerate launch` was given an FSDP
+configuration (`recipes/cluster/accelerate_fsdp.yaml`). accelerate's `fsdp2_prepare_model` wraps the
+model as that configuration says (by default: each decoder block, the classes a Hugging Face model lists
+in `_no_split_modules`, then the whole model): parameters and gradients become DTensors of which each
+process holds one shard. The optimizer is built afterwards and keeps states for its shards only (see
+`engine/optimizers.py`); the full weights exist only inside a forward or backward pass, and once more at
+the end, gathered to write final/.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from doplus_cli.errors import UserError
 
 
-def shard_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Apply `fully_shard` to every decoder block, then to the model; return the model (changed in place)."""
-    from torch.distributed.fsdp import fully_shard
+def launched_with_fsdp(accelerator) -> bool:
+    """`accelerate launch` was given an FSDP configuration (on CPU, accelerate leaves the process type
+    MULTI_CPU and only the launcher's environment says so)."""
+    from accelerate.utils import DistributedType
 
-    block_names = set(getattr(model, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in block_names]
-    if not blocks:
-        raise UserError(f"--fsdp: {type(model).__name__} names no decoder block class (_no_split_modules) to shard")
-    for block in blocks:
-        fully_shard(block)
-    fully_shard(model)
-    return model
+    return (accelerator.distributed_type == DistributedType.FSDP
+            or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true")
+
+
+def fsdp_plugin(accelerator):
+    """The FSDP settings: the launcher's configuration, or FSDP2 full shard per decoder block for `--fsdp`."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is None and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables the launcher set
+    if plugin is None:
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, reshard_after_forward=True, auto_wrap_policy="transformer_based_wrap"
+        )
+    if plugin.fsdp_version != 2:
+        raise UserError(f"FSDP version {plugin.fsdp_version} in the accelerate configuration: doplus shards with "
+                        "FSDP2 (set fsdp_version: 2, as recipes/cluster/accelerate_fsdp.yaml does)")
+    return plugin
+
+
+def shard_model(accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """Shard `model` across the processes with accelerate's FSDP2 preparation; return the sharded model."""
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    if not getattr(model, "_no_split_modules", None):
+        raise UserError(f"FSDP: {type(model).__name__} names no decoder block class (_no_split_modules) to shard")
+    accelerator.state.fsdp_plugin = fsdp_plugin(accelerator)
+    return fsdp2_prepare_model(accelerator, model)
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:

@@ -14,6 +14,11 @@ State of one parameter (plain tensors and dicts, so `torch.load(weights_only=Tru
     delta[k].step                t_k, counts updates by objective k
     delta[k].exp_avg, .exp_avg_sq   m_k, v_k                | delta[k].momentum_buffer
     <name>_absmax                with 8-bit states: <name> holds uint8 codes, this the fp32 block absmax
+
+A sharded parameter (a DTensor, as FSDP2 makes it) is updated through its local shard: every state above is
+a plain tensor the size of this process's shard, so each process keeps states only for its own part, the
+elementwise AdamW rule and its 8-bit codes run on the shard unchanged, and only Muon's orthogonalisation
+gathers the whole matrix.
 """
 
 from __future__ import annotations
@@ -163,6 +168,7 @@ class DualOptimPlus(Optimizer):
         return self.inner == "muon" and param.ndim == 2
 
     def _is_8bit(self, param: Tensor, is_base: bool) -> bool:
+        # the whole parameter's size decides, so a sharded run quantises the same tensors as a single process
         if self.state_bits != 8 or param.numel() < quant.MIN_8BIT_SIZE:
             return False
         return self.quantize == "all" or (self.quantize == "base") == is_base
@@ -172,28 +178,29 @@ class DualOptimPlus(Optimizer):
             return False
         return self.fused is True or param.numel() >= FUSED_MIN_NUMEL
 
-    def _new_states(self, param: Tensor, names: Sequence[str], is_base: bool) -> dict:
-        """Zero-initialised states: float32 (float64 for float64 parameters), or uint8 codes + block absmax."""
+    def _new_states(self, param: Tensor, local: Tensor, names: Sequence[str], is_base: bool) -> dict:
+        """Zero-initialised states the size of `local` (the parameter, or this process's shard of it):
+        float32 (float64 for float64 parameters), or uint8 codes + block absmax."""
         states: dict[str, Tensor] = {"step": torch.tensor(0.0, dtype=torch.float32)}
-        state_dtype = torch.promote_types(param.dtype, torch.float32)
+        state_dtype = torch.promote_types(local.dtype, torch.float32)
         for name in names:
             if self._is_8bit(param, is_base):
-                states[name] = torch.zeros(param.numel(), dtype=torch.uint8, device=param.device)
+                states[name] = torch.zeros(local.numel(), dtype=torch.uint8, device=local.device)
                 states[name + "_absmax"] = torch.zeros(
-                    quant.num_blocks(param.numel()), dtype=torch.float32, device=param.device
+                    quant.num_blocks(local.numel()), dtype=torch.float32, device=local.device
                 )
             else:
-                states[name] = torch.zeros_like(param, dtype=state_dtype, memory_format=torch.contiguous_format)
+                states[name] = torch.zeros_like(local, dtype=state_dtype, memory_format=torch.contiguous_format)
         return states
 
-    def _state_for(self, param: Tensor, group: dict, objective: str) -> tuple[dict, dict]:
+    def _state_for(self, param: Tensor, local: Tensor, group: dict, objective: str) -> tuple[dict, dict]:
         names = _MUON_STATES if self._uses_muon(param, group) else _ADAMW_STATES
         state = self.state[param]
         if not state:
-            state.update(self._new_states(param, names, is_base=True))
+            state.update(self._new_states(param, local, names, is_base=True))
             state["delta"] = {}
         if objective not in state["delta"]:
-            state["delta"][objective] = self._new_states(param, names, is_base=False)
+            state["delta"][objective] = self._new_states(param, local, names, is_base=False)
         return state, state["delta"][objective]
 
     # -- the step ------------------------------------------------------------------------------------
@@ -215,13 +222,14 @@ class DualOptimPlus(Optimizer):
                     continue
                 if param.grad.is_sparse:
                     raise ValueError("DualOptimPlus does not support sparse gradients")
-                state, delta = self._state_for(param, group, objective)
+                local, grad = local_shard(param), local_shard(param.grad)
+                state, delta = self._state_for(param, local, group, objective)
                 state["step"] += 1
                 delta["step"] += 1
                 if self._uses_muon(param, group):
-                    self._muon_update(param, group, state, delta, lr_scale)
-                else:
-                    self._adamw_update(param, group, state, delta, lr_scale, hp_cache)
+                    self._muon_update(param, local, grad, group, state, delta, lr_scale)
+                elif local.numel():  # a shard can be empty when a small tensor has fewer rows than processes
+                    self._adamw_update(local, grad, group, state, delta, lr_scale, hp_cache)
         return loss
 
     def _adamw_scalars(self, group: dict, state: dict, delta: dict, lr_scale: float) -> AdamWPlusScalars:
@@ -240,10 +248,9 @@ class DualOptimPlus(Optimizer):
         )
 
     def _adamw_update(
-        self, param: Tensor, group: dict, state: dict, delta: dict, lr_scale: float, hp_cache: dict
+        self, param: Tensor, grad: Tensor, group: dict, state: dict, delta: dict, lr_scale: float, hp_cache: dict
     ) -> None:
         s = self._adamw_scalars(group, state, delta, lr_scale)
-        grad = param.grad
         # (container, name, signed map): the delta second moment can be negative, so it is signed too
         slots = [
             (state, "exp_avg", True),
@@ -266,7 +273,9 @@ class DualOptimPlus(Optimizer):
             return
         _adamw_fused_8bit_slots(param, grad, slots, s, hp)
 
-    def _muon_update(self, param: Tensor, group: dict, state: dict, delta: dict, lr_scale: float) -> None:
+    def _muon_update(
+        self, param: Tensor, local: Tensor, grad: Tensor, group: dict, state: dict, delta: dict, lr_scale: float
+    ) -> None:
         s = MuonPlusScalars(
             lr=float(group["lr"]) * lr_scale,
             weight_decay=group["weight_decay"],
@@ -277,9 +286,10 @@ class DualOptimPlus(Optimizer):
             ns_eps=group["ns_eps"],
             adjust_lr_fn=group["adjust_lr_fn"],
         )
-        base = _read_slot(state, "momentum_buffer", True, 0, param.numel()).view(param.shape)
-        mom = _read_slot(delta, "momentum_buffer", True, 0, param.numel()).view(param.shape)
-        muon_plus_reference(param, param.grad, base, mom, s)
+        base = _read_slot(state, "momentum_buffer", True, 0, local.numel()).view(local.shape)
+        mom = _read_slot(delta, "momentum_buffer", True, 0, local.numel()).view(local.shape)
+        orthogonalize = _sharded_orthogonalize(param, s) if local is not param else None
+        muon_plus_reference(local, grad, base, mom, s, orthogonalize, param.shape)
         _write_slot(state, "momentum_buffer", True, base.view(-1), 0)
         _write_slot(delta, "momentum_buffer", True, mom.view(-1), 0)
 
@@ -293,6 +303,28 @@ class DualOptimPlus(Optimizer):
         for index, saved in state_dict["state"].items():
             param = params[index]
             self.state[param] = _clone_to(saved, param.device)
+
+
+def local_shard(tensor: Tensor) -> Tensor:
+    """This process's part of a DTensor (a view: updating it updates the parameter); a tensor unchanged."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def _sharded_orthogonalize(param: Tensor, s: MuonPlusScalars):
+    """NewtonSchulz5 of the whole matrix, of which each process holds some rows: gather the rows, run the
+    iteration on the whole matrix (every process the same), keep this process's rows."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    def orthogonalize(rows: Tensor) -> Tensor:
+        whole = DTensor.from_local(
+            rows, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        ).full_tensor()
+        update = _zeropower_via_newtonschulz(whole, s.ns_coefficients, s.ns_steps, s.ns_eps)
+        return distribute_tensor(update, param.device_mesh, param.placements, src_data_rank=None).to_local()
+
+    return orthogonalize
 
 
 def _clone_to(value: Any, device: torch.device) -> Any:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -212,22 +213,27 @@ class MuonPlusScalars:
 
 
 def muon_plus_reference(
-    param: Tensor, grad: Tensor, base_momentum_buffer: Tensor, momentum_buffer: Tensor, s: MuonPlusScalars
+    param: Tensor, grad: Tensor, base_momentum_buffer: Tensor, momentum_buffer: Tensor, s: MuonPlusScalars,
+    orthogonalize: Callable[[Tensor], Tensor] | None = None, full_shape: torch.Size | None = None,
 ) -> None:
     """DualOptim+ Muon rule for a 2-D weight, in place.
 
         m_k ← β·m_k + (g − m_B);  o = NewtonSchulz5(m_B + m_k);  θ ← θ·(1 − ηλ) − η'·o;  m_B ← β_B·m_B + g
 
-    with the orthogonalisation and the shape scaling η' of `torch.optim.Muon`.
+    with the orthogonalisation and the shape scaling η' of `torch.optim.Muon`. For a sharded weight, `param`,
+    `grad` and the buffers are this process's rows, `orthogonalize` maps those rows of m_B + m_k to the same
+    rows of NewtonSchulz5 of the whole matrix, and `full_shape` is the whole matrix's shape.
     """
     from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
+    if orthogonalize is None:
+        def orthogonalize(x: Tensor) -> Tensor:
+            return _zeropower_via_newtonschulz(x, s.ns_coefficients, s.ns_steps, s.ns_eps)
+
     g = grad.to(momentum_buffer.dtype)
     momentum_buffer.mul_(s.momentum).add_(g - base_momentum_buffer)
-    update = _zeropower_via_newtonschulz(
-        base_momentum_buffer + momentum_buffer, s.ns_coefficients, s.ns_steps, s.ns_eps
-    )
-    adjusted_lr = _adjust_lr(s.lr, s.adjust_lr_fn, param.shape)
+    update = orthogonalize(base_momentum_buffer + momentum_buffer)
+    adjusted_lr = _adjust_lr(s.lr, s.adjust_lr_fn, full_shape or param.shape)
     theta = param.to(momentum_buffer.dtype) * (1.0 - s.lr * s.weight_decay)
     theta.add_(update.to(theta.dtype), alpha=-adjusted_lr)
     param.copy_(theta)
