@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import tempfile
 
 import typer
 from rich.console import Console
 from rich.text import Text
 
 from doplus_cli.config import default_of
-from doplus_cli.errors import UserError
+from doplus_cli.errors import STOP_FILE_VARIABLE, Interrupted, UserError, exit_code_after_stop
 
 app = typer.Typer(
     name="doplus",
@@ -351,10 +353,26 @@ def _relaunch_with_accelerate(num_processes: int) -> None:
                "-m", "doplus_cli", *args]
     err_console.print(Text(f"launching {num_processes} processes: accelerate launch ... -m doplus_cli "
                            + " ".join(args)))
-    process = subprocess.Popen(command)
-    for number in (signal.SIGTERM, signal.SIGINT):  # a preempted job's signal reaches every process
-        signal.signal(number, lambda received, _frame: process.send_signal(received))
-    sys.exit(process.wait())
+    with tempfile.TemporaryDirectory(prefix="doplus-launch-") as folder:
+        stop_file = os.path.join(folder, "stopped")
+        # Its own session: Ctrl-C in the terminal reaches this process only, which hands it to the workers.
+        process = subprocess.Popen(command, env={**os.environ, STOP_FILE_VARIABLE: stop_file}, start_new_session=True)
+
+        def forward(received, _frame) -> None:
+            """SIGTERM/SIGINT go to the workers, not to torchrun (which would answer with a traceback): they
+            finish the step, write a checkpoint and exit 0, and this process exits 128 + signal."""
+            import psutil
+
+            for worker in psutil.Process(process.pid).children(recursive=True):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    worker.send_signal(received)
+
+        for number in (signal.SIGTERM, signal.SIGINT):  # a preempted job's signal reaches every process
+            signal.signal(number, forward)
+        code = process.wait()
+        if os.path.isfile(stop_file):
+            code = int(open(stop_file).read().strip() or 1)
+    sys.exit(code)
 
 
 def _resume_defaults_to_latest(argv: list[str]) -> list[str]:
@@ -395,6 +413,6 @@ def main(argv: list[str] | None = None) -> None:
         if _debug["on"]:
             raise
         err_console.print(Text("error: ", style="bold red") + Text(str(error)))
-        sys.exit(error.exit_code)
+        sys.exit(exit_code_after_stop(error.exit_code, True) if isinstance(error, Interrupted) else error.exit_code)
     if isinstance(code, int) and code != 0:
         sys.exit(code)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -173,6 +174,31 @@ def test_accelerate_fsdp_config_shards_the_run(tiny_llama, data, tmp_path):
     assert (out / "checkpoints" / "step-3" / "optimizer.rank1.pt").is_file()  # per-process shards: sharded
     report = json.loads((out / "report.json").read_text())
     assert report["config"]["fsdp"] is True and report["environment"]["world_size"] == 2
+
+
+def test_sigterm_stops_an_fsdp_run_with_a_checkpoint_and_it_resumes(tiny_llama, data, tmp_path):
+    """`--num-processes 2`: SIGTERM reaches both workers, they stop after the same step and write their shards;
+    the launching process exits 143 without torchrun's traceback and names the command that resumes."""
+    from tests.test_resume import wait_for_steps
+
+    out = tmp_path / "preempted"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    arguments = [*map(str, common(tiny_llama, data, out, "--batch-size", 2, "--fsdp")), "--num-processes", "2"]
+    arguments[arguments.index("--steps") + 1] = "150"
+    process = subprocess.Popen([sys.executable, "-m", "doplus_cli", *arguments], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_steps(out, 4, process)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "Traceback" not in err and "--resume --num-processes 2" in err
+    (checkpoint,) = (out / "checkpoints").iterdir()
+    assert (checkpoint / "optimizer.rank1.pt").is_file() and not (out / "final").exists()
+    assert int(checkpoint.name.removeprefix("step-")) < 150
+    result = subprocess.run([sys.executable, "-m", "doplus_cli", *arguments, "--resume"], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(open(out / "metrics.jsonl").readlines()) == 150 and (out / "final" / "model.safetensors").is_file()
 
 
 def test_fsdp_refuses_what_it_does_not_support_yet(tiny_llama, data, tmp_path, capsys):

@@ -33,7 +33,7 @@ from doplus_cli.engine import checkpoint, outputs, sharding
 from doplus_cli.engine.generation import greedy_generate, write_self_answered
 from doplus_cli.engine.optimizers import build_optimizer
 from doplus_cli.engine.schedule import objective_at, steps_per_objective
-from doplus_cli.errors import RunError, UserError
+from doplus_cli.errors import Interrupted, RunError, UserError, exit_code_after_stop
 from doplus_cli.evaluation.metrics import rouge_l_recall
 from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossContext, LossSpec, local_token_count
 from doplus_cli.models import load_model_and_tokenizer
@@ -249,8 +249,8 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
                 if stop.requested(accelerator) and step + 1 < config.steps:
                     path = save(step + 1)
                     if not main_process:  # the main process says what happened and how to resume
-                        raise SystemExit(128 + stop.signal_number)
-                    raise RunInterrupted(stop, step + 1, path)
+                        raise SystemExit(exit_code_after_stop(128 + stop.signal_number, False))
+                    raise RunInterrupted(stop, step + 1, path, world)
         finally:
             stop.restore()
             if metrics is not None:
@@ -298,13 +298,15 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
     return report
 
 
-class RunInterrupted(UserError):
+class RunInterrupted(Interrupted):
     """SIGTERM or Ctrl-C: a checkpoint was written; say how to resume. Exit code 128 + signal number."""
 
-    def __init__(self, stop: StopRequest, step: int, path: Path | None) -> None:
+    def __init__(self, stop: StopRequest, step: int, path: Path | None, processes: int = 1) -> None:
         argv = [a for a in sys.argv[1:] if a != "--overwrite"]
         if "--resume" not in argv:
             argv.append("--resume")
+        if processes > 1 and not any(a.startswith("--num-processes") for a in argv):
+            argv += ["--num-processes", str(processes)]
         command = "doplus " + " ".join(shlex.quote(a) for a in argv)
         super().__init__(f"stopped by {stop.signal_name} after step {step}; checkpoint {path}; resume with: {command}")
         self.exit_code = 128 + stop.signal_number
