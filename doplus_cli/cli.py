@@ -128,7 +128,8 @@ def unlearn(
         None, "--save-adapter-only/--save-merged", help="final/ holds the LoRA adapter only [default: merged model]"
     ),
     ref_offload: str | None = typer.Option(
-        None, "--ref-offload", help="cpu: keep the reference model (NPO, DPO, KL) on the CPU [default: on the device]"
+        None, "--ref-offload", help="cpu: keep the reference model (NPO, DPO, KL) on the CPU; 8bit: load it with "
+        "LLM.int8 weights (bitsandbytes) on the device [default: a full copy on the device; its shards under FSDP]"
     ),
     fsdp: bool | None = typer.Option(
         None, "--fsdp/--no-fsdp", help="Shard weights, gradients and optimizer states across processes (FSDP2)."

@@ -78,7 +78,7 @@ class UnlearnConfig:
     lora_dropout: float = 0.0
     gradient_checkpointing: bool = False
     save_adapter_only: bool = False
-    ref_offload: str | None = None  # "cpu": keep the reference model (NPO, DPO, KL) on the CPU
+    ref_offload: str | None = None  # the reference model (NPO, DPO, KL): "cpu" keeps it there, "8bit" LLM.int8
     fsdp: bool = False  # full shard (FSDP2) across processes: weights, gradients and optimizer states
     # Checkpoints and resume
     save_every: int = 0  # 0: no checkpoints
@@ -220,6 +220,9 @@ def _choice(name: str, value: Any, choices: tuple) -> None:
         raise UserError(f"unknown {name} '{value}': choose one of {', '.join(map(str, choices))}")
 
 
+REF_OFFLOADS = (None, "cpu", "8bit")
+
+
 def check_fsdp(config: UnlearnConfig) -> None:
     """What a sharded run cannot do yet (checked again once the launcher's FSDP configuration is known)."""
     if not config.fsdp:
@@ -268,8 +271,9 @@ def validate(config: UnlearnConfig) -> None:
         raise UserError(f"--lora-rank must be >= 0, got {config.lora_rank}")
     if config.save_adapter_only and config.lora_rank == 0:
         raise UserError("--save-adapter-only needs LoRA (--lora-rank R)")
-    if config.ref_offload not in (None, "cpu"):
-        raise UserError(f"unknown --ref-offload '{config.ref_offload}': only cpu (keep the reference model on the CPU)")
+    if config.ref_offload not in REF_OFFLOADS:
+        raise UserError(f"unknown --ref-offload '{config.ref_offload}': choose cpu (keep the reference model on the "
+                        "CPU) or 8bit (LLM.int8 weights through bitsandbytes)")
     check_fsdp(config)
     for name in ("save_every", "keep_last"):
         if getattr(config, name) < 0:

@@ -150,6 +150,26 @@ def load_tokenizer(spec: str | None, trust_remote_code: bool = False):
     return tokenizer
 
 
+def load_model_8bit(spec: str | None, dtype: str, trust_remote_code: bool, device: torch.device):
+    """`spec`'s model with LLM.int8 linear layers (bitsandbytes) on `device`, frozen, in eval mode: the
+    reference model of NPO, DPO and KL under `--ref-offload 8bit` (one byte per linear weight)."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    # LLM.int8 quantises each matmul's input from fp16: said once per layer and call, never actionable here
+    warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
+    source, description = model_folder(spec)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code,
+            quantization_config=BitsAndBytesConfig(load_in_8bit=True), device_map={"": str(device)},
+        )
+    except (OSError, ValueError, ImportError) as error:
+        raise UserError(f"{description}: cannot load the 8-bit reference model ({error})".splitlines()[0]) from error
+    return model.eval().requires_grad_(False)
+
+
 def load_model_and_tokenizer(spec: str | None, dtype: str = "auto", trust_remote_code: bool = False):
     """(model, tokenizer, description) for `--model spec`; the model is on CPU in `dtype`."""
     from transformers import AutoModelForCausalLM

@@ -104,6 +104,7 @@ def test_fsdp_two_processes_equal_one_process(tiny_llama, data, tmp_path, name, 
     assert a.keys() == b.keys()  # final/ holds the full, gathered weights
     moved = max_difference(a, load_file(str(tiny_llama / "model.safetensors")))
     assert max_difference(a, b) < tolerance and moved > 100 * tolerance
+    assert json.loads((two / "report.json").read_text())["reference"]["placement"] == "sharded"  # NPO's reference
 
 
 def torchrun_worker(tiny_llama, *arguments):

@@ -344,3 +344,24 @@ def test_lora_checkpoints_hold_the_adapters_and_resume_exactly(tiny_llama, data,
     a = load_file(str(tmp_path / "a" / "final" / "adapter_model.safetensors"))
     b = load_file(str(out / "final" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_reference_model_placements(tiny_llama, data, tmp_path):
+    """NPO's first step compares the model with an identical reference: NPO = (2/β)·ln 2 (β = 0.1) exactly for
+    a copy on the device or the CPU, and within LLM.int8's rounding for the 8-bit reference, whose linear
+    weights are int8 (one byte each instead of four)."""
+    exact = 2 / 0.1 * math.log(2)
+    found = {}
+    for offload in (None, "cpu", "8bit"):
+        out = tmp_path / str(offload)
+        extra = ["--ref-offload", offload] if offload else []
+        assert run_cli(*base_args(tiny_llama, data, out, "--loss", "NPO+KL", "--steps", 2, "--lr", 1e-3,
+                                  "--beta", 0.1, *extra)) == 0
+        report = json.loads((out / "report.json").read_text())
+        found[offload] = report["reference"]
+        first = read_metrics(out)[0]
+        tolerance = 1e-3 * exact if offload == "8bit" else 1e-6
+        assert first["forget_loss"] == pytest.approx(exact, abs=tolerance)
+    assert [found[k]["placement"] for k in (None, "cpu", "8bit")] == ["device", "CPU", "LLM.int8 on the device"]
+    assert found["cpu"]["memory_gb"] == pytest.approx(found[None]["memory_gb"])
+    assert found["8bit"]["memory_gb"] < 0.8 * found[None]["memory_gb"]  # embeddings and norms stay float32

@@ -80,6 +80,34 @@ class Objective:
         return {part: {k: v.to(device) for k, v in tensors.items()} for part, tensors in batch.items()}
 
 
+def _reference_model(config: UnlearnConfig, model: torch.nn.Module, accelerator, fsdp: bool) -> torch.nn.Module:
+    """The frozen starting model that NPO, DPO and KL compare against: a copy on the device (sharded like the
+    model under FSDP), on the CPU (`--ref-offload cpu`), or reloaded with LLM.int8 weights (`8bit`)."""
+    if config.ref_offload == "8bit":
+        from doplus_cli.models import load_model_8bit
+
+        return load_model_8bit(config.model, config.dtype, config.trust_remote_code, accelerator.device)
+    reference = copy.deepcopy(model).eval().requires_grad_(False)
+    if config.ref_offload == "cpu":
+        return reference.to("cpu")
+    if fsdp:
+        return sharding.shard_model(accelerator, reference)
+    return reference
+
+
+def _reference_report(reference, config: UnlearnConfig, fsdp: bool) -> dict[str, Any]:
+    """Where the reference model was and what its weights took on this process."""
+    if reference is None:
+        return {}
+    from doplus_cli.optim.dualoptim_plus import local_shard
+
+    tensors = [local_shard(t) for t in (*reference.parameters(), *reference.buffers())]
+    placement = {"cpu": "CPU", "8bit": "LLM.int8 on the device"}.get(config.ref_offload or "",
+                                                                   "sharded" if fsdp else "device")
+    return {"reference": {"placement": placement,
+                          "memory_gb": sum(t.numel() * t.element_size() for t in tensors) / 1e9}}
+
+
 def _lora_settings(config: UnlearnConfig):
     if config.lora_rank <= 0:
         return None
@@ -158,9 +186,7 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
 
         reference = None
         if forget_spec.needs_reference or (retain_spec is not None and retain_spec.needs_reference):
-            reference = copy.deepcopy(model).eval().requires_grad_(False)
-            if config.ref_offload == "cpu":
-                reference.to("cpu")
+            reference = _reference_model(config, model, accelerator, fsdp)
         lora = _lora_settings(config)
         if lora is not None:  # after the reference copy, so the reference stays the plain starting model
             from doplus_cli.lora import apply_lora
@@ -290,6 +316,7 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
                                            str(unwrapped.dtype).removeprefix("torch.")),
         **_sample_report(samples, before, after),
         **lora_report,
+        **_reference_report(reference, config, fsdp),
     }
     if evals:
         report["evals"] = evals
