@@ -228,7 +228,6 @@ def check_fsdp(config: UnlearnConfig) -> None:
     if not config.fsdp:
         return
     unsupported = [flag for flag, on in (
-        ("--eval-every", config.eval_every > 0),
         ("--lora-rank", config.lora_rank > 0),
     ) if on]
     if unsupported:

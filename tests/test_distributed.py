@@ -218,3 +218,21 @@ def test_two_process_run_resumes_bit_identically(tiny_llama, data, tmp_path):
     two_processes(common(tiny_llama, data, resumed, "--batch-size", 2, "--save-every", 2) + ["--resume", checkpoint])
     a, b = weights(whole), weights(resumed)
     assert all((a[k] == b[k]).all() for k in a)
+
+
+def test_fsdp_evaluates_during_training_like_one_process(tiny_llama, data, tofu_dir, tmp_path):
+    """`--eval-every` under FSDP: every process runs the evaluation in step (each forward gathers the shards),
+    the main process writes it, and the figures are those of the 1-process run on the same weights."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    evals = ["--loss", "GA", "--steps", 4, "--eval-every", 2, "--eval-data-dir", tofu_dir,
+             "--eval-max-samples", 2, "--eval-max-new-tokens", 4]
+    assert run_cli(*common(tiny_llama, data, one, "--batch-size", 4, *evals)) == 0
+    two_processes(common(tiny_llama, data, two, "--batch-size", 2, "--fsdp", *evals))
+    for step in (2, 4):
+        a = json.loads((one / "evals" / f"step-{step}" / "TOFU_SUMMARY.json").read_text())
+        b = json.loads((two / "evals" / f"step-{step}" / "TOFU_SUMMARY.json").read_text())
+        assert a.keys() == b.keys() and len(a) > 5
+        for key in a:  # None: a figure that needs a judge model the test does not have
+            assert b[key] == (None if a[key] is None else pytest.approx(a[key], rel=1e-4, abs=1e-9)), key
+    report = json.loads((two / "report.json").read_text())
+    assert [e["step"] for e in report["evals"]] == [2, 4]

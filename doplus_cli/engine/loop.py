@@ -11,8 +11,10 @@ import copy
 import math
 import os
 import shlex
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from contextlib import nullcontext
@@ -395,12 +397,15 @@ def _refuse_changed_config(path: Path, saved: dict[str, Any], current: dict[str,
 
 
 def _evaluate_during_training(step, accelerator, model, tokenizer, config, out, progress, state) -> dict[str, Any]:
-    """`doplus evaluate`'s TOFU suite on the current weights into OUT/evals/step-N/ (main process only);
-    returns the step's aggregates for the curves in the run report."""
+    """`doplus evaluate`'s TOFU suite on the current weights into OUT/evals/step-N/; returns the step's
+    aggregates for the curves in the run report. The main process evaluates; under FSDP every process runs
+    the same evaluation in step with it (each forward pass gathers every process's shards) and throws its
+    copy of the files away."""
     from doplus_cli.evaluation.runner import EvalConfig, evaluate_model, load_judges
 
     row: dict[str, Any] = {"step": step}
-    if accelerator.is_main_process:
+    in_step = accelerator.is_main_process or (config.fsdp and accelerator.num_processes > 1)
+    if in_step:
         eval_config = EvalConfig(
             model=config.model, suites=(config.eval_suite,), split=config.eval_split, data_dir=config.eval_data_dir,
             max_samples=config.eval_max_samples, max_new_tokens=config.eval_max_new_tokens,
@@ -411,12 +416,17 @@ def _evaluate_during_training(step, accelerator, model, tokenizer, config, out, 
         if "judges" not in state:
             device = "cuda" if accelerator.device.type == "cuda" else "cpu"
             state["judges"] = load_judges(eval_config, device, need=True)
-        folder = out / "evals" / f"step-{step}"
-        folder.mkdir(parents=True, exist_ok=True)
+        if accelerator.is_main_process:
+            folder = out / "evals" / f"step-{step}"
+            folder.mkdir(parents=True, exist_ok=True)
+        else:
+            folder = Path(tempfile.mkdtemp(prefix="doplus-eval-"))
         targeted = FORGET_LOSSES[config.forget_loss].targeted
         record = evaluate_model(unwrapped, tokenizer, eval_config, folder, f"step {step}", progress, targeted,
                                 state["judges"])
         unwrapped.train()
+        if not accelerator.is_main_process:
+            shutil.rmtree(folder, ignore_errors=True)
         for section in record["sections"]:
             for aggregate in section.get("aggregates", []):
                 row[aggregate["name"]] = None if aggregate["value"] is None else 100 * aggregate["value"]
