@@ -223,17 +223,6 @@ def _choice(name: str, value: Any, choices: tuple) -> None:
 REF_OFFLOADS = (None, "cpu", "8bit")
 
 
-def check_fsdp(config: UnlearnConfig) -> None:
-    """What a sharded run cannot do yet (checked again once the launcher's FSDP configuration is known)."""
-    if not config.fsdp:
-        return
-    unsupported = [flag for flag, on in (
-        ("--lora-rank", config.lora_rank > 0),
-    ) if on]
-    if unsupported:
-        raise UserError(f"FSDP does not support {', '.join(unsupported)} yet; drop them or run without FSDP")
-
-
 def validate(config: UnlearnConfig) -> None:
     """Check option values and combinations; every message is one line naming the option."""
     _choice("scheme", config.scheme, SCHEMES)
@@ -273,7 +262,6 @@ def validate(config: UnlearnConfig) -> None:
     if config.ref_offload not in REF_OFFLOADS:
         raise UserError(f"unknown --ref-offload '{config.ref_offload}': choose cpu (keep the reference model on the "
                         "CPU) or 8bit (LLM.int8 weights through bitsandbytes)")
-    check_fsdp(config)
     for name in ("save_every", "keep_last"):
         if getattr(config, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")

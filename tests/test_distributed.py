@@ -202,10 +202,19 @@ def test_sigterm_stops_an_fsdp_run_with_a_checkpoint_and_it_resumes(tiny_llama, 
     assert len(open(out / "metrics.jsonl").readlines()) == 150 and (out / "final" / "model.safetensors").is_file()
 
 
-def test_fsdp_refuses_what_it_does_not_support_yet(tiny_llama, data, tmp_path, capsys):
-    capsys.readouterr()
-    assert run_cli(*common(tiny_llama, data, tmp_path / "x", "--fsdp", "--eval-every", 2)) == 2
-    assert "FSDP does not support --eval-every yet" in capsys.readouterr().err
+def test_fsdp_lora_equals_one_process_and_merges_the_gathered_adapters(tiny_llama, data, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    extra = ["--scheme", "joint", "--loss", "NPO+GD", "--lora-rank", 4, "--lora-alpha", 8, "--lr", 1e-2,
+             "--show-samples", 1, "--max-new-tokens", 4]  # answers after: generation on the sharded peft model
+    assert run_cli(*common(tiny_llama, data, one, "--batch-size", 4, *extra)) == 0
+    two_processes(common(tiny_llama, data, two, "--batch-size", 2, "--fsdp", *extra))
+    a, b, start = weights(one), weights(two), load_file(str(tiny_llama / "model.safetensors"))
+    assert a.keys() == b.keys() == start.keys()  # merged: the plain model's weights
+    assert max_difference(a, b) < 1e-6 and max_difference(a, start) > 1e-3
+    assert (b["model.embed_tokens.weight"] == start["model.embed_tokens.weight"]).all()  # not adapted
+    norms = json.loads((two / "report.json").read_text())["lora"]["adapter_norms"]
+    assert norms["delta_total"] == pytest.approx(
+        json.loads((one / "report.json").read_text())["lora"]["adapter_norms"]["delta_total"], rel=1e-5)
 
 
 def test_two_process_run_resumes_bit_identically(tiny_llama, data, tmp_path):

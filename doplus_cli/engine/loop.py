@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from doplus_cli.config import UnlearnConfig, check_fsdp
+from doplus_cli.config import UnlearnConfig
 from doplus_cli.data.batches import IndexStream, build_batch
 from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.data.sources import Keys, Source, open_source
@@ -97,6 +97,16 @@ def _reference_model(config: UnlearnConfig, model: torch.nn.Module, accelerator,
     return reference
 
 
+def _unsharded_lora_model(config: UnlearnConfig, lora, full_weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The starting model with the same adapters, holding the gathered weights of a sharded LoRA run."""
+    from doplus_cli.lora import apply_lora
+
+    base, _, _ = load_model_and_tokenizer(config.model, config.dtype, config.trust_remote_code)
+    model = apply_lora(base, lora)
+    model.load_state_dict(full_weights)
+    return model
+
+
 def _reference_report(reference, config: UnlearnConfig, fsdp: bool) -> dict[str, Any]:
     """Where the reference model was and what its weights took on this process."""
     if reference is None:
@@ -147,7 +157,6 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
     retain_source = open_source(config.retain, "retain", keys) if retain_spec is not None else None
     world = accelerator.num_processes
     config.fsdp = bool(config.fsdp or sharding.launched_with_fsdp(accelerator))
-    check_fsdp(config)
     fsdp = config.fsdp and world > 1
     effective_batch = config.batch_size * config.grad_accum * world
     if config.warmup_steps is None:  # one pass over the forget set
@@ -294,6 +303,9 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
     lora_report = {}
     if lora is not None:
         from doplus_cli.lora import adapter_norms, final_model
+
+        if full_weights is not None:  # FSDP: the adapters' full weights on an unsharded copy of the model
+            unwrapped, full_weights = _unsharded_lora_model(config, lora, full_weights), None
 
         lora_report = {"lora": {"rank": config.lora_rank, "alpha": config.lora_alpha, "targets": config.lora_targets,
                                 "adapter_norms": adapter_norms(unwrapped),

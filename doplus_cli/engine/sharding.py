@@ -45,12 +45,19 @@ def fsdp_plugin(accelerator):
 
 
 def shard_model(accelerator, model: torch.nn.Module) -> torch.nn.Module:
-    """Shard `model` across the processes with accelerate's FSDP2 preparation; return the sharded model."""
+    """Shard `model` across the processes with accelerate's FSDP2 preparation; return the sharded model.
+
+    Under LoRA the causal LM inside the peft wrapper becomes the FSDP root: `generate` calls that model's
+    forward directly, and only a root's forward gathers the weights outside the decoder blocks."""
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
     if not getattr(model, "_no_split_modules", None):
         raise UserError(f"FSDP: {type(model).__name__} names no decoder block class (_no_split_modules) to shard")
     accelerator.state.fsdp_plugin = fsdp_plugin(accelerator)
+    get_base_model = getattr(model, "get_base_model", None)
+    if callable(get_base_model):  # a peft model: shard the model it wraps, in place
+        fsdp2_prepare_model(accelerator, get_base_model())
+        return model
     return fsdp2_prepare_model(accelerator, model)
 
 
