@@ -245,3 +245,19 @@ def test_fsdp_evaluates_during_training_like_one_process(tiny_llama, data, tofu_
             assert b[key] == (None if a[key] is None else pytest.approx(a[key], rel=1e-4, abs=1e-9)), key
     report = json.loads((two / "report.json").read_text())
     assert [e["step"] for e in report["evals"]] == [2, 4]
+
+
+def test_an_fsdp1_configuration_is_refused():
+    from types import SimpleNamespace
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from doplus_cli.engine.sharding import fsdp_plugin
+    from doplus_cli.errors import UserError
+
+    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=1)))
+    with pytest.raises(UserError, match="FSDP version 1 in the accelerate configuration.*set fsdp_version: 2"):
+        fsdp_plugin(accelerator)
+    accelerator.state.fsdp_plugin = None  # --fsdp without a configuration: FSDP2, one unit per decoder block
+    plugin = fsdp_plugin(accelerator)
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
