@@ -1,5 +1,5 @@
 """Run under `torch.distributed.run --nproc_per_node 2` on a tiny Llama sharded as `doplus unlearn --fsdp`
-shards it. Prints one JSON line per process.
+shards it. The first process prints one JSON line per process.
 
     fsdp_worker.py MODEL shards BITS   after a DualOptim+ step, how many state elements this process keeps
     fsdp_worker.py MODEL step INNER    DualOptim+ (adamw or muon) steps on the shards, with given gradients,
@@ -76,7 +76,11 @@ def main(model_dir: str, mode: str, option: str) -> None:
     START.extend(p.detach().clone() for p in plain.parameters())
     model = shard_model(accelerator, model)
     row = count_shards(model, int(option)) if mode == "shards" else compare_steps(model, plain, option)
-    print(json.dumps({"rank": dist.get_rank(), **row}), flush=True)
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, {"rank": dist.get_rank(), **row})
+    if dist.get_rank() == 0:  # one writer: two processes printing to one pipe can interleave their lines
+        for one in rows:
+            print(json.dumps(one), flush=True)
     dist.destroy_process_group()
 
 
