@@ -153,12 +153,10 @@ def load_tokenizer(spec: str | None, trust_remote_code: bool = False):
 def load_model_8bit(spec: str | None, dtype: str, trust_remote_code: bool, device: torch.device):
     """`spec`'s model with LLM.int8 linear layers (bitsandbytes) on `device`, frozen, in eval mode: the
     reference model of NPO, DPO and KL under `--ref-offload 8bit` (one byte per linear weight)."""
-    import warnings
-
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    # LLM.int8 quantises each matmul's input from fp16: said once per layer and call, never actionable here
-    warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
+    # LLM.int8 casts each matmul's input to fp16: logged once per layer and call, never actionable here
+    logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
     source, description = model_folder(spec)
     try:
         model = AutoModelForCausalLM.from_pretrained(
