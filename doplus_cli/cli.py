@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.text import Text
 
 from doplus_cli.config import default_of
-from doplus_cli.errors import STOP_FILE_VARIABLE, Interrupted, UserError, exit_code_after_stop
+from doplus_cli.errors import EXIT_FILE_VARIABLE, UserError, quiet_worker, worker_exit_code
 
 app = typer.Typer(
     name="doplus",
@@ -355,13 +355,13 @@ def _relaunch_with_accelerate(num_processes: int) -> None:
     err_console.print(Text(f"launching {num_processes} processes: accelerate launch ... -m doplus_cli "
                            + " ".join(args)))
     with tempfile.TemporaryDirectory(prefix="doplus-launch-") as folder:
-        stop_file = os.path.join(folder, "stopped")
+        exit_file = os.path.join(folder, "exit")
         # Its own session: Ctrl-C in the terminal reaches this process only, which hands it to the workers.
-        process = subprocess.Popen(command, env={**os.environ, STOP_FILE_VARIABLE: stop_file}, start_new_session=True)
+        process = subprocess.Popen(command, env={**os.environ, EXIT_FILE_VARIABLE: exit_file}, start_new_session=True)
 
         def forward(received, _frame) -> None:
             """SIGTERM/SIGINT go to the workers, not to torchrun (which would answer with a traceback): they
-            finish the step, write a checkpoint and exit 0, and this process exits 128 + signal."""
+            finish the step, write a checkpoint and exit 0, leaving 128 + signal for this process."""
             import psutil
 
             for worker in psutil.Process(process.pid).children(recursive=True):
@@ -371,8 +371,10 @@ def _relaunch_with_accelerate(num_processes: int) -> None:
         for number in (signal.SIGTERM, signal.SIGINT):  # a preempted job's signal reaches every process
             signal.signal(number, forward)
         code = process.wait()
-        if os.path.isfile(stop_file):
-            code = int(open(stop_file).read().strip() or 1)
+        left = {int(name.rsplit("rank", 1)[1]): int(open(os.path.join(folder, name)).read() or 1)
+                for name in os.listdir(folder) if name.startswith("exit.rank")}
+        if left:  # a user error, a stop by signal: the first worker's code (it printed the line)
+            code = left.get(0, max(left.values()))
     sys.exit(code)
 
 
@@ -413,7 +415,8 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as error:
         if _debug["on"]:
             raise
-        err_console.print(Text("error: ", style="bold red") + Text(str(error)))
-        sys.exit(exit_code_after_stop(error.exit_code, True) if isinstance(error, Interrupted) else error.exit_code)
+        if not quiet_worker():
+            err_console.print(Text("error: ", style="bold red") + Text(str(error)))
+        sys.exit(worker_exit_code(error.exit_code))
     if isinstance(code, int) and code != 0:
         sys.exit(code)

@@ -22,19 +22,26 @@ class Interrupted(UserError):
     """SIGTERM or Ctrl-C ended a run after a checkpoint: one line saying how to resume, exit 128 + signal."""
 
 
-# Set by `doplus unlearn --num-processes N` for its workers: a file where the main worker leaves the exit code
-# of a stopped run, so that the workers themselves can exit 0 and torchrun ends without a traceback.
-STOP_FILE_VARIABLE = "DOPLUS_STOP_FILE"
+# Set by `doplus unlearn --num-processes N` for its workers: where each worker leaves the exit code of a run
+# that ended on a user error or a signal (FILE.rank{R}); the workers then exit 0, so torchrun ends without
+# its own traceback, and the launching process exits with that code.
+EXIT_FILE_VARIABLE = "DOPLUS_EXIT_FILE"
 
 
-def exit_code_after_stop(code: int, main_process: bool) -> int:
-    """The exit code of a worker whose run was stopped by a signal (see STOP_FILE_VARIABLE)."""
+def worker_exit_code(code: int) -> int:
+    """The exit code for a run that ends with `code`: `code`, or 0 after leaving it for the launching process."""
     import os
 
-    stop_file = os.environ.get(STOP_FILE_VARIABLE)
-    if not stop_file:
+    exit_file = os.environ.get(EXIT_FILE_VARIABLE)
+    if not exit_file:
         return code
-    if main_process:
-        with open(stop_file, "w") as handle:
-            handle.write(str(code))
+    with open(f"{exit_file}.rank{os.environ.get('RANK', '0')}", "w") as handle:
+        handle.write(str(code))
     return 0
+
+
+def quiet_worker() -> bool:
+    """A worker other than the first under `--num-processes`: the first one prints the error line."""
+    import os
+
+    return bool(os.environ.get(EXIT_FILE_VARIABLE)) and os.environ.get("RANK", "0") != "0"

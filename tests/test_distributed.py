@@ -261,3 +261,16 @@ def test_an_fsdp1_configuration_is_refused():
     accelerator.state.fsdp_plugin = None  # --fsdp without a configuration: FSDP2, one unit per decoder block
     plugin = fsdp_plugin(accelerator)
     assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+
+
+def test_bad_input_on_two_processes_is_one_line_and_exit_code_2(tiny_llama, data, tmp_path):
+    bad = tmp_path / "forget.jsonl"
+    bad.write_text('{"question": "Who?"}\n')  # no answer
+    arguments = common(tiny_llama, data, tmp_path / "out", "--batch-size", 2)
+    arguments[arguments.index("--forget") + 1] = bad
+    result = subprocess.run([sys.executable, "-m", "doplus_cli", *map(str, arguments), "--num-processes", "2"],
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {bad}:1: missing field 'answer' (set --answer-key to read another field)"]
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr

@@ -35,7 +35,7 @@ from doplus_cli.engine import checkpoint, outputs, sharding
 from doplus_cli.engine.generation import greedy_generate, write_self_answered
 from doplus_cli.engine.optimizers import build_optimizer
 from doplus_cli.engine.schedule import objective_at, steps_per_objective
-from doplus_cli.errors import Interrupted, RunError, UserError, exit_code_after_stop
+from doplus_cli.errors import Interrupted, RunError, UserError, worker_exit_code
 from doplus_cli.evaluation.metrics import rouge_l_recall
 from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossContext, LossSpec, local_token_count
 from doplus_cli.models import load_model_and_tokenizer
@@ -286,7 +286,7 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
                 if stop.requested(accelerator) and step + 1 < config.steps:
                     path = save(step + 1)
                     if not main_process:  # the main process says what happened and how to resume
-                        raise SystemExit(exit_code_after_stop(128 + stop.signal_number, False))
+                        raise SystemExit(worker_exit_code(128 + stop.signal_number))
                     raise RunInterrupted(stop, step + 1, path, world)
         finally:
             stop.restore()
