@@ -18,10 +18,6 @@ class RunError(UserError):
     exit_code = 1
 
 
-class Interrupted(UserError):
-    """SIGTERM or Ctrl-C ended a run after a checkpoint: one line saying how to resume, exit 128 + signal."""
-
-
 # Set by `doplus unlearn --num-processes N` for its workers: where each worker leaves the exit code of a run
 # that ended on a user error or a signal (FILE.rank{R}); the workers then exit 0, so torchrun ends without
 # its own traceback, and the launching process exits with that code.

@@ -12,15 +12,12 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
-from tests.helpers import run_cli
+from tests.helpers import run_cli, write_sets
 
 
 @pytest.fixture(scope="module")
 def data(tofu_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("ddp-data")
-    for role, name, n in (("forget", "forget01.json", 12), ("retain", "retain90.json", 16)):
-        (folder / f"{role}.jsonl").write_text("".join(list(open(tofu_dir / name))[:n]))
-    return folder
+    return write_sets(tofu_dir, tmp_path_factory.mktemp("ddp-data"), 12, 16)
 
 
 def common(model, data, out, *extra):

@@ -14,15 +14,12 @@ import pytest
 from safetensors.torch import load_file
 
 from doplus_cli.engine.checkpoint import list_checkpoints
-from tests.helpers import run_cli
+from tests.helpers import run_cli, write_sets
 
 
 @pytest.fixture(scope="module")
 def data(tofu_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("resume-data")
-    for role, name, n in (("forget", "forget01.json", 10), ("retain", "retain90.json", 16)):
-        (folder / f"{role}.jsonl").write_text("".join(list(open(tofu_dir / name))[:n]))
-    return folder
+    return write_sets(tofu_dir, tmp_path_factory.mktemp("resume-data"), 10, 16)
 
 
 def args(model, data, out, steps, *extra):

@@ -16,19 +16,14 @@ from doplus_cli.data import sources
 from doplus_cli.engine import optimizers
 from doplus_cli.engine.loop import run_unlearn
 from doplus_cli.optim import DualOptim, DualOptimPlus
-from tests.helpers import run_cli
+from tests.helpers import run_cli, write_sets
 
 
 @pytest.fixture(scope="module")
 def data(tofu_dir, tmp_path_factory):
     """Small forget/retain files cut from TOFU (read from ../shared, written to a temporary folder)."""
-    folder = tmp_path_factory.mktemp("data")
-    paths = {}
-    for role, name, n in (("forget", "forget01.json", 8), ("retain", "retain90.json", 12)):
-        lines = [line for line in open(tofu_dir / name) if line.strip()][:n]
-        paths[role] = folder / f"{role}.jsonl"
-        paths[role].write_text("".join(lines))
-    return paths
+    folder = write_sets(tofu_dir, tmp_path_factory.mktemp("data"), 8, 12)
+    return {role: folder / f"{role}.jsonl" for role in ("forget", "retain")}
 
 
 

@@ -90,7 +90,12 @@ class Processes:
             self._accelerator.wait_for_everyone()
 
     def name(self, stem: str, suffix: str) -> str:
+        """A file of this process's own: one per process when there are several."""
         return f"{stem}{suffix}" if self.world == 1 else f"{stem}.rank{self.rank}{suffix}"
+
+    def weights_name(self, stem: str, suffix: str) -> str:
+        """The file of the weights or optimizer states: one per process under FSDP, else one for all."""
+        return self.name(stem, suffix) if self.sharded else f"{stem}{suffix}"
 
 
 def _fsync(paths) -> None:
@@ -116,8 +121,8 @@ def save_checkpoint(
     processes.barrier()
     written = []
     if processes.sharded or processes.main:
-        model_file = tmp / ("model.safetensors" if not processes.sharded else processes.name("model", ".safetensors"))
-        optimizer_file = tmp / ("optimizer.pt" if not processes.sharded else processes.name("optimizer", ".pt"))
+        model_file = tmp / processes.weights_name("model", ".safetensors")
+        optimizer_file = tmp / processes.weights_name("optimizer", ".pt")
         save_file(trainable_state(model), str(model_file))
         torch.save(optimizer.state_dict(), optimizer_file)
         written += [model_file, optimizer_file]
@@ -197,8 +202,8 @@ def load_checkpoint(
     processes = processes or Processes()
     state = read_state(path)
     check_processes(path, state, processes)
-    model_file = path / ("model.safetensors" if not processes.sharded else processes.name("model", ".safetensors"))
-    optimizer_file = path / ("optimizer.pt" if not processes.sharded else processes.name("optimizer", ".pt"))
+    model_file = path / processes.weights_name("model", ".safetensors")
+    optimizer_file = path / processes.weights_name("optimizer", ".pt")
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     weights = load_file(str(model_file), device=str(local_shard(next(iter(params.values()))).device))
     missing = [name for name in params if name not in weights]

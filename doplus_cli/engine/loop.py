@@ -35,7 +35,7 @@ from doplus_cli.engine import checkpoint, outputs, sharding
 from doplus_cli.engine.generation import greedy_generate, write_self_answered
 from doplus_cli.engine.optimizers import build_optimizer
 from doplus_cli.engine.schedule import objective_at, steps_per_objective
-from doplus_cli.errors import Interrupted, RunError, UserError, worker_exit_code
+from doplus_cli.errors import RunError, UserError, worker_exit_code
 from doplus_cli.evaluation.metrics import rouge_l_recall
 from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossContext, LossSpec, local_token_count
 from doplus_cli.models import load_model_and_tokenizer
@@ -158,6 +158,7 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
     world = accelerator.num_processes
     config.fsdp = bool(config.fsdp or sharding.launched_with_fsdp(accelerator))
     fsdp = config.fsdp and world > 1
+    processes = checkpoint.Processes(accelerator, sharded=fsdp)
     effective_batch = config.batch_size * config.grad_accum * world
     if config.warmup_steps is None:  # one pass over the forget set
         config.warmup_steps = math.ceil(len(forget_source) / effective_batch)
@@ -167,7 +168,7 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
     if config.resume:
         resume_from = checkpoint.find_checkpoint(config.resume, Path(config.out))
         saved = checkpoint.read_state(resume_from)
-        checkpoint.check_processes(resume_from, saved, checkpoint.Processes(accelerator, fsdp))
+        checkpoint.check_processes(resume_from, saved, processes)
         _refuse_changed_config(resume_from, saved["config"], config.to_dict())
         out = Path(config.out)
     else:
@@ -225,7 +226,6 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
         optimizer, scheduled = build_optimizer(config, model, sharded=fsdp)
         scheduler = get_linear_schedule_with_warmup(scheduled, config.warmup_steps, config.steps)
         streams = {name: part.stream for name, part in objectives.items()}
-        processes = checkpoint.Processes(accelerator, sharded=fsdp)
         start_step, records, evals = 0, [], []
         if resume_from is not None:
             state = checkpoint.load_checkpoint(resume_from, model, optimizer, scheduler, streams, processes)
@@ -339,7 +339,7 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
     return report
 
 
-class RunInterrupted(Interrupted):
+class RunInterrupted(UserError):
     """SIGTERM or Ctrl-C: a checkpoint was written; say how to resume. Exit code 128 + signal number."""
 
     def __init__(self, stop: StopRequest, step: int, path: Path | None, processes: int = 1) -> None:

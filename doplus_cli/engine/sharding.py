@@ -18,13 +18,16 @@ import torch
 from doplus_cli.errors import UserError
 
 
+def _launcher_says_fsdp() -> bool:
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
 def launched_with_fsdp(accelerator) -> bool:
     """`accelerate launch` was given an FSDP configuration (on CPU, accelerate leaves the process type
     MULTI_CPU and only the launcher's environment says so)."""
     from accelerate.utils import DistributedType
 
-    return (accelerator.distributed_type == DistributedType.FSDP
-            or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true")
+    return accelerator.distributed_type == DistributedType.FSDP or _launcher_says_fsdp()
 
 
 def fsdp_plugin(accelerator):
@@ -32,7 +35,7 @@ def fsdp_plugin(accelerator):
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
-    if plugin is None and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+    if plugin is None and _launcher_says_fsdp():
         plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables the launcher set
     if plugin is None:
         plugin = FullyShardedDataParallelPlugin(
