@@ -86,6 +86,10 @@ def unlearn(
     optimizer: str | None = typer.Option(None, "--optimizer", help="adamw or muon (doplus)." + _default("optimizer")),
     state_bits: int | None = typer.Option(None, "--state-bits", help="32 or 8 (blockwise 8-bit states)." + _default(
         "state_bits")),
+    doplus_rule: str | None = typer.Option(
+        None, "--doplus-rule", help="DualOptim+'s AdamW rule: safeguarded (floor on the denominator, steps at most "
+        "10 lr) or paper (exactly as published)." + _default("doplus_rule"),
+    ),
     forget_freq: int | None = typer.Option(None, "--forget-freq", help="F_f: forget steps per cycle." + _default(
         "forget_freq")),
     retain_freq: int | None = typer.Option(None, "--retain-freq", help="F_r: retain steps per cycle." + _default(
@@ -297,9 +301,26 @@ def bench_optimizer(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout instead of a table."),
     seed: int = typer.Option(0, "--seed"),
+    stability: bool = typer.Option(
+        False, "--stability",
+        help="Instead of speed: the paper's and the safeguarded DualOptim+ rule on the synthetic two-objective "
+        "problem of issue #16 (largest step, float32 against float64, 8-bit against 32-bit).",
+    ),
 ) -> None:
     """Step time, state bytes and bandwidth of DualOptim+ against torch AdamW on synthetic parameters."""
     from doplus_cli.bench.optimizer import BenchConfig, print_table, run_optimizer_bench
+
+    if stability:
+        from doplus_cli.bench.stability import print_stability, stability_rows
+
+        rows = stability_rows(seed, progress=None if as_json else err_console.print)
+        if as_json:
+            import json
+
+            sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        else:
+            print_stability(rows)
+        return
 
     config = BenchConfig.from_cli(
         params=params, dtype=dtype, device=device, steps=steps, warmup=warmup, only=only, seed=seed

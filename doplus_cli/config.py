@@ -53,6 +53,7 @@ class UnlearnConfig:
     # Update scheme and optimizer
     scheme: str = "doplus"
     optimizer: str = "adamw"
+    doplus_rule: str = "safeguarded"  # or "paper": DualOptim+'s AdamW rule exactly as the paper writes it
     state_bits: int = 32
     forget_freq: int = 1
     retain_freq: int = 5
@@ -221,6 +222,7 @@ def _choice(name: str, value: Any, choices: tuple) -> None:
 
 
 REF_OFFLOADS = (None, "cpu", "8bit")
+DOPLUS_RULES = ("safeguarded", "paper")
 
 
 def validate(config: UnlearnConfig) -> None:
@@ -229,6 +231,7 @@ def validate(config: UnlearnConfig) -> None:
     _choice("optimizer", config.optimizer, OPTIMIZERS)
     _choice("dtype", config.dtype, DTYPES)
     _choice("state-bits", config.state_bits, STATE_BITS)
+    _choice("doplus-rule", config.doplus_rule, DOPLUS_RULES)
     parts = config.loss.split("+")
     if len(parts) > 2 or parts[0] not in FORGET_LOSS_NAMES or (len(parts) == 2 and parts[1] not in RETAIN_LOSS_NAMES):
         raise UserError(

@@ -20,9 +20,12 @@ def cycle(frequencies: dict[str, int], steps: int) -> list[str]:
 
 
 class Float64DualOptimPlus:
-    """The issue #2 rule, one line per line, on float64 tensors."""
+    """The issue #2 rule, one line per line, on float64 tensors; with `floor`/`bound` the issue #16 safeguard:
+    the denominator's square at least floor·(v̂_B + |v̂_k|), each element's step at most bound·lr."""
 
-    def __init__(self, params, lr, betas, base_betas, eps, weight_decay, lr_multipliers=None):
+    def __init__(self, params, lr, betas, base_betas, eps, weight_decay, lr_multipliers=None, floor=0.0,
+                 bound=math.inf):
+        self.floor, self.bound = floor, bound
         self.params = [p.detach().double().clone() for p in params]
         self.lr, self.eps, self.wd = lr, eps, weight_decay
         self.b1, self.b2 = betas
@@ -55,8 +58,11 @@ class Float64DualOptimPlus:
             d["m"] = self.b1 * d["m"] + (1 - self.b1) * (g - m_hat_b)
             d["v"] = self.b2 * d["v"] + (1 - self.b2) * (g * g - v_hat_b)
             m = m_hat_b + d["m"] / (1 - self.b1**t_k)
-            v = v_hat_b + d["v"] / (1 - self.b2**t_k)
-            self.params[i] = theta - lr * m / (v.abs().sqrt() + self.eps)
+            v_hat_k = d["v"] / (1 - self.b2**t_k)
+            v = v_hat_b + v_hat_k
+            square = torch.maximum(v.abs(), self.floor * (v_hat_b + v_hat_k.abs()))
+            step = lr * m / (square.sqrt() + self.eps)
+            self.params[i] = theta - step.clamp(-lr * self.bound, lr * self.bound)
             self.m_base[i] = self.bb1 * self.m_base[i] + (1 - self.bb1) * g
             self.v_base[i] = self.bb2 * self.v_base[i] + (1 - self.bb2) * g * g
 
@@ -80,19 +86,25 @@ FREQUENCIES = {
 
 # float64 parameters make the optimizer's arithmetic float64 too, so both paths must agree with the loop to
 # rounding (float32 would not: an element whose v̂_B + v̂_k nearly cancels amplifies float32 rounding).
+RULES = {"paper": {}, "safeguarded": {"floor": 0.05, "bound": 10.0}, "safeguarded-tight": {"floor": 0.3, "bound": 0.8}}
+
+
+@pytest.mark.parametrize("rule", list(RULES))
 @pytest.mark.parametrize("fused", [False, True], ids=["reference", "fused"])
 @pytest.mark.parametrize("schedule", list(FREQUENCIES), ids=list(FREQUENCIES))
-def test_adamw_rule_matches_float64_loop(schedule, fused, dtype=torch.float64, tol=1e-10):
+def test_adamw_rule_matches_float64_loop(schedule, fused, rule, dtype=torch.float64, tol=1e-10):
     frequencies = FREQUENCIES[schedule]
     objectives = tuple(frequencies)
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape, dtype=dtype)) for shape in SHAPES]
     lr, betas, base_betas, eps, wd = 1e-2, (0.9, 0.95), (0.8, 0.99), 1e-8, 0.1
     multipliers = {objectives[0]: 2.0}
-    reference = Float64DualOptimPlus(params, lr, betas, base_betas, eps, wd, multipliers)
+    safeguard = RULES[rule]
+    reference = Float64DualOptimPlus(params, lr, betas, base_betas, eps, wd, multipliers, **safeguard)
+    options = {"rule": "paper"} if not safeguard else {"v_floor": safeguard["floor"], "max_update": safeguard["bound"]}
     opt = DualOptimPlus(
         params, lr=lr, betas=betas, base_betas=base_betas, eps=eps, weight_decay=wd,
-        objectives=objectives, lr_multipliers=multipliers, fused=fused,
+        objectives=objectives, lr_multipliers=multipliers, fused=fused, **options,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 - step / 40)
     generator = torch.Generator().manual_seed(1)

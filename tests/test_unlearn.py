@@ -64,8 +64,14 @@ def test_every_scheme_runs_and_writes_a_loadable_final_model(tiny_llama, data, t
     expected = ["joint"] * 7 if scheme == "joint" else ["forget"] + ["retain"] * 5 + ["forget"]
     assert [r["objective"] for r in records] == expected
     for r in records:
-        assert {"lr", "grad_norm", "seconds", "peak_memory_gb"} <= set(r)
+        assert {"lr", "grad_norm", "seconds", "peak_memory_gb", "max_update", "big_updates"} <= set(r)
         assert all(math.isfinite(v) for k, v in r.items() if k.endswith("_loss"))
+        assert 0 < r["max_update"] < math.inf and r["big_updates"] >= 0
+        if scheme in ("joint", "alternate", "dualoptim"):  # AdamW's step is at most ~1.2 lr with betas (0.9, 0.95)
+            assert r["max_update"] < 2.0 and r["big_updates"] == 0
+    sizes = json.loads((out / "report.json").read_text())["update_sizes"]
+    assert sizes["all"]["max_update"] == max(r["max_update"] for r in records)
+    assert sizes["all"]["updates_over_10lr"] == sum(r["big_updates"] for r in records)
     if scheme == "joint":
         assert all(r["total_loss"] == pytest.approx(r["forget_loss"] + r["retain_loss"]) for r in records)
     report = json.loads((out / "report.json").read_text())

@@ -131,8 +131,11 @@ ROWS: tuple[Row, ...] = (
     Row("adamw-fused", "torch.optim.AdamW(fused=True)", _torch_adamw_fused, False),
     Row("dualoptim", "DualOptim: one AdamW per objective, 32-bit states", _dual("DualOptim", state_bits=32), True),
     Row("dualoptim-8bit", "DualOptim: one AdamW per objective, 8-bit states", _dual("DualOptim", state_bits=8), True),
-    Row("doplus", "DualOptim+ (AdamW rule), 32-bit states", _dual("DualOptimPlus", state_bits=32), True),
-    Row("doplus-8bit", "DualOptim+ (AdamW rule), 8-bit states", _dual("DualOptimPlus", state_bits=8), True),
+    Row("doplus", "DualOptim+ (AdamW rule, safeguarded), 32-bit states", _dual("DualOptimPlus", state_bits=32), True),
+    Row("doplus-paper", "DualOptim+ (the paper's exact AdamW rule), 32-bit states",
+        _dual("DualOptimPlus", state_bits=32, rule="paper"), True),
+    Row("doplus-8bit", "DualOptim+ (AdamW rule, safeguarded), 8-bit states", _dual("DualOptimPlus", state_bits=8),
+        True),
     Row("doplus-muon", "DualOptim+, Muon on 2-D weights, AdamW on 1-D", _dual("DualOptimPlus", inner="muon"), True),
     Row("bnb-adamw8bit", "bitsandbytes.optim.AdamW8bit (8-bit anchor)", _bnb_adamw8bit, False),
 )

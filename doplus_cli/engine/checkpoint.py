@@ -34,8 +34,12 @@ RESUMABLE_CHANGES = {"resume", "overwrite", "save_every", "keep_last", "show_sam
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
+# Options added after runs were written with them implied: a saved config without one ran with this value.
+IMPLIED_BEFORE_ADDED = {"doplus_rule": "paper"}  # before 0.2 DualOptim+ had the paper's rule only
+
+
 def config_for_comparison(config: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in config.items() if k not in RESUMABLE_CHANGES}
+    return {k: v for k, v in {**IMPLIED_BEFORE_ADDED, **config}.items() if k not in RESUMABLE_CHANGES}
 
 
 def differing_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:

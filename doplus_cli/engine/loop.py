@@ -264,11 +264,14 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
                 _stop_if_not_finite(step + 1, terms, grad_norm, out)
                 lr = scheduler.get_last_lr()[0] * getattr(optimizer, "lr_multipliers", {}).get(objective, 1.0)
                 optimizer.step(objective=objective)
+                update = optimizer.step_diagnostics()  # largest |Δθ|/η, elements above 10η
+                if fsdp:
+                    update = sharding.gather_step_diagnostics(update, accelerator.device)
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 peak, _ = outputs.peak_memory_gb(accelerator.device)
                 record = {"step": step + 1, "objective": objective, **terms, "lr": lr, "grad_norm": grad_norm,
-                          "seconds": time.perf_counter() - step_started, "peak_memory_gb": peak}
+                          **update, "seconds": time.perf_counter() - step_started, "peak_memory_gb": peak}
                 if metrics is not None:
                     metrics.write(record)
                 last_losses.update({k: v for k, v in terms.items() if k != "total_loss"})
@@ -323,6 +326,7 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
         "warmup_steps": config.warmup_steps,
         "steps_per_objective": steps_per_objective(config.steps, config.scheme, config.forget_freq, config.retain_freq),
         "losses": outputs.loss_summary(metrics.records),
+        "update_sizes": outputs.update_summary(metrics.records),
         "wall_time_s": time.perf_counter() - started,
         "peak_memory_gb": peak,
         "peak_memory_kind": peak_kind,
@@ -586,4 +590,7 @@ def print_summary(report: dict[str, Any], console: Console) -> None:
             if term != "steps":
                 parts.append(f"{term} {values['start']:.3f} -> {values['end']:.3f}")
     console.print(f"{report['steps']} steps in {report['wall_time_s']:.0f} s; " + "; ".join(parts))
+    warning = outputs.update_warning(report.get("update_sizes") or {})
+    if warning:
+        console.print(warning, style="bold yellow", markup=False, highlight=False)
     console.print(f"model: {report['final']}   report: {Path(report['final']).parent / 'report.md'}")

@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 from doplus_cli.config import UnlearnConfig
 from doplus_cli.errors import UserError
 from doplus_cli.optim import DualOptim, DualOptimPlus, muon_param_groups, quant
+from doplus_cli.optim.diagnostics import adamw_step_stats, reduce_step_stats
 from doplus_cli.optim.dualoptim_plus import local_shard
 
 
@@ -40,7 +41,7 @@ class SharedState:
 
     @torch.no_grad()
     def step(self, objective: str) -> None:
-        multiplier = self.lr_multipliers.get(objective, 1.0)
+        multiplier = self._last_multiplier = self.lr_multipliers.get(objective, 1.0)
         if multiplier == 1.0:
             self.inner.step()
             return
@@ -55,6 +56,9 @@ class SharedState:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
+
+    def step_diagnostics(self) -> dict[str, float]:
+        return reduce_step_stats(adamw_step_stats(self.inner, getattr(self, "_last_multiplier", 1.0)))
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()
@@ -105,6 +109,9 @@ class OnLocalShards:
             view.grad = None if param.grad is None else local_shard(param.grad)
         self.optimizer.step(objective=objective)
 
+    def step_diagnostics(self) -> dict[str, float]:
+        return self.optimizer.step_diagnostics()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for param, view in self.pairs:
             param.grad, view.grad = None, None
@@ -145,7 +152,7 @@ def build_optimizer(config: UnlearnConfig, model: torch.nn.Module, sharded: bool
     else:
         groups = decay_groups(model, config.weight_decay)
     optimizer = DualOptimPlus(
-        groups, objectives=objectives, inner=config.optimizer, state_bits=config.state_bits,
+        groups, objectives=objectives, inner=config.optimizer, state_bits=config.state_bits, rule=config.doplus_rule,
         lr_multipliers=lr_multipliers(config), lr=config.lr, betas=tuple(config.betas),
         weight_decay=config.weight_decay,
     )

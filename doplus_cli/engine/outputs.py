@@ -137,6 +137,38 @@ def loss_summary(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return summary
 
 
+def update_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Over the run, per objective and in all: the largest single-element step in learning rates
+    (`max_update`), the median over steps of each step's largest, the steps with any element above 10η and
+    how many element-steps that was (issue #16's diagnostics; AdamW's steps stay near 1)."""
+    rows = [r for r in records if "max_update" in r]
+    if not rows:
+        return {}
+
+    def summarise(part: list[dict[str, Any]]) -> dict[str, Any]:
+        largest = sorted(r["max_update"] for r in part)
+        return {"steps": len(part), "max_update": largest[-1], "median_step_max_update": largest[len(largest) // 2],
+                "steps_over_10lr": sum(1 for r in part if r["big_updates"] > 0),
+                "updates_over_10lr": sum(r["big_updates"] for r in part)}
+
+    summary = {"all": summarise(rows)}
+    for objective in dict.fromkeys(r["objective"] for r in rows):
+        summary[objective] = summarise([r for r in rows if r["objective"] == objective])
+    return summary
+
+
+def update_warning(summary: dict[str, Any]) -> str | None:
+    """One sentence when some step moved an element by more than 10 learning rates, else None."""
+    total = summary.get("all")
+    if not total or total["steps_over_10lr"] == 0:
+        return None
+    return (f"warning: {total['steps_over_10lr']} of {total['steps']} optimizer steps moved some weights by more than "
+            f"10 learning rates ({total['updates_over_10lr']:,} element-steps in all; the largest "
+            f"{total['max_update']:,.0f} lr). AdamW's steps stay near 1 lr; such steps throw single weights far "
+            "off. With --scheme doplus this is the paper rule's division by a near-zero v̂_B + v̂_k: "
+            "--doplus-rule safeguarded bounds it (README, 'The safeguarded rule').")
+
+
 def _cell(text: str, limit: int = 90) -> str:
     text = " ".join(str(text).split()).replace("|", "\\|")
     return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -151,6 +183,21 @@ def _lora_lines(lora: dict[str, Any] | None) -> list[str]:
             f"||scale B A|| {norms['delta_total']:.4g}; final/: {lora['final']}"]
 
 
+def _update_lines(summary: dict[str, Any]) -> list[str]:
+    if not summary:
+        return []
+    lines = ["", "## Update sizes", "",
+             "Largest single-element step |Δθ| of an optimizer step, in learning rates (AdamW's stay near 1).", "",
+             "| objective | steps | largest | median of per-step largest | steps with any > 10 lr "
+             "| element-steps > 10 lr |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for name, s in summary.items():
+        lines.append(f"| {name} | {s['steps']} | {s['max_update']:.3g} | {s['median_step_max_update']:.3g} "
+                     f"| {s['steps_over_10lr']} | {s['updates_over_10lr']:,} |")
+    warning = update_warning(summary)
+    return lines + ([f"\n**{warning}**"] if warning else [])
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     cfg = report["config"]
     env = report["environment"]
@@ -160,7 +207,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"- model: {report['model']}",
         f"- forget: {cfg['forget']} ({report['data']['forget_rows']} rows); "
         f"retain: {cfg['retain']} ({report['data']['retain_rows']} rows)",
-        f"- scheme {cfg['scheme']}, optimizer {cfg['optimizer']} ({cfg['state_bits']}-bit states), "
+        f"- scheme {cfg['scheme']}, optimizer {cfg['optimizer']} ({cfg['state_bits']}-bit states"
+        + (f", {cfg.get('doplus_rule', 'paper')} rule" if cfg["scheme"] == "doplus" else "") + "), "
         f"F_f:F_r = {cfg['forget_freq']}:{cfg['retain_freq']}, lr {cfg['lr']}"
         + (f" (forget {cfg['forget_lr']})" if cfg.get("forget_lr") is not None else "")
         + f", betas {tuple(cfg['betas'])}, weight decay {cfg['weight_decay']}, warmup {report['warmup_steps']} steps",
@@ -182,6 +230,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append(
                 f"| {objective} | {term} | {values['start']:.4f} | {values['end']:.4f} | {values['end_mean10']:.4f} |"
             )
+    lines += _update_lines(report.get("update_sizes") or {})
     if report.get("samples"):
         lines += [
             "",

@@ -76,3 +76,14 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def gather_step_diagnostics(diagnostics: dict[str, float], device: torch.device) -> dict[str, float]:
+    """A sharded step's diagnostics over every process's shard: the largest step, the total count."""
+    import torch.distributed as dist
+
+    largest = torch.tensor([diagnostics["max_update"]], dtype=torch.float64, device=device)
+    count = torch.tensor([diagnostics["big_updates"]], dtype=torch.int64, device=device)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(count, op=dist.ReduceOp.SUM)
+    return {"max_update": float(largest), "big_updates": int(count)}

@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from doplus_cli.optim import quant
+from doplus_cli.optim.diagnostics import adamw_step_stats, reduce_step_stats
 from doplus_cli.optim.dualoptim_plus import (
     check_common,
     check_lr_multipliers,
@@ -86,12 +87,18 @@ class DualOptim(Optimizer):
                 if param.grad is not None and param.grad.is_sparse:
                     raise ValueError("DualOptim does not support sparse gradients")
         inner = self.inner[objective]
+        self._last_objective = objective
         scale = self.lr_multipliers.get(objective, 1.0)
         for outer, group in zip(self.param_groups, inner.param_groups):
             for key in _SYNCED_KEYS:
                 group[key] = outer[key]
             group["lr"] = outer["lr"] * scale
         return inner.step(closure)
+
+    def step_diagnostics(self) -> dict[str, float]:
+        """Largest |Δθ|/η and the number of elements above 10η of the last step (`diagnostics.py`)."""
+        last = getattr(self, "_last_objective", None)
+        return reduce_step_stats(adamw_step_stats(self.inner[last]) if last else [])
 
     @property
     def state(self):  # noqa: D401 - the union view is what memory accounting and tools expect

@@ -23,6 +23,7 @@ gathers the whole matrix.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -31,6 +32,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from doplus_cli.optim import quant
+from doplus_cli.optim.diagnostics import reduce_step_stats
 from doplus_cli.optim.kernels import (
     AdamWPlusScalars,
     MuonPlusScalars,
@@ -41,6 +43,7 @@ from doplus_cli.optim.kernels import (
 )
 
 INNER_OPTIMIZERS = ("adamw", "muon")
+RULES = ("safeguarded", "paper")
 STATE_BITS = (8, 32)
 QUANTIZE_CHOICES = ("all", "base", "delta")
 # Below this many elements the compiled kernel's call overhead outweighs its single pass over memory.
@@ -108,6 +111,10 @@ class DualOptimPlus(Optimizer):
         state_bits: 32 (float32 states) or 8 (blockwise 8-bit, bitsandbytes' dynamic maps).
         lr_multipliers: per-objective learning-rate factors, e.g. ``{"forget": 2.0}``.
         quantize: with 8-bit states, which states are 8-bit: "all", "base" or "delta" (paper, Table 9).
+        rule: "safeguarded" (default) or "paper" (the paper's AdamW rule exactly). The safeguard floors the
+            denominator at ``v_floor``·(v̂_B + |v̂_k|) and bounds each element's step at ``max_update``·lr
+            (`kernels.py`); elsewhere the two rules are identical. The Muon rule has no such division and
+            is the same under both.
         fused: use the compiled one-pass kernels (True), the eager reference (False), or decide per
             tensor by size (None).
         ns_coefficients, ns_steps, ns_eps, adjust_lr_fn: Muon's Newton–Schulz settings, as `torch.optim.Muon`.
@@ -127,6 +134,9 @@ class DualOptimPlus(Optimizer):
         *,
         lr_multipliers: Mapping[str, float] | None = None,
         quantize: str = "all",
+        rule: str = "safeguarded",
+        v_floor: float = 0.05,
+        max_update: float = 10.0,
         fused: bool | None = None,
         ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315),
         ns_steps: int = 5,
@@ -140,12 +150,21 @@ class DualOptimPlus(Optimizer):
             raise ValueError(f"unknown inner optimizer {inner!r}: choose one of {list(INNER_OPTIMIZERS)}")
         if quantize not in QUANTIZE_CHOICES:
             raise ValueError(f"quantize must be one of {list(QUANTIZE_CHOICES)}, got {quantize!r}")
+        if rule not in RULES:
+            raise ValueError(f"unknown rule {rule!r}: choose one of {list(RULES)}")
+        if not 0.0 <= v_floor < 1.0:
+            raise ValueError(f"v_floor must be in [0, 1), got {v_floor}")
+        if not max_update > 0.0:
+            raise ValueError(f"max_update must be > 0, got {max_update}")
         self.objectives = check_objectives(objectives)
         self.lr_multipliers = check_lr_multipliers(lr_multipliers, self.objectives)
         self.inner = inner
         self.state_bits = state_bits
         self.quantize = quantize
+        self.rule = rule
+        self.v_floor, self.max_update = (v_floor, max_update) if rule == "safeguarded" else (0.0, math.inf)
         self.fused = fused
+        self._step_stats: list[tuple[Tensor, Tensor]] = []
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -215,6 +234,7 @@ class DualOptimPlus(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         lr_scale = self.lr_multipliers.get(objective, 1.0)
+        self._step_stats = []
         for group in self.param_groups:
             hp_cache: dict[tuple, Tensor] = {}
             for param in group["params"]:
@@ -227,10 +247,15 @@ class DualOptimPlus(Optimizer):
                 state["step"] += 1
                 delta["step"] += 1
                 if self._uses_muon(param, group):
-                    self._muon_update(param, local, grad, group, state, delta, lr_scale)
+                    self._step_stats.append(self._muon_update(param, local, grad, group, state, delta, lr_scale))
                 elif local.numel():  # a shard can be empty when a small tensor has fewer rows than processes
-                    self._adamw_update(local, grad, group, state, delta, lr_scale, hp_cache)
+                    self._step_stats.append(self._adamw_update(local, grad, group, state, delta, lr_scale, hp_cache))
         return loss
+
+    def step_diagnostics(self) -> dict[str, float]:
+        """Of the last step, over this process's elements: ``max_update`` the largest |Δθ|/η, and
+        ``big_updates`` the number of elements whose step exceeded 10η (`kernels.BIG_UPDATE`)."""
+        return reduce_step_stats(self._step_stats)
 
     def _adamw_scalars(self, group: dict, state: dict, delta: dict, lr_scale: float) -> AdamWPlusScalars:
         beta1, beta2 = group["betas"]
@@ -245,11 +270,13 @@ class DualOptimPlus(Optimizer):
             eps=group["eps"],
             base_step=int(state["step"].item()),
             delta_step=int(delta["step"].item()),
+            v_floor=self.v_floor,
+            max_update=self.max_update,
         )
 
     def _adamw_update(
         self, param: Tensor, grad: Tensor, group: dict, state: dict, delta: dict, lr_scale: float, hp_cache: dict
-    ) -> None:
+    ) -> tuple[Tensor, Tensor]:
         s = self._adamw_scalars(group, state, delta, lr_scale)
         # (container, name, signed map): the delta second moment can be negative, so it is signed too
         slots = [
@@ -259,23 +286,21 @@ class DualOptimPlus(Optimizer):
             (delta, "exp_avg_sq", True),
         ]
         if not self._use_fused(param, grad):
-            _adamw_reference_slots(param.view(-1), grad.reshape(-1), slots, s, 0, param.numel())
-            return
+            return _adamw_reference_slots(param.view(-1), grad.reshape(-1), slots, s, 0, param.numel())
         state_dtype = torch.promote_types(param.dtype, torch.float32)
         key = (s, str(param.device), state_dtype)
         if key not in hp_cache:
             hp_cache[key] = s.packed(param.device, state_dtype)
         hp = hp_cache[key]
         if not any(container[name].dtype == torch.uint8 for container, name, _ in slots):
-            adamw_plus_fused(
+            return adamw_plus_fused(
                 param, grad, state["exp_avg"], state["exp_avg_sq"], delta["exp_avg"], delta["exp_avg_sq"], hp
             )
-            return
-        _adamw_fused_8bit_slots(param, grad, slots, s, hp)
+        return _adamw_fused_8bit_slots(param, grad, slots, s, hp)
 
     def _muon_update(
         self, param: Tensor, local: Tensor, grad: Tensor, group: dict, state: dict, delta: dict, lr_scale: float
-    ) -> None:
+    ) -> tuple[Tensor, Tensor]:
         s = MuonPlusScalars(
             lr=float(group["lr"]) * lr_scale,
             weight_decay=group["weight_decay"],
@@ -289,9 +314,10 @@ class DualOptimPlus(Optimizer):
         base = _read_slot(state, "momentum_buffer", True, 0, local.numel()).view(local.shape)
         mom = _read_slot(delta, "momentum_buffer", True, 0, local.numel()).view(local.shape)
         orthogonalize = _sharded_orthogonalize(param, s) if local is not param else None
-        muon_plus_reference(local, grad, base, mom, s, orthogonalize, param.shape)
+        stats = muon_plus_reference(local, grad, base, mom, s, orthogonalize, param.shape)
         _write_slot(state, "momentum_buffer", True, base.view(-1), 0)
         _write_slot(delta, "momentum_buffer", True, mom.view(-1), 0)
+        return stats
 
     # -- checkpoints ---------------------------------------------------------------------------------
 
@@ -362,16 +388,19 @@ def _write_slot(container: dict, name: str, signed: bool, values: Tensor, start:
 
 def _adamw_reference_slots(
     flat_param: Tensor, flat_grad: Tensor, slots: list, s: AdamWPlusScalars, start: int, stop: int
-) -> None:
+) -> tuple[Tensor, Tensor]:
     """Reference AdamW rule on elements [start, stop): dequantize (bitsandbytes), update, re-quantize."""
     values = [_read_slot(c, name, signed, start, stop) for c, name, signed in slots]
     param_part = flat_param[start:stop]
-    adamw_plus_reference(param_part, flat_grad[start:stop], *values, s)
+    stats = adamw_plus_reference(param_part, flat_grad[start:stop], *values, s)
     for (container, name, signed), value in zip(slots, values):
         _write_slot(container, name, signed, value, start)
+    return stats
 
 
-def _adamw_fused_8bit_slots(param: Tensor, grad: Tensor, slots: list, s: AdamWPlusScalars, hp: Tensor) -> None:
+def _adamw_fused_8bit_slots(
+    param: Tensor, grad: Tensor, slots: list, s: AdamWPlusScalars, hp: Tensor
+) -> tuple[Tensor, Tensor]:
     """Compiled 8-bit kernel on the whole 256-blocks; the short last block (if any) takes the reference."""
     numel = param.numel()
     whole = numel // quant.BLOCKSIZE * quant.BLOCKSIZE
@@ -383,6 +412,7 @@ def _adamw_fused_8bit_slots(param: Tensor, grad: Tensor, slots: list, s: AdamWPl
         for t in (quant.search_tables(True, device), quant.search_tables(False, device))
     )
     rows = whole // quant.BLOCKSIZE
+    stats = []
     # Row chunks keep the kernel's per-block temporaries small enough to stay in cache and be reused.
     for first in range(0, rows, FUSED_8BIT_CHUNK_ROWS):
         last = min(rows, first + FUSED_8BIT_CHUNK_ROWS)
@@ -394,16 +424,18 @@ def _adamw_fused_8bit_slots(param: Tensor, grad: Tensor, slots: list, s: AdamWPl
                 states.append((stored[lo:hi].view(-1, quant.BLOCKSIZE), container[name + "_absmax"][first:last]))
             else:
                 states.append((stored.view(-1)[lo:hi].view(-1, quant.BLOCKSIZE),))
-        adamw_plus_fused_8bit(
+        stats.append(adamw_plus_fused_8bit(
             flat_param[lo:hi].view(-1, quant.BLOCKSIZE),
             flat_grad[lo:hi].view(-1, quant.BLOCKSIZE),
             tuple(states),
             maps,
             tables,
             hp,
-        )
+        ))
     if whole < numel:
-        _adamw_reference_slots(flat_param, flat_grad, slots, s, whole, numel)
+        stats.append(_adamw_reference_slots(flat_param, flat_grad, slots, s, whole, numel))
+    largest = torch.stack([m for m, _ in stats]).amax()
+    return largest, torch.stack([c for _, c in stats]).sum()
 
 
 def muon_param_groups(model: torch.nn.Module, **group_options: Any) -> list[dict]:

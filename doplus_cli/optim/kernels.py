@@ -16,11 +16,25 @@ objective k, with t_B and t_k already incremented:
     v_k ← β2·v_k + (1 − β2)·(g² − v̂_B)                                     (may be negative)
     θ   ← θ − η·(m̂_B + m_k/(1 − β1^t_k)) / (sqrt(|v̂_B + v_k/(1 − β2^t_k)|) + ε)
     m_B ← β1_B·m_B + (1 − β1_B)·g,   v_B ← β2_B·v_B + (1 − β2_B)·g²
+
+The safeguarded rule (issue #16, the default; README "The safeguarded rule") changes only the line of θ.
+With V = v̂_B + v̂_k the paper's denominator and S = v̂_B + |v̂_k| the size of the two terms it sums,
+
+    D   = max(|V|, ρ·S)                       (a floor where V has lost all but ρ of S to cancellation)
+    θ   ← θ − clamp(η·(m̂_B + m̂_k) / (sqrt(D) + ε), −c·η, c·η)
+
+ρ = `v_floor` (0.05) and c = `max_update` (10). Where |V| ≥ ρ·S and the step is below c·η, the update is the
+paper's bit for bit; the paper's rule is ρ = 0, c = ∞ (`rule="paper"`).
+
+Every path also returns the step diagnostics of issue #16, computed from the update itself (no copy of the
+weights): the largest |Δθ|/η over the tensor's elements and how many exceed `BIG_UPDATE` (10), where
+|Δθ|/η = |λ·θ + clamp((m̂_B + m̂_k)/(sqrt(D) + ε), −c, c)| is the step per unit learning rate.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +43,8 @@ import torch
 from torch import Tensor
 
 log = logging.getLogger(__name__)
+
+BIG_UPDATE = 10.0  # diagnostics count the elements whose step exceeds this many learning rates
 
 
 @dataclass(frozen=True)
@@ -44,6 +60,8 @@ class AdamWPlusScalars:
     eps: float
     base_step: int  # t_B, already incremented
     delta_step: int  # t_k, already incremented
+    v_floor: float = 0.0  # ρ: the safeguard's floor on the denominator, as a fraction of v̂_B + |v̂_k|
+    max_update: float = math.inf  # c: the safeguard's bound on |Δθ| in learning rates (inf: none)
 
     @property
     def inv_base_bc1(self) -> float:
@@ -81,6 +99,10 @@ class AdamWPlusScalars:
             self.inv_base_bc2,
             self.inv_delta_bc1,
             self.inv_delta_bc2,
+            self.v_floor,
+            self.lr * self.max_update,
+            self.max_update,
+            self.weight_decay,
         ]
         return torch.tensor(values, dtype=dtype, device=device)
 
@@ -93,8 +115,10 @@ def adamw_plus_reference(
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
     s: AdamWPlusScalars,
-) -> None:
-    """DualOptim+ AdamW rule in eager PyTorch, updating all tensors in place; math in the states' dtype."""
+) -> tuple[Tensor, Tensor]:
+    """DualOptim+ AdamW rule in eager PyTorch, updating all tensors in place; math in the states' dtype.
+
+    Returns the step diagnostics (largest |Δθ|/η, number of elements above `BIG_UPDATE`) as 0-d tensors."""
     # Products are written out (no alpha= fused multiply-adds) so that the compiled kernel, which rounds
     # each product separately, gives the same bits.
     g = grad.to(exp_avg.dtype)
@@ -104,35 +128,61 @@ def adamw_plus_reference(
     exp_avg.copy_(s.beta1 * exp_avg + (1.0 - s.beta1) * (g - base_m_hat))  # delta: residual (Eq. 4)
     exp_avg_sq.copy_(s.beta2 * exp_avg_sq + (1.0 - s.beta2) * (g * g - base_v_hat))
     m = base_m_hat + exp_avg * s.inv_delta_bc1  # base + delta (Alg. 1, line 16)
-    v = base_v_hat + exp_avg_sq * s.inv_delta_bc2
-    theta = theta - s.lr * m / (v.abs().sqrt() + s.eps)
+    delta_v_hat = exp_avg_sq * s.inv_delta_bc2
+    v = base_v_hat + delta_v_hat
+    denominator = v.abs()
+    if s.v_floor > 0:  # safeguard: V known only to a fraction ρ of the terms it is the difference of
+        denominator = torch.maximum(denominator, s.v_floor * (base_v_hat + delta_v_hat.abs()))
+    denominator = denominator.sqrt() + s.eps
+    step = s.lr * m / denominator
+    if math.isfinite(s.max_update):
+        step = step.clamp(-s.lr * s.max_update, s.lr * s.max_update)
+    ratio = (s.weight_decay * param.to(exp_avg.dtype) + (m / denominator).clamp(-s.max_update, s.max_update)).abs()
+    theta = theta - step
     base_exp_avg.copy_(s.base_beta1 * base_exp_avg + (1.0 - s.base_beta1) * g)  # base after θ (Eq. 3)
     base_exp_avg_sq.copy_(s.base_beta2 * base_exp_avg_sq + (1.0 - s.base_beta2) * (g * g))
     param.copy_(theta)
+    return _stats(ratio)
+
+
+def _stats(ratio: Tensor) -> tuple[Tensor, Tensor]:
+    """(largest |Δθ|/η, number of elements above BIG_UPDATE) of one tensor's step, as 0-d tensors."""
+    if ratio.numel() == 0:
+        return ratio.new_zeros(()), torch.zeros((), dtype=torch.int64, device=ratio.device)
+    return ratio.amax(), (ratio > BIG_UPDATE).sum()
 
 
 def _adamw_plus_math(
     theta: Tensor, g: Tensor, mb: Tensor, vb: Tensor, md: Tensor, vd: Tensor, hp: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Pure-function form of the rule on float32 inputs; `hp` is `AdamWPlusScalars.packed()`."""
-    lr, decay, b1, c1, b2, c2, bb1, cb1, bb2, cb2, eps, ibb1, ibb2, ib1, ib2 = (hp[i] for i in range(15))
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Pure-function form of the rule on float32 inputs; `hp` is `AdamWPlusScalars.packed()`.
+
+    Returns the new θ, m_B, v_B, m_k, v_k and the step per unit learning rate |Δθ|/η (for diagnostics)."""
+    lr, decay, b1, c1, b2, c2, bb1, cb1, bb2, cb2, eps, ibb1, ibb2, ib1, ib2, floor, max_step, max_ratio, wd = (
+        hp[i] for i in range(19)
+    )
+    theta_old = theta
     theta = theta * decay
     mb_hat = mb * ibb1
     vb_hat = vb * ibb2
     md = b1 * md + c1 * (g - mb_hat)
     vd = b2 * vd + c2 * (g * g - vb_hat)
     m = mb_hat + md * ib1
-    v = vb_hat + vd * ib2
-    theta = theta - lr * m / (v.abs().sqrt() + eps)
+    vd_hat = vd * ib2
+    v = vb_hat + vd_hat
+    # floor 0 and bound inf (the paper's rule) leave |V| and the step unchanged, bit for bit
+    denominator = torch.maximum(v.abs(), floor * (vb_hat + vd_hat.abs())).sqrt() + eps
+    theta = theta - torch.clamp(lr * m / denominator, -max_step, max_step)
+    ratio = (wd * theta_old + torch.clamp(m / denominator, -max_ratio, max_ratio)).abs()
     mb = bb1 * mb + cb1 * g
     vb = bb2 * vb + cb2 * (g * g)
-    return theta, mb, vb, md, vd
+    return theta, mb, vb, md, vd, ratio
 
 
 def _adamw_plus_inplace(
     param: Tensor, grad: Tensor, mb: Tensor, vb: Tensor, md: Tensor, vd: Tensor, hp: Tensor
-) -> None:
-    theta, mb_new, vb_new, md_new, vd_new = _adamw_plus_math(
+) -> tuple[Tensor, Tensor]:
+    theta, mb_new, vb_new, md_new, vd_new, ratio = _adamw_plus_math(
         param.to(mb.dtype), grad.to(mb.dtype), mb, vb, md, vd, hp
     )
     param.copy_(theta)
@@ -140,6 +190,7 @@ def _adamw_plus_inplace(
     vb.copy_(vb_new)
     md.copy_(md_new)
     vd.copy_(vd_new)
+    return ratio.amax(), (ratio > BIG_UPDATE).sum()
 
 
 class CompiledKernel:
@@ -182,9 +233,10 @@ def adamw_plus_fused(
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
     hp: Tensor,
-) -> None:
-    """The AdamW rule as one compiled elementwise kernel over flattened tensors (all contiguous)."""
-    _adamw_plus_compiled(
+) -> tuple[Tensor, Tensor]:
+    """The AdamW rule as one compiled elementwise kernel over flattened tensors (all contiguous); returns
+    the step diagnostics as `adamw_plus_reference` does."""
+    return _adamw_plus_compiled(
         param.view(-1),
         grad.view(-1),
         base_exp_avg.view(-1),
@@ -215,14 +267,15 @@ class MuonPlusScalars:
 def muon_plus_reference(
     param: Tensor, grad: Tensor, base_momentum_buffer: Tensor, momentum_buffer: Tensor, s: MuonPlusScalars,
     orthogonalize: Callable[[Tensor], Tensor] | None = None, full_shape: torch.Size | None = None,
-) -> None:
+) -> tuple[Tensor, Tensor]:
     """DualOptim+ Muon rule for a 2-D weight, in place.
 
         m_k ← β·m_k + (g − m_B);  o = NewtonSchulz5(m_B + m_k);  θ ← θ·(1 − ηλ) − η'·o;  m_B ← β_B·m_B + g
 
     with the orthogonalisation and the shape scaling η' of `torch.optim.Muon`. For a sharded weight, `param`,
     `grad` and the buffers are this process's rows, `orthogonalize` maps those rows of m_B + m_k to the same
-    rows of NewtonSchulz5 of the whole matrix, and `full_shape` is the whole matrix's shape.
+    rows of NewtonSchulz5 of the whole matrix, and `full_shape` is the whole matrix's shape. Returns the
+    step diagnostics (|Δθ|/η = |λ·θ + (η'/η)·o|), as `adamw_plus_reference` does.
     """
     from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
@@ -233,11 +286,14 @@ def muon_plus_reference(
     g = grad.to(momentum_buffer.dtype)
     momentum_buffer.mul_(s.momentum).add_(g - base_momentum_buffer)
     update = orthogonalize(base_momentum_buffer + momentum_buffer)
-    adjusted_lr = _adjust_lr(s.lr, s.adjust_lr_fn, full_shape or param.shape)
-    theta = param.to(momentum_buffer.dtype) * (1.0 - s.lr * s.weight_decay)
-    theta.add_(update.to(theta.dtype), alpha=-adjusted_lr)
+    scale = _adjust_lr(1.0, s.adjust_lr_fn, full_shape or param.shape)  # η'/η
+    theta_old = param.to(momentum_buffer.dtype)
+    theta = theta_old * (1.0 - s.lr * s.weight_decay)
+    theta.add_(update.to(theta.dtype), alpha=-s.lr * scale)
+    ratio = (s.weight_decay * theta_old + scale * update.to(theta.dtype)).abs()
     param.copy_(theta)
     base_momentum_buffer.mul_(s.base_momentum).add_(g)
+    return _stats(ratio)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -274,7 +330,7 @@ def _adamw_plus_8bit_inplace(
     maps: tuple[Tensor, Tensor],
     tables: tuple[tuple, tuple],
     hp: Tensor,
-) -> None:
+) -> tuple[Tensor, Tensor]:
     """`states` = (m_B, v_B, m_k, v_k), each `(fp32,)` or `(codes, absmax)`; all shaped [blocks, 256].
 
     `maps` and `tables` are (signed, unsigned): v_B uses the unsigned map, the other three the signed one.
@@ -284,7 +340,7 @@ def _adamw_plus_8bit_inplace(
         state[0] if len(state) == 1 else _dequantize_blocks(state[0], state[1], maps[which[i]])
         for i, state in enumerate(states)
     ]
-    theta, *new_values = _adamw_plus_math(param.float(), grad.float(), *values, hp)
+    theta, *new_values, ratio = _adamw_plus_math(param.float(), grad.float(), *values, hp)
     param.copy_(theta)
     for i, (state, value) in enumerate(zip(states, new_values)):
         if len(state) == 1:
@@ -293,6 +349,7 @@ def _adamw_plus_8bit_inplace(
             codes, absmax = _quantize_blocks(value, tables[which[i]])
             state[0].copy_(codes)
             state[1].copy_(absmax)
+    return ratio.amax(), (ratio > BIG_UPDATE).sum()
 
 
 # The 8-bit AdamW rule over the whole 256-blocks of flattened tensors (the caller handles a short last block).
