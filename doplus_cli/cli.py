@@ -171,7 +171,7 @@ def unlearn(
     if num_processes is not None and num_processes > 1 and "LOCAL_RANK" not in os.environ:
         _relaunch_with_accelerate(num_processes)
     from doplus_cli.config import resolve_config
-    from doplus_cli.engine.loop import print_summary, run_unlearn
+    from doplus_cli.engine.unlearn import print_summary, run_unlearn
 
     config = resolve_config(recipe, overrides)
     report = run_unlearn(config, err_console)

@@ -29,48 +29,35 @@ _PATH_KEYS = ("model", "forget", "retain", "eval_data_dir")
 
 
 @dataclass
-class UnlearnConfig:
-    """Every option of `doplus unlearn`. Field names are the recipe keys; `--forget-lr` is `forget_lr`."""
+class TrainConfig:
+    """The options every training command shares: model, update scheme, optimizer, training, outputs, LoRA,
+    processes, checkpoints. A command's config adds its own data and objectives (`UnlearnConfig`,
+    `MultitaskConfig`); field names are the recipe keys."""
 
     description: str = ""
     # Model
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     trust_remote_code: bool = False
-    # Data
-    forget: str | None = None
-    retain: str | None = None
-    question_key: str = "question"
-    answer_key: str = "answer"
     max_length: int = 256
-    answers_from_model: bool = False  # targets are the starting model's own greedy answers (real-world setting)
     max_new_tokens: int = 48
-    # Losses
-    loss: str = "NPO+GD"
-    beta: float = 0.1
-    forget_coeff: float = 1.0
-    retain_coeff: float = 1.0
     # Update scheme and optimizer
     scheme: str = "doplus"
     optimizer: str = "adamw"
     state_bits: int = 32
-    forget_freq: int = 1
-    retain_freq: int = 5
     betas: tuple[float, float] = (0.9, 0.95)
     # Training
     steps: int = 300
     lr: float = 1e-5
-    forget_lr: float | None = None
     batch_size: int = 4
     grad_accum: int = 1
-    warmup_steps: int | None = None  # None: one pass over the forget set
+    warmup_steps: int | None = None  # None: the command's default (unlearn: one pass over the forget set)
     weight_decay: float = 0.01
     max_grad_norm: float = 1.0
     seed: int = 0
     # Outputs
-    out: str | None = None  # None: runs/unlearn-YYYYmmdd-HHMMSS
+    out: str | None = None  # None: runs/COMMAND-YYYYmmdd-HHMMSS
     overwrite: bool = False
-    show_samples: int = 3
     # LoRA and memory
     lora_rank: int = 0  # 0: train every weight
     lora_alpha: float = 16.0
@@ -84,8 +71,38 @@ class UnlearnConfig:
     save_every: int = 0  # 0: no checkpoints
     keep_last: int = 0  # 0: keep every checkpoint
     resume: str | None = None  # "latest" or a checkpoint folder
-    # Evaluation during training (`doplus evaluate`'s suites at every N-th step, into OUT/evals/step-N/)
+    # Evaluation during training, at every N-th step and at the end
     eval_every: int = 0  # 0: never
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data.pop("extra")
+        data["betas"] = list(self.betas)
+        return data
+
+
+@dataclass
+class UnlearnConfig(TrainConfig):
+    """Every option of `doplus unlearn`. Field names are the recipe keys; `--forget-lr` is `forget_lr`."""
+
+    # Data
+    forget: str | None = None
+    retain: str | None = None
+    question_key: str = "question"
+    answer_key: str = "answer"
+    answers_from_model: bool = False  # targets are the starting model's own greedy answers (real-world setting)
+    # Losses
+    loss: str = "NPO+GD"
+    beta: float = 0.1
+    forget_coeff: float = 1.0
+    retain_coeff: float = 1.0
+    # The forget-first F_f:F_r cycle
+    forget_freq: int = 1
+    retain_freq: int = 5
+    forget_lr: float | None = None
+    show_samples: int = 3
+    # `doplus evaluate`'s suites during training (into OUT/evals/step-N/)
     eval_suite: str = "tofu"
     eval_split: str = "forget10"
     eval_data_dir: str | None = None  # None: hf:locuslab/TOFU
@@ -93,7 +110,6 @@ class UnlearnConfig:
     eval_max_new_tokens: int = 64
     eval_nli_model: str | None = None
     eval_embedding_model: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def forget_loss(self) -> str:
@@ -104,23 +120,17 @@ class UnlearnConfig:
         parts = self.loss.split("+")
         return parts[1] if len(parts) > 1 else None
 
-    def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data.pop("extra")
-        data["betas"] = list(self.betas)
-        return data
+
+def field_names(cls: type[TrainConfig] = UnlearnConfig) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls) if f.name != "extra"]
 
 
-def field_names() -> list[str]:
-    return [f.name for f in dataclasses.fields(UnlearnConfig) if f.name != "extra"]
-
-
-def default_of(name: str) -> Any:
+def default_of(name: str, cls: type[TrainConfig] = UnlearnConfig) -> Any:
     """The default of one option, for help texts (so the CLI never repeats a default)."""
-    return {f.name: f.default for f in dataclasses.fields(UnlearnConfig)}[name]
+    return {f.name: f.default for f in dataclasses.fields(cls)}[name]
 
 
-def load_recipe(path: str | os.PathLike) -> dict[str, Any]:
+def load_recipe(path: str | os.PathLike, cls: type[TrainConfig] = UnlearnConfig) -> dict[str, Any]:
     """Read a YAML recipe into {field: value}, with relative data and model paths made usable."""
     path = Path(path)
     if not path.is_file():
@@ -135,7 +145,7 @@ def load_recipe(path: str | os.PathLike) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise UserError(f"{path}: a recipe must be a mapping of option: value, got {type(data).__name__}")
-    names = field_names()
+    names = field_names(cls)
     values: dict[str, Any] = {}
     for raw_key, value in data.items():
         key = str(raw_key).replace("-", "_")
@@ -156,28 +166,33 @@ def _next_to_recipe(value: str, folder: Path) -> str:
     return str(candidate) if candidate.exists() else value
 
 
-def resolve_config(recipe: str | None, overrides: dict[str, Any]) -> UnlearnConfig:
-    """Defaults, then the recipe, then command-line overrides (None means "not given")."""
+def resolve_config(recipe: str | None, overrides: dict[str, Any], cls: type[TrainConfig] = UnlearnConfig):
+    """Defaults, then the recipe, then command-line overrides (None means "not given"); validated."""
+    config = _resolve(recipe, overrides, cls)
+    validate(config)
+    return config
+
+
+def _resolve(recipe: str | None, overrides: dict[str, Any], cls: type[TrainConfig]):
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     if recipe is not None:
-        for key, value in load_recipe(recipe).items():
+        for key, value in load_recipe(recipe, cls).items():
             values[key] = value
             sources[key] = str(recipe)
     for key, value in overrides.items():
         if value is not None:
             values[key] = value
             sources[key] = "command line"
-    config = UnlearnConfig()
+    config = cls()
     for key, value in values.items():
-        setattr(config, key, _coerce(key, value, sources[key]))
-    validate(config)
+        setattr(config, key, _coerce(key, value, sources[key], cls))
     return config
 
 
-def _coerce(key: str, value: Any, source: str) -> Any:
+def _coerce(key: str, value: Any, source: str, cls: type[TrainConfig] = UnlearnConfig) -> Any:
     """Turn a recipe or flag value into the field's type, or say which option and where it came from."""
-    kind = {f.name: f.type for f in dataclasses.fields(UnlearnConfig)}[key]
+    kind = {f.name: f.type for f in dataclasses.fields(cls)}[key]
     where = f"{source}: option '{key}'"
     if value is None:
         if "None" in kind:
@@ -207,6 +222,10 @@ def _coerce(key: str, value: Any, source: str) -> Any:
             return (float(items[0]), float(items[1]))
         if kind.startswith("dict"):
             return dict(value)
+        if kind.startswith("list"):
+            if not isinstance(value, list):
+                raise ValueError
+            return list(value)
         if isinstance(value, (dict, list)):
             raise ValueError
         return str(value)
@@ -223,36 +242,21 @@ def _choice(name: str, value: Any, choices: tuple) -> None:
 REF_OFFLOADS = (None, "cpu", "8bit")
 
 
-def validate(config: UnlearnConfig) -> None:
-    """Check option values and combinations; every message is one line naming the option."""
+def validate_training(config: TrainConfig) -> None:
+    """Check the options every training command shares; every message is one line naming the option."""
     _choice("scheme", config.scheme, SCHEMES)
     _choice("optimizer", config.optimizer, OPTIMIZERS)
     _choice("dtype", config.dtype, DTYPES)
     _choice("state-bits", config.state_bits, STATE_BITS)
-    parts = config.loss.split("+")
-    if len(parts) > 2 or parts[0] not in FORGET_LOSS_NAMES or (len(parts) == 2 and parts[1] not in RETAIN_LOSS_NAMES):
-        raise UserError(
-            f"unknown loss '{config.loss}': write FORGET or FORGET+RETAIN with FORGET in "
-            f"{{{', '.join(FORGET_LOSS_NAMES)}}} and RETAIN in {{{', '.join(RETAIN_LOSS_NAMES)}}}, e.g. NPO+GD"
-        )
     for name in ("steps", "batch_size", "grad_accum", "max_length", "max_new_tokens"):
         if getattr(config, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
-    for name in ("forget_freq", "retain_freq", "show_samples"):
-        if getattr(config, name) < 0:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")
-    if config.forget_freq == 0:
-        raise UserError("--forget-freq must be at least 1: every cycle starts with forget steps")
     if config.warmup_steps is not None and config.warmup_steps < 0:
         raise UserError(f"--warmup-steps must be >= 0, got {config.warmup_steps}")
-    for name in ("lr", "weight_decay", "beta", "max_grad_norm", "forget_coeff", "retain_coeff"):
+    for name in ("lr", "weight_decay", "max_grad_norm"):
         value = getattr(config, name)
         if not value >= 0 or value != value:
             raise UserError(f"--{name.replace('_', '-')} must be a number >= 0, got {value}")
-    if config.beta == 0 and config.forget_loss in ("NPO", "DPO") or config.beta == 0 and config.retain_loss == "AP":
-        raise UserError("--beta must be > 0 for NPO, DPO and AP (they divide by it)")
-    if config.forget_lr is not None and not config.forget_lr >= 0:
-        raise UserError(f"--forget-lr must be a number >= 0, got {config.forget_lr}")
     if not all(0.0 <= b < 1.0 for b in config.betas):
         raise UserError(f"--betas must be two numbers in [0, 1), got {config.betas}")
     if config.lora_rank < 0:
@@ -262,13 +266,47 @@ def validate(config: UnlearnConfig) -> None:
     if config.ref_offload not in REF_OFFLOADS:
         raise UserError(f"unknown --ref-offload '{config.ref_offload}': choose cpu (keep the reference model on the "
                         "CPU) or 8bit (LLM.int8 weights through bitsandbytes)")
-    for name in ("save_every", "keep_last"):
+    for name in ("save_every", "keep_last", "eval_every"):
         if getattr(config, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")
     if config.resume is not None and config.out is None:
         raise UserError("--resume needs --out: the folder of the run to continue")
-    if config.eval_every < 0:
-        raise UserError(f"--eval-every must be >= 0, got {config.eval_every}")
+    if config.optimizer == "muon" and config.scheme != "doplus":
+        raise UserError("--optimizer muon is built for --scheme doplus only; use adamw with the other schemes")
+
+
+def validate(config: TrainConfig) -> None:
+    """Check option values and combinations; every message is one line naming the option."""
+    validate_training(config)
+    if isinstance(config, UnlearnConfig):
+        validate_unlearn(config)
+    else:
+        from doplus_cli.multitask_config import validate_multitask
+
+        validate_multitask(config)
+
+
+def validate_unlearn(config: UnlearnConfig) -> None:
+    """The options of `doplus unlearn` on top of `validate_training`."""
+    parts = config.loss.split("+")
+    if len(parts) > 2 or parts[0] not in FORGET_LOSS_NAMES or (len(parts) == 2 and parts[1] not in RETAIN_LOSS_NAMES):
+        raise UserError(
+            f"unknown loss '{config.loss}': write FORGET or FORGET+RETAIN with FORGET in "
+            f"{{{', '.join(FORGET_LOSS_NAMES)}}} and RETAIN in {{{', '.join(RETAIN_LOSS_NAMES)}}}, e.g. NPO+GD"
+        )
+    for name in ("forget_freq", "retain_freq", "show_samples"):
+        if getattr(config, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")
+    if config.forget_freq == 0:
+        raise UserError("--forget-freq must be at least 1: every cycle starts with forget steps")
+    for name in ("beta", "forget_coeff", "retain_coeff"):
+        value = getattr(config, name)
+        if not value >= 0 or value != value:
+            raise UserError(f"--{name.replace('_', '-')} must be a number >= 0, got {value}")
+    if config.beta == 0 and config.forget_loss in ("NPO", "DPO") or config.beta == 0 and config.retain_loss == "AP":
+        raise UserError("--beta must be > 0 for NPO, DPO and AP (they divide by it)")
+    if config.forget_lr is not None and not config.forget_lr >= 0:
+        raise UserError(f"--forget-lr must be a number >= 0, got {config.forget_lr}")
     if config.eval_every and config.eval_suite != "tofu":
         raise UserError(f"unknown --eval-suite '{config.eval_suite}' for evaluation during training: only tofu "
                         "(run `doplus evaluate --suite ...` on final/ afterwards for the others)")
@@ -278,7 +316,7 @@ def validate(config: UnlearnConfig) -> None:
         raise UserError(f"loss {config.loss} has a retain term: pass --retain FILE.jsonl or use a forget loss alone")
     if config.scheme in ("joint",) and config.forget_lr is not None:
         raise UserError("--forget-lr needs a scheme with separate forget steps (alternate, dualoptim, doplus)")
-    if config.optimizer == "muon" and config.scheme != "doplus":
-        raise UserError("--optimizer muon is built for --scheme doplus only; use adamw with the other schemes")
+    if config.forget_lr is not None and config.forget_lr != config.lr and config.lr == 0:
+        raise UserError("--forget-lr needs --lr > 0 (the forget rate is applied as a multiple of it)")
     if config.retain_loss is None and config.scheme != "joint" and config.retain_freq > 0:
         config.retain_freq = 0  # a forget loss alone: every step is a forget step

@@ -216,6 +216,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(out: Path, report: dict[str, Any]) -> None:
-    atomic_write_text(out / "report.md", render_markdown(report))
+def write_report(out: Path, report: dict[str, Any], render=None) -> None:
+    """report.md (written by `render`, unlearn's `render_markdown` by default), then report.json."""
+    atomic_write_text(out / "report.md", (render or render_markdown)(report))
     atomic_write_text(out / "report.json", json.dumps(report, indent=2) + "\n")
