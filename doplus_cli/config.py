@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,6 +122,75 @@ class UnlearnConfig(TrainConfig):
         return parts[1] if len(parts) > 1 else None
 
 
+TASK_METRIC_NAMES = ("exact", "choice", "edit_sim", "rouge_l")  # doplus_cli/evaluation/task_metrics.py
+# A task's keys (recipe `tasks:` entries, `--task NAME=SOURCE,key=value,...`) and their defaults.
+TASK_DEFAULTS: dict[str, Any] = {"name": None, "data": None, "metric": "exact", "freq": 1, "weight": 1.0,
+                                 "eval": None, "lr_multiplier": 1.0}
+_TASK_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
+RESERVED_TASK_NAMES = ("joint", "total")  # a joint step's name and its summed loss term
+
+
+@dataclass
+class MultitaskConfig(TrainConfig):
+    """Every option of `doplus multitask`: the options of every training command plus the tasks."""
+
+    tasks: list[dict[str, Any]] = field(default_factory=list)  # TASK_DEFAULTS keys, one dict per task
+    freq: str | None = None  # "F1,F2,...": each task's frequency in order (overrides the tasks' own freq)
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    eval_rows: int = 200  # rows kept out of training for a task without an eval file (0: not evaluated)
+    eval_batch_size: int = 16  # prompts per greedy generation batch
+
+
+def task_from_option(text: str) -> dict[str, Any]:
+    """`NAME=SOURCE[,metric=M][,freq=F][,weight=W][,eval=FILE][,lr_multiplier=X]` -> a task dict."""
+    first, *rest = text.split(",")
+    name, sep, data = first.partition("=")
+    if not sep or not name.strip() or not data.strip():
+        raise UserError(f"--task '{text}': write NAME=SOURCE[,metric=M][,freq=F][,weight=W][,eval=FILE] "
+                        "(a task needs a name and a data source)")
+    task: dict[str, Any] = {"name": name.strip(), "data": data.strip()}
+    for item in rest:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UserError(f"--task '{text}': '{item}' is not KEY=VALUE")
+        task[key.strip()] = value.strip()
+    return _checked_task(task, f"--task '{text}'")
+
+
+def _checked_task(task: Any, where: str) -> dict[str, Any]:
+    """A task dict with every key known, typed and defaulted, or one line naming where it came from."""
+    if not isinstance(task, dict):
+        raise UserError(f"{where}: a task is a mapping with name, data and optionally metric, freq, weight, eval")
+    for key in task:
+        if key not in TASK_DEFAULTS:
+            hint = difflib.get_close_matches(str(key), list(TASK_DEFAULTS), n=1)
+            raise UserError(f"{where}: unknown task key '{key}'" + (f" (did you mean '{hint[0]}'?)" if hint else ""))
+    task = {**TASK_DEFAULTS, **task}
+    if not task["name"] or not isinstance(task["name"], str):
+        raise UserError(f"{where}: a task without a name (give it name: NAME)")
+    name = task["name"]
+    if not _TASK_NAME.match(name) or name in RESERVED_TASK_NAMES:
+        raise UserError(f"{where}: task name '{name}' must start with a letter and hold only letters, digits, "
+                        f"'_' and '-', and not be {' or '.join(RESERVED_TASK_NAMES)}")
+    if not task["data"] or not isinstance(task["data"], str):
+        raise UserError(f"{where}: task '{name}' has no data source (data: FILE.jsonl or hf:NAME[:CONFIG][@SPLIT])")
+    if task["metric"] not in TASK_METRIC_NAMES:
+        raise UserError(f"{where}: task '{name}': unknown metric '{task['metric']}': choose one of "
+                        f"{', '.join(TASK_METRIC_NAMES)}")
+    for key, kind in (("freq", int), ("weight", float), ("lr_multiplier", float)):
+        value = task[key]
+        try:
+            if isinstance(value, bool) or (kind is int and float(value) != int(float(value))):
+                raise ValueError
+            task[key] = kind(float(value)) if kind is int else float(value)
+        except (TypeError, ValueError):
+            raise UserError(f"{where}: task '{name}': {key} must be a number, got {value!r}") from None
+        if not task[key] >= 0:
+            raise UserError(f"{where}: task '{name}': {key} must be >= 0, got {value!r}")
+    return task
+
+
 def field_names(cls: type[TrainConfig] = UnlearnConfig) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if f.name != "extra"]
 
@@ -155,8 +225,24 @@ def load_recipe(path: str | os.PathLike, cls: type[TrainConfig] = UnlearnConfig)
             raise UserError(f"{path}: unknown option '{raw_key}'{suggestion}")
         if key in _PATH_KEYS and isinstance(value, str):
             value = _next_to_recipe(value, path.parent)
+        if key == "tasks":
+            value = _recipe_tasks(value, path)
         values[key] = value
     return values
+
+
+def _recipe_tasks(tasks: Any, path: Path) -> list[dict[str, Any]]:
+    """A recipe's `tasks:` list, each checked, with data and eval paths looked up next to the recipe."""
+    if not isinstance(tasks, list) or not tasks:
+        raise UserError(f"{path}: tasks must be a list of tasks (name, data, metric, freq, weight, eval)")
+    checked = []
+    for number, task in enumerate(tasks, start=1):
+        task = _checked_task(task, f"{path}: task {number}")
+        for key in ("data", "eval"):
+            if isinstance(task[key], str):
+                task[key] = _next_to_recipe(task[key], path.parent)
+        checked.append(task)
+    return checked
 
 
 def _next_to_recipe(value: str, folder: Path) -> str:
@@ -280,10 +366,39 @@ def validate(config: TrainConfig) -> None:
     validate_training(config)
     if isinstance(config, UnlearnConfig):
         validate_unlearn(config)
-    else:
-        from doplus_cli.multitask_config import validate_multitask
-
+    elif isinstance(config, MultitaskConfig):
         validate_multitask(config)
+
+
+def validate_multitask(config: MultitaskConfig) -> None:
+    """The tasks of `doplus multitask`: at least one, distinct names, `--freq` with one number per task."""
+    if not config.tasks:
+        raise UserError("no tasks: pass --task NAME=FILE.jsonl (one per task) or a tasks: list in the recipe")
+    names = [task["name"] for task in config.tasks]
+    for name in names:
+        if names.count(name) > 1:
+            raise UserError(f"task '{name}' is given {names.count(name)} times: task names must be distinct")
+    if config.freq is not None:
+        items = [item.strip() for item in str(config.freq).split(",")]
+        if len(items) != len(names):
+            raise UserError(f"--freq {config.freq}: {len(items)} frequencies for {len(names)} tasks "
+                            f"({', '.join(names)}); give one per task, in order")
+        for task, item in zip(config.tasks, items):
+            if not item.isdigit():
+                raise UserError(f"--freq {config.freq}: '{item}' (task '{task['name']}') is not a whole number >= 0")
+            task["freq"] = int(item)
+    if config.scheme != "joint" and not any(task["freq"] > 0 for task in config.tasks):
+        raise UserError(f"every task has frequency 0 ({', '.join(names)}): at least one needs steps of its own")
+    if config.scheme == "joint" and any(task["lr_multiplier"] != 1.0 for task in config.tasks):
+        raise UserError("a task's lr_multiplier needs a scheme with separate task steps (alternate, dualoptim, "
+                        "doplus)")
+    if any(task["lr_multiplier"] != 1.0 for task in config.tasks) and config.lr == 0:
+        raise UserError("a task's lr_multiplier needs --lr > 0 (it is applied as a multiple of it)")
+    for name in ("eval_rows",):
+        if getattr(config, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")
+    if config.eval_batch_size < 1:
+        raise UserError(f"--eval-batch-size must be at least 1, got {config.eval_batch_size}")
 
 
 def validate_unlearn(config: UnlearnConfig) -> None:

@@ -44,6 +44,8 @@ class Keys:
     answer: str = "answer"
     text: str = "text"
     need_answer: bool = True  # False when answers come from the model (`answers_from_model`)
+    text_rows: bool = True  # rows with only a text field are an untargeted corpus (False: refused)
+    question_flag: str = "--question-key"  # the option that names the question field, for error messages
 
 
 def parse_json_line(raw: bytes, path: str, line_number: int) -> object:
@@ -71,13 +73,15 @@ def _row_from(record: object, keys: Keys, where: str) -> Row:
         if not isinstance(answer, str):
             raise UserError(f"{where}: field '{keys.answer}' must be a string, got {type(answer).__name__}")
         return Row(question=question, answer=answer)
-    if keys.text in record and keys.answer not in record:
+    if keys.text_rows and keys.text in record and keys.answer not in record:
         text = record[keys.text]
         if not isinstance(text, str):
             raise UserError(f"{where}: field '{keys.text}' must be a string, got {type(text).__name__}")
         return Row(text=text)
+    if not keys.text_rows:
+        raise UserError(f"{where}: missing field '{keys.question}' (set {keys.question_flag} to read another field)")
     raise UserError(
-        f"{where}: missing field '{keys.question}' (set --question-key to read another field, "
+        f"{where}: missing field '{keys.question}' (set {keys.question_flag} to read another field, "
         f"or give rows with only a '{keys.text}' field for an untargeted corpus)"
     )
 
@@ -144,7 +148,7 @@ class HubSource:
                 "reachable and pass the file instead"
             ) from error
         columns = set(self._data.column_names)
-        if keys.question not in columns and keys.text not in columns:
+        if keys.question not in columns and (keys.text not in columns or not keys.text_rows):
             raise UserError(f"{spec}: missing field '{keys.question}' (columns: {', '.join(sorted(columns))})")
         if keys.question in columns and keys.need_answer and keys.answer not in columns:
             raise UserError(f"{spec}: missing field '{keys.answer}' (columns: {', '.join(sorted(columns))})")
@@ -155,6 +159,23 @@ class HubSource:
 
     def __getitem__(self, index: int) -> Row:
         return _row_from(self._data[int(index)], self.keys, f"{self.name}[{index}]")
+
+
+class RowRange:
+    """Rows [start, stop) of another source: a task's training rows without the rows kept out for evaluation."""
+
+    def __init__(self, source: Source, start: int, stop: int) -> None:
+        self.source, self.start, self.stop = source, start, stop
+        self.name = source.name
+        self.text_rows = getattr(source, "text_rows", 0)  # at most the whole source's (multitask allows none)
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, index: int) -> Row:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self.source[self.start + index]
 
 
 def parse_hub_spec(spec: str) -> tuple[str, str | None, str]:

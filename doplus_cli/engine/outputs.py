@@ -137,7 +137,7 @@ def loss_summary(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return summary
 
 
-def _cell(text: str, limit: int = 90) -> str:
+def cell(text: str, limit: int = 90) -> str:
     text = " ".join(str(text).split()).replace("|", "\\|")
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
@@ -194,7 +194,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         ]
         for s in report["samples"]:
             lines.append(
-                f"| {s['set']} | {_cell(s['question'], 60)} | {_cell(s['before'])} | {_cell(s['after'])} "
+                f"| {s['set']} | {cell(s['question'], 60)} | {cell(s['before'])} | {cell(s['after'])} "
                 f"| {s['rouge_l_recall']:.2f} |"
             )
         for name, value in report.get("sample_rouge_mean", {}).items():
