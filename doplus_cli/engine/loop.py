@@ -385,6 +385,7 @@ def _plot_curves(evals: list[dict[str, Any]], out: Path, names: Sequence[str]) -
     ax.legend()
     ax.grid(alpha=0.3)
     path = out / "evals" / "curves.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
