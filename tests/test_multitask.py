@@ -295,3 +295,17 @@ def test_bad_input_is_one_line_with_exit_code_2(tiny_llama, tasks, tmp_path, cap
     assert needle in err, err
     assert err.count("\n") == 0 and "Traceback" not in err
     assert not out.exists()  # nothing half-written
+
+
+def test_trace_json_array_files_are_read_as_they_are(tmp_path):
+    from doplus_cli.data.sources import Keys, open_source
+    from doplus_cli.errors import UserError
+
+    keys = Keys("prompt", "answer", text_rows=False, question_flag="--prompt-key")
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps([{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}], indent=1))
+    source = open_source(str(path), "task 'math'", keys)
+    assert len(source) == 2 and (source[1].question, source[1].answer) == ("2+2=", "4")
+    path.write_text(json.dumps([{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2="}]))
+    with pytest.raises(UserError, match="train.json: element 2: missing field 'answer'"):
+        open_source(str(path), "task 'math'", keys)

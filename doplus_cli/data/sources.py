@@ -128,6 +128,38 @@ class JsonlSource:
         return self._parse(self._handle.read(self._lengths[index]), self._line_numbers[index])
 
 
+class JsonArraySource:
+    """A `.json` file holding one JSON array of row objects (as TRACE ships its train.json/test.json files).
+
+    The whole array is parsed once (such files are small: TRACE's hold 5,000 rows); each element is checked
+    and an error names its position in the array."""
+
+    def __init__(self, path: str, keys: Keys = Keys()) -> None:
+        self.name = path
+        try:
+            with open(path, "rb") as handle:
+                records = json.load(handle)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            line = getattr(error, "lineno", None)
+            where = f"{path}:{line}" if line else path
+            raise UserError(f"{where}: malformed JSON ({getattr(error, 'msg', error)})") from None
+        self._rows = [_row_from(record, keys, f"{path}: element {i + 1}") for i, record in enumerate(records)]
+        self.text_rows = sum(row.is_text for row in self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, index: int) -> Row:
+        return self._rows[index]
+
+
+def _starts_with_array(path: str) -> bool:
+    if not os.path.isfile(path):
+        return False
+    with open(path, "rb") as handle:
+        return handle.read(4096).lstrip()[:1] == b"["
+
+
 class HubSource:
     """`hf:NAME[:CONFIG][@SPLIT]` through `datasets` (downloaded once, then Arrow memory-mapped)."""
 
@@ -190,7 +222,12 @@ def parse_hub_spec(spec: str) -> tuple[str, str | None, str]:
 
 def open_source(spec: str, role: str, keys: Keys = Keys()) -> Source:
     """Open the forget or retain set named by `spec`; an empty set is an error."""
-    source: Source = HubSource(spec, keys) if spec.startswith("hf:") else JsonlSource(spec, keys)
+    if spec.startswith("hf:"):
+        source: Source = HubSource(spec, keys)
+    elif _starts_with_array(spec):
+        source = JsonArraySource(spec, keys)
+    else:
+        source = JsonlSource(spec, keys)
     if len(source) == 0:
         raise UserError(f"{spec}: the {role} set is empty")
     return source
