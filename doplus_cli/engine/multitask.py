@@ -89,14 +89,15 @@ class MultitaskPlan(Plan):
     def before(self, model, formatter, progress, accelerator, saved: Any | None) -> Any:
         if saved:
             return saved
-        return self._scores(model, formatter, progress, "before")
+        return self._scores(model, formatter, progress, "before", accelerator.is_main_process)
 
     def evaluate(self, step: int, model, tokenizer, formatter, out, progress, accelerator) -> dict[str, Any]:
-        scores = self._scores(accelerator.unwrap_model(model), formatter, progress, f"step {step}")
+        scores = self._scores(accelerator.unwrap_model(model), formatter, progress, f"step {step}",
+                              accelerator.is_main_process)
         return {"step": step, **{name: value["score"] for name, value in scores.items()}}
 
     def after(self, model, formatter, progress, accelerator, before: Any) -> dict[str, Any]:
-        after = self._scores(model, formatter, progress, "after")
+        after = self._scores(model, formatter, progress, "after", accelerator.is_main_process)
         tasks = []
         for task in self.tasks:
             entry = {
@@ -120,9 +121,9 @@ class MultitaskPlan(Plan):
     def render_markdown(self, report: dict[str, Any]) -> str:
         return render_markdown(report)
 
-    def _scores(self, model, formatter, progress, when: str) -> dict[str, Any]:
+    def _scores(self, model, formatter, progress, when: str, say: bool) -> dict[str, Any]:
         """Each task's metric on its held-out rows, as a percentage, and their average (tasks not evaluated
-        are left out of it), with the first few predictions."""
+        are left out of it), with the first few predictions; `say`: print each score (a batch log shows it)."""
         scores: dict[str, Any] = {}
         for task in self.tasks:
             if task.held_out is None:
@@ -140,6 +141,9 @@ class MultitaskPlan(Plan):
                                  "predictions": predictions[shown]}
         values = [v["score"] for v in scores.values() if v["score"] is not None]
         scores[AVERAGE] = {"score": sum(values) / len(values) if values else None}
+        if say:
+            shown = ", ".join(f"{name} {_number(value['score'])}" for name, value in scores.items())
+            progress.console.print(f"held-out scores {when} (%): {shown}", highlight=False)
         return scores
 
 
