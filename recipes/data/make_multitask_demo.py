@@ -99,7 +99,7 @@ STDLIB_MODULES = ("argparse.py", "configparser.py", "csv.py", "difflib.py", "fra
                   "tarfile.py", "textwrap.py", "zipfile.py")
 
 
-def code_rows(rng: random.Random, n: int, context: int = 4) -> list[dict[str, str]]:
+def code_rows(rng: random.Random, n: int, context: int = 3) -> list[dict[str, str]]:
     """Next-line completions cut from the standard library's own source files."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     candidates = []
