@@ -175,7 +175,7 @@ def unlearn(
     if num_processes is not None and num_processes > 1 and "LOCAL_RANK" not in os.environ:
         _relaunch_with_accelerate(num_processes)
     from doplus_cli.config import resolve_config
-    from doplus_cli.engine.loop import print_summary, run_unlearn
+    from doplus_cli.engine.unlearn import print_summary, run_unlearn
 
     config = resolve_config(recipe, overrides)
     report = run_unlearn(config, err_console)
@@ -189,10 +189,105 @@ def align() -> None:
     _not_built("align")
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def multitask() -> None:
-    """Multi-task training with one base state and N delta states (not built yet)."""
-    _not_built("multitask")
+def _mt_default(name: str) -> str:
+    from doplus_cli.config import MultitaskConfig
+
+    return f" [default: {default_of(name, MultitaskConfig)}]"
+
+
+@app.command()
+def multitask(
+    recipe: str | None = typer.Option(None, "--recipe", help="YAML recipe (a tasks: list); flags override it."),
+    task: list[str] | None = typer.Option(
+        None, "--task", help="NAME=SOURCE[,metric=exact|choice|edit_sim|rouge_l][,freq=F][,weight=W][,eval=FILE]"
+        "[,lr_multiplier=X], SOURCE a JSON-lines file or hf:NAME[:CONFIG][@SPLIT]; once per task (replaces the "
+        "recipe's tasks)",
+    ),
+    freq: str | None = typer.Option(None, "--freq", help="Each task's steps per cycle, in order: 1,2,1 [default: "
+                                    "each task's freq, 1]"),
+    prompt_key: str | None = typer.Option(None, "--prompt-key", help="Prompt field." + _mt_default("prompt_key")),
+    answer_key: str | None = typer.Option(None, "--answer-key", help="Answer field." + _mt_default("answer_key")),
+    eval_rows: int | None = typer.Option(
+        None, "--eval-rows", help="Rows kept out of training for evaluation, per task without an eval file (0: none)."
+        + _mt_default("eval_rows")),
+    eval_every: int | None = typer.Option(
+        None, "--eval-every", help="Score every task every N steps (and at the end) [default: never]"
+    ),
+    eval_batch_size: int | None = typer.Option(None, "--eval-batch-size", help="Prompts per generation batch."
+                                               + _mt_default("eval_batch_size")),
+    model: str | None = typer.Option(
+        None, "--model", help="Hub id, local model folder or .gguf file [default: embedded SmolLM2-135M-Instruct]"
+    ),
+    dtype: str | None = typer.Option(None, "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16."
+                                     + _mt_default("dtype")),
+    trust_remote_code: bool | None = typer.Option(
+        None, "--trust-remote-code/--no-trust-remote-code", help="Allow the model's own code to run."
+    ),
+    max_length: int | None = typer.Option(None, "--max-length", help="Tokens per example." + _mt_default(
+        "max_length")),
+    max_new_tokens: int | None = typer.Option(None, "--max-new-tokens", help="Greedy tokens per evaluated answer."
+                                              + _mt_default("max_new_tokens")),
+    scheme: str | None = typer.Option(None, "--scheme", help="joint, alternate, dualoptim or doplus." + _mt_default(
+        "scheme")),
+    optimizer: str | None = typer.Option(None, "--optimizer", help="adamw or muon (doplus)." + _mt_default(
+        "optimizer")),
+    state_bits: int | None = typer.Option(None, "--state-bits", help="32 or 8 (blockwise 8-bit states)."
+                                          + _mt_default("state_bits")),
+    doplus_rule: str | None = typer.Option(
+        None, "--doplus-rule", help="DualOptim+'s AdamW rule: safeguarded or paper (exactly as published)."
+        + _mt_default("doplus_rule"),
+    ),
+    betas: str | None = typer.Option(None, "--betas", help="AdamW betas as B1,B2 [default: 0.9,0.95]"),
+    steps: int | None = typer.Option(None, "--steps", help="Optimizer steps." + _mt_default("steps")),
+    lr: float | None = typer.Option(None, "--lr", help="Peak learning rate." + _mt_default("lr")),
+    batch_size: int | None = typer.Option(None, "--batch-size", help="Examples per device per micro-step."
+                                          + _mt_default("batch_size")),
+    grad_accum: int | None = typer.Option(None, "--grad-accum", help="Micro-steps per optimizer step (averaged)."
+                                          + _mt_default("grad_accum")),
+    warmup_steps: int | None = typer.Option(None, "--warmup-steps", help="Linear warmup, then linear decay to 0 "
+                                            "[default: a tenth of the steps]"),
+    weight_decay: float | None = typer.Option(None, "--weight-decay", help="AdamW weight decay." + _mt_default(
+        "weight_decay")),
+    max_grad_norm: float | None = typer.Option(None, "--max-grad-norm", help="Gradient clipping (0: off)."
+                                               + _mt_default("max_grad_norm")),
+    seed: int | None = typer.Option(None, "--seed", help="Seed for weights' RNG and data order." + _mt_default(
+        "seed")),
+    out: str | None = typer.Option(None, "--out", help="Output folder [default: runs/multitask-DATE-TIME]"),
+    overwrite: bool | None = typer.Option(None, "--overwrite/--no-overwrite", help="Replace the run in a non-empty"
+                                          " --out folder."),
+    lora_rank: int | None = typer.Option(None, "--lora-rank", help="Train LoRA adapters of rank R [default: 0]"),
+    lora_alpha: float | None = typer.Option(None, "--lora-alpha", help="LoRA alpha." + _mt_default("lora_alpha")),
+    lora_targets: str | None = typer.Option(None, "--lora-targets", help="Modules to adapt, comma-separated."),
+    gradient_checkpointing: bool | None = typer.Option(
+        None, "--gradient-checkpointing/--no-gradient-checkpointing", help="Recompute activations in backward."
+    ),
+    save_adapter_only: bool | None = typer.Option(
+        None, "--save-adapter-only/--save-merged", help="final/ holds the LoRA adapter only [default: merged model]"
+    ),
+    fsdp: bool | None = typer.Option(None, "--fsdp/--no-fsdp", help="Shard weights, gradients and optimizer states "
+                                     "across processes (FSDP2)."),
+    num_processes: int | None = typer.Option(
+        None, "--num-processes", min=1, help="Run on N processes through `accelerate launch`.",
+    ),
+    save_every: int | None = typer.Option(None, "--save-every", help="Write checkpoints/step-N/ every N steps."),
+    keep_last: int | None = typer.Option(None, "--keep-last", help="Keep the newest K checkpoints [default: all]"),
+    resume: str | None = typer.Option(None, "--resume", help="Continue the run in --out (latest checkpoint, or "
+                                      "the checkpoint folder given)."),
+) -> None:
+    """Train on several tasks at once, one DualOptim+ delta state per task; scores each task before and after."""
+    overrides = {name: value for name, value in locals().items()
+                 if name not in ("recipe", "num_processes", "task")}
+    if num_processes is not None and num_processes > 1 and "LOCAL_RANK" not in os.environ:
+        _relaunch_with_accelerate(num_processes)
+    from doplus_cli.config import MultitaskConfig, resolve_config, task_from_option
+    from doplus_cli.engine.multitask import print_summary, run_multitask
+
+    if task:
+        overrides["tasks"] = [task_from_option(text) for text in task]
+    config = resolve_config(recipe, overrides, MultitaskConfig)
+    report = run_multitask(config, err_console)
+    if report:
+        print_summary(report, Console(highlight=False))
 
 
 @app.command()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,49 +30,36 @@ _PATH_KEYS = ("model", "forget", "retain", "eval_data_dir")
 
 
 @dataclass
-class UnlearnConfig:
-    """Every option of `doplus unlearn`. Field names are the recipe keys; `--forget-lr` is `forget_lr`."""
+class TrainConfig:
+    """The options every training command shares: model, update scheme, optimizer, training, outputs, LoRA,
+    processes, checkpoints. A command's config adds its own data and objectives (`UnlearnConfig`,
+    `MultitaskConfig`); field names are the recipe keys."""
 
     description: str = ""
     # Model
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     trust_remote_code: bool = False
-    # Data
-    forget: str | None = None
-    retain: str | None = None
-    question_key: str = "question"
-    answer_key: str = "answer"
     max_length: int = 256
-    answers_from_model: bool = False  # targets are the starting model's own greedy answers (real-world setting)
     max_new_tokens: int = 48
-    # Losses
-    loss: str = "NPO+GD"
-    beta: float = 0.1
-    forget_coeff: float = 1.0
-    retain_coeff: float = 1.0
     # Update scheme and optimizer
     scheme: str = "doplus"
     optimizer: str = "adamw"
     doplus_rule: str = "safeguarded"  # or "paper": DualOptim+'s AdamW rule exactly as the paper writes it
     state_bits: int = 32
-    forget_freq: int = 1
-    retain_freq: int = 5
     betas: tuple[float, float] = (0.9, 0.95)
     # Training
     steps: int = 300
     lr: float = 1e-5
-    forget_lr: float | None = None
     batch_size: int = 4
     grad_accum: int = 1
-    warmup_steps: int | None = None  # None: one pass over the forget set
+    warmup_steps: int | None = None  # None: the command's default (unlearn: one pass over the forget set)
     weight_decay: float = 0.01
     max_grad_norm: float = 1.0
     seed: int = 0
     # Outputs
-    out: str | None = None  # None: runs/unlearn-YYYYmmdd-HHMMSS
+    out: str | None = None  # None: runs/COMMAND-YYYYmmdd-HHMMSS
     overwrite: bool = False
-    show_samples: int = 3
     # LoRA and memory
     lora_rank: int = 0  # 0: train every weight
     lora_alpha: float = 16.0
@@ -85,8 +73,38 @@ class UnlearnConfig:
     save_every: int = 0  # 0: no checkpoints
     keep_last: int = 0  # 0: keep every checkpoint
     resume: str | None = None  # "latest" or a checkpoint folder
-    # Evaluation during training (`doplus evaluate`'s suites at every N-th step, into OUT/evals/step-N/)
+    # Evaluation during training, at every N-th step and at the end
     eval_every: int = 0  # 0: never
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data.pop("extra")
+        data["betas"] = list(self.betas)
+        return data
+
+
+@dataclass
+class UnlearnConfig(TrainConfig):
+    """Every option of `doplus unlearn`. Field names are the recipe keys; `--forget-lr` is `forget_lr`."""
+
+    # Data
+    forget: str | None = None
+    retain: str | None = None
+    question_key: str = "question"
+    answer_key: str = "answer"
+    answers_from_model: bool = False  # targets are the starting model's own greedy answers (real-world setting)
+    # Losses
+    loss: str = "NPO+GD"
+    beta: float = 0.1
+    forget_coeff: float = 1.0
+    retain_coeff: float = 1.0
+    # The forget-first F_f:F_r cycle
+    forget_freq: int = 1
+    retain_freq: int = 5
+    forget_lr: float | None = None
+    show_samples: int = 3
+    # `doplus evaluate`'s suites during training (into OUT/evals/step-N/)
     eval_suite: str = "tofu"
     eval_split: str = "forget10"
     eval_data_dir: str | None = None  # None: hf:locuslab/TOFU
@@ -94,7 +112,6 @@ class UnlearnConfig:
     eval_max_new_tokens: int = 64
     eval_nli_model: str | None = None
     eval_embedding_model: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def forget_loss(self) -> str:
@@ -105,23 +122,86 @@ class UnlearnConfig:
         parts = self.loss.split("+")
         return parts[1] if len(parts) > 1 else None
 
-    def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data.pop("extra")
-        data["betas"] = list(self.betas)
-        return data
+
+TASK_METRIC_NAMES = ("exact", "choice", "edit_sim", "rouge_l")  # doplus_cli/evaluation/task_metrics.py
+# A task's keys (recipe `tasks:` entries, `--task NAME=SOURCE,key=value,...`) and their defaults.
+TASK_DEFAULTS: dict[str, Any] = {"name": None, "data": None, "metric": "exact", "freq": 1, "weight": 1.0,
+                                 "eval": None, "lr_multiplier": 1.0}
+_TASK_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
+RESERVED_TASK_NAMES = ("joint", "total")  # a joint step's name and its summed loss term
 
 
-def field_names() -> list[str]:
-    return [f.name for f in dataclasses.fields(UnlearnConfig) if f.name != "extra"]
+@dataclass
+class MultitaskConfig(TrainConfig):
+    """Every option of `doplus multitask`: the options of every training command plus the tasks."""
+
+    tasks: list[dict[str, Any]] = field(default_factory=list)  # TASK_DEFAULTS keys, one dict per task
+    freq: str | None = None  # "F1,F2,...": each task's frequency in order (overrides the tasks' own freq)
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    eval_rows: int = 200  # rows kept out of training for a task without an eval file (0: not evaluated)
+    eval_batch_size: int = 16  # prompts per greedy generation batch
 
 
-def default_of(name: str) -> Any:
+def task_from_option(text: str) -> dict[str, Any]:
+    """`NAME=SOURCE[,metric=M][,freq=F][,weight=W][,eval=FILE][,lr_multiplier=X]` -> a task dict."""
+    first, *rest = text.split(",")
+    name, sep, data = first.partition("=")
+    if not sep or not name.strip() or not data.strip():
+        raise UserError(f"--task '{text}': write NAME=SOURCE[,metric=M][,freq=F][,weight=W][,eval=FILE] "
+                        "(a task needs a name and a data source)")
+    task: dict[str, Any] = {"name": name.strip(), "data": data.strip()}
+    for item in rest:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UserError(f"--task '{text}': '{item}' is not KEY=VALUE")
+        task[key.strip()] = value.strip()
+    return _checked_task(task, f"--task '{text}'")
+
+
+def _checked_task(task: Any, where: str) -> dict[str, Any]:
+    """A task dict with every key known, typed and defaulted, or one line naming where it came from."""
+    if not isinstance(task, dict):
+        raise UserError(f"{where}: a task is a mapping with name, data and optionally metric, freq, weight, eval")
+    for key in task:
+        if key not in TASK_DEFAULTS:
+            hint = difflib.get_close_matches(str(key), list(TASK_DEFAULTS), n=1)
+            raise UserError(f"{where}: unknown task key '{key}'" + (f" (did you mean '{hint[0]}'?)" if hint else ""))
+    task = {**TASK_DEFAULTS, **task}
+    if not task["name"] or not isinstance(task["name"], str):
+        raise UserError(f"{where}: a task without a name (give it name: NAME)")
+    name = task["name"]
+    if not _TASK_NAME.match(name) or name in RESERVED_TASK_NAMES:
+        raise UserError(f"{where}: task name '{name}' must start with a letter and hold only letters, digits, "
+                        f"'_' and '-', and not be {' or '.join(RESERVED_TASK_NAMES)}")
+    if not task["data"] or not isinstance(task["data"], str):
+        raise UserError(f"{where}: task '{name}' has no data source (data: FILE.jsonl or hf:NAME[:CONFIG][@SPLIT])")
+    if task["metric"] not in TASK_METRIC_NAMES:
+        raise UserError(f"{where}: task '{name}': unknown metric '{task['metric']}': choose one of "
+                        f"{', '.join(TASK_METRIC_NAMES)}")
+    for key, kind in (("freq", int), ("weight", float), ("lr_multiplier", float)):
+        value = task[key]
+        try:
+            if isinstance(value, bool) or (kind is int and float(value) != int(float(value))):
+                raise ValueError
+            task[key] = kind(float(value)) if kind is int else float(value)
+        except (TypeError, ValueError):
+            raise UserError(f"{where}: task '{name}': {key} must be a number, got {value!r}") from None
+        if not task[key] >= 0:
+            raise UserError(f"{where}: task '{name}': {key} must be >= 0, got {value!r}")
+    return task
+
+
+def field_names(cls: type[TrainConfig] = UnlearnConfig) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls) if f.name != "extra"]
+
+
+def default_of(name: str, cls: type[TrainConfig] = UnlearnConfig) -> Any:
     """The default of one option, for help texts (so the CLI never repeats a default)."""
-    return {f.name: f.default for f in dataclasses.fields(UnlearnConfig)}[name]
+    return {f.name: f.default for f in dataclasses.fields(cls)}[name]
 
 
-def load_recipe(path: str | os.PathLike) -> dict[str, Any]:
+def load_recipe(path: str | os.PathLike, cls: type[TrainConfig] = UnlearnConfig) -> dict[str, Any]:
     """Read a YAML recipe into {field: value}, with relative data and model paths made usable."""
     path = Path(path)
     if not path.is_file():
@@ -136,7 +216,7 @@ def load_recipe(path: str | os.PathLike) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise UserError(f"{path}: a recipe must be a mapping of option: value, got {type(data).__name__}")
-    names = field_names()
+    names = field_names(cls)
     values: dict[str, Any] = {}
     for raw_key, value in data.items():
         key = str(raw_key).replace("-", "_")
@@ -146,8 +226,24 @@ def load_recipe(path: str | os.PathLike) -> dict[str, Any]:
             raise UserError(f"{path}: unknown option '{raw_key}'{suggestion}")
         if key in _PATH_KEYS and isinstance(value, str):
             value = _next_to_recipe(value, path.parent)
+        if key == "tasks":
+            value = _recipe_tasks(value, path)
         values[key] = value
     return values
+
+
+def _recipe_tasks(tasks: Any, path: Path) -> list[dict[str, Any]]:
+    """A recipe's `tasks:` list, each checked, with data and eval paths looked up next to the recipe."""
+    if not isinstance(tasks, list) or not tasks:
+        raise UserError(f"{path}: tasks must be a list of tasks (name, data, metric, freq, weight, eval)")
+    checked = []
+    for number, task in enumerate(tasks, start=1):
+        task = _checked_task(task, f"{path}: task {number}")
+        for key in ("data", "eval"):
+            if isinstance(task[key], str):
+                task[key] = _next_to_recipe(task[key], path.parent)
+        checked.append(task)
+    return checked
 
 
 def _next_to_recipe(value: str, folder: Path) -> str:
@@ -157,28 +253,33 @@ def _next_to_recipe(value: str, folder: Path) -> str:
     return str(candidate) if candidate.exists() else value
 
 
-def resolve_config(recipe: str | None, overrides: dict[str, Any]) -> UnlearnConfig:
-    """Defaults, then the recipe, then command-line overrides (None means "not given")."""
+def resolve_config(recipe: str | None, overrides: dict[str, Any], cls: type[TrainConfig] = UnlearnConfig):
+    """Defaults, then the recipe, then command-line overrides (None means "not given"); validated."""
+    config = _resolve(recipe, overrides, cls)
+    validate(config)
+    return config
+
+
+def _resolve(recipe: str | None, overrides: dict[str, Any], cls: type[TrainConfig]):
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     if recipe is not None:
-        for key, value in load_recipe(recipe).items():
+        for key, value in load_recipe(recipe, cls).items():
             values[key] = value
             sources[key] = str(recipe)
     for key, value in overrides.items():
         if value is not None:
             values[key] = value
             sources[key] = "command line"
-    config = UnlearnConfig()
+    config = cls()
     for key, value in values.items():
-        setattr(config, key, _coerce(key, value, sources[key]))
-    validate(config)
+        setattr(config, key, _coerce(key, value, sources[key], cls))
     return config
 
 
-def _coerce(key: str, value: Any, source: str) -> Any:
+def _coerce(key: str, value: Any, source: str, cls: type[TrainConfig] = UnlearnConfig) -> Any:
     """Turn a recipe or flag value into the field's type, or say which option and where it came from."""
-    kind = {f.name: f.type for f in dataclasses.fields(UnlearnConfig)}[key]
+    kind = {f.name: f.type for f in dataclasses.fields(cls)}[key]
     where = f"{source}: option '{key}'"
     if value is None:
         if "None" in kind:
@@ -208,6 +309,10 @@ def _coerce(key: str, value: Any, source: str) -> Any:
             return (float(items[0]), float(items[1]))
         if kind.startswith("dict"):
             return dict(value)
+        if kind.startswith("list"):
+            if not isinstance(value, list):
+                raise ValueError
+            return list(value)
         if isinstance(value, (dict, list)):
             raise ValueError
         return str(value)
@@ -225,37 +330,22 @@ REF_OFFLOADS = (None, "cpu", "8bit")
 DOPLUS_RULES = ("safeguarded", "paper")
 
 
-def validate(config: UnlearnConfig) -> None:
-    """Check option values and combinations; every message is one line naming the option."""
+def validate_training(config: TrainConfig) -> None:
+    """Check the options every training command shares; every message is one line naming the option."""
     _choice("scheme", config.scheme, SCHEMES)
     _choice("optimizer", config.optimizer, OPTIMIZERS)
     _choice("dtype", config.dtype, DTYPES)
     _choice("state-bits", config.state_bits, STATE_BITS)
     _choice("doplus-rule", config.doplus_rule, DOPLUS_RULES)
-    parts = config.loss.split("+")
-    if len(parts) > 2 or parts[0] not in FORGET_LOSS_NAMES or (len(parts) == 2 and parts[1] not in RETAIN_LOSS_NAMES):
-        raise UserError(
-            f"unknown loss '{config.loss}': write FORGET or FORGET+RETAIN with FORGET in "
-            f"{{{', '.join(FORGET_LOSS_NAMES)}}} and RETAIN in {{{', '.join(RETAIN_LOSS_NAMES)}}}, e.g. NPO+GD"
-        )
     for name in ("steps", "batch_size", "grad_accum", "max_length", "max_new_tokens"):
         if getattr(config, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
-    for name in ("forget_freq", "retain_freq", "show_samples"):
-        if getattr(config, name) < 0:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")
-    if config.forget_freq == 0:
-        raise UserError("--forget-freq must be at least 1: every cycle starts with forget steps")
     if config.warmup_steps is not None and config.warmup_steps < 0:
         raise UserError(f"--warmup-steps must be >= 0, got {config.warmup_steps}")
-    for name in ("lr", "weight_decay", "beta", "max_grad_norm", "forget_coeff", "retain_coeff"):
+    for name in ("lr", "weight_decay", "max_grad_norm"):
         value = getattr(config, name)
         if not value >= 0 or value != value:
             raise UserError(f"--{name.replace('_', '-')} must be a number >= 0, got {value}")
-    if config.beta == 0 and config.forget_loss in ("NPO", "DPO") or config.beta == 0 and config.retain_loss == "AP":
-        raise UserError("--beta must be > 0 for NPO, DPO and AP (they divide by it)")
-    if config.forget_lr is not None and not config.forget_lr >= 0:
-        raise UserError(f"--forget-lr must be a number >= 0, got {config.forget_lr}")
     if not all(0.0 <= b < 1.0 for b in config.betas):
         raise UserError(f"--betas must be two numbers in [0, 1), got {config.betas}")
     if config.lora_rank < 0:
@@ -265,13 +355,76 @@ def validate(config: UnlearnConfig) -> None:
     if config.ref_offload not in REF_OFFLOADS:
         raise UserError(f"unknown --ref-offload '{config.ref_offload}': choose cpu (keep the reference model on the "
                         "CPU) or 8bit (LLM.int8 weights through bitsandbytes)")
-    for name in ("save_every", "keep_last"):
+    for name in ("save_every", "keep_last", "eval_every"):
         if getattr(config, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")
     if config.resume is not None and config.out is None:
         raise UserError("--resume needs --out: the folder of the run to continue")
-    if config.eval_every < 0:
-        raise UserError(f"--eval-every must be >= 0, got {config.eval_every}")
+    if config.optimizer == "muon" and config.scheme != "doplus":
+        raise UserError("--optimizer muon is built for --scheme doplus only; use adamw with the other schemes")
+
+
+def validate(config: TrainConfig) -> None:
+    """Check option values and combinations; every message is one line naming the option."""
+    validate_training(config)
+    if isinstance(config, UnlearnConfig):
+        validate_unlearn(config)
+    elif isinstance(config, MultitaskConfig):
+        validate_multitask(config)
+
+
+def validate_multitask(config: MultitaskConfig) -> None:
+    """The tasks of `doplus multitask`: at least one, distinct names, `--freq` with one number per task."""
+    if not config.tasks:
+        raise UserError("no tasks: pass --task NAME=FILE.jsonl (one per task) or a tasks: list in the recipe")
+    names = [task["name"] for task in config.tasks]
+    for name in names:
+        if names.count(name) > 1:
+            raise UserError(f"task '{name}' is given {names.count(name)} times: task names must be distinct")
+    if config.freq is not None:
+        items = [item.strip() for item in str(config.freq).split(",")]
+        if len(items) != len(names):
+            raise UserError(f"--freq {config.freq}: {len(items)} frequencies for {len(names)} tasks "
+                            f"({', '.join(names)}); give one per task, in order")
+        for task, item in zip(config.tasks, items):
+            if not item.isdigit():
+                raise UserError(f"--freq {config.freq}: '{item}' (task '{task['name']}') is not a whole number >= 0")
+            task["freq"] = int(item)
+    if config.scheme != "joint" and not any(task["freq"] > 0 for task in config.tasks):
+        raise UserError(f"every task has frequency 0 ({', '.join(names)}): at least one needs steps of its own")
+    if config.scheme == "joint" and any(task["lr_multiplier"] != 1.0 for task in config.tasks):
+        raise UserError("a task's lr_multiplier needs a scheme with separate task steps (alternate, dualoptim, "
+                        "doplus)")
+    if any(task["lr_multiplier"] != 1.0 for task in config.tasks) and config.lr == 0:
+        raise UserError("a task's lr_multiplier needs --lr > 0 (it is applied as a multiple of it)")
+    for name in ("eval_rows",):
+        if getattr(config, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")
+    if config.eval_batch_size < 1:
+        raise UserError(f"--eval-batch-size must be at least 1, got {config.eval_batch_size}")
+
+
+def validate_unlearn(config: UnlearnConfig) -> None:
+    """The options of `doplus unlearn` on top of `validate_training`."""
+    parts = config.loss.split("+")
+    if len(parts) > 2 or parts[0] not in FORGET_LOSS_NAMES or (len(parts) == 2 and parts[1] not in RETAIN_LOSS_NAMES):
+        raise UserError(
+            f"unknown loss '{config.loss}': write FORGET or FORGET+RETAIN with FORGET in "
+            f"{{{', '.join(FORGET_LOSS_NAMES)}}} and RETAIN in {{{', '.join(RETAIN_LOSS_NAMES)}}}, e.g. NPO+GD"
+        )
+    for name in ("forget_freq", "retain_freq", "show_samples"):
+        if getattr(config, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")
+    if config.forget_freq == 0:
+        raise UserError("--forget-freq must be at least 1: every cycle starts with forget steps")
+    for name in ("beta", "forget_coeff", "retain_coeff"):
+        value = getattr(config, name)
+        if not value >= 0 or value != value:
+            raise UserError(f"--{name.replace('_', '-')} must be a number >= 0, got {value}")
+    if config.beta == 0 and config.forget_loss in ("NPO", "DPO") or config.beta == 0 and config.retain_loss == "AP":
+        raise UserError("--beta must be > 0 for NPO, DPO and AP (they divide by it)")
+    if config.forget_lr is not None and not config.forget_lr >= 0:
+        raise UserError(f"--forget-lr must be a number >= 0, got {config.forget_lr}")
     if config.eval_every and config.eval_suite != "tofu":
         raise UserError(f"unknown --eval-suite '{config.eval_suite}' for evaluation during training: only tofu "
                         "(run `doplus evaluate --suite ...` on final/ afterwards for the others)")
@@ -281,7 +434,7 @@ def validate(config: UnlearnConfig) -> None:
         raise UserError(f"loss {config.loss} has a retain term: pass --retain FILE.jsonl or use a forget loss alone")
     if config.scheme in ("joint",) and config.forget_lr is not None:
         raise UserError("--forget-lr needs a scheme with separate forget steps (alternate, dualoptim, doplus)")
-    if config.optimizer == "muon" and config.scheme != "doplus":
-        raise UserError("--optimizer muon is built for --scheme doplus only; use adamw with the other schemes")
+    if config.forget_lr is not None and config.forget_lr != config.lr and config.lr == 0:
+        raise UserError("--forget-lr needs --lr > 0 (the forget rate is applied as a multiple of it)")
     if config.retain_loss is None and config.scheme != "joint" and config.retain_freq > 0:
         config.retain_freq = 0  # a forget loss alone: every step is a forget step

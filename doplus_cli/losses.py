@@ -1,4 +1,5 @@
-"""Forget losses (GA, NPO, DPO, ME, IDK) and retain losses (GD, KL, AP), one function each, by name.
+"""Forget losses (GA, NPO, DPO, ME, IDK), retain losses (GD, KL, AP) and the task loss (CE), one function each,
+by name.
 
 Every loss takes a `LossContext` (the model, the frozen reference model when it needs one, beta) and a
 batch {"answer": tensors, "rejection": tensors} built by `doplus_cli.data.batches`. NLLs are over answer
@@ -50,6 +51,7 @@ class LossSpec:
 
 FORGET_LOSSES: dict[str, LossSpec] = {}
 RETAIN_LOSSES: dict[str, LossSpec] = {}
+TASK_LOSSES: dict[str, LossSpec] = {}  # `doplus multitask`
 
 
 def _register(table: dict[str, LossSpec], name: str, **flags: bool):
@@ -177,3 +179,9 @@ def answer_preservation(ctx: LossContext, batch: Batch) -> Tensor:
     nll_idk = sequence_nll(ctx.model, batch["rejection"])
     nll_answer = sequence_nll(ctx.model, batch["answer"])
     return -(1.0 / ctx.beta) * F.logsigmoid(ctx.beta * (nll_idk - nll_answer)).mean()
+
+
+@_register(TASK_LOSSES, "CE")
+def supervised_cross_entropy(ctx: LossContext, batch: Batch) -> Tensor:
+    """CE: mean token cross-entropy of a task's answers given its prompts (prompt tokens masked)."""
+    return mean_ce(ctx.model, batch["answer"], ctx.token_count)

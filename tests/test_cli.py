@@ -18,7 +18,7 @@ def test_help_lists_every_subcommand():
         assert name in out
 
 
-@pytest.mark.parametrize("name,issue", [("align", None), ("multitask", None)])
+@pytest.mark.parametrize("name,issue", [("align", None)])
 def test_unbuilt_subcommands_say_so_in_one_line_and_exit_2(capsys, name, issue):
     with pytest.raises(SystemExit) as exit_info:
         main([name, "--model", "x"])

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from doplus_cli.config import resolve_config
+from doplus_cli.config import MultitaskConfig, resolve_config
 
 # recipes/cluster/ holds an accelerate configuration, not a doplus recipe (tests/test_distributed.py runs it)
 RECIPES = sorted(
@@ -24,6 +24,17 @@ def test_the_paper_settings_are_shipped():
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(p.parents[1])))
 def test_recipe_resolves(path):
+    if "multitask" in path.parts:
+        config = resolve_config(str(path), {}, MultitaskConfig)
+        assert config.description and len(config.tasks) == 3
+        if path.name == "demo.yaml":  # the embedded model; task files the project writes itself
+            assert config.model is None and all(Path(t["data"]).is_file() for t in config.tasks)
+            assert [t["metric"] for t in config.tasks] == ["exact", "choice", "edit_sim"]
+        if path.name == "trace_llama2.yaml":  # the paper's Table 4 setting
+            assert config.model == "meta-llama/Llama-2-7b-hf" and config.scheme == "doplus"
+            assert config.state_bits == 8 and config.betas == (0.9, 0.95) and config.weight_decay == 0.01
+            assert [t["name"] for t in config.tasks] == ["py150", "scienceqa", "numglue_cm"]
+        return
     config = resolve_config(str(path), {})
     assert config.description
     if "tofu" in path.parts:

@@ -14,7 +14,7 @@ from doplus_cli.cli import main
 from doplus_cli.config import resolve_config
 from doplus_cli.data import sources
 from doplus_cli.engine import optimizers
-from doplus_cli.engine.loop import run_unlearn
+from doplus_cli.engine.unlearn import run_unlearn
 from doplus_cli.optim import DualOptim, DualOptimPlus
 from tests.helpers import run_cli, write_sets
 

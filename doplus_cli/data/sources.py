@@ -44,6 +44,8 @@ class Keys:
     answer: str = "answer"
     text: str = "text"
     need_answer: bool = True  # False when answers come from the model (`answers_from_model`)
+    text_rows: bool = True  # rows with only a text field are an untargeted corpus (False: refused)
+    question_flag: str = "--question-key"  # the option that names the question field, for error messages
 
 
 def parse_json_line(raw: bytes, path: str, line_number: int) -> object:
@@ -71,13 +73,15 @@ def _row_from(record: object, keys: Keys, where: str) -> Row:
         if not isinstance(answer, str):
             raise UserError(f"{where}: field '{keys.answer}' must be a string, got {type(answer).__name__}")
         return Row(question=question, answer=answer)
-    if keys.text in record and keys.answer not in record:
+    if keys.text_rows and keys.text in record and keys.answer not in record:
         text = record[keys.text]
         if not isinstance(text, str):
             raise UserError(f"{where}: field '{keys.text}' must be a string, got {type(text).__name__}")
         return Row(text=text)
+    if not keys.text_rows:
+        raise UserError(f"{where}: missing field '{keys.question}' (set {keys.question_flag} to read another field)")
     raise UserError(
-        f"{where}: missing field '{keys.question}' (set --question-key to read another field, "
+        f"{where}: missing field '{keys.question}' (set {keys.question_flag} to read another field, "
         f"or give rows with only a '{keys.text}' field for an untargeted corpus)"
     )
 
@@ -124,6 +128,38 @@ class JsonlSource:
         return self._parse(self._handle.read(self._lengths[index]), self._line_numbers[index])
 
 
+class JsonArraySource:
+    """A `.json` file holding one JSON array of row objects (as TRACE ships its train.json/test.json files).
+
+    The whole array is parsed once (such files are small: TRACE's hold 5,000 rows); each element is checked
+    and an error names its position in the array."""
+
+    def __init__(self, path: str, keys: Keys = Keys()) -> None:
+        self.name = path
+        try:
+            with open(path, "rb") as handle:
+                records = json.load(handle)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            line = getattr(error, "lineno", None)
+            where = f"{path}:{line}" if line else path
+            raise UserError(f"{where}: malformed JSON ({getattr(error, 'msg', error)})") from None
+        self._rows = [_row_from(record, keys, f"{path}: element {i + 1}") for i, record in enumerate(records)]
+        self.text_rows = sum(row.is_text for row in self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, index: int) -> Row:
+        return self._rows[index]
+
+
+def _starts_with_array(path: str) -> bool:
+    if not os.path.isfile(path):
+        return False
+    with open(path, "rb") as handle:
+        return handle.read(4096).lstrip()[:1] == b"["
+
+
 class HubSource:
     """`hf:NAME[:CONFIG][@SPLIT]` through `datasets` (downloaded once, then Arrow memory-mapped)."""
 
@@ -144,7 +180,7 @@ class HubSource:
                 "reachable and pass the file instead"
             ) from error
         columns = set(self._data.column_names)
-        if keys.question not in columns and keys.text not in columns:
+        if keys.question not in columns and (keys.text not in columns or not keys.text_rows):
             raise UserError(f"{spec}: missing field '{keys.question}' (columns: {', '.join(sorted(columns))})")
         if keys.question in columns and keys.need_answer and keys.answer not in columns:
             raise UserError(f"{spec}: missing field '{keys.answer}' (columns: {', '.join(sorted(columns))})")
@@ -155,6 +191,23 @@ class HubSource:
 
     def __getitem__(self, index: int) -> Row:
         return _row_from(self._data[int(index)], self.keys, f"{self.name}[{index}]")
+
+
+class RowRange:
+    """Rows [start, stop) of another source: a task's training rows without the rows kept out for evaluation."""
+
+    def __init__(self, source: Source, start: int, stop: int) -> None:
+        self.source, self.start, self.stop = source, start, stop
+        self.name = source.name
+        self.text_rows = getattr(source, "text_rows", 0)  # at most the whole source's (multitask allows none)
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, index: int) -> Row:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self.source[self.start + index]
 
 
 def parse_hub_spec(spec: str) -> tuple[str, str | None, str]:
@@ -169,7 +222,12 @@ def parse_hub_spec(spec: str) -> tuple[str, str | None, str]:
 
 def open_source(spec: str, role: str, keys: Keys = Keys()) -> Source:
     """Open the forget or retain set named by `spec`; an empty set is an error."""
-    source: Source = HubSource(spec, keys) if spec.startswith("hf:") else JsonlSource(spec, keys)
+    if spec.startswith("hf:"):
+        source: Source = HubSource(spec, keys)
+    elif _starts_with_array(spec):
+        source = JsonArraySource(spec, keys)
+    else:
+        source = JsonlSource(spec, keys)
     if len(source) == 0:
         raise UserError(f"{spec}: the {role} set is empty")
     return source

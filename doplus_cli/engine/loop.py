@@ -1,8 +1,10 @@
-"""`doplus unlearn`: one unlearning run, top to bottom.
+"""The one training loop, for any list of objectives, top to bottom.
 
-load model -> open forget/retain sets -> build the scheme's optimizer -> for each step: pick the objective,
-draw its batch, compute its loss, backward, clip, `optimizer.step(objective=...)`, log -> save final/ and
-the report. Accelerate holds the device and process details, so the same loop runs on one CPU or many GPUs.
+load model -> the command's objectives (`Plan`) -> build the scheme's optimizer -> for each step: pick the
+objective, draw its batch, compute its loss, backward, clip, `optimizer.step(objective=...)`, log -> save
+final/ and the report. `doplus unlearn` and `doplus multitask` only build the objective list and say what
+to measure (engine/unlearn.py, engine/multitask.py). Accelerate holds the device and process details, so
+the same loop runs on one CPU or many GPUs.
 """
 
 from __future__ import annotations
@@ -11,12 +13,11 @@ import copy
 import math
 import os
 import shlex
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
 from datetime import datetime
 from pathlib import Path
@@ -25,31 +26,28 @@ from typing import Any
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
 
-from doplus_cli.config import UnlearnConfig
-from doplus_cli.data.batches import IndexStream, build_batch
+from doplus_cli.config import TrainConfig
+from doplus_cli.data.batches import IndexStream
 from doplus_cli.data.formatting import PromptFormatter
-from doplus_cli.data.sources import Keys, Source, open_source
 from doplus_cli.engine import checkpoint, outputs, sharding
-from doplus_cli.engine.generation import greedy_generate, write_self_answered
+from doplus_cli.engine.objectives import Objective, Plan, frequencies, lr_multipliers
 from doplus_cli.engine.optimizers import build_optimizer
-from doplus_cli.engine.schedule import objective_at, steps_per_objective
+from doplus_cli.engine.schedule import JOINT, objective_at, steps_per_objective
 from doplus_cli.errors import RunError, UserError, worker_exit_code
-from doplus_cli.evaluation.metrics import rouge_l_recall
-from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossContext, LossSpec, local_token_count
+from doplus_cli.losses import LossContext, local_token_count
 from doplus_cli.models import load_model_and_tokenizer
 
 
-def default_out_dir() -> str:
-    return os.path.join("runs", "unlearn-" + datetime.now().strftime("%Y%m%d-%H%M%S"))
+def default_out_dir(command: str = "unlearn") -> str:
+    return os.path.join("runs", f"{command}-" + datetime.now().strftime("%Y%m%d-%H%M%S"))
 
 
-def _shared_default_out(accelerator) -> str:
+def _shared_default_out(accelerator, command: str) -> str:
     """The main process's default folder name, on every process (their clocks may differ by a second)."""
     from accelerate.utils import broadcast_object_list
 
-    name = [default_out_dir()]
+    name = [default_out_dir(command)]
     if accelerator.num_processes > 1:
         broadcast_object_list(name)
     return name[0]
@@ -69,20 +67,7 @@ def _progress(console: Console, enabled: bool) -> Progress:
     )
 
 
-class Objective:
-    """One objective's data and loss: the forget set with its forget loss, or the retain set with its own."""
-
-    def __init__(self, name: str, source: Source, loss: LossSpec, coeff: float, stream: IndexStream) -> None:
-        self.name, self.source, self.loss, self.coeff, self.stream = name, source, loss, coeff, stream
-
-    def next_batch(self, formatter: PromptFormatter, device: torch.device, seed: int) -> dict:
-        batch = build_batch(
-            self.source, self.stream.next_indices(), formatter, with_rejection=self.loss.needs_rejection, seed=seed
-        )
-        return {part: {k: v.to(device) for k, v in tensors.items()} for part, tensors in batch.items()}
-
-
-def _reference_model(config: UnlearnConfig, model: torch.nn.Module, accelerator, fsdp: bool) -> torch.nn.Module:
+def _reference_model(config: TrainConfig, model: torch.nn.Module, accelerator, fsdp: bool) -> torch.nn.Module:
     """The frozen starting model that NPO, DPO and KL compare against: a copy on the device (sharded like the
     model under FSDP), on the CPU (`--ref-offload cpu`), or reloaded with LLM.int8 weights (`8bit`)."""
     if config.ref_offload == "8bit":
@@ -97,7 +82,7 @@ def _reference_model(config: UnlearnConfig, model: torch.nn.Module, accelerator,
     return reference
 
 
-def _unsharded_lora_model(config: UnlearnConfig, lora, full_weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+def _unsharded_lora_model(config: TrainConfig, lora, full_weights: dict[str, torch.Tensor]) -> torch.nn.Module:
     """The starting model with the same adapters, holding the gathered weights of a sharded LoRA run."""
     from doplus_cli.lora import apply_lora
 
@@ -107,7 +92,7 @@ def _unsharded_lora_model(config: UnlearnConfig, lora, full_weights: dict[str, t
     return model
 
 
-def _reference_report(reference, config: UnlearnConfig, fsdp: bool) -> dict[str, Any]:
+def _reference_report(reference, config: TrainConfig, fsdp: bool) -> dict[str, Any]:
     """Where the reference model was and what its weights took on this process."""
     if reference is None:
         return {}
@@ -120,7 +105,7 @@ def _reference_report(reference, config: UnlearnConfig, fsdp: bool) -> dict[str,
                           "memory_gb": sum(t.numel() * t.element_size() for t in tensors) / 1e9}}
 
 
-def _lora_settings(config: UnlearnConfig):
+def _lora_settings(config: TrainConfig):
     if config.lora_rank <= 0:
         return None
     from doplus_cli.lora import LoraSettings
@@ -130,15 +115,8 @@ def _lora_settings(config: UnlearnConfig):
                         dropout=config.lora_dropout, gradient_checkpointing=config.gradient_checkpointing)
 
 
-def _check_rows_fit(source: Source, loss: LossSpec) -> None:
-    if loss.needs_rejection and source.text_rows:
-        raise UserError(
-            f"{source.name}: {source.text_rows} rows have only a 'text' field; {loss.name} needs question/answer rows"
-        )
-
-
-def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[str, Any]:
-    """Run one unlearning job as configured; return the report (also written to `config.out`)."""
+def run_training(config: TrainConfig, plan: Plan, console: Console | None = None) -> dict[str, Any]:
+    """Train on `plan`'s objectives as configured; return the report (also written to `config.out`)."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from transformers import get_linear_schedule_with_warmup
@@ -151,19 +129,16 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
     main_process = accelerator.is_main_process
     set_seed(config.seed)
 
-    forget_spec, retain_spec = FORGET_LOSSES[config.forget_loss], RETAIN_LOSSES.get(config.retain_loss or "")
-    keys = Keys(config.question_key, config.answer_key, need_answer=not config.answers_from_model)
-    forget_source = open_source(config.forget, "forget", keys)
-    retain_source = open_source(config.retain, "retain", keys) if retain_spec is not None else None
+    plan.open()  # every data file is checked before anything is written
     world = accelerator.num_processes
     config.fsdp = bool(config.fsdp or sharding.launched_with_fsdp(accelerator))
     fsdp = config.fsdp and world > 1
     processes = checkpoint.Processes(accelerator, sharded=fsdp)
     effective_batch = config.batch_size * config.grad_accum * world
-    if config.warmup_steps is None:  # one pass over the forget set
-        config.warmup_steps = math.ceil(len(forget_source) / effective_batch)
+    if config.warmup_steps is None:
+        config.warmup_steps = plan.default_warmup(effective_batch)
     config.warmup_steps = min(config.warmup_steps, config.steps)
-    config.out = config.out or _shared_default_out(accelerator)
+    config.out = config.out or _shared_default_out(accelerator, plan.command)
     resume_from, saved = None, None
     if config.resume:
         resume_from = checkpoint.find_checkpoint(config.resume, Path(config.out))
@@ -182,22 +157,12 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
     progress = _progress(console, main_process)
 
     with progress:
-        if config.answers_from_model:
-            forget_source, retain_source = _self_answer(
-                model, formatter, config, out, forget_source, retain_source, progress, accelerator,
-                reuse=resume_from is not None,
-            )
-        _check_rows_fit(forget_source, forget_spec)
-        if retain_source is not None:
-            _check_rows_fit(retain_source, retain_spec)
-        samples = _pick_samples(forget_source, retain_source, config.show_samples)
-        if saved is not None:
-            before = saved["extra"].get("before", [])
-        else:
-            before = _answers(model, formatter, samples, config, progress, "answers before") if samples else []
+        objectives = plan.objectives(model, formatter, out, progress, accelerator, resumed=resume_from is not None)
+        before = plan.before(model, formatter, progress, accelerator,
+                             saved["extra"].get("before", []) if saved is not None else None)
 
         reference = None
-        if forget_spec.needs_reference or (retain_spec is not None and retain_spec.needs_reference):
+        if any(o.loss.needs_reference for o in objectives):
             reference = _reference_model(config, model, accelerator, fsdp)
         lora = _lora_settings(config)
         if lora is not None:  # after the reference copy, so the reference stays the plain starting model
@@ -208,24 +173,18 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
 
-        objectives = {
-            "forget": Objective(
-                "forget", forget_source, forget_spec, config.forget_coeff,
-                IndexStream(len(forget_source), config.batch_size, config.seed, accelerator.process_index, world),
-            )
-        }
-        if retain_source is not None:
-            objectives["retain"] = Objective(
-                "retain", retain_source, retain_spec, config.retain_coeff,
-                IndexStream(len(retain_source), config.batch_size, config.seed + 1, accelerator.process_index, world),
-            )
+        for index, objective in enumerate(objectives):
+            objective.stream = IndexStream(len(objective.source), config.batch_size, config.seed + index,
+                                           accelerator.process_index, world)
 
         model.train()
         if fsdp:  # before the optimizer, which then keeps states for this process's shards only
             model = sharding.shard_model(accelerator, model)
-        optimizer, scheduled = build_optimizer(config, model, sharded=fsdp)
+        names = tuple(o.name for o in objectives)
+        optimizer, scheduled = build_optimizer(config, model, names, lr_multipliers(objectives), sharded=fsdp)
         scheduler = get_linear_schedule_with_warmup(scheduled, config.warmup_steps, config.steps)
-        streams = {name: part.stream for name, part in objectives.items()}
+        streams = {o.name: o.stream for o in objectives}
+        cycle = frequencies(objectives)
         start_step, records, evals = 0, [], []
         if resume_from is not None:
             state = checkpoint.load_checkpoint(resume_from, model, optimizer, scheduler, streams, processes)
@@ -234,13 +193,13 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
             console.print(f"resuming from {resume_from} at step {start_step}", highlight=False)
         if not fsdp:
             model = accelerator.prepare(model)
-        context = LossContext(model, reference, config.beta, _token_count(accelerator))
+        context = LossContext(model, reference, plan.beta, _token_count(accelerator))
         metrics = outputs.MetricsWriter(out / "metrics.jsonl", records) if main_process else None
-        task = progress.add_task("unlearning", total=config.steps, completed=start_step, status="")
+        task = progress.add_task(plan.activity, total=config.steps, completed=start_step, status="")
         # In a batch job's log (no terminal) a live bar draws nothing; print a plain line now and then.
         log_lines, log_every = not console.is_terminal, max(1, config.steps // 20)
-        last_losses = {f"{name}_loss": float("nan") for name in objectives}  # latest value of each term
-        eval_state: dict[str, Any] = {}
+        last_losses = {f"{o.name}_loss": float("nan") for o in objectives}  # latest value of each term
+        width = max(len(name) for name in (*names, JOINT))
         stop = StopRequest()
 
         def save(step_done: int) -> Path:  # every process takes part
@@ -254,14 +213,14 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
             stop.install()
             for step in range(start_step, config.steps):
                 step_started = time.perf_counter()
-                objective = objective_at(step, config.scheme, config.forget_freq, config.retain_freq)
+                objective = objective_at(step, config.scheme, cycle)
                 terms = _accumulate_gradients(objective, objectives, context, formatter, config, accelerator)
                 max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
                 if fsdp:
                     grad_norm = sharding.clip_grad_norm(model, max_norm)
                 else:
                     grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
-                _stop_if_not_finite(step + 1, terms, grad_norm, out)
+                _stop_if_not_finite(step + 1, terms, grad_norm, out, plan.lr_options)
                 lr = scheduler.get_last_lr()[0] * getattr(optimizer, "lr_multipliers", {}).get(objective, 1.0)
                 optimizer.step(objective=objective)
                 update = optimizer.step_diagnostics()  # largest |Δθ|/η, elements above 10η
@@ -276,11 +235,10 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
                     metrics.write(record)
                 last_losses.update({k: v for k, v in terms.items() if k != "total_loss"})
                 shown = " ".join(f"{k.removesuffix('_loss')} {v:.4f}" for k, v in last_losses.items())
-                status = f"{objective:<6} {shown}"
+                status = f"{objective:<{width}} {shown}"
                 progress.update(task, advance=1, status=status + f"  {1 / max(record['seconds'], 1e-9):.2f} step/s")
                 if config.eval_every and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps):
-                    evals.append(_evaluate_during_training(step + 1, accelerator, model, tokenizer, config, out,
-                                                           progress, eval_state))
+                    evals.append(plan.evaluate(step + 1, model, tokenizer, formatter, out, progress, accelerator))
                 if log_lines and main_process and ((step + 1) % log_every == 0 or step + 1 == config.steps):
                     console.print(f"step {step + 1}/{config.steps} {status} lr {lr:.3g} grad_norm {grad_norm:.3g} "
                                   f"{record['seconds']:.2f} s/step", highlight=False)
@@ -297,7 +255,7 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
                 metrics.close()
 
         unwrapped = accelerator.unwrap_model(model)
-        after = _answers(unwrapped, formatter, samples, config, progress, "answers after") if samples else []
+        measured_after = plan.after(unwrapped, formatter, progress, accelerator, before)
         full_weights = sharding.full_state_dict(model) if fsdp else None  # every process takes part
 
     accelerator.wait_for_everyone()
@@ -321,10 +279,10 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
         "model": model_name,
         "final": str(final),
         "config": {**config.to_dict(), "out": str(out)},
-        "data": {"forget_rows": len(forget_source), "retain_rows": len(retain_source) if retain_source else 0},
+        "data": plan.data_report(),
         "steps": config.steps,
         "warmup_steps": config.warmup_steps,
-        "steps_per_objective": steps_per_objective(config.steps, config.scheme, config.forget_freq, config.retain_freq),
+        "steps_per_objective": steps_per_objective(config.steps, config.scheme, cycle),
         "losses": outputs.loss_summary(metrics.records),
         "update_sizes": outputs.update_summary(metrics.records),
         "wall_time_s": time.perf_counter() - started,
@@ -332,14 +290,14 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
         "peak_memory_kind": peak_kind,
         "environment": outputs.environment(accelerator.device, world, effective_batch, config.seed,
                                            str(unwrapped.dtype).removeprefix("torch.")),
-        **_sample_report(samples, before, after),
+        **measured_after,
         **lora_report,
         **_reference_report(reference, config, fsdp),
     }
     if evals:
         report["evals"] = evals
-        report["eval_curves"] = _plot_curves(evals, out)
-    outputs.write_report(out, report)
+        report["eval_curves"] = _plot_curves(evals, out, plan.curve_names)
+    outputs.write_report(out, report, plan.render_markdown)
     return report
 
 
@@ -392,7 +350,7 @@ class StopRequest:
         self._previous.clear()
 
 
-def _stop_if_not_finite(step: int, terms: dict[str, float], grad_norm: float, out: Path) -> None:
+def _stop_if_not_finite(step: int, terms: dict[str, float], grad_norm: float, out: Path, lr_options: str) -> None:
     """A NaN or infinite loss or gradient ends the run before it reaches the weights."""
     bad = {k: v for k, v in terms.items() if not math.isfinite(v)}
     if not math.isfinite(grad_norm):
@@ -402,7 +360,7 @@ def _stop_if_not_finite(step: int, terms: dict[str, float], grad_norm: float, ou
         kept = f"the last good checkpoint is {found[-1]}" if found else "no checkpoint was written (--save-every)"
         what = ", ".join(f"{k} = {v}" for k, v in bad.items())
         raise RunError(f"step {step}: non-finite {what}; stopped before the optimizer step; {kept}; "
-                       "try a lower --lr or --forget-lr, or --dtype float32")
+                       f"try a lower {lr_options}, or --dtype float32")
 
 
 def _refuse_changed_config(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
@@ -412,49 +370,8 @@ def _refuse_changed_config(path: Path, saved: dict[str, Any], current: dict[str,
         raise UserError(f"{path}: cannot resume with a different configuration: {changes}")
 
 
-def _evaluate_during_training(step, accelerator, model, tokenizer, config, out, progress, state) -> dict[str, Any]:
-    """`doplus evaluate`'s TOFU suite on the current weights into OUT/evals/step-N/; returns the step's
-    aggregates for the curves in the run report. The main process evaluates; under FSDP every process runs
-    the same evaluation in step with it (each forward pass gathers every process's shards) and throws its
-    copy of the files away."""
-    from doplus_cli.evaluation.runner import EvalConfig, evaluate_model, load_judges
-
-    row: dict[str, Any] = {"step": step}
-    in_step = accelerator.is_main_process or (config.fsdp and accelerator.num_processes > 1)
-    if in_step:
-        eval_config = EvalConfig(
-            model=config.model, suites=(config.eval_suite,), split=config.eval_split, data_dir=config.eval_data_dir,
-            max_samples=config.eval_max_samples, max_new_tokens=config.eval_max_new_tokens,
-            batch_size=max(config.batch_size, 8), embedding_model=config.eval_embedding_model,
-            nli_model=config.eval_nli_model, seed=config.seed,
-        )
-        unwrapped = accelerator.unwrap_model(model)
-        if "judges" not in state:
-            device = "cuda" if accelerator.device.type == "cuda" else "cpu"
-            state["judges"] = load_judges(eval_config, device, need=True)
-        if accelerator.is_main_process:
-            folder = out / "evals" / f"step-{step}"
-            folder.mkdir(parents=True, exist_ok=True)
-        else:
-            folder = Path(tempfile.mkdtemp(prefix="doplus-eval-"))
-        targeted = FORGET_LOSSES[config.forget_loss].targeted
-        record = evaluate_model(unwrapped, tokenizer, eval_config, folder, f"step {step}", progress, targeted,
-                                state["judges"])
-        unwrapped.train()
-        if not accelerator.is_main_process:
-            shutil.rmtree(folder, ignore_errors=True)
-        for section in record["sections"]:
-            for aggregate in section.get("aggregates", []):
-                row[aggregate["name"]] = None if aggregate["value"] is None else 100 * aggregate["value"]
-                if aggregate["note"]:
-                    row.setdefault("notes", {})[aggregate["name"]] = aggregate["note"]
-        row["folder"] = str(folder)
-    accelerator.wait_for_everyone()
-    return row
-
-
-def _plot_curves(evals: list[dict[str, Any]], out: Path) -> str | None:
-    """evals/curves.png: MU, UFE, TFE and OVR against the step (None when matplotlib is missing)."""
+def _plot_curves(evals: list[dict[str, Any]], out: Path, names: Sequence[str]) -> str | None:
+    """evals/curves.png: the evaluation values `names` against the step (None when matplotlib is missing)."""
     try:
         import matplotlib
 
@@ -463,15 +380,16 @@ def _plot_curves(evals: list[dict[str, Any]], out: Path) -> str | None:
     except ImportError:
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name in ("MU", "UFE", "TFE", "OVR"):
+    for name in names:
         points = [(e["step"], e[name]) for e in evals if e.get(name) is not None]
         if points:
             ax.plot(*zip(*points), marker="o", label=name)
     ax.set_xlabel("step")
-    ax.set_ylabel("%")
+    ax.set_ylabel("%")  # evaluation values are percentages
     ax.legend()
     ax.grid(alpha=0.3)
     path = out / "evals" / "curves.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -492,105 +410,35 @@ def _token_count(accelerator):
 
 
 def _accumulate_gradients(
-    objective: str, objectives: dict[str, Objective], context: LossContext, formatter: PromptFormatter,
-    config: UnlearnConfig, accelerator,
+    objective: str, objectives: Sequence[Objective], context: LossContext, formatter: PromptFormatter,
+    config: TrainConfig, accelerator,
 ) -> dict[str, float]:
     """Backward `grad_accum` micro-batches of this step's objective (gradients averaged); return the mean
-    of each loss term. A joint step sums the weighted forget and retain losses on one batch of each."""
-    parts = list(objectives) if objective == "joint" else [objective]
-    sums = {f"{name}_loss": 0.0 for name in parts}
+    of each loss term. A joint step sums every objective's weighted loss on one batch of each."""
+    parts = list(objectives) if objective == JOINT else [o for o in objectives if o.name == objective]
+    sums = {f"{part.name}_loss": 0.0 for part in parts}
     model = context.model
     for micro in range(config.grad_accum):
         last = micro == config.grad_accum - 1
         with nullcontext() if last or config.fsdp else accelerator.no_sync(model):
             total = 0.0
-            for name in parts:
-                part = objectives[name]
+            for part in parts:
                 batch = part.next_batch(formatter, accelerator.device, config.seed)
                 value = part.loss.fn(context, batch)
-                sums[f"{name}_loss"] += value.item() / config.grad_accum
-                total = total + part.coeff * value
+                sums[f"{part.name}_loss"] += value.item() / config.grad_accum
+                total = total + part.weight * value
             accelerator.backward(total / config.grad_accum)
     if accelerator.num_processes > 1:  # log the global batch's loss, as one process would see it
         names = list(sums)
         mean = accelerator.reduce(torch.tensor([sums[n] for n in names], device=accelerator.device), "mean")
         sums = dict(zip(names, mean.tolist()))
-    if objective == "joint":
-        sums["total_loss"] = sum(objectives[n].coeff * sums[f"{n}_loss"] for n in parts)
+    if objective == JOINT:
+        sums["total_loss"] = sum(part.weight * sums[f"{part.name}_loss"] for part in parts)
     return sums
 
 
-def _self_answer(model, formatter, config, out, forget_source, retain_source, progress, accelerator, reuse=False):
-    """Replace the sets' answers by the model's own greedy answers, written to out/data/*.jsonl (a resumed run
-    reads the files its first part wrote)."""
-    keys = Keys()
-    paths = {"forget": str(out / "data" / "forget.jsonl"), "retain": str(out / "data" / "retain.jsonl")}
-    reuse = reuse and all(os.path.isfile(p) for p in paths.values())
-    if accelerator.is_main_process and not reuse:
-        write_self_answered(model, formatter, forget_source, paths["forget"], config.max_new_tokens, progress)
-        if retain_source is not None:
-            write_self_answered(model, formatter, retain_source, paths["retain"], config.max_new_tokens, progress)
-    accelerator.wait_for_everyone()
-    forget = open_source(paths["forget"], "forget", keys)
-    retain = open_source(paths["retain"], "retain", keys) if retain_source is not None else None
-    return forget, retain
+def run_unlearn(config, console: Console | None = None) -> dict[str, Any]:
+    """`doplus unlearn` (kept here for callers of the two-objective engine; see engine/unlearn.py)."""
+    from doplus_cli.engine.unlearn import run_unlearn as run
 
-
-def _pick_samples(forget: Source, retain: Source | None, n: int) -> list[tuple[str, str]]:
-    """`n` question rows of each set, evenly spaced through it, for the before/after table."""
-    picked = []
-    for name, source in (("forget", forget), ("retain", retain)):
-        if source is None or n == 0 or source.text_rows == len(source):
-            continue
-        spaced = sorted({i * len(source) // n for i in range(n)})
-        rows = [source[i] for i in spaced]
-        picked += [(name, r.question) for r in rows if not r.is_text]
-    return picked
-
-
-def _answers(model, formatter, samples, config, progress, description) -> list[str]:
-    texts, _ = greedy_generate(
-        model, formatter, [q for _, q in samples], config.max_new_tokens, progress=progress, description=description
-    )
-    return texts
-
-
-def _sample_report(samples, before, after) -> dict[str, Any]:
-    if not samples:
-        return {}
-    rows = [
-        {"set": s, "question": q, "before": b, "after": a, "rouge_l_recall": rouge_l_recall(a, b)}
-        for (s, q), b, a in zip(samples, before, after)
-    ]
-    means = {}
-    for name in dict.fromkeys(r["set"] for r in rows):
-        values = [r["rouge_l_recall"] for r in rows if r["set"] == name]
-        means[name] = sum(values) / len(values)
-    return {"samples": rows, "sample_rouge_mean": means}
-
-
-def print_summary(report: dict[str, Any], console: Console) -> None:
-    """The before/after table and where the outputs are."""
-    if report.get("samples"):
-        table = Table(title="Answers before and after unlearning", show_lines=True)
-        for column in ("set", "question", "before", "after"):
-            table.add_column(column, overflow="fold")
-        table.add_column("ROUGE-L", justify="right")
-        for s in report["samples"]:
-            style = "red" if s["set"] == "forget" else "green"
-            score = f"{s['rouge_l_recall']:.2f}"
-            table.add_row(f"[{style}]{s['set']}[/]", s["question"], s["before"], s["after"], score)
-        console.print(table)
-        means = ", ".join(f"{k} {v:.2f}" for k, v in report["sample_rouge_mean"].items())
-        console.print(f"Mean ROUGE-L recall of the answer after against before: {means} (1 = unchanged)")
-    losses = report["losses"]
-    parts = []
-    for terms in losses.values():
-        for term, values in terms.items():
-            if term != "steps":
-                parts.append(f"{term} {values['start']:.3f} -> {values['end']:.3f}")
-    console.print(f"{report['steps']} steps in {report['wall_time_s']:.0f} s; " + "; ".join(parts))
-    warning = outputs.update_warning(report.get("update_sizes") or {})
-    if warning:
-        console.print(warning, style="bold yellow", markup=False, highlight=False)
-    console.print(f"model: {report['final']}   report: {Path(report['final']).parent / 'report.md'}")
+    return run(config, console)

@@ -17,8 +17,7 @@ from __future__ import annotations
 import torch
 from torch.optim import Optimizer
 
-from doplus_cli.config import UnlearnConfig
-from doplus_cli.errors import UserError
+from doplus_cli.config import TrainConfig
 from doplus_cli.optim import DualOptim, DualOptimPlus, muon_param_groups, quant
 from doplus_cli.optim.diagnostics import adamw_step_stats, reduce_step_stats
 from doplus_cli.optim.dualoptim_plus import local_shard
@@ -28,7 +27,7 @@ class SharedState:
     """joint / alternate: every objective steps the same optimizer state.
 
     `lr_multipliers` scales the learning rate of one objective's steps (`--forget-lr` with the alternate
-    scheme); the LR scheduler drives `inner`.
+    scheme, a task's `lr_multiplier`); the LR scheduler drives `inner`.
     """
 
     def __init__(self, inner: Optimizer, lr_multipliers: dict[str, float] | None = None) -> None:
@@ -76,15 +75,6 @@ def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     return groups
-
-
-def lr_multipliers(config: UnlearnConfig) -> dict[str, float]:
-    """{"forget": forget_lr / lr} when `--forget-lr` is given."""
-    if config.forget_lr is None or config.forget_lr == config.lr:
-        return {}
-    if config.lr == 0:
-        raise UserError("--forget-lr needs --lr > 0 (the forget rate is applied as a multiple of it)")
-    return {"forget": config.forget_lr / config.lr}
 
 
 class OnLocalShards:
@@ -136,32 +126,35 @@ def local_views(groups: list[dict]) -> tuple[list[dict], list[tuple[torch.Tensor
     return view_groups, pairs
 
 
-def build_optimizer(config: UnlearnConfig, model: torch.nn.Module, sharded: bool = False) -> tuple[object, Optimizer]:
+def build_optimizer(
+    config: TrainConfig, model: torch.nn.Module, objectives: tuple[str, ...], multipliers: dict[str, float],
+    sharded: bool = False,
+) -> tuple[object, Optimizer]:
     """(the optimizer the loop steps with an objective, the torch Optimizer the LR scheduler drives).
 
-    `sharded`: the model's parameters are FSDP shards (DTensors)."""
+    `objectives`: the objective names (dualoptim and doplus keep a state for each); `multipliers`: the
+    per-objective learning-rate factors; `sharded`: the model's parameters are FSDP shards (DTensors)."""
     if sharded and config.scheme != "doplus":
         groups, pairs = local_views(decay_groups(model, config.weight_decay))
-        stepped, scheduled = _build_unsharded(config, groups)
+        stepped, scheduled = _build_unsharded(config, groups, objectives, multipliers)
         return OnLocalShards(stepped, pairs), scheduled
     if config.scheme != "doplus":
-        return _build_unsharded(config, decay_groups(model, config.weight_decay))
-    objectives = ("forget", "retain") if config.retain_loss is not None else ("forget",)
+        return _build_unsharded(config, decay_groups(model, config.weight_decay), objectives, multipliers)
     if config.optimizer == "muon":
         groups = muon_param_groups(model)
     else:
         groups = decay_groups(model, config.weight_decay)
     optimizer = DualOptimPlus(
         groups, objectives=objectives, inner=config.optimizer, state_bits=config.state_bits, rule=config.doplus_rule,
-        lr_multipliers=lr_multipliers(config), lr=config.lr, betas=tuple(config.betas),
-        weight_decay=config.weight_decay,
+        lr_multipliers=multipliers, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay,
     )
     return optimizer, optimizer
 
 
-def _build_unsharded(config: UnlearnConfig, groups: list[dict]) -> tuple[object, Optimizer]:
+def _build_unsharded(
+    config: TrainConfig, groups: list[dict], objectives: tuple[str, ...], multipliers: dict[str, float]
+) -> tuple[object, Optimizer]:
     """joint / alternate (one shared state) and dualoptim (one state per objective) over `groups`."""
-    multipliers = lr_multipliers(config)
     common = dict(lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
     if config.scheme in ("joint", "alternate"):
         if config.state_bits == 8:
@@ -174,7 +167,6 @@ def _build_unsharded(config: UnlearnConfig, groups: list[dict]) -> tuple[object,
             inner = torch.optim.AdamW(groups, fused=fused, **common)
         shared = SharedState(inner, multipliers)
         return shared, inner
-    objectives = ("forget", "retain") if config.retain_loss is not None else ("forget",)
     optimizer = DualOptim(groups, objectives=objectives, state_bits=config.state_bits, lr_multipliers=multipliers,
                           **common)
     return optimizer, optimizer

@@ -169,7 +169,7 @@ def update_warning(summary: dict[str, Any]) -> str | None:
             "--doplus-rule safeguarded bounds it (README, 'The safeguarded rule').")
 
 
-def _cell(text: str, limit: int = 90) -> str:
+def cell(text: str, limit: int = 90) -> str:
     text = " ".join(str(text).split()).replace("|", "\\|")
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
@@ -183,7 +183,13 @@ def _lora_lines(lora: dict[str, Any] | None) -> list[str]:
             f"||scale B A|| {norms['delta_total']:.4g}; final/: {lora['final']}"]
 
 
-def _update_lines(summary: dict[str, Any]) -> list[str]:
+def print_update_warning(report: dict[str, Any], console) -> None:
+    warning = update_warning(report.get("update_sizes") or {})
+    if warning:
+        console.print(warning, style="bold yellow", markup=False, highlight=False)
+
+
+def update_lines(summary: dict[str, Any]) -> list[str]:
     if not summary:
         return []
     lines = ["", "## Update sizes", "",
@@ -230,7 +236,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append(
                 f"| {objective} | {term} | {values['start']:.4f} | {values['end']:.4f} | {values['end_mean10']:.4f} |"
             )
-    lines += _update_lines(report.get("update_sizes") or {})
+    lines += update_lines(report.get("update_sizes") or {})
     if report.get("samples"):
         lines += [
             "",
@@ -243,7 +249,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         ]
         for s in report["samples"]:
             lines.append(
-                f"| {s['set']} | {_cell(s['question'], 60)} | {_cell(s['before'])} | {_cell(s['after'])} "
+                f"| {s['set']} | {cell(s['question'], 60)} | {cell(s['before'])} | {cell(s['after'])} "
                 f"| {s['rouge_l_recall']:.2f} |"
             )
         for name, value in report.get("sample_rouge_mean", {}).items():
@@ -265,6 +271,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(out: Path, report: dict[str, Any]) -> None:
-    atomic_write_text(out / "report.md", render_markdown(report))
+def write_report(out: Path, report: dict[str, Any], render=None) -> None:
+    """report.md (written by `render`, unlearn's `render_markdown` by default), then report.json."""
+    atomic_write_text(out / "report.md", (render or render_markdown)(report))
     atomic_write_text(out / "report.json", json.dumps(report, indent=2) + "\n")

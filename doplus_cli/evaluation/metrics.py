@@ -43,6 +43,12 @@ def rouge_l_recall(generation: str, reference: str) -> float:
     return _rouge_scorer().score(reference, generation)["rougeL"].recall
 
 
+def rouge_l_f1(generation: str, reference: str) -> float:
+    """ROUGE-L F1 = 2PR / (P + R), P = LCS / len(generation), R = LCS / len(reference), over lower-cased,
+    Porter-stemmed words."""
+    return _rouge_scorer().score(reference, generation)["rougeL"].fmeasure
+
+
 def probability(mean_nlls: Sequence[float]) -> float:
     """Probability (forget/retain sets) = mean_i exp(-NLL_i), NLL_i the mean token NLL of answer i."""
     _require(mean_nlls, "probability")

@@ -1,0 +1,88 @@
+"""A run is a list of objectives; a command (unlearn, multitask) builds that list and the loop trains on it.
+
+Each objective has a name (handed to `optimizer.step(objective=name)` and used in the logged loss terms
+`{name}_loss`), a data source, a loss, a weight (its factor in a joint step's sum), a frequency (F_i
+consecutive steps per cycle) and a learning-rate multiplier. The loop gives it an `IndexStream` over its
+rows, seeded with `seed + its position in the list`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from doplus_cli.data.batches import IndexStream, build_batch
+from doplus_cli.data.formatting import PromptFormatter
+from doplus_cli.data.sources import Source
+from doplus_cli.losses import LossSpec
+
+
+@dataclass
+class Objective:
+    name: str
+    source: Source
+    loss: LossSpec
+    weight: float = 1.0
+    frequency: int = 1
+    lr_multiplier: float = 1.0
+    stream: IndexStream | None = None
+
+    def next_batch(self, formatter: PromptFormatter, device: torch.device, seed: int) -> dict:
+        batch = build_batch(
+            self.source, self.stream.next_indices(), formatter, with_rejection=self.loss.needs_rejection, seed=seed
+        )
+        return {part: {k: v.to(device) for k, v in tensors.items()} for part, tensors in batch.items()}
+
+
+def frequencies(objectives: Sequence[Objective]) -> list[tuple[str, int]]:
+    return [(o.name, o.frequency) for o in objectives]
+
+
+def lr_multipliers(objectives: Sequence[Objective]) -> dict[str, float]:
+    """{name: multiplier} for the objectives whose steps use another learning rate than --lr."""
+    return {o.name: o.lr_multiplier for o in objectives if o.lr_multiplier != 1.0}
+
+
+class Plan:
+    """What a command adds to the one training loop (`engine.loop.run_training`): its data and objectives,
+    what it measures before, during and after training, and its report. The loop calls, in this order:
+
+    open() (data checked before anything is written) -> default_warmup() -> objectives(model, ...) ->
+    before(model, ...) -> [training; evaluate(step, ...) every --eval-every steps] -> after(model, ...) ->
+    data_report(), render_markdown(report).
+    """
+
+    command = "train"  # the default output folder is runs/{command}-DATE-TIME
+    activity = "training"  # the progress bar's label
+    lr_options = "--lr"  # named when a non-finite loss stops the run
+    curve_names: tuple[str, ...] = ()  # the evaluation values plotted in evals/curves.png
+    beta = 0.1  # the temperature handed to the losses (NPO, DPO, AP)
+
+    def open(self) -> None:
+        """Open (and check) the data sources."""
+
+    def default_warmup(self, effective_batch: int) -> int:
+        return 0
+
+    def objectives(self, model, formatter, out, progress, accelerator, resumed: bool) -> list[Objective]:
+        raise NotImplementedError
+
+    def before(self, model, formatter, progress, accelerator, saved: Any | None) -> Any:
+        """Measurements of the starting model (JSON-able; kept in checkpoints, so `saved` on resume)."""
+        return saved
+
+    def evaluate(self, step: int, model, tokenizer, formatter, out, progress, accelerator) -> dict[str, Any]:
+        return {"step": step}
+
+    def after(self, model, formatter, progress, accelerator, before: Any) -> dict[str, Any]:
+        """Report entries measured on the final model (every process calls it)."""
+        return {}
+
+    def data_report(self) -> dict[str, Any]:
+        return {}
+
+    def render_markdown(self, report: dict[str, Any]) -> str:
+        raise NotImplementedError

@@ -1,0 +1,223 @@
+"""`doplus unlearn`: the forget set with its forget loss, then (optionally) the retain set with its retain loss,
+as the objective list ["forget", "retain"] on the forget-first F_f:F_r cycle; everything else is the one loop.
+
+Before training: `--answers-from-model` replaces the answers by the model's own, and `--show-samples`
+questions are answered. During training: `--eval-every` runs `doplus evaluate`'s TOFU suite. After: the same
+questions are answered again, with their ROUGE-L recall against the answers before.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from doplus_cli.config import UnlearnConfig
+from doplus_cli.data.sources import Keys, Source, open_source
+from doplus_cli.engine import outputs
+from doplus_cli.engine.generation import greedy_generate, write_self_answered
+from doplus_cli.engine.loop import run_training
+from doplus_cli.engine.objectives import Objective, Plan
+from doplus_cli.errors import UserError
+from doplus_cli.evaluation.metrics import rouge_l_recall
+from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossSpec
+
+
+def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[str, Any]:
+    """Run one unlearning job as configured; return the report (also written to `config.out`)."""
+    return run_training(config, UnlearnPlan(config), console)
+
+
+class UnlearnPlan(Plan):
+    command = "unlearn"
+    activity = "unlearning"
+    lr_options = "--lr or --forget-lr"
+    curve_names = ("MU", "UFE", "TFE", "OVR")
+
+    def __init__(self, config: UnlearnConfig) -> None:
+        self.config = config
+        self.beta = config.beta
+        self.forget_spec = FORGET_LOSSES[config.forget_loss]
+        self.retain_spec = RETAIN_LOSSES.get(config.retain_loss or "")
+        self.forget_source: Source | None = None
+        self.retain_source: Source | None = None
+        self.samples: list[tuple[str, str]] = []
+        self.eval_state: dict[str, Any] = {}
+
+    def open(self) -> None:
+        config = self.config
+        keys = Keys(config.question_key, config.answer_key, need_answer=not config.answers_from_model)
+        self.forget_source = open_source(config.forget, "forget", keys)
+        if self.retain_spec is not None:
+            self.retain_source = open_source(config.retain, "retain", keys)
+
+    def default_warmup(self, effective_batch: int) -> int:
+        """One pass over the forget set."""
+        return math.ceil(len(self.forget_source) / effective_batch)
+
+    def objectives(self, model, formatter, out, progress, accelerator, resumed: bool) -> list[Objective]:
+        config = self.config
+        if config.answers_from_model:
+            self.forget_source, self.retain_source = _self_answer(
+                model, formatter, config, out, self.forget_source, self.retain_source, progress, accelerator,
+                reuse=resumed,
+            )
+        _check_rows_fit(self.forget_source, self.forget_spec)
+        forget_lr = {}
+        if config.forget_lr is not None and config.forget_lr != config.lr:
+            forget_lr = {"lr_multiplier": config.forget_lr / config.lr}
+        objectives = [Objective("forget", self.forget_source, self.forget_spec, config.forget_coeff,
+                                config.forget_freq, **forget_lr)]
+        if self.retain_source is not None:
+            _check_rows_fit(self.retain_source, self.retain_spec)
+            objectives.append(Objective("retain", self.retain_source, self.retain_spec, config.retain_coeff,
+                                        config.retain_freq))
+        return objectives
+
+    def before(self, model, formatter, progress, accelerator, saved: Any | None) -> Any:
+        self.samples = _pick_samples(self.forget_source, self.retain_source, self.config.show_samples)
+        if saved is not None:
+            return saved
+        return _answers(model, formatter, self.samples, self.config, progress, "answers before") if self.samples else []
+
+    def evaluate(self, step: int, model, tokenizer, formatter, out, progress, accelerator) -> dict[str, Any]:
+        return _evaluate_tofu(step, accelerator, model, tokenizer, self.config, out, progress, self.eval_state)
+
+    def after(self, model, formatter, progress, accelerator, before: Any) -> dict[str, Any]:
+        after = _answers(model, formatter, self.samples, self.config, progress, "answers after") if self.samples else []
+        return _sample_report(self.samples, before, after)
+
+    def data_report(self) -> dict[str, Any]:
+        return {"forget_rows": len(self.forget_source),
+                "retain_rows": len(self.retain_source) if self.retain_source else 0}
+
+    def render_markdown(self, report: dict[str, Any]) -> str:
+        return outputs.render_markdown(report)
+
+
+def _check_rows_fit(source: Source, loss: LossSpec) -> None:
+    if loss.needs_rejection and source.text_rows:
+        raise UserError(
+            f"{source.name}: {source.text_rows} rows have only a 'text' field; {loss.name} needs question/answer rows"
+        )
+
+
+def _evaluate_tofu(step, accelerator, model, tokenizer, config, out, progress, state) -> dict[str, Any]:
+    """`doplus evaluate`'s TOFU suite on the current weights into OUT/evals/step-N/; returns the step's
+    aggregates for the curves in the run report. The main process evaluates; under FSDP every process runs
+    the same evaluation in step with it (each forward pass gathers every process's shards) and throws its
+    copy of the files away."""
+    from doplus_cli.evaluation.runner import EvalConfig, evaluate_model, load_judges
+
+    row: dict[str, Any] = {"step": step}
+    in_step = accelerator.is_main_process or (config.fsdp and accelerator.num_processes > 1)
+    if in_step:
+        eval_config = EvalConfig(
+            model=config.model, suites=(config.eval_suite,), split=config.eval_split, data_dir=config.eval_data_dir,
+            max_samples=config.eval_max_samples, max_new_tokens=config.eval_max_new_tokens,
+            batch_size=max(config.batch_size, 8), embedding_model=config.eval_embedding_model,
+            nli_model=config.eval_nli_model, seed=config.seed,
+        )
+        unwrapped = accelerator.unwrap_model(model)
+        if "judges" not in state:
+            device = "cuda" if accelerator.device.type == "cuda" else "cpu"
+            state["judges"] = load_judges(eval_config, device, need=True)
+        if accelerator.is_main_process:
+            folder = out / "evals" / f"step-{step}"
+            folder.mkdir(parents=True, exist_ok=True)
+        else:
+            folder = Path(tempfile.mkdtemp(prefix="doplus-eval-"))
+        targeted = FORGET_LOSSES[config.forget_loss].targeted
+        record = evaluate_model(unwrapped, tokenizer, eval_config, folder, f"step {step}", progress, targeted,
+                                state["judges"])
+        unwrapped.train()
+        if not accelerator.is_main_process:
+            shutil.rmtree(folder, ignore_errors=True)
+        for section in record["sections"]:
+            for aggregate in section.get("aggregates", []):
+                row[aggregate["name"]] = None if aggregate["value"] is None else 100 * aggregate["value"]
+                if aggregate["note"]:
+                    row.setdefault("notes", {})[aggregate["name"]] = aggregate["note"]
+        row["folder"] = str(folder)
+    accelerator.wait_for_everyone()
+    return row
+
+
+def _self_answer(model, formatter, config, out, forget_source, retain_source, progress, accelerator, reuse=False):
+    """Replace the sets' answers by the model's own greedy answers, written to out/data/*.jsonl (a resumed run
+    reads the files its first part wrote)."""
+    keys = Keys()
+    paths = {"forget": str(out / "data" / "forget.jsonl"), "retain": str(out / "data" / "retain.jsonl")}
+    reuse = reuse and all(os.path.isfile(p) for p in paths.values())
+    if accelerator.is_main_process and not reuse:
+        write_self_answered(model, formatter, forget_source, paths["forget"], config.max_new_tokens, progress)
+        if retain_source is not None:
+            write_self_answered(model, formatter, retain_source, paths["retain"], config.max_new_tokens, progress)
+    accelerator.wait_for_everyone()
+    forget = open_source(paths["forget"], "forget", keys)
+    retain = open_source(paths["retain"], "retain", keys) if retain_source is not None else None
+    return forget, retain
+
+
+def _pick_samples(forget: Source, retain: Source | None, n: int) -> list[tuple[str, str]]:
+    """`n` question rows of each set, evenly spaced through it, for the before/after table."""
+    picked = []
+    for name, source in (("forget", forget), ("retain", retain)):
+        if source is None or n == 0 or source.text_rows == len(source):
+            continue
+        spaced = sorted({i * len(source) // n for i in range(n)})
+        rows = [source[i] for i in spaced]
+        picked += [(name, r.question) for r in rows if not r.is_text]
+    return picked
+
+
+def _answers(model, formatter, samples, config, progress, description) -> list[str]:
+    texts, _ = greedy_generate(
+        model, formatter, [q for _, q in samples], config.max_new_tokens, progress=progress, description=description
+    )
+    return texts
+
+
+def _sample_report(samples, before, after) -> dict[str, Any]:
+    if not samples:
+        return {}
+    rows = [
+        {"set": s, "question": q, "before": b, "after": a, "rouge_l_recall": rouge_l_recall(a, b)}
+        for (s, q), b, a in zip(samples, before, after)
+    ]
+    means = {}
+    for name in dict.fromkeys(r["set"] for r in rows):
+        values = [r["rouge_l_recall"] for r in rows if r["set"] == name]
+        means[name] = sum(values) / len(values)
+    return {"samples": rows, "sample_rouge_mean": means}
+
+
+def print_summary(report: dict[str, Any], console: Console) -> None:
+    """The before/after table and where the outputs are."""
+    if report.get("samples"):
+        table = Table(title="Answers before and after unlearning", show_lines=True)
+        for column in ("set", "question", "before", "after"):
+            table.add_column(column, overflow="fold")
+        table.add_column("ROUGE-L", justify="right")
+        for s in report["samples"]:
+            style = "red" if s["set"] == "forget" else "green"
+            score = f"{s['rouge_l_recall']:.2f}"
+            table.add_row(f"[{style}]{s['set']}[/]", s["question"], s["before"], s["after"], score)
+        console.print(table)
+        means = ", ".join(f"{k} {v:.2f}" for k, v in report["sample_rouge_mean"].items())
+        console.print(f"Mean ROUGE-L recall of the answer after against before: {means} (1 = unchanged)")
+    losses = report["losses"]
+    parts = []
+    for terms in losses.values():
+        for term, values in terms.items():
+            if term != "steps":
+                parts.append(f"{term} {values['start']:.3f} -> {values['end']:.3f}")
+    console.print(f"{report['steps']} steps in {report['wall_time_s']:.0f} s; " + "; ".join(parts))
+    outputs.print_update_warning(report, console)
+    console.print(f"model: {report['final']}   report: {Path(report['final']).parent / 'report.md'}")
