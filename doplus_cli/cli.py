@@ -207,7 +207,9 @@ def evaluate(
     model: str | None = typer.Option(
         None, "--model", help="Hub id, model folder (e.g. a run's final/) or .gguf [default: embedded SmolLM2]"
     ),
-    suite: str = typer.Option("tofu", "--suite", help="tofu, real-world, lm-eval, or several comma-separated."),
+    suite: str = typer.Option(
+        "tofu", "--suite", help="tofu, real-world, lm-eval, privacy, or several comma-separated."
+    ),
     split: str = typer.Option("forget10", "--split", help="TOFU forget split: forget01, forget05, forget10."),
     data_dir: str | None = typer.Option(
         None, "--data-dir", help="Folder of TOFU JSON-lines files [default: hf:locuslab/TOFU from the hub]"
@@ -243,6 +245,14 @@ def evaluate(
         None, "--prompt-template", help=TEMPLATE_HELP.replace("[default: ", "[default: a run's own template; else ")
     ),
     protocol: str = typer.Option("doplus", "--protocol", help=PROTOCOL_HELP),
+    retain_logs: str | None = typer.Option(
+        None, "--retain-logs", help="A retain model's TOFU_EVAL.json (doplus's or OpenUnlearning's): forget_quality "
+        "and privleak's reference AUC.",
+    ),
+    holdout: str | None = typer.Option(
+        None, "--holdout", help="Non-member rows (JSON lines with question, answer; TOFU's holdout10): the privacy "
+        "suite, and privacy metrics in the TOFU suite.",
+    ),
 ) -> None:
     """Evaluate a model with the paper's six indicators and MU/UFE/TFE/OVR (TOFU, real-world, lm-eval)."""
     from doplus_cli.evaluation.report import compare_table
@@ -264,7 +274,7 @@ def evaluate(
         embedding_model=embedding_model, nli_model=nli_model, targeted=targeted,
         tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), limit=limit, lm_eval_include=lm_eval_include,
         dtype=dtype, trust_remote_code=trust_remote_code, overwrite=overwrite, seed=seed,
-        prompt_template=prompt_template, protocol=protocol,
+        prompt_template=prompt_template, protocol=protocol, retain_logs=retain_logs, holdout=holdout,
     )
     check_prompt_template(prompt_template)
     get_protocol(protocol)
@@ -286,21 +296,31 @@ def _print_eval(record: dict) -> None:
                 table.add_row(task, metric, "n/a" if value is None else f"{100 * value:.2f}")
             console.print(table)
             continue
-        table = Table(title=f"{section['suite']}: indicators (%)")
-        sets = [s["name"] for s in section["sets"]]
-        table.add_column("indicator")
-        for name in sets:
-            table.add_column(name, justify="right")
-        from doplus_cli.evaluation.suites import INDICATORS
-
-        for indicator in INDICATORS:
-            cells = [section["values"].get(f"{s}_{indicator}") for s in sets]
-            table.add_row(indicator, *["n/a" if v is None else f"{100 * v:.2f}" for v in cells])
-        console.print(table)
-        for agg in section["aggregates"]:
-            value = "n/a" if agg["value"] is None else f"{100 * agg['value']:.2f}"
-            console.print(f"{agg['name']}: {value}" + (f"  ({agg['note']})" if agg["note"] else ""), markup=False)
+        if section["suite"] != "privacy":
+            _print_indicators(console, section)
+        block = section.get("openunlearning") or {}
+        for key, value in block.get("values", {}).items():
+            console.print(f"{key}: {'n/a' if value is None else f'{value:.4g}'}", markup=False)
     console.print(f"report: {record['out']}/report.md  ({record['wall_time_s']:.0f} s)", markup=False)
+
+
+def _print_indicators(console, section: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"{section['suite']}: indicators (%)")
+    sets = [s["name"] for s in section["sets"]]
+    table.add_column("indicator")
+    for name in sets:
+        table.add_column(name, justify="right")
+    from doplus_cli.evaluation.suites import INDICATORS
+
+    for indicator in INDICATORS:
+        cells = [section["values"].get(f"{s}_{indicator}") for s in sets]
+        table.add_row(indicator, *["n/a" if v is None else f"{100 * v:.2f}" for v in cells])
+    console.print(table)
+    for agg in section["aggregates"]:
+        value = "n/a" if agg["value"] is None else f"{100 * agg['value']:.2f}"
+        console.print(f"{agg['name']}: {value}" + (f"  ({agg['note']})" if agg["note"] else ""), markup=False)
 
 
 @bench_app.command("optimizer")

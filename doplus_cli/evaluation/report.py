@@ -38,6 +38,11 @@ def render_eval_markdown(record: dict[str, Any]) -> str:
         lines.append(f"- prompt template: {record['prompt_template']!r}")
     for section in record["sections"]:
         suite = section["suite"]
+        if suite == "privacy":
+            lines += ["", "## privacy (OpenUnlearning's metrics)", "", "Sets: " + ", ".join(
+                f"{s['name']} ({s['n']} from {s['source']})" for s in section["sets"]), ""]
+            lines += _openunlearning_lines(section["openunlearning"])
+            continue
         if suite == "lm-eval":
             lines += ["", f"## lm-eval (limit {section['limit']})", ""]
             lines += ["| task | metric | value |", "| --- | --- | ---: |"]
@@ -63,6 +68,8 @@ def render_eval_markdown(record: dict[str, Any]) -> str:
         for agg in section["aggregates"]:
             note = f" ({agg['note']})" if agg["note"] else ""
             lines.append(f"| {agg['name']} | {_fmt(agg['value'], True)} | {note.strip(' ()') or 'complete'} |")
+        if section.get("openunlearning"):
+            lines += ["", "### OpenUnlearning's metrics", ""] + _openunlearning_lines(section["openunlearning"])
     lines += ["", "## Formulas", ""]
     lines += [f"- {name}: {text}" for name, text in FORMULAS.items()]
     lines += ["- MU: harmonic mean of every non-forget indicator; UFE: 1 - mean(forget ROUGE, Probability, Truth "
@@ -72,6 +79,13 @@ def render_eval_markdown(record: dict[str, Any]) -> str:
     seconds = ", ".join(f"{k} {v:.1f} s" for k, v in record["seconds"].items())
     lines += ["", f"Time: {seconds} (total {record['wall_time_s']:.1f} s)."]
     return "\n".join(lines) + "\n"
+
+
+def _openunlearning_lines(block: dict[str, Any]) -> list[str]:
+    lines = ["| metric | value |", "| --- | ---: |"]
+    for key, value in block["values"].items():
+        lines.append(f"| {key} | {'n/a' if value is None else f'{value:.4g}'} |")
+    return lines + [""] + [f"- {note}" for note in block.get("notes", [])]
 
 
 def load_summary(folder: str) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 A set is a list of `QASample`s. For each set: greedy generations in batches (ROUGE, Token Entropy,
 Cosine Similarity, Entailment Score) and the mean token NLL of every true, paraphrased and perturbed answer
-in batched forward passes (Probability, Truth Ratio). No per-sample Python loop runs the model.
+from its question's prompt encoded once (Probability, Truth Ratio). No per-sample Python loop runs the model.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from doplus_cli.engine.generation import greedy_generate
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation import metrics
 from doplus_cli.evaluation.protocol import PROTOCOLS, Protocol
-from doplus_cli.evaluation.scoring import grouped_nlls, mean_token_nlls
+from doplus_cli.evaluation.scoring import shared_prefix_nlls
 
 INDICATORS = ("rouge", "probability", "truth_ratio", "token_entropy", "cosine_similarity", "entailment")
 
@@ -200,10 +200,10 @@ def evaluate_set(
         tokens = [formatter.tokenizer.tokenize(text) for text in generations]
     truth = [s.answer for s in samples]
     rouge = [metrics.rouge_l_recall(g, t) for g, t in zip(generations, truth)]
-    nll_true = mean_token_nlls(model, formatter, list(zip(questions, truth)), batch_size)
-    nll_para = mean_token_nlls(model, formatter, [(s.question, s.paraphrased or s.answer) for s in samples],
-                               batch_size)
-    nll_pert = grouped_nlls(model, formatter, questions, [s.perturbed for s in samples], batch_size)
+    # every answer of a question from its prompt encoded once: true, paraphrased (or true), perturbed
+    groups = [[s.answer, s.paraphrased or s.answer, *s.perturbed] for s in samples]
+    nlls = shared_prefix_nlls(model, formatter, questions, groups, batch_size)
+    nll_true, nll_para, nll_pert = [g[0] for g in nlls], [g[1] for g in nlls], [g[2:] for g in nlls]
     ratios = metrics.truth_ratios(nll_para, nll_pert)
     values: dict[str, float | None] = {
         "rouge": sum(rouge) / len(rouge),
