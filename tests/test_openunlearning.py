@@ -158,3 +158,22 @@ def test_privacy_suite_needs_a_holdout_file(tiny_llama, tofu_dir, tmp_path, caps
     assert run_cli("evaluate", "--model", tiny_llama, "--suite", "privacy", "--data-dir", tofu_dir,
                    "--out", tmp_path / "e") == 2
     assert "--suite privacy needs --holdout FILE" in capsys.readouterr().err
+
+
+def test_privacy_suite_alone(tiny_llama, tofu_dir, tmp_path):
+    holdout = tmp_path / "holdout10.json"
+    holdout.write_text("".join(json.dumps({"question": f"Who wrote book {i}?", "answer": f"Author {i} did."}) + "\n"
+                               for i in range(4)))
+    out = tmp_path / "eval"
+    assert run_cli("evaluate", "--model", tiny_llama, "--suite", "privacy", "--data-dir", tofu_dir, "--max-samples",
+                   3, "--holdout", holdout, "--out", out) == 0
+    summary = json.loads((out / "PRIVACY_SUMMARY.json").read_text())
+    logs = json.loads((out / "PRIVACY_EVAL.json").read_text())
+    forget = [s["score"] for s in logs["mia_loss"]["forget"]["value_by_index"].values()]
+    held = [s["score"] for s in logs["mia_loss"]["holdout"]["value_by_index"].values()]
+    assert (len(forget), len(held)) == (3, 3)  # --max-samples cuts the holdout set too
+    # AUC from the stored scores by hand: the share of (forget, holdout) pairs where holdout scores higher
+    pairs = [(1.0 if h > f else 0.5 if h == f else 0.0) for f in forget for h in held]
+    assert summary["mia_loss"] == pytest.approx(sum(pairs) / len(pairs))
+    assert summary["privleak"] == pytest.approx(((1 - summary["mia_min_k"]) - 0.5) / 0.5 * 100)
+    assert "reference AUC of 0.5: no --retain-logs" in (out / "report.md").read_text()

@@ -82,9 +82,19 @@ def render_eval_markdown(record: dict[str, Any]) -> str:
 
 
 def _openunlearning_lines(block: dict[str, Any]) -> list[str]:
-    lines = ["| metric | value |", "| --- | ---: |"]
+    """OpenUnlearning's metrics as a table with each one's formula (the docstring's first sentence)."""
+    from doplus_cli.evaluation import openunlearning as ou
+
+    formula_of = {"forget_quality": ou.forget_quality, "model_utility": ou.model_utility_ou,
+                  "mia_loss": ou.loss_score, "mia_zlib": ou.zlib_score, "mia_min_k": ou.min_k_score,
+                  "mia_min_k_plus_plus": ou.min_k_plus_plus_score, "privleak": ou.privleak,
+                  "extraction_strength": ou.extraction_strength, "exact_memorization": ou.exact_memorization}
+    lines = ["| metric | value | formula |", "| --- | ---: | --- |"]
     for key, value in block["values"].items():
-        lines.append(f"| {key} | {'n/a' if value is None else f'{value:.4g}'} |")
+        doc = " ".join((formula_of[key].__doc__ or "").split()) if key in formula_of else ""
+        if key.startswith("mia_"):
+            doc = "AUC (forget vs holdout) of the score " + doc
+        lines.append(f"| {key} | {'n/a' if value is None else f'{value:.4g}'} | {doc.split('. ')[0]} |")
     return lines + [""] + [f"- {note}" for note in block.get("notes", [])]
 
 

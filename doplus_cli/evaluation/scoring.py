@@ -79,6 +79,11 @@ def grouped_nlls(
     return grouped
 
 
+# Answers of this many batches share one prompt pass: the more answers, the closer in length each batch's rows
+# (less padding); the prompts' KV cache of a chunk is small (SmolLM2: about 1.3 MB per question).
+ANSWER_ROWS_PER_CHUNK = 16
+
+
 @torch.no_grad()
 def shared_prefix_nlls(
     model: torch.nn.Module, formatter: PromptFormatter, questions: Sequence[str], answers: Sequence[Sequence[str]],
@@ -101,10 +106,12 @@ def shared_prefix_nlls(
     jobs, leftovers = _shared_jobs(formatter, questions, answers)
     try:
         order = sorted(range(len(jobs)), key=lambda i: len(jobs[i].prompt))
+        if not _shares_cache(model, formatter, device):
+            return grouped_nlls(model, formatter, questions, answers, batch_size)
         chunk: list[_Job] = []
         for i in order:
             chunk.append(jobs[i])
-            if sum(len(job.answers) for job in chunk) >= 4 * batch_size:
+            if sum(len(job.answers) for job in chunk) >= ANSWER_ROWS_PER_CHUNK * batch_size:
                 _score_chunk(model, formatter, chunk, batch_size, device, result)
                 chunk = []
         if chunk:
@@ -120,6 +127,13 @@ def shared_prefix_nlls(
         for position, first in job.copies.items():
             result[job.question][position] = result[job.question][first]
     return result
+
+
+def _shares_cache(model, formatter: PromptFormatter, device) -> bool:
+    """Whether the model hands back a KV cache that can be reordered (every transformers causal LM here does)."""
+    ids = torch.tensor([[formatter.tokenizer.eos_token_id or 0]], device=device)
+    cache = _forward(model, ids, torch.ones_like(ids), torch.zeros_like(ids), None, keep=1).past_key_values
+    return cache is not None and hasattr(cache, "reorder_cache")
 
 
 class _Job:
@@ -231,8 +245,9 @@ def answer_token_stats(
         jobs.append(job)
     try:
         order = sorted(range(len(jobs)), key=lambda i: len(jobs[i].prompt))
-        for start in range(0, len(order), 4 * batch_size):
-            _score_chunk(model, formatter, [jobs[i] for i in order[start:start + 4 * batch_size]], batch_size,
+        step = ANSWER_ROWS_PER_CHUNK * batch_size
+        for start in range(0, len(order), step):
+            _score_chunk(model, formatter, [jobs[i] for i in order[start:start + step]], batch_size,
                          device, result, token_stats=True)
     finally:
         model.train(was_training)
