@@ -12,7 +12,9 @@ from rich.console import Console
 from rich.text import Text
 
 from doplus_cli.config import default_of
+from doplus_cli.data.formatting import TEMPLATE_HELP, check_prompt_template
 from doplus_cli.errors import EXIT_FILE_VARIABLE, UserError, quiet_worker, worker_exit_code
+from doplus_cli.evaluation.protocol import get_protocol
 
 app = typer.Typer(
     name="doplus",
@@ -42,6 +44,11 @@ def _not_built(name: str, issue: int | None = None) -> None:
     raise UserError(f"`doplus {name}` is not built yet{tracked}.")
 
 
+PROTOCOL_HELP = ("Judges and generation budget: doplus (all-MiniLM-L6-v2, --max-new-tokens new tokens, Token "
+                 "Entropy over the generated ids) or paper (the DualOptim+ code: paraphrase-MiniLM-L6-v2, 200 tokens "
+                 "in total, Token Entropy over the re-tokenised text).")
+
+
 def _default(name: str) -> str:
     return f" [default: {default_of(name)}]"
 
@@ -63,6 +70,7 @@ def unlearn(
     question_key: str | None = typer.Option(None, "--question-key", help="Question field." + _default("question_key")),
     answer_key: str | None = typer.Option(None, "--answer-key", help="Answer field." + _default("answer_key")),
     max_length: int | None = typer.Option(None, "--max-length", help="Tokens per example." + _default("max_length")),
+    prompt_template: str | None = typer.Option(None, "--prompt-template", help=TEMPLATE_HELP),
     answers_from_model: bool | None = typer.Option(
         None, "--answers-from-model/--no-answers-from-model",
         help="Use the starting model's own greedy answers as targets (real-world setting)." + _default(
@@ -167,8 +175,9 @@ def unlearn(
         None, "--eval-nli-model", help="NLI model [default: sileod/deberta-v3-base-tasksource-nli]"
     ),
     eval_embedding_model: str | None = typer.Option(
-        None, "--eval-embedding-model", help="Embedding model [default: all-MiniLM-L6-v2]"
+        None, "--eval-embedding-model", help="Embedding model [default: the protocol's]"
     ),
+    eval_protocol: str | None = typer.Option(None, "--eval-protocol", help=PROTOCOL_HELP + _default("eval_protocol")),
 ) -> None:
     """Unlearn a forget set while keeping a retain set; writes final/, metrics.jsonl and a report."""
     overrides = {name: value for name, value in locals().items() if name not in ("recipe", "num_processes")}
@@ -237,6 +246,7 @@ def multitask(
         None, "--doplus-rule", help="DualOptim+'s AdamW rule: safeguarded or paper (exactly as published)."
         + _mt_default("doplus_rule"),
     ),
+    prompt_template: str | None = typer.Option(None, "--prompt-template", help=TEMPLATE_HELP),
     betas: str | None = typer.Option(None, "--betas", help="AdamW betas as B1,B2 [default: 0.9,0.95]"),
     steps: int | None = typer.Option(None, "--steps", help="Optimizer steps." + _mt_default("steps")),
     lr: float | None = typer.Option(None, "--lr", help="Peak learning rate." + _mt_default("lr")),
@@ -297,7 +307,9 @@ def evaluate(
     model: str | None = typer.Option(
         None, "--model", help="Hub id, model folder (e.g. a run's final/) or .gguf [default: embedded SmolLM2]"
     ),
-    suite: str = typer.Option("tofu", "--suite", help="tofu, real-world, lm-eval, or several comma-separated."),
+    suite: str = typer.Option(
+        "tofu", "--suite", help="tofu, real-world, lm-eval, privacy, or several comma-separated."
+    ),
     split: str = typer.Option("forget10", "--split", help="TOFU forget split: forget01, forget05, forget10."),
     data_dir: str | None = typer.Option(
         None, "--data-dir", help="Folder of TOFU JSON-lines files [default: hf:locuslab/TOFU from the hub]"
@@ -309,7 +321,9 @@ def evaluate(
     batch_size: int = typer.Option(32, "--batch-size", min=1, help="Generation and NLL batch size."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Greedy tokens per answer."),
     embedding_model: str | None = typer.Option(
-        None, "--embedding-model", help="Sentence-transformers model for Cosine Similarity [default: all-MiniLM-L6-v2]"
+        None, "--embedding-model",
+        help="Sentence-transformers model for Cosine Similarity [default: the protocol's: doplus all-MiniLM-L6-v2, "
+        "paper paraphrase-MiniLM-L6-v2]",
     ),
     nli_model: str | None = typer.Option(
         None, "--nli-model", help="NLI model for the Entailment Score [default: sileod/deberta-v3-base-tasksource-nli]"
@@ -327,6 +341,18 @@ def evaluate(
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the model's own code to run."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an evaluation already in --out."),
     seed: int = typer.Option(0, "--seed", help="Seed (rejection answers drawn for TFE)."),
+    prompt_template: str | None = typer.Option(
+        None, "--prompt-template", help=TEMPLATE_HELP.replace("[default: ", "[default: a run's own template; else ")
+    ),
+    protocol: str = typer.Option("doplus", "--protocol", help=PROTOCOL_HELP),
+    retain_logs: str | None = typer.Option(
+        None, "--retain-logs", help="A retain model's TOFU_EVAL.json (doplus's or OpenUnlearning's): forget_quality "
+        "and privleak's reference AUC.",
+    ),
+    holdout: str | None = typer.Option(
+        None, "--holdout", help="Non-member rows (JSON lines with question, answer; TOFU's holdout10): the privacy "
+        "suite, and privacy metrics in the TOFU suite.",
+    ),
 ) -> None:
     """Evaluate a model with the paper's six indicators and MU/UFE/TFE/OVR (TOFU, real-world, lm-eval)."""
     from doplus_cli.evaluation.report import compare_table
@@ -348,7 +374,10 @@ def evaluate(
         embedding_model=embedding_model, nli_model=nli_model, targeted=targeted,
         tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), limit=limit, lm_eval_include=lm_eval_include,
         dtype=dtype, trust_remote_code=trust_remote_code, overwrite=overwrite, seed=seed,
+        prompt_template=prompt_template, protocol=protocol, retain_logs=retain_logs, holdout=holdout,
     )
+    check_prompt_template(prompt_template)
+    get_protocol(protocol)
     record = run_evaluate(config, err_console)
     _print_eval(record)
 
@@ -367,21 +396,31 @@ def _print_eval(record: dict) -> None:
                 table.add_row(task, metric, "n/a" if value is None else f"{100 * value:.2f}")
             console.print(table)
             continue
-        table = Table(title=f"{section['suite']}: indicators (%)")
-        sets = [s["name"] for s in section["sets"]]
-        table.add_column("indicator")
-        for name in sets:
-            table.add_column(name, justify="right")
-        from doplus_cli.evaluation.suites import INDICATORS
-
-        for indicator in INDICATORS:
-            cells = [section["values"].get(f"{s}_{indicator}") for s in sets]
-            table.add_row(indicator, *["n/a" if v is None else f"{100 * v:.2f}" for v in cells])
-        console.print(table)
-        for agg in section["aggregates"]:
-            value = "n/a" if agg["value"] is None else f"{100 * agg['value']:.2f}"
-            console.print(f"{agg['name']}: {value}" + (f"  ({agg['note']})" if agg["note"] else ""), markup=False)
+        if section["suite"] != "privacy":
+            _print_indicators(console, section)
+        block = section.get("openunlearning") or {}
+        for key, value in block.get("values", {}).items():
+            console.print(f"{key}: {'n/a' if value is None else f'{value:.4g}'}", markup=False)
     console.print(f"report: {record['out']}/report.md  ({record['wall_time_s']:.0f} s)", markup=False)
+
+
+def _print_indicators(console, section: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"{section['suite']}: indicators (%)")
+    sets = [s["name"] for s in section["sets"]]
+    table.add_column("indicator")
+    for name in sets:
+        table.add_column(name, justify="right")
+    from doplus_cli.evaluation.suites import INDICATORS
+
+    for indicator in INDICATORS:
+        cells = [section["values"].get(f"{s}_{indicator}") for s in sets]
+        table.add_row(indicator, *["n/a" if v is None else f"{100 * v:.2f}" for v in cells])
+    console.print(table)
+    for agg in section["aggregates"]:
+        value = "n/a" if agg["value"] is None else f"{100 * agg['value']:.2f}"
+        console.print(f"{agg['name']}: {value}" + (f"  ({agg['note']})" if agg["note"] else ""), markup=False)
 
 
 @bench_app.command("optimizer")

@@ -17,7 +17,9 @@ from typing import Any
 
 import yaml
 
+from doplus_cli.data.formatting import check_prompt_template
 from doplus_cli.errors import UserError
+from doplus_cli.evaluation.protocol import get_protocol
 
 SCHEMES = ("joint", "alternate", "dualoptim", "doplus")
 OPTIMIZERS = ("adamw", "muon")
@@ -41,6 +43,9 @@ class TrainConfig:
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     trust_remote_code: bool = False
     max_length: int = 256
+    # None: the tokenizer's chat template, `question-answer` without one; else a preset (chat, question-answer,
+    # phi-tofu, llama2) or a string with {question} (doplus_cli.data.formatting.PROMPT_TEMPLATES)
+    prompt_template: str | None = None
     max_new_tokens: int = 48
     # Update scheme and optimizer
     scheme: str = "doplus"
@@ -112,6 +117,7 @@ class UnlearnConfig(TrainConfig):
     eval_max_new_tokens: int = 64
     eval_nli_model: str | None = None
     eval_embedding_model: str | None = None
+    eval_protocol: str = "doplus"  # or "paper": the DualOptim+ authors' judges and generation budget
 
     @property
     def forget_loss(self) -> str:
@@ -360,6 +366,7 @@ def validate_training(config: TrainConfig) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")
     if config.resume is not None and config.out is None:
         raise UserError("--resume needs --out: the folder of the run to continue")
+    check_prompt_template(config.prompt_template)
     if config.optimizer == "muon" and config.scheme != "doplus":
         raise UserError("--optimizer muon is built for --scheme doplus only; use adamw with the other schemes")
 
@@ -425,6 +432,7 @@ def validate_unlearn(config: UnlearnConfig) -> None:
         raise UserError("--beta must be > 0 for NPO, DPO and AP (they divide by it)")
     if config.forget_lr is not None and not config.forget_lr >= 0:
         raise UserError(f"--forget-lr must be a number >= 0, got {config.forget_lr}")
+    get_protocol(config.eval_protocol)
     if config.eval_every and config.eval_suite != "tofu":
         raise UserError(f"unknown --eval-suite '{config.eval_suite}' for evaluation during training: only tofu "
                         "(run `doplus evaluate --suite ...` on final/ afterwards for the others)")

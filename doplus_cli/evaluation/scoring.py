@@ -77,3 +77,198 @@ def grouped_nlls(
         grouped.append(values[position:position + len(group)])
         position += len(group)
     return grouped
+
+
+# Answers of this many batches share one prompt pass: the more answers, the closer in length each batch's rows
+# (less padding); the prompts' KV cache of a chunk is small (SmolLM2: about 1.3 MB per question).
+ANSWER_ROWS_PER_CHUNK = 16
+
+
+@torch.no_grad()
+def shared_prefix_nlls(
+    model: torch.nn.Module, formatter: PromptFormatter, questions: Sequence[str], answers: Sequence[Sequence[str]],
+    batch_size: int = 16,
+) -> list[list[float]]:
+    """Mean token NLLs of several answers per question, each question's prompt encoded once.
+
+    The prompts of a chunk of questions run once (left-padded); their KV cache is then expanded over the
+    answers (any answer row may take any prompt row, so answers are packed by length across questions) and
+    each answer runs on top of its prompt's cache. The first answer token is scored from the prompt's last
+    logits, the others from the answer pass: the same tokens and positions as `mean_token_nlls`, so the values
+    agree with it to float rounding. Pairs whose prompt `encode` truncates (prompt + answer over
+    `max_length`) and identical answers of a question are not re-run: the former take `mean_token_nlls`, the
+    latter share one value.
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    result: list[list[float]] = [[0.0] * len(group) for group in answers]
+    jobs, leftovers = _shared_jobs(formatter, questions, answers)
+    try:
+        order = sorted(range(len(jobs)), key=lambda i: len(jobs[i].prompt))
+        if not _shares_cache(model, formatter, device):
+            return grouped_nlls(model, formatter, questions, answers, batch_size)
+        chunk: list[_Job] = []
+        for i in order:
+            chunk.append(jobs[i])
+            if sum(len(job.answers) for job in chunk) >= ANSWER_ROWS_PER_CHUNK * batch_size:
+                _score_chunk(model, formatter, chunk, batch_size, device, result)
+                chunk = []
+        if chunk:
+            _score_chunk(model, formatter, chunk, batch_size, device, result)
+        if leftovers:
+            values = mean_token_nlls(model, formatter, [(questions[q], answers[q][a]) for q, a in leftovers],
+                                     batch_size)
+            for (q, a), value in zip(leftovers, values):
+                result[q][a] = value
+    finally:
+        model.train(was_training)
+    for job in jobs:  # identical answers of one question share the value computed once
+        for position, first in job.copies.items():
+            result[job.question][position] = result[job.question][first]
+    return result
+
+
+def _shares_cache(model, formatter: PromptFormatter, device) -> bool:
+    """Whether the model hands back a KV cache that can be reordered (every transformers causal LM here does)."""
+    ids = torch.tensor([[formatter.tokenizer.eos_token_id or 0]], device=device)
+    cache = _forward(model, ids, torch.ones_like(ids), torch.zeros_like(ids), None, keep=1).past_key_values
+    return cache is not None and hasattr(cache, "reorder_cache")
+
+
+class _Job:
+    """One question: its prompt ids and its distinct answers' ids, with where each value goes."""
+
+    def __init__(self, question: int, prompt: list[int]) -> None:
+        self.question = question
+        self.prompt = prompt
+        self.answers: list[tuple[int, list[int]]] = []  # (position in the question's group, answer ids)
+        self.copies: dict[int, int] = {}  # position -> position of the identical answer that is scored
+
+
+def _shared_jobs(formatter: PromptFormatter, questions: Sequence[str], answers: Sequence[Sequence[str]]):
+    jobs, leftovers = [], []
+    for q, (question, group) in enumerate(zip(questions, answers)):
+        job = _Job(q, formatter.prompt_ids(question))
+        seen: dict[str, int] = {}
+        for a, answer in enumerate(group):
+            if answer in seen:
+                job.copies[a] = seen[answer]
+                continue
+            seen[answer] = a
+            encoded = formatter.encode(question, answer)
+            n_prompt = next((k for k, label in enumerate(encoded.labels) if label != IGNORE_INDEX),
+                            len(encoded.labels))
+            if encoded.input_ids[:n_prompt] != job.prompt or n_prompt == len(encoded.input_ids):
+                leftovers.append((q, a))  # truncated by max_length: scored as a whole sequence
+                continue
+            job.answers.append((a, encoded.input_ids[n_prompt:]))
+        if job.answers or job.copies:
+            jobs.append(job)
+    return jobs, leftovers
+
+
+def _score_chunk(model, formatter: PromptFormatter, chunk: list[_Job], batch_size: int, device, result,
+                 token_stats: bool = False) -> None:
+    """Prompts of `chunk` once, then its answers by length in batches of `batch_size` rows. Stores each
+    answer's mean NLL in `result[question][position]`, or with `token_stats` its per-token statistics."""
+    import copy
+
+    pad_id = formatter.tokenizer.pad_token_id
+    prompts = [Encoded(job.prompt, [IGNORE_INDEX] * len(job.prompt)) for job in chunk]
+    batch = {k: v.to(device) for k, v in left_padded(prompts, pad_id).items()}
+    output = _forward(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"], None, keep=1)
+    cache, first_log_probs = output.past_key_values, torch.log_softmax(_upcast(output.logits[:, -1]), dim=-1)
+    prompt_mask, prompt_lengths = batch["attention_mask"], batch["attention_mask"].sum(-1)
+    rows = [(row, position, ids) for row, job in enumerate(chunk) for position, ids in job.answers]
+    rows.sort(key=lambda r: len(r[2]))
+    for start in range(0, len(rows), batch_size):
+        part = rows[start:start + batch_size]
+        index = torch.tensor([row for row, _, _ in part], device=device)
+        width = max(len(ids) for _, _, ids in part)
+        ids = torch.full((len(part), width), pad_id, dtype=torch.long, device=device)
+        mask = torch.zeros((len(part), width), dtype=torch.long, device=device)
+        for r, (_, _, answer) in enumerate(part):
+            ids[r, :len(answer)] = torch.tensor(answer, device=device)
+            mask[r, :len(answer)] = 1
+        answer_cache = copy.deepcopy(cache)
+        answer_cache.reorder_cache(index)
+        positions = prompt_lengths[index, None] + torch.arange(width, device=device)
+        full_mask = torch.cat([prompt_mask[index], mask], dim=1)
+        logits = _forward(model, ids, full_mask, positions, answer_cache).logits
+        log_probs = torch.log_softmax(_upcast(logits[:, :-1]), dim=-1)
+        if token_stats:
+            vocab = torch.cat([first_log_probs[index][:, None], log_probs], dim=1)  # [rows, width, V]
+            for r, (row, position, answer) in enumerate(part):
+                result[chunk[row].question][position] = _token_stats(vocab[r, :len(answer)], answer)
+            continue
+        first = first_log_probs[index].gather(-1, ids[:, :1]).squeeze(-1)
+        rest = log_probs.gather(-1, ids[:, 1:, None]).squeeze(-1) * mask[:, 1:]
+        counts = mask.sum(-1)
+        means = (-(first + rest.sum(-1)) / counts).tolist()
+        for (row, position, _), value in zip(part, means):
+            result[chunk[row].question][position] = value
+
+
+def _token_stats(log_probs: torch.Tensor, answer: list[int]) -> dict[str, list]:
+    """Per answer token t: log p(x_t), mu_t = sum_v p(v) log p(v), s2_t = sum_v p(v) log^2 p(v) - mu_t^2, and the
+    greedy prediction argmax_v p(v) (float64 arithmetic)."""
+    log_probs = log_probs.double()
+    probs = log_probs.exp()
+    means = (probs * log_probs).sum(-1)
+    variances = (probs * log_probs.square()).sum(-1) - means.square()
+    target = torch.tensor(answer, device=log_probs.device)
+    return {"token_log_probs": log_probs.gather(-1, target[:, None]).squeeze(-1).tolist(),
+            "means": means.tolist(), "variances": variances.tolist(),
+            "predicted": log_probs.argmax(-1).tolist(), "labels": list(answer)}
+
+
+@torch.no_grad()
+def answer_token_stats(
+    model: torch.nn.Module, formatter: PromptFormatter, pairs: Sequence[tuple[str, str]], batch_size: int = 16,
+) -> list[dict[str, list]]:
+    """For each (question, answer): its scored tokens' statistics (see `_token_stats`) and `text`, the scored
+    tokens decoded without special tokens, from the prompt's cache as in `shared_prefix_nlls`. A pair whose
+    prompt `encode` truncates is scored with the truncated prompt as its own prefix."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    result: list[list] = [[None] for _ in pairs]
+    jobs = []
+    for q, (question, answer) in enumerate(pairs):
+        encoded = formatter.encode(question, answer)
+        n_prompt = next((k for k, label in enumerate(encoded.labels) if label != IGNORE_INDEX), len(encoded.labels))
+        job = _Job(q, encoded.input_ids[:n_prompt])
+        job.answers.append((0, encoded.input_ids[n_prompt:]))
+        if n_prompt == 0 or n_prompt == len(encoded.input_ids):
+            raise ValueError(f"answer_token_stats: pair {q} has no prompt or no answer tokens after truncation")
+        jobs.append(job)
+    try:
+        order = sorted(range(len(jobs)), key=lambda i: len(jobs[i].prompt))
+        step = ANSWER_ROWS_PER_CHUNK * batch_size
+        for start in range(0, len(order), step):
+            _score_chunk(model, formatter, [jobs[i] for i in order[start:start + step]], batch_size,
+                         device, result, token_stats=True)
+    finally:
+        model.train(was_training)
+    stats = [r[0] for r in result]
+    for item in stats:
+        item["text"] = formatter.tokenizer.decode(item["labels"], skip_special_tokens=True)
+    return stats
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def _forward(model, input_ids, attention_mask, position_ids, cache, keep: int | None = None):
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+              "use_cache": True}
+    if cache is not None:
+        inputs["past_key_values"] = cache
+    if keep is not None:
+        try:
+            return model(**inputs, logits_to_keep=keep)
+        except TypeError:  # an architecture without logits_to_keep
+            pass
+    return model(**inputs)

