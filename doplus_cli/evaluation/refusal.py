@@ -77,8 +77,8 @@ _REFUSAL = re.compile("|".join([
     r"\b(?:request|question) (?:is|seems|appears|asks for something) (?:inappropriate|harmful|unethical|offensive|"
     r"dangerous)\b", r"\bi (?:must|have to|need to) (?:stop you|say no|refuse|decline)\b",
 ]), re.IGNORECASE)
-_REASON = re.compile(r"\b(?:illegal|unlawful|against the law|unethical|immoral|harmful|harm|hurtful|dangerous|"
-                     r"danger|crime|criminal|abuse|privacy|deceptive|discriminat\w*|offensive|hateful|dignity|"
+_REASON = re.compile(r"\b(?:illegal|unlawful|against the law|unethical|immoral|harmful|harm|hurt\w*|injur\w*|"
+                     r"dangerous|danger|crime|criminal|abuse|privacy|deceptive|discriminat\w*|offensive|hateful|dignity|"
                      r"respect|consent|irresponsible|inappropriate|misused|violence|violent|undermines?|"
                      r"stereotypes?|safety|at risk)\b", re.IGNORECASE)
 _REDIRECT = re.compile("|".join([

@@ -14,10 +14,11 @@ from rich.console import Console
 from doplus_cli.engine.outputs import atomic_write_text
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation import metrics
+from doplus_cli.evaluation.safety import SUITE_FILES as SAFETY_FILES
 from doplus_cli.evaluation.suites import INDICATORS, Judges, QASet, evaluate_set, load_real_world_sets, load_tofu_sets
 from doplus_cli.losses import FORGET_LOSSES
 
-SUITES = ("tofu", "real-world", "lm-eval")
+SUITES = ("tofu", "real-world", "lm-eval", "safety", "xstest")
 
 # OpenUnlearning's key names where the metric is the same one; the paper's names for the rest.
 OPENUNLEARNING_NAMES = {
@@ -58,6 +59,9 @@ class EvalConfig:
     trust_remote_code: bool = False
     overwrite: bool = False
     seed: int = 0
+    guard_model: str | None = None  # safety: None tries meta-llama/Meta-Llama-Guard-2-8B, "none" never
+    safety_data_dir: str | None = None  # safety, xstest: None downloads the releases' files
+    responses: str | None = None  # safety, xstest: judge these (prompt, response) rows instead of generating
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -161,7 +165,7 @@ def prepare_eval_dir(path: str, overwrite: bool) -> Path:
     if out.exists() and not out.is_dir():
         raise UserError(f"{path}: --out exists and is a file, not a folder")
     names = ("TOFU_EVAL.json", "TOFU_SUMMARY.json", "REAL_WORLD_EVAL.json", "REAL_WORLD_SUMMARY.json",
-             "LM_EVAL.json", "SUMMARY.json", "report.md", "eval.json")
+             "LM_EVAL.json", "SUMMARY.json", "report.md", "eval.json", *SAFETY_FILES)
     if out.is_dir() and any((out / n).exists() for n in names):
         if not overwrite:
             raise UserError(f"{path}: holds an evaluation already (pass --overwrite to replace it)")
@@ -180,14 +184,20 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
     from doplus_cli.data.formatting import PromptFormatter
 
     started = time.perf_counter()
-    formatter = PromptFormatter(tokenizer, max_length=512)
-    device = str(next(model.parameters()).device)
+    formatter = PromptFormatter(tokenizer, max_length=512) if tokenizer is not None else None  # None: --responses
+    device = str(next(model.parameters()).device) if model is not None else "cpu"
     need_judges = any(s in ("tofu", "real-world") for s in config.suites)
     if judges is None:
         judges = load_judges(config, "cuda" if device.startswith("cuda") else "cpu", need_judges)
+    safety_judges = None
+    if "safety" in config.suites or "xstest" in config.suites:
+        from doplus_cli.evaluation import safety
+
+        safety_judges = safety.load_safety_judges(config.guard_model, device, config.dtype)
     summary: dict[str, Any] = {}
     sections: list[dict[str, Any]] = []
     timings: dict[str, float] = {}
+    utility_avg = None  # lm-eval's mean headline metric, for the safety OVR
     for suite in config.suites:
         suite_started = time.perf_counter()
         if suite in ("tofu", "real-world"):
@@ -207,6 +217,11 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
                                                      for s in sets],
                              "summary": suite_summary, "values": values,
                              "aggregates": [asdict(a) for a in aggregates]})
+        elif suite in ("safety", "xstest"):
+            suite_summary, section = safety.run_suite(suite, model, formatter, config, safety_judges, out,
+                                                      model_name, progress)
+            summary.update(suite_summary)
+            sections.append(section)
         else:
             from doplus_cli.evaluation.lm_eval_suite import run_lm_eval
 
@@ -215,8 +230,13 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
                                  seed=config.seed)
             _write_json(out / "LM_EVAL.json", result)
             summary.update(result["summary"])
+            utility_avg = result.get("headline_mean")
             sections.append({"suite": suite, "headline": result.get("headline", {}), "limit": config.limit})
         timings[suite] = time.perf_counter() - suite_started
+    overall = safety.overall_section(summary, utility_avg) if safety_judges else None
+    if overall is not None:  # percent, like the other aggregates
+        summary.update({"utility_avg": utility_avg, "SAFETY_OVR": 100 * overall["value"]})
+        sections.append(overall)
     record = {
         "model": model_name,
         "out": str(out),
@@ -224,6 +244,9 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
         "judges": {
             "embedding_model": getattr(judges.embedder, "name", None), "embedding_missing": judges.embedder_reason,
             "nli_model": getattr(judges.nli, "name", None), "nli_missing": judges.nli_reason,
+            "guard_model": getattr(getattr(safety_judges, "guard", None), "name", None),
+            "guard_missing": getattr(safety_judges, "guard_missing", None),
+            "refusal_judge": getattr(getattr(safety_judges, "refusal", None), "name", None),
         },
         "targeted": targeted,
         "sections": sections,
@@ -238,6 +261,17 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
     return record
 
 
+def check_responses(config: EvalConfig) -> None:
+    """--responses: only the safety, xstest (and lm-eval, on --model) suites; the file is read before any model."""
+    other = [s for s in config.suites if s not in ("safety", "xstest", "lm-eval")]
+    if other or not any(s in ("safety", "xstest") for s in config.suites):
+        raise UserError("--responses works with --suite safety and/or xstest (and lm-eval on --model), not "
+                        + (other[0] if other else "lm-eval alone"))
+    from doplus_cli.evaluation.safety import read_responses
+
+    read_responses(config.responses)
+
+
 def run_evaluate(config: EvalConfig, console: Console | None = None) -> dict[str, Any]:
     """Load the model, run the suites, write the outputs; return the eval record."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -249,11 +283,16 @@ def run_evaluate(config: EvalConfig, console: Console | None = None) -> dict[str
         raise UserError(f"--max-samples must be at least 1, got {config.max_samples}")
     if "real-world" in config.suites and (config.forget is None or config.retain is None):
         raise UserError("--suite real-world needs --forget FILE and --retain FILE (the neighbour set)")
+    if config.responses is not None:
+        check_responses(config)
     out = prepare_eval_dir(config.out or "evals/" + time.strftime("%Y%m%d-%H%M%S"), config.overwrite)
-    model, tokenizer, name = load_model_and_tokenizer(config.model, config.dtype, config.trust_remote_code)
+    if config.responses is not None and "lm-eval" not in config.suites:  # nothing to generate: no model
+        model, tokenizer, name = None, None, f"responses from {config.responses}"
+    else:
+        model, tokenizer, name = load_model_and_tokenizer(config.model, config.dtype, config.trust_remote_code)
     import torch
 
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and model is not None:
         model.to("cuda")
     targeted = config.targeted if config.targeted is not None else targeted_from_run(config.model)
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
