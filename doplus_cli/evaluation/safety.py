@@ -434,7 +434,7 @@ def run_xstest(sets: list[PromptSet], model, formatter, config, judges: SafetyJu
 
 def agreement_note(judge: RefusalJudge) -> str:
     """The judge's measured agreement, as stored with its weights by `refusal_data measure --record`."""
-    figures = judge.agreement.get("smollm2_xstest_labelled.jsonl") or next(iter(judge.agreement.values()), None)
+    figures = judge.agreement.get("smollm2_labelled.jsonl") or next(iter(judge.agreement.values()), None)
     key = "judge" if judge.model.uses_embedding else "judge_rules_only"
     if not figures or key not in figures:
         return "its agreement has not been measured"
