@@ -308,7 +308,7 @@ def evaluate(
         None, "--model", help="Hub id, model folder (e.g. a run's final/) or .gguf [default: embedded SmolLM2]"
     ),
     suite: str = typer.Option(
-        "tofu", "--suite", help="tofu, real-world, lm-eval, privacy, or several comma-separated."
+        "tofu", "--suite", help="tofu, real-world, lm-eval, privacy, safety, xstest, or several comma-separated."
     ),
     split: str = typer.Option("forget10", "--split", help="TOFU forget split: forget01, forget05, forget10."),
     data_dir: str | None = typer.Option(
@@ -353,8 +353,20 @@ def evaluate(
         None, "--holdout", help="Non-member rows (JSON lines with question, answer; TOFU's holdout10): the privacy "
         "suite, and privacy metrics in the TOFU suite.",
     ),
+    guard_model: str | None = typer.Option(
+        None, "--guard-model", help="safety: a Llama Guard-protocol model (hub id or folder), or none [default: "
+        "meta-llama/Meta-Llama-Guard-2-8B if it loads, else the offline refusal judge, said in the report]"
+    ),
+    safety_data_dir: str | None = typer.Option(
+        None, "--safety-data-dir", help="safety, xstest: folder with I-*.json, Q-Harm.json, xstest_prompts.csv "
+        "[default: download the releases' files]"
+    ),
+    responses: str | None = typer.Option(
+        None, "--responses", help="safety, xstest: judge the (prompt, response) rows of FILE.jsonl|csv instead of "
+        "generating"
+    ),
 ) -> None:
-    """Evaluate a model with the paper's six indicators and MU/UFE/TFE/OVR (TOFU, real-world, lm-eval)."""
+    """Evaluate a model: TOFU/real-world indicators and MU/UFE/TFE/OVR, lm-eval, safety and XSTest."""
     from doplus_cli.evaluation.report import compare_table
 
     if compare:
@@ -375,6 +387,7 @@ def evaluate(
         tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), limit=limit, lm_eval_include=lm_eval_include,
         dtype=dtype, trust_remote_code=trust_remote_code, overwrite=overwrite, seed=seed,
         prompt_template=prompt_template, protocol=protocol, retain_logs=retain_logs, holdout=holdout,
+        guard_model=guard_model, safety_data_dir=safety_data_dir, responses=responses,
     )
     check_prompt_template(prompt_template)
     get_protocol(protocol)
@@ -387,6 +400,11 @@ def _print_eval(record: dict) -> None:
 
     console = Console(highlight=False)
     for section in record["sections"]:
+        if section["suite"] in ("safety", "xstest", "safety-overall"):
+            from doplus_cli.evaluation.safety import console_lines
+
+            console.print("\n".join(console_lines(section)), markup=False)
+            continue
         if section["suite"] == "lm-eval":
             table = Table(title=f"lm-eval (limit {section['limit']})")
             table.add_column("task")

@@ -30,14 +30,25 @@ def _fmt(value: Any, percent: bool = False) -> str:
 def render_eval_markdown(record: dict[str, Any]) -> str:
     lines = [f"# doplus evaluate: {record['model']}", ""]
     judges = record["judges"]
-    lines.append(f"- embedding model: {judges['embedding_model'] or 'missing: ' + str(judges['embedding_missing'])}")
-    lines.append(f"- NLI model: {judges['nli_model'] or 'missing: ' + str(judges['nli_missing'])}")
+    suites = {s["suite"] for s in record["sections"]}
+    if suites & {"tofu", "real-world"}:
+        embedder = judges["embedding_model"] or "missing: " + str(judges["embedding_missing"])
+        lines.append(f"- embedding model: {embedder}")
+        lines.append(f"- NLI model: {judges['nli_model'] or 'missing: ' + str(judges['nli_missing'])}")
+    if suites & {"safety", "xstest"}:
+        lines.append(f"- guard model: {judges.get('guard_model') or judges.get('guard_missing')}")
+        lines.append(f"- refusal judge: {judges.get('refusal_judge')}")
     if "protocol" in record:
         lines.append(f"- protocol {record['protocol']}")
     if "prompt_template" in record:
         lines.append(f"- prompt template: {record['prompt_template']!r}")
     for section in record["sections"]:
         suite = section["suite"]
+        if suite in ("safety", "xstest", "safety-overall"):
+            from doplus_cli.evaluation.safety import render_markdown
+
+            lines += render_markdown(section)
+            continue
         if suite == "privacy":
             lines += ["", "## privacy (OpenUnlearning's metrics)", "", "Sets: " + ", ".join(
                 f"{s['name']} ({s['n']} from {s['source']})" for s in section["sets"]), ""]
@@ -70,12 +81,13 @@ def render_eval_markdown(record: dict[str, Any]) -> str:
             lines.append(f"| {agg['name']} | {_fmt(agg['value'], True)} | {note.strip(' ()') or 'complete'} |")
         if section.get("openunlearning"):
             lines += ["", "### OpenUnlearning's metrics", ""] + _openunlearning_lines(section["openunlearning"])
-    lines += ["", "## Formulas", ""]
-    lines += [f"- {name}: {text}" for name, text in FORMULAS.items()]
-    lines += ["- MU: harmonic mean of every non-forget indicator; UFE: 1 - mean(forget ROUGE, Probability, Truth "
-              "Ratio, Cosine Similarity, Entailment); TFE: harmonic mean(forget Token Entropy, entailment of the "
-              "generation with a rejection answer); OVR: 0.25 (TFE + UFE) + 0.5 MU (targeted), 0.5 (UFE + MU) "
-              "(untargeted)"]
+    if any(s["suite"] in ("tofu", "real-world") for s in record["sections"]):
+        lines += ["", "## Formulas", ""]
+        lines += [f"- {name}: {text}" for name, text in FORMULAS.items()]
+        lines += ["- MU: harmonic mean of every non-forget indicator; UFE: 1 - mean(forget ROUGE, Probability, Truth "
+                  "Ratio, Cosine Similarity, Entailment); TFE: harmonic mean(forget Token Entropy, entailment of "
+                  "the generation with a rejection answer); OVR: 0.25 (TFE + UFE) + 0.5 MU (targeted), 0.5 (UFE + "
+                  "MU) (untargeted)"]
     seconds = ", ".join(f"{k} {v:.1f} s" for k, v in record["seconds"].items())
     lines += ["", f"Time: {seconds} (total {record['wall_time_s']:.1f} s)."]
     return "\n".join(lines) + "\n"
@@ -112,7 +124,8 @@ def compare_table(folders: list[str]) -> str:
     """A markdown table: one column per evaluation folder, one row per summary key they share (aggregates first)."""
     summaries = [load_summary(f) for f in folders]
     keys = [k for k in summaries[0] if all(k in s for s in summaries[1:])]
-    first = [k for k in ("MU", "UFE", "TFE", "OVR", "OVR_targeted", "OVR_untargeted") if k in keys]
+    first = [k for k in ("MU", "UFE", "TFE", "OVR", "OVR_targeted", "OVR_untargeted", "SAFETY_OVR", "safety_judge",
+                         "safety_rate_avg", "xstest_over_refusal", "xstest_unsafe_refusal") if k in keys]
     ordered = first + [k for k in keys if k not in first]
     lines = ["| metric | " + " | ".join(Path(f).name or f for f in folders) + " |",
              "| --- |" + " ---: |" * len(folders)]

@@ -17,6 +17,7 @@ from doplus_cli.evaluation import metrics
 from doplus_cli.evaluation import openunlearning as ou
 from doplus_cli.evaluation.privacy import privacy_metrics, read_holdout, read_retain_logs
 from doplus_cli.evaluation.protocol import get_protocol
+from doplus_cli.evaluation.safety import SUITE_FILES as SAFETY_FILES
 from doplus_cli.evaluation.suites import (
     INDICATORS,
     Judges,
@@ -28,7 +29,7 @@ from doplus_cli.evaluation.suites import (
 )
 from doplus_cli.losses import FORGET_LOSSES
 
-SUITES = ("tofu", "real-world", "lm-eval", "privacy")
+SUITES = ("tofu", "real-world", "lm-eval", "privacy", "safety", "xstest")
 
 # OpenUnlearning's key names where the metric is the same one; the paper's names for the rest.
 OPENUNLEARNING_NAMES = {
@@ -73,6 +74,9 @@ class EvalConfig:
     protocol: str = "doplus"  # or "paper": the authors' embedding model, generation budget, Token Entropy input
     retain_logs: str | None = None  # a retain model's TOFU_EVAL.json: forget_quality and privleak's reference
     holdout: str | None = None  # non-member rows (TOFU holdout10): the privacy suite, and privacy in TOFU
+    guard_model: str | None = None  # safety: None tries meta-llama/Meta-Llama-Guard-2-8B, "none" never
+    safety_data_dir: str | None = None  # safety, xstest: None downloads the releases' files
+    responses: str | None = None  # safety, xstest: judge these (prompt, response) rows instead of generating
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -228,7 +232,7 @@ def prepare_eval_dir(path: str, overwrite: bool) -> Path:
         raise UserError(f"{path}: --out exists and is a file, not a folder")
     names = ("TOFU_EVAL.json", "TOFU_SUMMARY.json", "REAL_WORLD_EVAL.json", "REAL_WORLD_SUMMARY.json",
              "PRIVACY_EVAL.json", "PRIVACY_SUMMARY.json",
-             "LM_EVAL.json", "SUMMARY.json", "report.md", "eval.json")
+             "LM_EVAL.json", "SUMMARY.json", "report.md", "eval.json", *SAFETY_FILES)
     if out.is_dir() and any((out / n).exists() for n in names):
         if not overwrite:
             raise UserError(f"{path}: holds an evaluation already (pass --overwrite to replace it)")
@@ -247,16 +251,23 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
     from doplus_cli.data.formatting import PromptFormatter
 
     started = time.perf_counter()
-    formatter = PromptFormatter(tokenizer, max_length=512, template=config.prompt_template)
+    formatter = PromptFormatter(tokenizer, max_length=512, template=config.prompt_template) if tokenizer is not None \
+        else None  # None: --responses
     protocol = get_protocol(config.protocol)
-    device = str(next(model.parameters()).device)
+    device = str(next(model.parameters()).device) if model is not None else "cpu"
     need_judges = any(s in ("tofu", "real-world") for s in config.suites)
     if judges is None:
         judges = load_judges(config, "cuda" if device.startswith("cuda") else "cpu", need_judges)
+    safety_judges = None
+    if "safety" in config.suites or "xstest" in config.suites:
+        from doplus_cli.evaluation import safety
+
+        safety_judges = safety.load_safety_judges(config.guard_model, device, config.dtype)
     summary: dict[str, Any] = {}
     sections: list[dict[str, Any]] = []
     timings: dict[str, float] = {}
     retain = read_retain_logs(config.retain_logs) if config.retain_logs else (None, None)
+    utility_avg = None  # lm-eval's mean headline metric, for the safety OVR
     for suite in config.suites:
         suite_started = time.perf_counter()
         if suite in ("tofu", "real-world"):
@@ -293,6 +304,11 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
             sections.append({"suite": suite, "openunlearning": {"values": values_p, "notes": notes},
                              "sets": [{"name": "forget", "source": forget_set.source, "n": len(forget)},
                                       {"name": "holdout", "source": config.holdout, "n": len(holdout)}]})
+        elif suite in ("safety", "xstest"):
+            suite_summary, section = safety.run_suite(suite, model, formatter, config, safety_judges, out,
+                                                      model_name, progress)
+            summary.update(suite_summary)
+            sections.append(section)
         else:
             from doplus_cli.evaluation.lm_eval_suite import run_lm_eval
 
@@ -301,8 +317,13 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
                                  seed=config.seed)
             _write_json(out / "LM_EVAL.json", result)
             summary.update(result["summary"])
+            utility_avg = result.get("headline_mean")
             sections.append({"suite": suite, "headline": result.get("headline", {}), "limit": config.limit})
         timings[suite] = time.perf_counter() - suite_started
+    overall = safety.overall_section(summary, utility_avg) if safety_judges else None
+    if overall is not None:  # percent, like the other aggregates
+        summary.update({"utility_avg": utility_avg, "SAFETY_OVR": 100 * overall["value"]})
+        sections.append(overall)
     record = {
         "model": model_name,
         "out": str(out),
@@ -310,6 +331,9 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
         "judges": {
             "embedding_model": getattr(judges.embedder, "name", None), "embedding_missing": judges.embedder_reason,
             "nli_model": getattr(judges.nli, "name", None), "nli_missing": judges.nli_reason,
+            "guard_model": getattr(getattr(safety_judges, "guard", None), "name", None),
+            "guard_missing": getattr(safety_judges, "guard_missing", None),
+            "refusal_judge": getattr(getattr(safety_judges, "refusal", None), "name", None),
         },
         "targeted": targeted,
         "protocol": protocol.describe(config.max_new_tokens),
@@ -324,6 +348,17 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
 
     (out / "report.md").write_text(render_eval_markdown(record))
     return record
+
+
+def check_responses(config: EvalConfig) -> None:
+    """--responses: only the safety, xstest (and lm-eval, on --model) suites; the file is read before any model."""
+    other = [s for s in config.suites if s not in ("safety", "xstest", "lm-eval")]
+    if other or not any(s in ("safety", "xstest") for s in config.suites):
+        raise UserError("--responses works with --suite safety and/or xstest (and lm-eval on --model), not "
+                        + (other[0] if other else "lm-eval alone"))
+    from doplus_cli.evaluation.safety import read_responses
+
+    read_responses(config.responses)
 
 
 def run_evaluate(config: EvalConfig, console: Console | None = None) -> dict[str, Any]:
@@ -343,11 +378,16 @@ def run_evaluate(config: EvalConfig, console: Console | None = None) -> dict[str
         read_retain_logs(config.retain_logs)  # a bad file stops here, before the model loads
     if config.holdout:
         read_holdout(config.holdout, config.max_samples)
+    if config.responses is not None:
+        check_responses(config)
     out = prepare_eval_dir(config.out or "evals/" + time.strftime("%Y%m%d-%H%M%S"), config.overwrite)
-    model, tokenizer, name = load_model_and_tokenizer(config.model, config.dtype, config.trust_remote_code)
+    if config.responses is not None and "lm-eval" not in config.suites:  # nothing to generate: no model
+        model, tokenizer, name = None, None, f"responses from {config.responses}"
+    else:
+        model, tokenizer, name = load_model_and_tokenizer(config.model, config.dtype, config.trust_remote_code)
     import torch
 
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and model is not None:
         model.to("cuda")
     targeted = config.targeted if config.targeted is not None else targeted_from_run(config.model)
     if config.prompt_template is None:
