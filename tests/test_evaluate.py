@@ -81,6 +81,7 @@ def test_with_an_nli_model_every_indicator_and_aggregate_is_computed(tiny_llama,
     assert run_cli("evaluate", "--model", tiny_llama, "--data-dir", tofu_dir, "--max-samples", 2,
                    "--max-new-tokens", 4, "--out", out, "--nli-model", tiny_nli, "--targeted") == 0
     summary = json.loads((out / "SUMMARY.json").read_text())
+    assert summary.pop("forget_quality") is None  # no --retain-logs: absent, by design (issue #13)
     assert all(value is not None for value in summary.values())
     assert "OVR" in summary and "OVR_targeted" not in summary
     labels = [r["entailment_label"] for r in json.loads((out / "TOFU_EVAL.json").read_text())["sets"]["retain"]]

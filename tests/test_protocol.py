@@ -188,7 +188,8 @@ def test_a_runs_template_is_reused_by_its_evaluation_and_paper_protocol_names_it
 def test_unlearn_config_takes_a_template_and_a_protocol():
     from doplus_cli.config import resolve_config
 
-    config = resolve_config(None, {"forget": "f.jsonl", "loss": "GA", "prompt_template": "phi-tofu", "eval_protocol": "paper"})
+    config = resolve_config(None, {"forget": "f.jsonl", "loss": "GA", "prompt_template": "phi-tofu",
+                                   "eval_protocol": "paper"})
     assert (config.prompt_template, config.eval_protocol) == ("phi-tofu", "paper")
     assert config.to_dict()["prompt_template"] == "phi-tofu"  # what config.yaml records for the evaluation
     with pytest.raises(UserError, match="unknown --prompt-template 'Q:'"):
