@@ -240,3 +240,18 @@ def test_update_summary_and_warning_from_records():
               "peak_memory_kind": "rss", "losses": {}, "update_sizes": summary}
     markdown = render_markdown(report)
     assert "paper rule" in markdown and "## Update sizes" in markdown and "**warning: 2 of 4" in markdown
+
+
+@pytest.mark.parametrize("rule", ["paper", "safeguarded"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_step_at_learning_rate_zero_leaves_the_weights_unchanged(rule, fused):
+    """A linear warmup's first step has lr 0: the bound lr·c must not become 0·∞ = NaN under the paper's rule."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(70_000))
+    start = p.detach().clone()
+    opt = DualOptimPlus([p], lr=0.0, weight_decay=0.01, rule=rule, fused=fused)
+    for objective in ("forget", "retain"):
+        p.grad = torch.randn(70_000)
+        opt.step(objective=objective)
+        assert torch.equal(p.detach(), start)
+        assert math.isfinite(opt.step_diagnostics()["max_update"])

@@ -100,7 +100,7 @@ class AdamWPlusScalars:
             self.inv_delta_bc1,
             self.inv_delta_bc2,
             self.v_floor,
-            self.lr * self.max_update,
+            self.lr * self.max_update if math.isfinite(self.max_update) else math.inf,  # never 0·∞ = NaN at lr 0
             self.max_update,
             self.weight_decay,
         ]
