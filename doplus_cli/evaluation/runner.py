@@ -337,7 +337,7 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
         },
         "targeted": targeted,
         "protocol": protocol.describe(config.max_new_tokens),
-        "prompt_template": formatter.template_name,
+        "prompt_template": formatter.template_name if formatter is not None else None,  # None: --responses
         "sections": sections,
         "seconds": timings,
         "wall_time_s": time.perf_counter() - started,
