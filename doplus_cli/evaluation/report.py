@@ -40,7 +40,7 @@ def render_eval_markdown(record: dict[str, Any]) -> str:
         lines.append(f"- refusal judge: {judges.get('refusal_judge')}")
     if "protocol" in record:
         lines.append(f"- protocol {record['protocol']}")
-    if "prompt_template" in record:
+    if record.get("prompt_template"):
         lines.append(f"- prompt template: {record['prompt_template']!r}")
     for section in record["sections"]:
         suite = section["suite"]
