@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForSequenceClassification
 
 from doplus_cli.data.formatting import IGNORE_INDEX, PromptFormatter
-from tests.helpers import run_cli
+from tests.helpers import run_cli, write_parity_task
 
 
 @pytest.fixture(scope="module")
@@ -184,17 +184,7 @@ def test_bad_input_is_one_line_with_exit_code_2(tiny_llama, tofu_dir, tmp_path, 
 
 
 def test_tofu_and_lm_eval_in_one_call(tiny_llama, tofu_dir, tmp_path):
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    docs = [{"question": f"Is {n} even?", "choices": ["yes", "no"], "label": n % 2} for n in range(4)]
-    (tasks / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (tasks / "tiny_parity.yaml").write_text(
-        "task: tiny_parity\ndataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {tasks / 'docs.jsonl'}\n"
-        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: \"Question: {{question}}\\nAnswer:\"\n"
-        "doc_to_choice: choices\ndoc_to_target: label\n"
-        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\nmetadata:\n  version: 1.0\n"
-    )
+    tasks = write_parity_task(tmp_path / "tasks")
     out = tmp_path / "both"
     assert run_cli("evaluate", "--model", tiny_llama, "--suite", "tofu,lm-eval", "--data-dir", tofu_dir,
                    "--max-samples", 1, "--max-new-tokens", 2, "--tasks", "tiny_parity", "--limit", 3,

@@ -19,7 +19,7 @@ from doplus_cli.evaluation.refusal import (
     xstest_prefix_label,
 )
 from doplus_cli.evaluation.safety import parse_guard_output
-from tests.helpers import run_cli
+from tests.helpers import run_cli, write_parity_task
 from tests.tiny_model import SHARED, build_tiny_llama
 
 SAFETY = SHARED / "data" / "safety"
@@ -251,17 +251,7 @@ def test_responses_file_for_xstest_by_label_or_by_prompt(tmp_path):
 
 
 def test_safety_and_lm_eval_give_the_overall_score(tiny_llama, tmp_path):
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    docs = [{"question": f"Is {n} even?", "choices": ["yes", "no"], "label": n % 2} for n in range(4)]
-    (tasks / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (tasks / "tiny_parity.yaml").write_text(
-        "task: tiny_parity\ndataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {tasks / 'docs.jsonl'}\n"
-        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: \"Question: {{question}}\\nAnswer:\"\n"
-        "doc_to_choice: choices\ndoc_to_target: label\n"
-        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\nmetadata:\n  version: 1.0\n"
-    )
+    tasks = write_parity_task(tmp_path / "tasks")
     responses = _write_responses(tmp_path / "r.jsonl", [{"prompt": "p", "response": FULL[0]},
                                                         {"prompt": "q", "response": COMPLIANCE[0]}])
     out = tmp_path / "both"
