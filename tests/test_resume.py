@@ -117,3 +117,67 @@ def test_a_non_finite_loss_stops_before_the_weights_change(tiny_llama, data, tmp
     assert "step 7: non-finite forget_loss = nan" in err and "checkpoints/step-6" in err
     assert not (out / "final").exists()
     assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step-3", "step-6"]
+
+
+class _Killed(BaseException):
+    pass
+
+
+def _complete(checkpoint):
+    return all((checkpoint / name).is_file() for name in ("model.safetensors", "optimizer.pt", "state.json"))
+
+
+@pytest.mark.parametrize("keep", [1, 2, 3])
+def test_a_kill_at_any_point_of_a_save_leaves_only_complete_checkpoints_within_keep_last(tmp_path, monkeypatch, keep):
+    """A kill can land between any two filesystem operations of a save (the CI run once caught one between
+    writing step-42 and pruning step-39). Simulate one at every rename and every delete in turn."""
+    import shutil
+
+    import torch
+
+    from doplus_cli.engine import checkpoint as ckpt
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+    def save(folder, step):
+        ckpt.save_checkpoint(folder, step, model, optimizer, scheduler, {}, {}, [], {}, keep)
+
+    real_replace, real_rmtree = ckpt.os.replace, shutil.rmtree
+    operations = 0
+    while True:
+        folder = tmp_path / f"kill-{operations}"
+        for step in range(1, keep + 2):
+            save(folder, step)  # keep+1 saves: the folder is full and pruning has started
+        budget = {"n": operations}
+
+        def counted(real):
+            def wrapper(*a, **k):
+                if budget["n"] == 0:
+                    raise _Killed
+                budget["n"] -= 1
+                return real(*a, **k)
+            return wrapper
+
+        monkeypatch.setattr(ckpt.os, "replace", counted(real_replace))
+        monkeypatch.setattr(ckpt.shutil, "rmtree", counted(real_rmtree))
+        try:
+            save(folder, keep + 2)
+            finished = True
+        except _Killed:
+            finished = False
+        monkeypatch.undo()
+        kept = ckpt.list_checkpoints(folder)
+        assert 1 <= len(kept) <= max(keep, 2), (operations, [p.name for p in kept])
+        assert all(_complete(p) for p in kept), operations
+        if keep >= 2:
+            assert len(kept) <= keep
+        if finished:
+            assert [p.name for p in kept] == [f"step-{s}" for s in range(3, keep + 3)]
+            assert not [p for p in folder.iterdir() if p.name.startswith(".")]  # nothing left aside
+            break
+        operations += 1
+    assert operations >= 3  # the save made at least a set-aside, the replace and a delete
+    save(folder, keep + 3)  # the next save clears whatever the kill left aside
+    assert not [p for p in folder.iterdir() if p.name.startswith(".")]

@@ -151,14 +151,29 @@ def save_checkpoint(
         with open(tmp / "metrics.jsonl", "w") as handle:
             handle.writelines(json.dumps(r) + "\n" for r in records)
         _fsync([tmp / "scheduler.pt", tmp / "state.json", tmp / "metrics.jsonl"])
-        if final.exists():
-            shutil.rmtree(final)
+        if final.exists():  # the same step saved again (SIGTERM right after a periodic save)
+            _set_aside(final)
+        # Pruning renames a checkpoint out of sight (atomic) before deleting it, so a kill never leaves a
+        # half-deleted step-N that looks complete. With K >= 2 the excess goes before the new one appears:
+        # at no moment are more than K complete checkpoints on disk, and never fewer than K-1 >= 1. With
+        # K = 1 the new one appears first, so a kill in between leaves 2 rather than none.
+        kept = list_checkpoints(folder)
+        excess = kept[: max(0, len(kept) + 1 - keep_last)] if keep_last >= 2 else []
+        for old in excess:
+            _set_aside(old)
         os.replace(tmp, final)
-        if keep_last > 0:
-            for old in list_checkpoints(folder)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+        for old in list_checkpoints(folder)[:-keep_last] if keep_last == 1 else []:
+            _set_aside(old)
+        for old in sorted(folder.glob(".step-*.deleting")) + sorted(folder.glob(".step-*.tmp")):
+            shutil.rmtree(old, ignore_errors=True)  # this save's, and whatever a kill left behind
     processes.barrier()
     return final
+
+
+def _set_aside(checkpoint: Path) -> Path:
+    aside = checkpoint.with_name(f".{checkpoint.name}.deleting")
+    os.replace(checkpoint, aside)
+    return aside
 
 
 def list_checkpoints(folder: Path) -> list[Path]:
