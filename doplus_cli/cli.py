@@ -44,6 +44,8 @@ def _not_built(name: str, issue: int | None = None) -> None:
     raise UserError(f"`doplus {name}` is not built yet{tracked}.")
 
 
+SIMILARITY_HELP = ("Record in metrics.jsonl the cosine similarity of the objectives' latest updates and gradients "
+                   "(update_cosine, grad_cosine; the paper's Figure 2). Costs a copy of the weights per objective.")
 PROTOCOL_HELP = ("Judges and generation budget: doplus (all-MiniLM-L6-v2, --max-new-tokens new tokens, Token "
                  "Entropy over the generated ids) or paper (the DualOptim+ code: paraphrase-MiniLM-L6-v2, 200 tokens "
                  "in total, Token Entropy over the re-tokenised text).")
@@ -178,6 +180,7 @@ def unlearn(
         None, "--eval-embedding-model", help="Embedding model [default: the protocol's]"
     ),
     eval_protocol: str | None = typer.Option(None, "--eval-protocol", help=PROTOCOL_HELP + _default("eval_protocol")),
+    log_update_similarity: bool | None = typer.Option(None, "--log-update-similarity", help=SIMILARITY_HELP),
 ) -> None:
     """Unlearn a forget set while keeping a retain set; writes final/, metrics.jsonl and a report."""
     overrides = {name: value for name, value in locals().items() if name not in ("recipe", "num_processes")}
@@ -283,6 +286,7 @@ def multitask(
     keep_last: int | None = typer.Option(None, "--keep-last", help="Keep the newest K checkpoints [default: all]"),
     resume: str | None = typer.Option(None, "--resume", help="Continue the run in --out (latest checkpoint, or "
                                       "the checkpoint folder given)."),
+    log_update_similarity: bool | None = typer.Option(None, "--log-update-similarity", help=SIMILARITY_HELP),
 ) -> None:
     """Train on several tasks at once, one DualOptim+ delta state per task; scores each task before and after."""
     overrides = {name: value for name, value in locals().items()

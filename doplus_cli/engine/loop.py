@@ -34,6 +34,7 @@ from doplus_cli.engine import checkpoint, outputs, sharding
 from doplus_cli.engine.objectives import Objective, Plan, frequencies, lr_multipliers
 from doplus_cli.engine.optimizers import build_optimizer
 from doplus_cli.engine.schedule import JOINT, objective_at, steps_per_objective
+from doplus_cli.engine.similarity import UpdateSimilarity
 from doplus_cli.errors import RunError, UserError, worker_exit_code
 from doplus_cli.losses import LossContext, local_token_count
 from doplus_cli.models import load_model_and_tokenizer
@@ -201,6 +202,8 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
         last_losses = {f"{o.name}_loss": float("nan") for o in objectives}  # latest value of each term
         width = max(len(name) for name in (*names, JOINT))
         stop = StopRequest()
+        similarity = (UpdateSimilarity(model.parameters(), names, _sum_over_shards if fsdp else None)
+                      if config.log_update_similarity else None)
 
         def save(step_done: int) -> Path:  # every process takes part
             return checkpoint.save_checkpoint(
@@ -222,8 +225,12 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
                     grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
                 _stop_if_not_finite(step + 1, terms, grad_norm, out, plan.lr_options)
                 lr = scheduler.get_last_lr()[0] * getattr(optimizer, "lr_multipliers", {}).get(objective, 1.0)
+                if similarity is not None:
+                    similarity.before_step(objective)
                 optimizer.step(objective=objective)
                 update = optimizer.step_diagnostics()  # largest |Δθ|/η, elements above 10η
+                if similarity is not None:  # cosine of the objectives' latest updates and gradients
+                    update.update(similarity.after_step(objective))
                 if fsdp:
                     update = sharding.gather_step_diagnostics(update, accelerator.device)
                 scheduler.step()
@@ -394,6 +401,13 @@ def _plot_curves(evals: list[dict[str, Any]], out: Path, names: Sequence[str]) -
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return str(path)
+
+
+def _sum_over_shards(values: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
 
 
 def _token_count(accelerator):
