@@ -255,10 +255,16 @@ def _recipe_tasks(tasks: Any, path: Path) -> list[dict[str, Any]]:
 
 
 def _next_to_recipe(value: str, folder: Path) -> str:
+    """A relative path as seen from the recipe's folder, when it exists there (`FILE[START:STOP]` included)."""
     if value.startswith("hf:") or os.path.isabs(value):
         return value
     candidate = folder / value
-    return str(candidate) if candidate.exists() else value
+    if candidate.exists():
+        return str(candidate)
+    base, bracket, rows = value.partition("[")
+    if bracket and (folder / base).exists():
+        return str(folder / base) + bracket + rows
+    return value
 
 
 def resolve_config(recipe: str | None, overrides: dict[str, Any], cls: type[TrainConfig] = UnlearnConfig):

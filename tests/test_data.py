@@ -75,6 +75,24 @@ def test_empty_set_and_missing_file(tmp_path):
         open_source(str(tmp_path / "nope.jsonl"), "forget")
 
 
+def test_a_row_range_takes_those_rows_of_a_file(tmp_path):
+    path = write_lines(tmp_path / "f.jsonl", [json.dumps({"question": f"q{i}", "answer": f"a{i}"}) for i in range(6)])
+    assert [open_source(path + "[:2]", "forget")[i].question for i in range(2)] == ["q0", "q1"]
+    middle = open_source(path + "[2:5]", "retain")
+    assert len(middle) == 3 and [middle[i].question for i in range(3)] == ["q2", "q3", "q4"]
+    assert len(open_source(path + "[4:]", "retain")) == 2
+    with pytest.raises(UserError, match=r"f.jsonl\[3:9\]: rows \[3:9\] are not within the 6 rows"):
+        open_source(path + "[3:9]", "retain")
+
+
+def test_a_recipe_path_with_a_row_range_is_found_next_to_the_recipe(tmp_path):
+    from doplus_cli.config import load_recipe
+
+    write_lines(tmp_path / "f.jsonl", [json.dumps({"question": "q", "answer": "a"})])
+    (tmp_path / "r.yaml").write_text("forget: f.jsonl[:1]\n")
+    assert load_recipe(tmp_path / "r.yaml")["forget"] == str(tmp_path / "f.jsonl") + "[:1]"
+
+
 def test_hub_spec_parsing():
     assert parse_hub_spec("hf:locuslab/TOFU:forget10") == ("locuslab/TOFU", "forget10", "train")
     assert parse_hub_spec("hf:org/ds@test") == ("org/ds", None, "test")

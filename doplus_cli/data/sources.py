@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from array import array
 from dataclasses import dataclass
 from typing import Protocol
@@ -220,8 +221,22 @@ def parse_hub_spec(spec: str) -> tuple[str, str | None, str]:
     return name, config or None, split or "train"
 
 
+_ROW_RANGE = re.compile(r"^(?P<base>.+)\[(?P<start>\d*):(?P<stop>\d*)\]$")
+
+
 def open_source(spec: str, role: str, keys: Keys = Keys()) -> Source:
-    """Open the forget or retain set named by `spec`; an empty set is an error."""
+    """Open the forget or retain set named by `spec`; an empty set is an error.
+
+    A local file may end in `[START:STOP]` (Python slice bounds, either may be left out) to take those rows
+    only: `retain90.json[:80]` is its first 80 rows (a hub split takes datasets' own `@train[:80]`)."""
+    match = _ROW_RANGE.match(spec)
+    if match and not spec.startswith("hf:") and not os.path.exists(spec):
+        whole = open_source(match["base"], role, keys)
+        start = int(match["start"]) if match["start"] else 0
+        stop = int(match["stop"]) if match["stop"] else len(whole)
+        if not start < stop <= len(whole):
+            raise UserError(f"{spec}: rows [{start}:{stop}] are not within the {len(whole)} rows of {match['base']}")
+        return RowRange(whole, start, stop)
     if spec.startswith("hf:"):
         source: Source = HubSource(spec, keys)
     elif _starts_with_array(spec):
