@@ -184,12 +184,15 @@ def unlearn(
 ) -> None:
     """Unlearn a forget set while keeping a retain set; writes final/, metrics.jsonl and a report."""
     overrides = {name: value for name, value in locals().items() if name not in ("recipe", "num_processes")}
-    if num_processes is not None and num_processes > 1 and "LOCAL_RANK" not in os.environ:
-        _relaunch_with_accelerate(num_processes)
     from doplus_cli.config import resolve_config
-    from doplus_cli.engine.unlearn import print_summary, run_unlearn
+    from doplus_cli.engine.teach import apply_teaching
 
     config = resolve_config(recipe, overrides)
+    apply_teaching(config, err_console)  # before a launch of N processes, so that it runs once
+    if num_processes is not None and num_processes > 1 and "LOCAL_RANK" not in os.environ:
+        _relaunch_with_accelerate(num_processes)
+    from doplus_cli.engine.unlearn import print_summary, run_unlearn
+
     report = run_unlearn(config, err_console)
     if report:
         print_summary(report, Console(highlight=False))
@@ -291,14 +294,17 @@ def multitask(
     """Train on several tasks at once, one DualOptim+ delta state per task; scores each task before and after."""
     overrides = {name: value for name, value in locals().items()
                  if name not in ("recipe", "num_processes", "task")}
-    if num_processes is not None and num_processes > 1 and "LOCAL_RANK" not in os.environ:
-        _relaunch_with_accelerate(num_processes)
     from doplus_cli.config import MultitaskConfig, resolve_config, task_from_option
-    from doplus_cli.engine.multitask import print_summary, run_multitask
+    from doplus_cli.engine.teach import apply_teaching
 
     if task:
         overrides["tasks"] = [task_from_option(text) for text in task]
     config = resolve_config(recipe, overrides, MultitaskConfig)
+    apply_teaching(config, err_console)
+    if num_processes is not None and num_processes > 1 and "LOCAL_RANK" not in os.environ:
+        _relaunch_with_accelerate(num_processes)
+    from doplus_cli.engine.multitask import print_summary, run_multitask
+
     report = run_multitask(config, err_console)
     if report:
         print_summary(report, Console(highlight=False))

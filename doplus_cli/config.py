@@ -28,7 +28,7 @@ STATE_BITS = (32, 8)
 FORGET_LOSS_NAMES = ("GA", "NPO", "DPO", "ME", "IDK")
 RETAIN_LOSS_NAMES = ("GD", "KL", "AP")
 # Keys in a recipe whose relative paths are looked up next to the recipe file first.
-_PATH_KEYS = ("model", "forget", "retain", "eval_data_dir")
+_PATH_KEYS = ("model", "teach", "forget", "retain", "eval_data_dir")
 
 
 @dataclass
@@ -40,6 +40,7 @@ class TrainConfig:
     description: str = ""
     # Model
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    teach: str | None = None  # a multitask recipe taught first (cached); its final model is the starting model
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     trust_remote_code: bool = False
     max_length: int = 256

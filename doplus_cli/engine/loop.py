@@ -297,6 +297,7 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
         "peak_memory_kind": peak_kind,
         "environment": outputs.environment(accelerator.device, world, effective_batch, config.seed,
                                            str(unwrapped.dtype).removeprefix("torch.")),
+        **({"teach": config.extra["taught"]} if config.extra.get("taught") else {}),
         **measured_after,
         **lora_report,
         **_reference_report(reference, config, fsdp),

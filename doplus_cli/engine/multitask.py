@@ -166,7 +166,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# doplus multitask: {', '.join(t['name'] for t in report['tasks'])} with {cfg['scheme']}",
         "",
-        f"- model: {report['model']}",
+        f"- model: {report['model']}" + outputs.teach_note(report.get("teach")),
         f"- scheme {cfg['scheme']}, optimizer {cfg['optimizer']} ({cfg['state_bits']}-bit states), frequencies "
         + ":".join(str(t["freq"]) for t in report["tasks"]) + f", lr {cfg['lr']}, betas {tuple(cfg['betas'])}, "
         f"weight decay {cfg['weight_decay']}, warmup {report['warmup_steps']} steps",

@@ -204,13 +204,21 @@ def update_lines(summary: dict[str, Any]) -> list[str]:
     return lines + ([f"\n**{warning}**"] if warning else [])
 
 
+def teach_note(teach: dict[str, Any] | None) -> str:
+    """`; taught first by RECIPE (cached ...)` for a run with a teaching stage."""
+    if not teach:
+        return ""
+    how = "reused from" if teach.get("reused") else "taught now, cached in"
+    return f"; taught first by {teach['recipe']} ({how} {teach['cache']})"
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     cfg = report["config"]
     env = report["environment"]
     lines = [
         f"# doplus unlearn: {cfg['loss']} with {cfg['scheme']}",
         "",
-        f"- model: {report['model']}",
+        f"- model: {report['model']}" + teach_note(report.get("teach")),
         f"- forget: {cfg['forget']} ({report['data']['forget_rows']} rows); "
         f"retain: {cfg['retain']} ({report['data']['retain_rows']} rows)",
         f"- scheme {cfg['scheme']}, optimizer {cfg['optimizer']} ({cfg['state_bits']}-bit states"

@@ -1,0 +1,116 @@
+"""A recipe's teaching stage (`teach: TEACH.yaml`): the starting model is first taught something, then the run
+starts from the taught model.
+
+The unlearning benchmarks that run without the hub need a model that actually knows what it will be asked
+to forget (the paper's TOFU models were fine-tuned on the fictitious authors first). `teach:` names a
+`multitask` recipe; its run's final model becomes this run's `model`. The taught model is cached under
+`$DOPLUS_CACHE/taught/KEY/` where KEY hashes everything that decides its weights: the teaching recipe's
+resolved configuration, the bytes of every local data file it reads, the base model (its files' names,
+sizes and times for a local folder) and the doplus version. A second run, or every run of a benchmark,
+reuses it. A lock keeps two jobs on one cache from teaching the same model twice; an interrupted teaching
+leaves only a `KEY.partial` folder, never a cache entry that looks finished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from doplus_cli import __version__
+from doplus_cli.errors import UserError
+
+# Options of the teaching recipe that do not change the taught weights.
+_NOT_IN_KEY = ("out", "overwrite", "resume", "description", "save_every", "keep_last", "log_update_similarity",
+               "eval_rows", "eval_batch_size")
+
+
+def _file_digest(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _source_identity(spec: str | None) -> str | None:
+    """A data source's identity: its bytes for a local file (a row range keeps its bounds), the spec for hf:."""
+    if spec is None or spec.startswith("hf:"):
+        return spec
+    base, bracket, rows = spec.partition("[")
+    path = spec if os.path.exists(spec) else base
+    if not os.path.isfile(path):
+        return spec  # opening it will say what is wrong
+    return _file_digest(path) + (bracket + rows if path != spec else "")
+
+
+def _model_identity(model: str | None) -> str:
+    if model is None:
+        from doplus_cli.models import embedded_gguf_path
+
+        path = embedded_gguf_path()
+        return f"embedded:{path.name}:{path.stat().st_size}"
+    if os.path.isdir(model):
+        files = sorted(Path(model).iterdir())
+        return "folder:" + ";".join(f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}" for p in files if p.is_file())
+    return model  # a hub id (its revision is the hub's latest)
+
+
+def teaching_key(config) -> str:
+    settings = {k: v for k, v in config.to_dict().items() if k not in _NOT_IN_KEY}
+    settings["tasks"] = [{**task, "data": _source_identity(task["data"])} for task in config.tasks]
+    settings["model"] = _model_identity(config.model)
+    settings["doplus"] = __version__
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def taught_model(teach_recipe: str, console: Console, allow_teaching: bool = True) -> tuple[str, dict[str, Any]]:
+    """(the taught model's folder, a report entry) for the teaching recipe, teaching it once if needed."""
+    from filelock import FileLock
+
+    from doplus_cli.config import MultitaskConfig, resolve_config
+    from doplus_cli.models import cache_root
+
+    if not os.path.isfile(teach_recipe):
+        raise UserError(f"{teach_recipe}: teaching recipe not found (option 'teach')")
+    config = resolve_config(teach_recipe, {}, MultitaskConfig)
+    if not config.tasks:
+        raise UserError(f"{teach_recipe}: a teaching recipe is a multitask recipe; it has no tasks")
+    if config.teach:
+        raise UserError(f"{teach_recipe}: a teaching recipe cannot have a teaching stage of its own")
+    key = teaching_key(config)
+    root = cache_root() / "taught"
+    folder, partial = root / key, root / f"{key}.partial"
+    entry = {"recipe": os.path.abspath(teach_recipe), "cache": str(folder)}
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f"{key}.lock")):
+        if (folder / "report.json").is_file():
+            console.print(f"teaching stage: reusing {folder}", highlight=False)
+            return str(folder / "final"), {**entry, "reused": True}
+        if not allow_teaching:
+            raise UserError(f"{teach_recipe}: the teaching stage has not run yet, and it cannot run inside a launch "
+                            f"of several processes; run it first: doplus multitask --recipe {teach_recipe}, or "
+                            "start this command with --num-processes")
+        from doplus_cli.engine.multitask import run_multitask
+
+        console.print(f"teaching stage: {teach_recipe} -> {folder} (once; later runs reuse it)", highlight=False)
+        shutil.rmtree(partial, ignore_errors=True)
+        config.out, config.overwrite = str(partial), True
+        run_multitask(config, console)
+        os.replace(partial, folder)
+    return str(folder / "final"), {**entry, "reused": False}
+
+
+def apply_teaching(config, console: Console) -> None:
+    """Replace `config.model` by the taught model when the recipe has a teaching stage."""
+    if not config.teach:
+        return
+    if config.model is not None and not config.extra.get("taught"):
+        raise UserError(f"option 'teach' gives the starting model; remove 'model' ({config.model}) or 'teach'")
+    launched = "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    config.model, config.extra["taught"] = taught_model(config.teach, console, allow_teaching=not launched)

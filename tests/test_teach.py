@@ -1,0 +1,55 @@
+"""The teaching stage (`teach:`): taught once, cached by what decides its weights, reused by later runs."""
+
+import json
+
+from safetensors.torch import load_file
+
+from tests.helpers import run_cli, write_sets
+
+
+def _recipes(tmp_path, tiny_llama, tofu_dir):
+    sets = write_sets(tofu_dir, tmp_path, 6, 6)
+    teach = tmp_path / "teach.yaml"
+    data = f"{tofu_dir / 'forget01.json'}[:12]"
+    teach.write_text(
+        f"model: {tiny_llama}\n"
+        f"tasks:\n  - {{name: authors, data: '{data}', metric: rouge_l}}\n"
+        "prompt_key: question\neval_rows: 2\nsteps: 4\nbatch_size: 2\nlr: 1.0e-3\nmax_new_tokens: 4\n"
+    )
+    unlearn = tmp_path / "unlearn.yaml"
+    unlearn.write_text(f"teach: teach.yaml\nforget: {sets / 'forget.jsonl'}\nretain: {sets / 'retain.jsonl'}\n"
+                       "steps: 2\nbatch_size: 2\nshow_samples: 0\n")
+    return teach, unlearn
+
+
+def test_the_teaching_stage_runs_once_and_later_runs_reuse_it(tiny_llama, tofu_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("DOPLUS_CACHE", str(tmp_path / "cache"))
+    teach, unlearn = _recipes(tmp_path, tiny_llama, tofu_dir)
+    assert run_cli("unlearn", "--recipe", unlearn, "--out", tmp_path / "a") == 0
+    first = json.loads((tmp_path / "a" / "report.json").read_text())
+    assert first["teach"]["reused"] is False and first["teach"]["recipe"] == str(teach)
+    taught = first["config"]["model"]
+    assert taught.startswith(str(tmp_path / "cache" / "taught")) and taught.endswith("final")
+    weights = load_file(f"{taught}/model.safetensors")
+    base = load_file(f"{tiny_llama}/model.safetensors")
+    assert any(not (weights[k] == base[k]).all() for k in base)  # the teaching changed the model
+    assert not list((tmp_path / "cache" / "taught").glob("*.partial"))
+
+    assert run_cli("unlearn", "--recipe", unlearn, "--out", tmp_path / "b", "--seed", "1") == 0
+    second = json.loads((tmp_path / "b" / "report.json").read_text())
+    assert second["teach"]["reused"] is True and second["config"]["model"] == taught
+    assert all((load_file(f"{taught}/model.safetensors")[k] == weights[k]).all() for k in weights)
+
+    # a change that decides the taught weights (here the teaching steps) teaches anew, into another entry
+    teach.write_text(teach.read_text().replace("steps: 4", "steps: 3"))
+    assert run_cli("unlearn", "--recipe", unlearn, "--out", tmp_path / "c") == 0
+    third = json.loads((tmp_path / "c" / "report.json").read_text())
+    assert third["teach"]["reused"] is False and third["config"]["model"] != taught
+
+
+def test_teach_and_model_together_is_refused(tiny_llama, tofu_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("DOPLUS_CACHE", str(tmp_path / "cache"))
+    _, unlearn = _recipes(tmp_path, tiny_llama, tofu_dir)
+    assert run_cli("unlearn", "--recipe", unlearn, "--model", tiny_llama, "--out", tmp_path / "x") == 2
+    err = capsys.readouterr().err
+    assert "option 'teach' gives the starting model" in err and "Traceback" not in err
