@@ -80,6 +80,7 @@ class TrainConfig:
     resume: str | None = None  # "latest" or a checkpoint folder
     # Evaluation during training, at every N-th step and at the end
     eval_every: int = 0  # 0: never
+    log_update_similarity: bool = False  # recorded in metrics.jsonl: update_cosine, grad_cosine
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
