@@ -50,6 +50,8 @@ from doplus_cli.config import (
     read_recipe,
     validate,
 )
+from doplus_cli.engine.checkpoint import list_checkpoints
+from doplus_cli.engine.outputs import atomic_write_text
 from doplus_cli.errors import RunError, UserError
 
 # ---- schemes ------------------------------------------------------------------------------------------------
@@ -455,14 +457,6 @@ def _read_yaml(path: Path) -> Any:
     return yaml.safe_load(path.read_text())
 
 
-def atomic_write(path: Path, text: str) -> None:
-    """Write a temporary file beside `path`, then rename it into place: a kill never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _differences(saved: Any, current: Any, prefix: str = "") -> list[str]:
     if isinstance(saved, dict) and isinstance(current, dict):
         found = []
@@ -503,9 +497,10 @@ def _record_runs(bench: Bench, index: dict[str, Any]) -> None:
     """bench.json first (an OUT without it is refused later), then each run's recipe."""
     for run in bench.runs:
         index["runs"][run.name] = {"scheme": run.scheme, "seed": run.seed, "sweep_value": _plain(run.sweep_value)}
-    atomic_write(bench.out / "bench.json", json.dumps(index, indent=2) + "\n")
+    (bench.out / "recipes").mkdir(parents=True, exist_ok=True)
+    atomic_write_text(bench.out / "bench.json", json.dumps(index, indent=2) + "\n")
     for run in bench.runs:
-        atomic_write(run.recipe_path, yaml.safe_dump(run.recipe, sort_keys=False))
+        atomic_write_text(run.recipe_path, yaml.safe_dump(run.recipe, sort_keys=False))
 
 
 def _completed_report(run_folder: Path) -> dict[str, Any] | None:
@@ -570,38 +565,43 @@ class Runner:
                 self.run_one(run, f"[{number}/{total}] {run.name}")
 
     def run_one(self, run: Run, label: str) -> None:
+        """Skip, train (afresh, resumed or restarted) and/or evaluate one run, saying which in one line each."""
         kind = self.bench.kind
         report = _completed_report(run.folder)
-        if report is None:
-            command = [sys.executable, "-m", "doplus_cli", kind.command, "--recipe", str(run.recipe_path),
-                       "--out", str(run.folder)]
-            checkpoints = _checkpoints(run.folder)
-            if checkpoints:
-                command.append("--resume")
-                self._say(label, f"resumed from {checkpoints[-1].name} (log: {run.log})")
-            elif run.folder.exists() and any(run.folder.iterdir()):
-                command.append("--overwrite")
-                self._say(label, f"started again: its folder held no checkpoint (log: {run.log})")
-            else:
-                self._say(label, f"started (log: {run.log})")
-            if self.num_processes and self.num_processes > 1:
-                command += ["--num-processes", str(self.num_processes)]
-            if self.fsdp:
-                command.append("--fsdp")
-            seconds = self._call(command, run, f"run {run.name}")
-            report = _completed_report(run.folder)
-            if report is None:
-                raise RunError(f"run {run.name} ended without a completed report.json; see its log {run.log}")
-            self._say(label, f"finished in {_duration(seconds)}")
-        elif kind.evaluation(run.folder, report) is not None:
+        if report is not None and kind.evaluation(run.folder, report) is not None:
             self._say(label, "skipped: finished and evaluated")
             return
+        if report is None:
+            report = self._train(run, label)
         if kind.evaluation(run.folder, report) is None:
             self._say(label, "evaluating")
             seconds = self._call(kind.evaluate_command(run), run, f"the evaluation of {run.name}")
             if kind.evaluation(run.folder, report) is None:
                 raise RunError(f"the evaluation of {run.name} wrote no eval.json; see its log {run.log}")
             self._say(label, f"evaluated in {_duration(seconds)}")
+
+    def _train(self, run: Run, label: str) -> dict[str, Any]:
+        command = [sys.executable, "-m", "doplus_cli", self.bench.kind.command, "--recipe", str(run.recipe_path),
+                   "--out", str(run.folder)]
+        checkpoints = list_checkpoints(run.folder / "checkpoints")
+        if checkpoints:
+            command.append("--resume")
+            self._say(label, f"resumed from {checkpoints[-1].name} (log: {run.log})")
+        elif run.folder.exists() and any(run.folder.iterdir()):
+            command.append("--overwrite")
+            self._say(label, f"started again: its folder held no checkpoint (log: {run.log})")
+        else:
+            self._say(label, f"started (log: {run.log})")
+        if self.num_processes and self.num_processes > 1:
+            command += ["--num-processes", str(self.num_processes)]
+        if self.fsdp:
+            command.append("--fsdp")
+        seconds = self._call(command, run, f"run {run.name}")
+        report = _completed_report(run.folder)
+        if report is None:
+            raise RunError(f"run {run.name} ended without a completed report.json; see its log {run.log}")
+        self._say(label, f"finished in {_duration(seconds)}")
+        return report
 
     def _say(self, label: str, text: str) -> None:
         self.say(f"{time.strftime('%H:%M:%S')} {label}: {text}")
@@ -630,12 +630,6 @@ class Runner:
             raise RunError(f"{what} failed ({how}){': ' + last if last else ''}; see its log {run.log} (finished "
                            "runs are kept: the same command goes on from here)")
         return time.perf_counter() - started
-
-
-def _checkpoints(folder: Path) -> list[Path]:
-    from doplus_cli.engine.checkpoint import list_checkpoints
-
-    return list_checkpoints(folder / "checkpoints")
 
 
 def _last_error(log: Path, offset: int) -> str:
@@ -917,7 +911,8 @@ def _pyplot():
 
 
 def _save(fig, path: Path) -> str:
-    tmp = path.with_name(f".{path.name}.tmp")
+    """Save as PNG under a temporary name, then rename (as `atomic_write_text` does for text)."""
+    tmp = path.with_name(path.name + ".tmp")
     fig.tight_layout()
     fig.savefig(tmp, dpi=120, format="png")
     os.replace(tmp, path)
@@ -1026,8 +1021,8 @@ def write_outputs(bench: Bench, index: dict[str, Any]) -> dict[str, Any]:
                            plot_curves(summary, results, bench.kind.curve_names(bench.runs[0].config), bench.out),
                            plot_update_similarity(summary, results, bench.out)) if f]
     summary["figures"] = figures
-    atomic_write(bench.out / "SCHEMES.json", json.dumps(summary, indent=2) + "\n")
-    atomic_write(bench.out / "SCHEMES.md", render_markdown(summary, figures))
+    atomic_write_text(bench.out / "SCHEMES.json", json.dumps(summary, indent=2) + "\n")
+    atomic_write_text(bench.out / "SCHEMES.md", render_markdown(summary, figures))
     return summary
 
 
