@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+from doplus_cli.bench.schemes import DEFAULT_SCHEMES, DEFAULT_SEEDS, SCHEMES
 from doplus_cli.config import default_of
 from doplus_cli.data.formatting import TEMPLATE_HELP, check_prompt_template
 from doplus_cli.errors import EXIT_FILE_VARIABLE, UserError, quiet_worker, worker_exit_code
@@ -24,7 +25,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # help texts show [default: ...] and hf:NAME[:CONFIG][@SPLIT] literally
 )
-bench_app = typer.Typer(help="Measure optimizer and end-to-end speed and memory.", no_args_is_help=True)
+bench_app = typer.Typer(help="Measure optimizer speed and memory; compare the update schemes end to end.",
+                        no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -494,6 +496,34 @@ def bench_optimizer(
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
     else:
         print_table(result)
+
+
+@bench_app.command("schemes")
+def bench_schemes(
+    recipe: str = typer.Option(..., "--recipe", help="An unlearn recipe (with eval_suite) or a multitask recipe "
+                               "(a tasks: list with held-out rows)."),
+    schemes: str = typer.Option(
+        DEFAULT_SCHEMES, "--schemes", help="Comma-separated: " + ", ".join(SCHEMES) + "."
+    ),
+    seeds: str = typer.Option(DEFAULT_SEEDS, "--seeds", help="Comma-separated seeds; each scheme runs once per seed."),
+    out: str | None = typer.Option(None, "--out", help="Output folder [default: bench/RECIPE-NAME]"),
+    set_options: list[str] | None = typer.Option(
+        None, "--set", help="KEY=VALUE: a recipe value for every run (repeatable)."
+    ),
+    sweep: str | None = typer.Option(None, "--sweep", help="KEY=V1,V2,...: run every scheme and seed at each value."),
+    log_update_similarity: bool = typer.Option(
+        False, "--log-update-similarity", help="Record update_cosine/grad_cosine in every run and compare them."
+    ),
+    num_processes: int | None = typer.Option(None, "--num-processes", min=1, help="Processes per run."),
+    fsdp: bool = typer.Option(False, "--fsdp", help="Run every run with FSDP2 (with --num-processes)."),
+) -> None:
+    """Every scheme x seed on one recipe as ordinary runs, evaluated; mean ± std tables and plots."""
+    from doplus_cli.bench.schemes import print_summary, run_schemes_bench
+
+    summary = run_schemes_bench(recipe, schemes, seeds, out, list(set_options or []), sweep, log_update_similarity,
+                                num_processes, fsdp, say=lambda line: err_console.print(Text(line)))
+    # Without a terminal (a batch job's log) rich would fold the table into 80 columns.
+    print_summary(summary, Console(highlight=False, width=None if sys.stdout.isatty() else 200))
 
 
 def _quiet_libraries() -> None:

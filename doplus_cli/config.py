@@ -210,13 +210,15 @@ def default_of(name: str, cls: type[TrainConfig] = UnlearnConfig) -> Any:
     return {f.name: f.default for f in dataclasses.fields(cls)}[name]
 
 
-def load_recipe(path: str | os.PathLike, cls: type[TrainConfig] = UnlearnConfig) -> dict[str, Any]:
-    """Read a YAML recipe into {field: value}, with relative data and model paths made usable."""
+def read_recipe(path: str | os.PathLike) -> dict[str, Any]:
+    """A YAML recipe's mapping as written (keys not checked), or one line saying why it cannot be read."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: recipe file not found")
     try:
         data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"{path}: cannot read the recipe ({getattr(error, 'strerror', None) or error})") from error
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
@@ -225,6 +227,13 @@ def load_recipe(path: str | os.PathLike, cls: type[TrainConfig] = UnlearnConfig)
         return {}
     if not isinstance(data, dict):
         raise UserError(f"{path}: a recipe must be a mapping of option: value, got {type(data).__name__}")
+    return data
+
+
+def load_recipe(path: str | os.PathLike, cls: type[TrainConfig] = UnlearnConfig) -> dict[str, Any]:
+    """Read a YAML recipe into {field: value}, with relative data and model paths made usable."""
+    path = Path(path)
+    data = read_recipe(path)
     names = field_names(cls)
     values: dict[str, Any] = {}
     for raw_key, value in data.items():

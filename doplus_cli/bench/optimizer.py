@@ -288,27 +288,6 @@ def measure_copy_gbps(numel: int, device: str, repeats: int = 15) -> float:
     return 2 * 4 * numel / statistics.median(times) / 1e9
 
 
-def _walk_tensors(value: Any):
-    if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _walk_tensors(item)
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of all tensors in the optimizer's state; a tensor shared between parameters counts once."""
-    states = [state for state in optimizer.state.values() if isinstance(state, dict)]
-    total = sum(quant.state_bytes(state) for state in states)
-    seen: set[int] = set()
-    for state in states:  # quant.state_bytes counts per parameter: take back repeats of shared tensors
-        for tensor in _walk_tensors(state):
-            if id(tensor) in seen:
-                total -= tensor.numel() * tensor.element_size()
-            seen.add(id(tensor))
-    return total
-
-
 def _touched_state_bytes(state: dict, seen: set[int]) -> int:
     """State bytes one step reads (and writes): the tensors at this level plus one nested dict's worth.
 
@@ -400,7 +379,7 @@ def _run_row(
             elapsed = _step(optimizer, row, index, config.device)
             (warmup_times if index < config.warmup else times).append(elapsed)
             on_step()
-        state = optimizer_state_bytes(optimizer)
+        state = quant.optimizer_state_bytes(optimizer)
         moved = bytes_per_step(optimizer, params)
         median = statistics.median(times)
         return {

@@ -38,6 +38,7 @@ from doplus_cli.engine.similarity import UpdateSimilarity
 from doplus_cli.errors import RunError, UserError, worker_exit_code
 from doplus_cli.losses import LossContext, local_token_count
 from doplus_cli.models import load_model_and_tokenizer
+from doplus_cli.optim import quant
 
 
 def default_out_dir(command: str = "unlearn") -> str:
@@ -295,6 +296,9 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
         "wall_time_s": time.perf_counter() - started,
         "peak_memory_gb": peak,
         "peak_memory_kind": peak_kind,
+        # this process's (its shards under FSDP): numel x element size of every state tensor, 8-bit codes and
+        # block scales included (paper, Table 8)
+        "optimizer_state_bytes": quant.optimizer_state_bytes(scheduled),
         "environment": outputs.environment(accelerator.device, world, effective_batch, config.seed,
                                            str(unwrapped.dtype).removeprefix("torch.")),
         **({"teach": config.extra["taught"]} if config.extra.get("taught") else {}),

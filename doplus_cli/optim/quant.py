@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -173,4 +174,26 @@ def state_bytes(state: dict) -> int:
             total += value.numel() * value.element_size()
         elif isinstance(value, dict):
             total += state_bytes(value)
+    return total
+
+
+def _walk_tensors(value: Any):
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _walk_tensors(item)
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of all tensors in the optimizer's state (numel x element size; 8-bit states count their codes and
+    block scales), nested per-objective states included; a tensor shared between parameters counts once."""
+    states = [state for state in optimizer.state.values() if isinstance(state, dict)]
+    total = sum(state_bytes(state) for state in states)
+    seen: set[int] = set()
+    for state in states:  # state_bytes counts per parameter: take back repeats of shared tensors
+        for tensor in _walk_tensors(state):
+            if id(tensor) in seen:
+                total -= tensor.numel() * tensor.element_size()
+            seen.add(id(tensor))
     return total
