@@ -421,10 +421,11 @@ def _absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
     """Relative model and data paths (found next to the recipe by load_recipe, or from the working directory)
     made absolute, so the run's recipe works from OUT/recipes/."""
 
-    def absolute(value: Any) -> Any:
-        if isinstance(value, str) and not value.startswith("hf:") and not os.path.isabs(value) \
-                and os.path.exists(value):
-            return os.path.abspath(value)
+    def absolute(value: Any) -> Any:  # FILE[START:STOP] keeps its row range
+        if isinstance(value, str) and not value.startswith("hf:") and not os.path.isabs(value):
+            base = value if os.path.exists(value) else value.partition("[")[0]
+            if os.path.exists(base):
+                return os.path.abspath(base) + value[len(base):]
         return value
 
     result = dict(values)
