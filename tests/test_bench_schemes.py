@@ -294,3 +294,28 @@ def test_update_cosine_column_and_figure(tiny_llama, data, tofu_dir, tmp_path):
     assert "| 0.750 ± 0.071 | 2 |" in markdown and "| 0.250 ± 0.071 | 2 |" in markdown  # no best marked: no goal
     assert plot_update_similarity(summary, results, tmp_path) == "update_similarity.png"
     assert (tmp_path / "update_similarity.png").read_bytes()[:4] == PNG
+
+
+def test_the_answers_suite_scores_each_run_by_its_own_before_and_after_answers(tiny_llama, data, tofu_dir, tmp_path):
+    """eval_suite: answers (the real-world setting, no reference answers): the columns are the means over seeds
+    of each run's report.json sample_rouge_mean, recomputed here from the per-run reports."""
+    recipe = write_recipe(tmp_path / "recipe", tiny_llama, data, tofu_dir, eval_suite="answers", show_samples=3,
+                          eval_data_dir=None, eval_max_samples=None, eval_max_new_tokens=None, steps=6)
+    out = tmp_path / "bench"
+    assert run_cli(*bench_args(recipe, out, "--schemes", "doplus", "--seeds", "0,1")) == 0
+    summary = json.loads((out / "SCHEMES.json").read_text())
+    reports = [json.loads((out / "runs" / f"doplus-s{s}" / "report.json").read_text()) for s in (0, 1)]
+    row = summary["rows"][0]
+    for key, part in (("forget_rouge", "forget"), ("retain_rouge", "retain")):
+        values = [r["sample_rouge_mean"][part] for r in reports]
+        assert row["metrics"][key]["mean"] == pytest.approx(statistics.mean(values), abs=1e-12)
+        assert row["metrics"][key]["std"] == pytest.approx(statistics.stdev(values), abs=1e-12)
+    assert "forget ROUGE-L ↓" in (out / "SCHEMES.md").read_text()
+    assert (out / "tradeoff.png").read_bytes()[:4] == PNG
+    assert not (out / "runs" / "doplus-s0" / "eval").exists()  # no doplus evaluate for this suite
+
+
+def test_the_answers_suite_needs_show_samples(tiny_llama, data, tofu_dir, tmp_path, capsys):
+    recipe = write_recipe(tmp_path / "recipe", tiny_llama, data, tofu_dir, eval_suite="answers", show_samples=0)
+    assert run_cli(*bench_args(recipe, tmp_path / "bench", "--seeds", "0")) == 2
+    assert "show_samples is 0" in capsys.readouterr().err

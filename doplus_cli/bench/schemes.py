@@ -81,7 +81,10 @@ SCHEME_KEYS = ("scheme", "state_bits", "optimizer", "doplus_rule")
 BENCH_KEYS = ("seed", "out", "overwrite", "resume")  # the bench sets these for every run
 DEFAULT_SCHEMES = "joint,alternate,dualoptim,doplus"
 DEFAULT_SEEDS = "0,1,2"
-EVALUATED_SUITES = ("tofu",)  # the suites the recipe's eval_* keys describe
+# tofu: the suite the eval_* keys describe. answers: the run's own before/after answers to `show_samples` questions
+# of each set (ROUGE-L recall of the answer after against the one before), for recipes without reference answers
+# (the real-world setting, where the targets are the model's own answers).
+EVALUATED_SUITES = ("tofu", "answers")
 
 
 def scheme_values(name: str) -> dict[str, Any]:
@@ -110,6 +113,8 @@ UNLEARN_METRICS = (
     Metric("UFE", "UFE", True), Metric("TFE", "TFE", True), Metric("MU", "MU", True), Metric("OVR", "OVR", True),
     Metric("model_utility", "model_utility", True, ".3f"), Metric("forget_quality", "forget_quality", True, ".3g"),
 )
+ANSWER_METRICS = (Metric("forget_rouge", "forget ROUGE-L", False, ".3f"),
+                  Metric("retain_rouge", "retain ROUGE-L", True, ".3f"))
 UPDATE_COSINE = Metric("update_cosine", "update cos (mean over the 2nd half of steps)", None, ".3f")
 # Paper, Table 8: time and memory (the optimizer-state column's unit is chosen per table, see _state_metric).
 RESOURCE_METRICS = (
@@ -165,7 +170,14 @@ class UnlearnKind(Kind):
                             "eval_suite=tofu")
         if config.eval_suite not in EVALUATED_SUITES:
             raise UserError(f"{recipe}: eval_suite '{config.eval_suite}': the bench evaluates with "
-                            f"{', '.join(EVALUATED_SUITES)} (the suite the eval_* keys describe)")
+                            f"{', '.join(EVALUATED_SUITES)} (the suite the eval_* keys describe, or the run's own "
+                            "before/after answers)")
+        if config.eval_suite == "answers" and config.show_samples == 0:
+            raise UserError(f"{recipe}: eval_suite answers scores the run's before/after answers to show_samples "
+                            "questions of each set; show_samples is 0")
+
+    def metric_list(self, config: UnlearnConfig) -> tuple[Metric, ...]:
+        return ANSWER_METRICS if config.eval_suite == "answers" else self.metrics
 
     def describe(self, config: UnlearnConfig, swept: str | None) -> str:
         parts = [] if swept == "loss" else [config.loss]
@@ -174,7 +186,10 @@ class UnlearnKind(Kind):
         return ", ".join(parts)
 
     def evaluation(self, folder: Path, report: dict[str, Any]) -> Path | None:
-        """The run's own evaluation at its last step (`eval_every`), else OUT/runs/NAME/eval/."""
+        """The run's own evaluation at its last step (`eval_every`), else OUT/runs/NAME/eval/; for the answers
+        suite the run itself."""
+        if report["config"].get("eval_suite") == "answers":
+            return folder if report.get("sample_rouge_mean") else None
         evals = report.get("evals") or []
         if evals and evals[-1].get("step") == report["steps"]:
             own = folder / "evals" / f"step-{report['steps']}"
@@ -201,6 +216,9 @@ class UnlearnKind(Kind):
         return command + ["--out", str(run.folder / "eval"), "--overwrite"]
 
     def scores(self, report: dict[str, Any], evaluation: Path) -> tuple[dict[str, Any], dict[str, str]]:
+        if report["config"].get("eval_suite") == "answers":
+            means = report["sample_rouge_mean"]
+            return {"forget_rouge": means.get("forget"), "retain_rouge": means.get("retain")}, {}
         summary = _read_json(evaluation / "SUMMARY.json")
         record = _read_json(evaluation / "eval.json")
         values = {m.key: summary.get(m.key) for m in self.metrics}
@@ -209,7 +227,7 @@ class UnlearnKind(Kind):
         return values, notes
 
     def curve_names(self, config: TrainConfig) -> tuple[str, ...]:
-        return ("MU", "UFE", "TFE", "OVR")
+        return () if config.eval_suite == "answers" else ("MU", "UFE", "TFE", "OVR")
 
 
 class MultitaskKind(Kind):
@@ -834,7 +852,11 @@ def definitions(bench: Bench, results: list[Result], update_cosine: bool) -> lis
     config = bench.runs[0].config
     kinds = _distinct([r.facts["peak_memory_kind"] for r in results])
     lines = []
-    if isinstance(config, UnlearnConfig):
+    if isinstance(config, UnlearnConfig) and config.eval_suite == "answers":
+        lines.append(f"forget/retain ROUGE-L: ROUGE-L recall of each run's greedy answers after unlearning against "
+                     f"the starting model's, on {config.show_samples} questions of each set spread evenly through it "
+                     "(report.json sample_rouge_mean); lower is better on forget, higher on retain.")
+    elif isinstance(config, UnlearnConfig):
         where = _distinct(["during training (eval_every)" if r.facts["evaluated_during_training"] else
                            "by doplus evaluate on final/" for r in results])
         lines.append(f"UFE, TFE, MU, OVR: % ({config.eval_suite} suite, split {config.eval_split}, "
@@ -931,7 +953,17 @@ def plot_tradeoff(summary: dict[str, Any], out: Path) -> str | None:
     plt = _pyplot()
     rows, sweep = summary["rows"], summary["sweep"]
     keys = {c["key"] for c in summary["columns"]}
-    if summary["kind"] == "unlearn":
+    if summary["kind"] == "unlearn" and {"forget_rouge", "retain_rouge"} <= keys:
+        fig, ax = plt.subplots(figsize=(6, 4.5))
+        for row in rows:
+            kept, gone = row["metrics"]["retain_rouge"], row["metrics"]["forget_rouge"]
+            if kept["mean"] is None or gone["mean"] is None:
+                continue
+            ax.errorbar(kept["mean"], 1 - gone["mean"], xerr=kept["std"], yerr=gone["std"], fmt="o", capsize=4,
+                        label=_row_label(row, sweep))
+        ax.set_xlabel("retain ROUGE-L  (kept, higher is better)")
+        ax.set_ylabel("1 - forget ROUGE-L  (forgotten, higher is better)")
+    elif summary["kind"] == "unlearn":
         if not {"MU", "UFE"} <= keys:
             return None
         fig, ax = plt.subplots(figsize=(6, 4.5))
