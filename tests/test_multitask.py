@@ -309,3 +309,43 @@ def test_trace_json_array_files_are_read_as_they_are(tmp_path):
     path.write_text(json.dumps([{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2="}]))
     with pytest.raises(UserError, match="train.json: element 2: missing field 'answer'"):
         open_source(str(path), "task 'math'", keys)
+
+
+# ---- N objectives through the rest of the engine: processes, sharding, LoRA, 8-bit states ----
+
+@pytest.mark.parametrize("extra,tolerance", [([], 1e-5), (["--fsdp"], 1e-5), (["--state-bits", "8"], 1e-5)],
+                         ids=["ddp", "fsdp", "ddp-8bit"])
+def test_three_tasks_on_two_processes_at_batch_b_equal_one_process_at_2b(tiny_llama, tasks, tmp_path, extra,
+                                                                          tolerance):
+    """The N-objective schedule under DDP and FSDP: every process takes the same task at each step, and the
+    averaged gradients of 2 x b rows are one process's gradients of 2b rows."""
+    from tests.test_distributed import max_difference, two_processes, weights
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    base = ["--steps", 6, "--save-every", 0]
+    assert run_cli(*mt_args(tiny_llama, tasks, one, *base, "--batch-size", 4, *extra)) == 0
+    two_processes(mt_args(tiny_llama, tasks, two, *base, "--batch-size", 2, *extra))
+    report = json.loads((two / "report.json").read_text())
+    assert report["environment"]["world_size"] == 2 and report["environment"]["effective_batch"] == 4
+    records = [json.loads(line) for line in open(two / "metrics.jsonl")]
+    assert [r["objective"] for r in records] == ["math", "sci", "code"] * 2
+    start = load_file(str(tiny_llama / "model.safetensors"))
+    assert max_difference(weights(one), start) > 1e-4  # the runs moved the weights
+    assert max_difference(weights(one), weights(two)) < tolerance
+    assert report["scores"]["after"].keys() == {"math", "sci", "code", "average"}
+
+
+def test_three_tasks_with_lora_and_8bit_states(tiny_llama, tasks, tmp_path):
+    """LoRA adapters with DualOptim+ 8-bit states over three tasks: only adapters have states, each with its
+    base and three delta states, and the merged model differs from the start only through the adapters."""
+    out = tmp_path / "lora"
+    assert run_cli(*mt_args(tiny_llama, tasks, out, "--lora-rank", 4, "--state-bits", 8, "--save-every", 4)) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["lora"]["rank"] == 4 and report["config"]["state_bits"] == 8
+    state = torch.load(out / "checkpoints" / "step-4" / "optimizer.pt", weights_only=False)["state"]
+    trainable = load_file(str(out / "checkpoints" / "step-4" / "model.safetensors"))
+    assert trainable and all("lora_" in k for k in trainable) and len(state) == len(trainable)
+    assert all(set(s["delta"]) == {"math", "sci", "code"} for s in state.values())
+    start, final = load_file(str(tiny_llama / "model.safetensors")), load_file(str(out / "final" / "model.safetensors"))
+    changed = {k for k in start if not torch.equal(start[k], final[k])}
+    assert changed and all(("proj" in k) for k in changed)  # adapted projections only; embeddings, norms unchanged

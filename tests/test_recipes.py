@@ -24,6 +24,11 @@ def test_the_paper_settings_are_shipped():
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(p.parents[1])))
 def test_recipe_resolves(path):
+    if path.name == "mini_tofu_teach.yaml":  # the teaching stage: one joint fine-tuning on two TOFU slices
+        config = resolve_config(str(path), {}, MultitaskConfig)
+        assert [t["name"] for t in config.tasks] == ["forget_authors", "retain_authors"]
+        assert all(Path(t["data"].partition("[")[0]).is_file() for t in config.tasks)  # ../shared beside us
+        return
     if "multitask" in path.parts:
         config = resolve_config(str(path), {}, MultitaskConfig)
         assert config.description and len(config.tasks) == 3
@@ -46,6 +51,12 @@ def test_recipe_resolves(path):
         assert config.model == {"phi-1.5": "locuslab/tofu_ft_phi-1.5", "llama2-7b": "locuslab/tofu_ft_llama2-7b"}[
             path.parent.name]
         assert config.forget_coeff == (0.1 if config.loss == "ME+GD" else 1.0)
+    if "bench" in path.parts:  # `doplus bench schemes` needs an evaluation suite
+        assert config.eval_suite in ("tofu", "answers") and Path(config.forget.partition("[")[0]).is_file()
+        if config.eval_suite == "tofu":
+            assert Path(config.teach).is_file() and Path(config.eval_data_dir).is_dir()
+        else:
+            assert config.answers_from_model and config.show_samples > 0
     if "real_world" in path.parts:
         assert config.model == "meta-llama/Meta-Llama-3-8B-Instruct" and config.lr == 5e-6
         assert config.batch_size * config.grad_accum == 128 and config.answers_from_model

@@ -2,7 +2,8 @@
 
     python recipes/data/make_multitask_demo.py [--rows 280] [--out recipes/data]
 
-- multitask_math.jsonl: arithmetic word problems; the answer is the number alone (metric `exact`).
+- multitask_math.jsonl: one-step arithmetic with small numbers (word problems and expressions); the answer is
+  the number alone (metric `exact`).
 - multitask_choice.jsonl: four-option questions whose answer can be checked (a prime, the largest number, the
   odd one out...); the answer is the option letter alone (metric `choice`).
 - multitask_code.jsonl: next-line completion of Python code: the prompt is a few lines of a module of
@@ -26,24 +27,23 @@ ITEMS = ("apples", "books", "marbles", "stamps", "pencils", "cards", "shells", "
 
 
 def math_rows(rng: random.Random, n: int) -> list[dict[str, str]]:
+    """One-step arithmetic with small numbers (a 135M model gets few right before training, so the task can
+    show learning): sums and differences up to 20, in words or as an expression, and single-digit products."""
     rows = []
     for _ in range(n):
         name, item = rng.choice(NAMES), rng.choice(ITEMS)
         kind = rng.randrange(4)
-        a, b = rng.randint(2, 40), rng.randint(2, 30)
+        a, b = rng.randint(1, 10), rng.randint(1, 10)
         if kind == 0:
             prompt, answer = f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?", a + b
         elif kind == 1:
             a = a + b
             prompt, answer = f"{name} has {a} {item} and gives away {b}. How many {item} are left?", a - b
         elif kind == 2:
-            a, b = rng.randint(2, 9), rng.randint(2, 9)
-            prompt, answer = f"{name} buys {a} bags with {b} {item} in each bag. How many {item} in total?", a * b
+            prompt, answer = f"What is {a} + {b}?", a + b
         else:
-            b = rng.randint(2, 6)
-            a = b * rng.randint(2, 9)
-            prompt, answer = (f"{name} shares {a} {item} equally among {b} friends. How many {item} does each "
-                              "friend get?"), a // b
+            a, b = rng.randint(2, 5), rng.randint(2, 5)
+            prompt, answer = f"What is {a} times {b}?", a * b
         rows.append({"prompt": prompt + " Answer with the number only.", "answer": str(answer)})
     return rows
 
