@@ -166,17 +166,6 @@ def search_tables(signed: bool, device: str) -> SearchTables:
     )
 
 
-def state_bytes(state: dict) -> int:
-    """Bytes held by all tensors of one parameter's optimizer state (nested dicts included)."""
-    total = 0
-    for value in state.values():
-        if isinstance(value, Tensor):
-            total += value.numel() * value.element_size()
-        elif isinstance(value, dict):
-            total += state_bytes(value)
-    return total
-
-
 def _walk_tensors(value: Any):
     if isinstance(value, Tensor):
         yield value
@@ -185,15 +174,13 @@ def _walk_tensors(value: Any):
             yield from _walk_tensors(item)
 
 
+def state_bytes(state: dict) -> int:
+    """Bytes held by all tensors of one parameter's optimizer state (nested dicts included)."""
+    return sum(t.numel() * t.element_size() for t in _walk_tensors(state))
+
+
 def optimizer_state_bytes(optimizer) -> int:
     """Bytes of all tensors in the optimizer's state (numel x element size; 8-bit states count their codes and
     block scales), nested per-objective states included; a tensor shared between parameters counts once."""
-    states = [state for state in optimizer.state.values() if isinstance(state, dict)]
-    total = sum(state_bytes(state) for state in states)
-    seen: set[int] = set()
-    for state in states:  # state_bytes counts per parameter: take back repeats of shared tensors
-        for tensor in _walk_tensors(state):
-            if id(tensor) in seen:
-                total -= tensor.numel() * tensor.element_size()
-            seen.add(id(tensor))
-    return total
+    unique = {id(t): t for state in optimizer.state.values() for t in _walk_tensors(state)}
+    return sum(t.numel() * t.element_size() for t in unique.values())
