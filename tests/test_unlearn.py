@@ -366,3 +366,24 @@ def test_reference_model_placements(tiny_llama, data, tmp_path):
     assert [found[k]["placement"] for k in (None, "cpu", "8bit")] == ["device", "CPU", "LLM.int8 on the device"]
     assert found["cpu"]["memory_gb"] == pytest.approx(found[None]["memory_gb"])
     assert found["8bit"]["memory_gb"] < 0.8 * found[None]["memory_gb"]  # embeddings and norms stay float32
+
+
+def test_answers_from_model_trains_on_the_models_own_answers_and_they_are_the_answers_before(tiny_llama, data,
+                                                                                              tmp_path):
+    """The real-world setting: the targets are the starting model's greedy answers (out/data/*.jsonl), and the
+    before/after table's "before" is exactly those targets (not generated a second time)."""
+    from doplus_cli.data.formatting import PromptFormatter
+    from doplus_cli.engine.generation import greedy_generate
+    from doplus_cli.models import load_model_and_tokenizer
+
+    out = tmp_path / "own"
+    assert run_cli(*base_args(tiny_llama, data, out, "--steps", 2, "--answers-from-model", "--show-samples", 3)) == 0
+    written = {role: [json.loads(line) for line in open(out / "data" / f"{role}.jsonl")] for role in ("forget", "retain")}
+    model, tokenizer, _ = load_model_and_tokenizer(str(tiny_llama), "float32", False)
+    questions = [row["question"] for row in written["forget"]]
+    expected, _ = greedy_generate(model, PromptFormatter(tokenizer, 48), questions, 4)
+    assert [row["answer"] for row in written["forget"]] == expected  # the model's own greedy answers
+    report = json.loads((out / "report.json").read_text())
+    targets = {row["question"]: row["answer"] for role in written for row in written[role]}
+    assert len(report["samples"]) == 6
+    assert all(s["before"] == targets[s["question"]] for s in report["samples"])

@@ -47,7 +47,7 @@ class UnlearnPlan(Plan):
         self.retain_spec = RETAIN_LOSSES.get(config.retain_loss or "")
         self.forget_source: Source | None = None
         self.retain_source: Source | None = None
-        self.samples: list[tuple[str, str]] = []
+        self.samples: list[tuple[str, str, str | None]] = []  # (set, question, its answer in the set)
         self.eval_state: dict[str, Any] = {}
 
     def open(self) -> None:
@@ -84,6 +84,8 @@ class UnlearnPlan(Plan):
         self.samples = _pick_samples(self.forget_source, self.retain_source, self.config.show_samples)
         if saved is not None:
             return saved
+        if self.config.answers_from_model:  # the targets are this model's greedy answers: the answers before
+            return [answer for _, _, answer in self.samples]
         return _answers(model, formatter, self.samples, self.config, progress, "answers before") if self.samples else []
 
     def evaluate(self, step: int, model, tokenizer, formatter, out, progress, accelerator) -> dict[str, Any]:
@@ -166,21 +168,22 @@ def _self_answer(model, formatter, config, out, forget_source, retain_source, pr
     return forget, retain
 
 
-def _pick_samples(forget: Source, retain: Source | None, n: int) -> list[tuple[str, str]]:
-    """`n` question rows of each set, evenly spaced through it, for the before/after table."""
+def _pick_samples(forget: Source, retain: Source | None, n: int) -> list[tuple[str, str, str | None]]:
+    """`n` question rows of each set, evenly spaced through it, for the before/after table: (set, question,
+    answer)."""
     picked = []
     for name, source in (("forget", forget), ("retain", retain)):
         if source is None or n == 0 or source.text_rows == len(source):
             continue
         spaced = sorted({i * len(source) // n for i in range(n)})
         rows = [source[i] for i in spaced]
-        picked += [(name, r.question) for r in rows if not r.is_text]
+        picked += [(name, r.question, r.answer) for r in rows if not r.is_text]
     return picked
 
 
 def _answers(model, formatter, samples, config, progress, description) -> list[str]:
     texts, _ = greedy_generate(
-        model, formatter, [q for _, q in samples], config.max_new_tokens, progress=progress, description=description
+        model, formatter, [q for _, q, _ in samples], config.max_new_tokens, progress=progress, description=description
     )
     return texts
 
@@ -190,7 +193,7 @@ def _sample_report(samples, before, after) -> dict[str, Any]:
         return {}
     rows = [
         {"set": s, "question": q, "before": b, "after": a, "rouge_l_recall": rouge_l_recall(a, b)}
-        for (s, q), b, a in zip(samples, before, after)
+        for (s, q, _), b, a in zip(samples, before, after)
     ]
     means = {}
     for name in dict.fromkeys(r["set"] for r in rows):
