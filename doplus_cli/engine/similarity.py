@@ -6,7 +6,7 @@ After every step of objective k the loop keeps k's latest update Δθ_k = θ_aft
     update_cosine = mean over pairs (a, b) of <Δθ_a, Δθ_b> / (‖Δθ_a‖ ‖Δθ_b‖)
     grad_cosine   = mean over pairs (a, b) of <g_a, g_b> / (‖g_a‖ ‖g_b‖)
 
-over every trainable parameter, in float64; null until every objective has stepped once, and for joint
+over every trainable parameter (products in the weights' dtype, sums in float64); null until every objective has stepped once, and for joint
 steps, which do not separate the objectives. The paper's claim: DualOptim's updates are nearly orthogonal
 (each objective has its own moments), Alternate's nearly parallel (one shared state), DualOptim+ in between.
 
@@ -52,7 +52,7 @@ class UpdateSimilarity:
         """Call after `optimizer.step`: the record's `update_cosine` and `grad_cosine`."""
         if objective == JOINT or self._before is None:
             return {"update_cosine": None, "grad_cosine": None}
-        self.updates[objective] = [local_shard(p).detach() - b for p, b in zip(self.params, self._before)]
+        self.updates[objective] = [b.neg_().add_(local_shard(p).detach()) for p, b in zip(self.params, self._before)]
         self._before = None
         return {"update_cosine": self._mean_cosine(self.updates), "grad_cosine": self._mean_cosine(self.grads)}
 
@@ -61,10 +61,12 @@ class UpdateSimilarity:
             return None
         values = []
         for a, b in itertools.combinations(self.names, 2):
-            sums = torch.zeros(3, dtype=torch.float64, device=latest[a][0].device if latest[a] else "cpu")
-            for x, y in zip(latest[a], latest[b]):
-                x, y = x.double(), y.double()
-                sums += torch.stack([(x * y).sum(), (x * x).sum(), (y * y).sum()])
+            # products in the weights' dtype, sums in float64: no float64 copy of the weights is made
+            sums = torch.stack([
+                sum(torch.sum(x * y, dtype=torch.float64) for x, y in zip(latest[a], latest[b])),
+                sum(torch.sum(x * x, dtype=torch.float64) for x in latest[a]),
+                sum(torch.sum(y * y, dtype=torch.float64) for y in latest[b]),
+            ])
             if self.reduce_sum is not None:
                 sums = self.reduce_sum(sums)
             dot, xx, yy = sums.tolist()
