@@ -40,7 +40,8 @@ def test_cosines_equal_a_float64_reference_over_several_parameters():
     flat = {k: np.concatenate([t.numpy().ravel() for t in v]) for k, v in moves.items()}
     flat_g = {k: np.concatenate([t.numpy().ravel() for t in v]) for k, v in grads.items()}
     assert record["update_cosine"] == pytest.approx(_cos(flat["forget"], flat["retain"]), abs=1e-6)
-    assert record["grad_cosine"] == pytest.approx(_cos(flat_g["forget"], flat_g["retain"]), abs=1e-12)
+    # products in the weights' dtype (float32), sums in float64: a cosine to about 1e-7
+    assert record["grad_cosine"] == pytest.approx(_cos(flat_g["forget"], flat_g["retain"]), abs=1e-6)
     assert tracker.after_step(JOINT) == {"update_cosine": None, "grad_cosine": None}
 
 
