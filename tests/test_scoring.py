@@ -8,6 +8,7 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from doplus_cli.data.formatting import PromptFormatter
+from doplus_cli.evaluation import scoring
 from doplus_cli.evaluation.scoring import grouped_nlls, shared_prefix_nlls
 
 
@@ -44,3 +45,48 @@ def test_pairs_truncated_by_max_length_are_scored_as_whole_sequences(tiny_llama)
     got = shared_prefix_nlls(model, formatter, questions, groups)
     for row_got, row_expected in zip(got, expected):
         assert row_got == pytest.approx(row_expected, abs=1e-5)
+
+
+def test_both_shared_prefix_paths_equal_the_batched_nlls(tiny_chat_llama, tofu_dir):
+    """The packed token-tree rows (sdpa/eager models) and the prompt-cache path each agree with whole sequences."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_llama).eval()
+    formatter = PromptFormatter(AutoTokenizer.from_pretrained(tiny_chat_llama), max_length=512)
+    questions, groups = tofu_groups(tofu_dir, 4)
+    expected = grouped_nlls(model, formatter, questions, groups, batch_size=5)
+    assert scoring._takes_packed_rows(model, formatter)
+    for path in (scoring._packed_nlls, scoring._cached_prefix_nlls):
+        got = path(model, formatter, questions, groups, 2)
+        for row_got, row_expected in zip(got, expected):
+            assert row_got == pytest.approx(row_expected, abs=1e-5)
+
+
+def test_packed_rows_with_eager_attention_take_an_additive_mask(tiny_llama, tofu_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="eager").eval()
+    formatter = PromptFormatter(AutoTokenizer.from_pretrained(tiny_llama), max_length=512)
+    questions, groups = tofu_groups(tofu_dir, 3)
+    expected = grouped_nlls(model, formatter, questions, groups)
+    assert scoring._takes_packed_rows(model, formatter)
+    for row_got, row_expected in zip(scoring._packed_nlls(model, formatter, questions, groups, 4), expected):
+        assert row_got == pytest.approx(row_expected, abs=1e-5)
+
+
+def test_a_model_without_custom_masks_takes_the_prompt_cache_path(tiny_llama, tofu_dir, monkeypatch):
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+    model.config._attn_implementation = "flash_attention_2"  # not sdpa/eager: never packed (the probe is skipped)
+    monkeypatch.setattr(scoring, "_cached_prefix_nlls", lambda *a, **k: "cached")
+    formatter = PromptFormatter(AutoTokenizer.from_pretrained(tiny_llama), max_length=512)
+    assert not scoring._takes_packed_rows(model, formatter)
+    assert shared_prefix_nlls(model, formatter, ["Who?"], [["Me."]]) == "cached"
+
+
+def test_the_token_tree_runs_each_shared_answer_prefix_once():
+    job = scoring._Job(0, [1, 2, 3])
+    for position, ids in enumerate([[7, 8, 9, 2], [7, 8, 5, 2], [7, 6, 2], [4, 2]]):
+        job.answers.append((position, ids))
+    tree = scoring._TokenTree(job)
+    # nodes: 7, 8, 9, 2 | 5, 2 | 6, 2 | 4, 2  ->  10 of the 13 answer tokens
+    assert tree.tokens == [7, 8, 9, 2, 5, 2, 6, 2, 4, 2]
+    assert tree.parents == [-1, 0, 1, 2, 1, 4, 0, 6, -1, 8]
+    assert tree.depths == [1, 2, 3, 4, 3, 4, 2, 3, 1, 2]
+    assert tree.paths == [[0, 1, 2, 3], [0, 1, 4, 5], [0, 6, 7], [8, 9]]
+    assert tree.length == 3 + 10

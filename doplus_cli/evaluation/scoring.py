@@ -91,38 +91,198 @@ def shared_prefix_nlls(
 ) -> list[list[float]]:
     """Mean token NLLs of several answers per question, each question's prompt encoded once.
 
-    The prompts of a chunk of questions run once (left-padded); their KV cache is then expanded over the
-    answers (any answer row may take any prompt row, so answers are packed by length across questions) and
-    each answer runs on top of its prompt's cache. The first answer token is scored from the prompt's last
-    logits, the others from the answer pass: the same tokens and positions as `mean_token_nlls`, so the values
-    agree with it to float rounding. Pairs whose prompt `encode` truncates (prompt + answer over
-    `max_length`) and identical answers of a question are not re-run: the former take `mean_token_nlls`, the
-    latter share one value.
+    Models that take a custom 4D attention mask (transformers' `sdpa` and `eager` attention) score each question
+    as one packed row (`_packed_nlls`): its prompt, then the token tree of its answers, every answer token seeing
+    only the prompt and its own answer's earlier tokens; answer prefixes that several answers share are run once.
+    Other models take `_cached_prefix_nlls`: the prompts' KV cache, expanded over the answers. Either way the
+    tokens and positions are those of `mean_token_nlls`, so the values agree with it to float rounding. Pairs whose
+    prompt `encode` truncates (prompt + answer over `max_length`) are scored by `mean_token_nlls` itself.
     """
     was_training = model.training
     model.eval()
+    try:
+        if _takes_packed_rows(model, formatter):
+            return _packed_nlls(model, formatter, questions, answers, batch_size)
+        return _cached_prefix_nlls(model, formatter, questions, answers, batch_size)
+    finally:
+        model.train(was_training)
+
+
+# Packed rows: a batch holds about this many tokens per `batch_size` (a TOFU forget question with its 7 answers
+# is about 270 tokens packed; the cached path runs `batch_size` answer rows of about 40 tokens).
+PACKED_TOKENS_PER_ROW = 48
+
+
+@torch.no_grad()
+def _packed_nlls(model, formatter: PromptFormatter, questions: Sequence[str], answers: Sequence[Sequence[str]],
+                 batch_size: int) -> list[list[float]]:
     device = next(model.parameters()).device
     result: list[list[float]] = [[0.0] * len(group) for group in answers]
     jobs, leftovers = _shared_jobs(formatter, questions, answers)
+    trees = [_TokenTree(job) for job in jobs]
+    order = sorted(range(len(trees)), key=lambda i: trees[i].length)
+    budget = max(1, batch_size) * PACKED_TOKENS_PER_ROW
+    batch: list[_TokenTree] = []
+    for i in order:
+        if batch and (len(batch) + 1) * trees[i].length > budget:
+            _score_packed(model, batch, device, formatter.tokenizer.pad_token_id, result)
+            batch = []
+        batch.append(trees[i])
+    if batch:
+        _score_packed(model, batch, device, formatter.tokenizer.pad_token_id, result)
+    if leftovers:
+        values = mean_token_nlls(model, formatter, [(questions[q], answers[q][a]) for q, a in leftovers], batch_size)
+        for (q, a), value in zip(leftovers, values):
+            result[q][a] = value
+    for job in jobs:  # identical answers of one question share the value computed once
+        for position, first in job.copies.items():
+            result[job.question][position] = result[job.question][first]
+    return result
+
+
+class _TokenTree:
+    """One question packed: its prompt, then one node per distinct answer prefix (a parent before its children).
+    `paths[k]` lists the nodes of the k-th answer of `job.answers`; node u sits at position len(prompt) - 1 +
+    depth(u), the position its token has in the answer's own sequence."""
+
+    def __init__(self, job: _Job) -> None:
+        self.job = job
+        self.tokens: list[int] = []
+        self.parents: list[int] = []  # -1: the prompt
+        self.depths: list[int] = []
+        self.paths: list[list[int]] = []
+        children: dict[tuple[int, int], int] = {}
+        for _, ids in job.answers:
+            node, path = -1, []
+            for token in ids:
+                key = (node, token)
+                if key not in children:
+                    children[key] = len(self.tokens)
+                    self.tokens.append(token)
+                    self.parents.append(node)
+                    self.depths.append(1 if node < 0 else self.depths[node] + 1)
+                node = children[key]
+                path.append(node)
+            self.paths.append(path)
+        self.length = len(job.prompt) + len(self.tokens)
+
+
+def _score_packed(model, batch: list[_TokenTree], device, pad_id: int, result) -> None:
+    """One forward over left-padded packed rows; each answer's mean NLL into `result[question][position]`."""
+    width = max(tree.length for tree in batch)
+    keep = 1 + max(len(tree.tokens) for tree in batch)
+    ids = torch.full((len(batch), width), pad_id if pad_id is not None else 0, dtype=torch.long)
+    positions = torch.zeros((len(batch), width), dtype=torch.long)
+    allowed = torch.zeros((len(batch), width, width), dtype=torch.bool)
+    rows, columns, targets, answer_of = [], [], [], []
+    n_answers = 0
+    for r, tree in enumerate(batch):
+        n_prompt, offset = len(tree.job.prompt), width - tree.length
+        start = offset + n_prompt  # the first node's column
+        ids[r, offset:] = torch.tensor(tree.job.prompt + tree.tokens)
+        positions[r, offset:start] = torch.arange(n_prompt)
+        positions[r, start:] = n_prompt - 1 + torch.tensor(tree.depths, dtype=torch.long)
+        allowed[r, offset:start, offset:start] = torch.ones(n_prompt, n_prompt, dtype=torch.bool).tril()
+        allowed[r, start:, offset:start] = True
+        for u, parent in enumerate(tree.parents):  # a node sees its parent's context and itself
+            if parent >= 0:
+                allowed[r, start + u, start:] = allowed[r, start + parent, start:]
+            allowed[r, start + u, start + u] = True
+        for column in range(offset):  # padding sees itself only (no empty softmax row)
+            allowed[r, column, column] = True
+        # the logits kept are the last `keep` columns: the prompt's last token is column keep - 1 - len(tokens)
+        last_prompt = keep - 1 - len(tree.tokens)
+        for path in tree.paths:
+            previous = last_prompt
+            for node in path:
+                rows.append(r)
+                columns.append(previous)
+                targets.append(tree.tokens[node])
+                answer_of.append(n_answers)
+                previous = keep + node - len(tree.tokens)
+            n_answers += 1
+    mask = allowed[:, None].to(device)
+    if getattr(model.config, "_attn_implementation", None) == "eager":  # eager adds the mask to the scores
+        dtype = next(model.parameters()).dtype
+        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
+    output = _forward_packed(model, ids.to(device), mask, positions.to(device), keep)
+    logits = output.logits  # [rows, keep, V]: every kept column is scored by at least one answer or is padding
+    rows_t, columns_t = torch.tensor(rows, device=device), torch.tensor(columns, device=device)
+    targets_t = torch.tensor(targets, device=device)
+    log_norm = torch.stack([torch.logsumexp(_upcast(row), dim=-1) for row in logits])  # [rows, keep], row by row
+    nll = log_norm[rows_t, columns_t] - _upcast(logits[rows_t, columns_t, targets_t])
+    answer_t = torch.tensor(answer_of, device=device)
+    sums = torch.zeros(n_answers, dtype=nll.dtype, device=device).index_add_(0, answer_t, nll)
+    counts = torch.zeros(n_answers, dtype=nll.dtype, device=device).index_add_(0, answer_t, torch.ones_like(nll))
+    means = (sums / counts).tolist()
+    k = 0
+    for tree in batch:
+        for position, _ in tree.job.answers:
+            result[tree.job.question][position] = means[k]
+            k += 1
+
+
+def _forward_packed(model, input_ids, mask, position_ids, keep: int):
+    inputs = {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids, "use_cache": False}
     try:
-        order = sorted(range(len(jobs)), key=lambda i: len(jobs[i].prompt))
-        if not _shares_cache(model, formatter, device):
-            return grouped_nlls(model, formatter, questions, answers, batch_size)
-        chunk: list[_Job] = []
-        for i in order:
-            chunk.append(jobs[i])
-            if sum(len(job.answers) for job in chunk) >= ANSWER_ROWS_PER_CHUNK * batch_size:
-                _score_chunk(model, formatter, chunk, batch_size, device, result)
-                chunk = []
-        if chunk:
+        return model(**inputs, logits_to_keep=keep)
+    except TypeError:  # an architecture without logits_to_keep
+        output = model(**inputs)
+        output.logits = output.logits[:, -keep:]
+        return output
+
+
+def _takes_packed_rows(model, formatter: PromptFormatter) -> bool:
+    """Whether the model honours a custom 4D attention mask with explicit positions: its attention is
+    transformers' sdpa or eager, and one packed question scores its two answers as two plain forwards do
+    (checked once per model)."""
+    verdict = getattr(model, "_doplus_packed_rows", None)
+    if verdict is not None:
+        return verdict
+    verdict = False
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) in ("sdpa", "eager"):
+        try:
+            probe_q, probe_a = ["Who wrote it?"], [["Nobody wrote it at all.", "Nobody knows it."]]
+            packed = _packed_nlls(model, formatter, probe_q, probe_a, 1)[0]
+            plain = mean_token_nlls(model, formatter, [(probe_q[0], a) for a in probe_a[0]], 1)
+            verdict = all(abs(x - y) <= 1e-3 * max(1.0, abs(y)) for x, y in zip(packed, plain))
+        except (TypeError, ValueError, RuntimeError):
+            verdict = False
+    try:
+        model._doplus_packed_rows = verdict
+    except AttributeError:
+        pass
+    return verdict
+
+
+@torch.no_grad()
+def _cached_prefix_nlls(
+    model: torch.nn.Module, formatter: PromptFormatter, questions: Sequence[str], answers: Sequence[Sequence[str]],
+    batch_size: int = 16,
+) -> list[list[float]]:
+    """`shared_prefix_nlls` for models without custom 4D masks: the prompts of a chunk of questions run once
+    (left-padded); their KV cache is then expanded over the answers (any answer row may take any prompt row, so
+    answers are packed by length across questions) and each answer runs on top of its prompt's cache. The first
+    answer token is scored from the prompt's last logits, the others from the answer pass."""
+    device = next(model.parameters()).device
+    result: list[list[float]] = [[0.0] * len(group) for group in answers]
+    jobs, leftovers = _shared_jobs(formatter, questions, answers)
+    order = sorted(range(len(jobs)), key=lambda i: len(jobs[i].prompt))
+    if not _shares_cache(model, formatter, device):
+        return grouped_nlls(model, formatter, questions, answers, batch_size)
+    chunk: list[_Job] = []
+    for i in order:
+        chunk.append(jobs[i])
+        if sum(len(job.answers) for job in chunk) >= ANSWER_ROWS_PER_CHUNK * batch_size:
             _score_chunk(model, formatter, chunk, batch_size, device, result)
-        if leftovers:
-            values = mean_token_nlls(model, formatter, [(questions[q], answers[q][a]) for q, a in leftovers],
-                                     batch_size)
-            for (q, a), value in zip(leftovers, values):
-                result[q][a] = value
-    finally:
-        model.train(was_training)
+            chunk = []
+    if chunk:
+        _score_chunk(model, formatter, chunk, batch_size, device, result)
+    if leftovers:
+        values = mean_token_nlls(model, formatter, [(questions[q], answers[q][a]) for q, a in leftovers],
+                                 batch_size)
+        for (q, a), value in zip(leftovers, values):
+            result[q][a] = value
     for job in jobs:  # identical answers of one question share the value computed once
         for position, first in job.copies.items():
             result[job.question][position] = result[job.question][first]
