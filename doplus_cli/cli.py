@@ -330,7 +330,8 @@ def evaluate(
     retain: str | None = typer.Option(None, "--retain", help="real-world: neighbour-people JSON lines."),
     out: str | None = typer.Option(None, "--out", help="Output folder [default: evals/DATE-TIME]"),
     max_samples: int | None = typer.Option(None, "--max-samples", help="At most N questions per set (quick looks)."),
-    batch_size: int = typer.Option(32, "--batch-size", min=1, help="Generation and NLL batch size."),
+    batch_size: int = typer.Option(64, "--batch-size", min=1, help="Prompts per generation batch; NLL batches hold "
+                                   "about 48 tokens per unit."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Greedy tokens per answer."),
     embedding_model: str | None = typer.Option(
         None, "--embedding-model",

