@@ -609,8 +609,8 @@ def bench_optimizer(
 
 @bench_app.command("schemes")
 def bench_schemes(
-    recipe: str = typer.Option(..., "--recipe", help="An unlearn recipe (with eval_suite) or a multitask recipe "
-                               "(a tasks: list with held-out rows)."),
+    recipe: str = typer.Option(..., "--recipe", help="An unlearn recipe (with eval_suite), a multitask recipe "
+                               "(a tasks: list with held-out rows) or an align recipe (safety: ...)."),
     schemes: str = typer.Option(
         DEFAULT_SCHEMES, "--schemes", help="Comma-separated: " + ", ".join(SCHEMES) + "."
     ),
