@@ -21,6 +21,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from doplus_cli.config import AlignConfig, parse_cycle
 from doplus_cli.data.sources import Keys, MixtureSource, RowRange, Source, open_source
@@ -308,10 +309,10 @@ def print_summary(report: dict[str, Any], console: Console) -> None:
         table = Table(title="Held-out responses before and after alignment", show_lines=True)
         for column in ("set", "prompt", "before", "after"):
             table.add_column(column, overflow="fold")
-        for s in held["samples"]:
-            style = "red" if s["set"] == "safety" else "green"
-            table.add_row(f"[{style}]{s['set']}[/]", s["prompt"], f"{s['before']}\n[dim]({s['refusal_before']})[/]",
-                          f"{s['after']}\n[dim]({s['refusal_after']})[/]")
+        for s in held["samples"]:  # Text: a response may hold [brackets] that rich would read as markup
+            table.add_row(Text(s["set"], style="red" if s["set"] == "safety" else "green"), Text(s["prompt"]),
+                          Text(s["before"]) + Text(f"\n({s['refusal_before']})", style="dim"),
+                          Text(s["after"]) + Text(f"\n({s['refusal_after']})", style="dim"))
         console.print(table)
         console.print("Refusal rate on the held-out prompts: " + "; ".join(
             f"{name} {_percent(r['before'])}% -> {_percent(r['after'])}%" for name, r in held["refusal_rate"].items()),
