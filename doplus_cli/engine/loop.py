@@ -444,8 +444,8 @@ def _accumulate_gradients(
     parts = list(objectives) if objective == JOINT else [o for o in objectives if o.name == objective]
     sums = {f"{part.name}_loss": 0.0 for part in parts}
     model = context.model
-    names = tuple(n for part in parts if isinstance(part.source, MixtureSource) for n in part.source.part_names)
-    context.tally = PartTally(names, accelerator.device) if names else None
+    mixed = tuple(n for part in parts if isinstance(part.source, MixtureSource) for n in part.source.part_names)
+    context.tally = PartTally(mixed, accelerator.device) if mixed else None
     for micro in range(config.grad_accum):
         last = micro == config.grad_accum - 1
         with nullcontext() if last or config.fsdp else accelerator.no_sync(model):
