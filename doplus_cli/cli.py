@@ -41,11 +41,6 @@ def _root(
     _debug["on"] = debug
 
 
-def _not_built(name: str, issue: int | None = None) -> None:
-    tracked = f" (tracked in issue #{issue})" if issue else ""
-    raise UserError(f"`doplus {name}` is not built yet{tracked}.")
-
-
 SIMILARITY_HELP = ("Record in metrics.jsonl the cosine similarity of the objectives' latest updates and gradients "
                    "(update_cosine, grad_cosine; the paper's Figure 2). Costs a copy of the weights per objective.")
 PROTOCOL_HELP = ("Judges and generation budget: doplus (all-MiniLM-L6-v2, --max-new-tokens new tokens, Token "
@@ -200,12 +195,6 @@ def unlearn(
         print_summary(report, Console(highlight=False))
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def align() -> None:
-    """Safety alignment as targeted unlearning (not built yet)."""
-    _not_built("align")
-
-
 def _mt_default(name: str) -> str:
     from doplus_cli.config import MultitaskConfig
 
@@ -308,6 +297,126 @@ def multitask(
     from doplus_cli.engine.multitask import print_summary, run_multitask
 
     report = run_multitask(config, err_console)
+    if report:
+        print_summary(report, Console(highlight=False))
+
+
+def _al_default(name: str) -> str:
+    from doplus_cli.config import AlignConfig
+
+    return f" [default: {default_of(name, AlignConfig)}]"
+
+
+SOURCE_HELP = "FILE.jsonl, FILE.json (one JSON array) or hf:NAME[:CONFIG][@SPLIT]; FILE[START:STOP] takes those rows."
+
+
+@app.command()
+def align(
+    recipe: str | None = typer.Option(None, "--recipe", help="YAML recipe; flags given here override its values."),
+    safety: str | None = typer.Option(None, "--safety", help="Harmful instructions with the safe response to learn: "
+                                      + SOURCE_HELP),
+    general: str | None = typer.Option(None, "--general", help="Benign instructions with their responses (Alpaca): "
+                                       + SOURCE_HELP),
+    instruction_key: str | None = typer.Option(None, "--instruction-key", help="Instruction field."
+                                               + _al_default("instruction_key")),
+    input_key: str | None = typer.Option(None, "--input-key", help="Optional input field, after the instruction and "
+                                         "a blank line when not empty." + _al_default("input_key")),
+    output_key: str | None = typer.Option(None, "--output-key", help="Response field." + _al_default("output_key")),
+    freq: str | None = typer.Option(None, "--freq", help="F_s:F_g, safety steps then general steps per cycle."
+                                    + _al_default("freq")),
+    epochs: float | None = typer.Option(None, "--epochs", help="Passes over the general set, instead of --steps "
+                                        "(warmup: the first epoch)."),
+    held_out: int | None = typer.Option(None, "--held-out", help="Each set's last N rows, kept out of training and "
+                                        "answered before and after (0: none)." + _al_default("held_out")),
+    model: str | None = typer.Option(
+        None, "--model", help="Hub id, local model folder or .gguf file [default: embedded SmolLM2-135M-Instruct]"
+    ),
+    dtype: str | None = typer.Option(None, "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16."
+                                     + _al_default("dtype")),
+    trust_remote_code: bool | None = typer.Option(
+        None, "--trust-remote-code/--no-trust-remote-code", help="Allow the model's own code to run."
+    ),
+    max_length: int | None = typer.Option(None, "--max-length", help="Tokens per example." + _al_default(
+        "max_length")),
+    max_new_tokens: int | None = typer.Option(None, "--max-new-tokens", help="Greedy tokens per held-out response."
+                                              + _al_default("max_new_tokens")),
+    prompt_template: str | None = typer.Option(None, "--prompt-template", help=TEMPLATE_HELP),
+    scheme: str | None = typer.Option(None, "--scheme", help="joint (batches from the mixture of both sets), "
+                                      "alternate, dualoptim or doplus." + _al_default("scheme")),
+    optimizer: str | None = typer.Option(None, "--optimizer", help="adamw or muon (doplus)." + _al_default(
+        "optimizer")),
+    state_bits: int | None = typer.Option(None, "--state-bits", help="32 or 8 (blockwise 8-bit states)."
+                                          + _al_default("state_bits")),
+    doplus_rule: str | None = typer.Option(
+        None, "--doplus-rule", help="DualOptim+'s AdamW rule: safeguarded or paper (exactly as published)."
+        + _al_default("doplus_rule"),
+    ),
+    betas: str | None = typer.Option(None, "--betas", help="AdamW betas as B1,B2 [default: 0.9,0.95]"),
+    steps: int | None = typer.Option(None, "--steps", help="Optimizer steps (or --epochs)." + _al_default("steps")),
+    lr: float | None = typer.Option(None, "--lr", help="Peak learning rate." + _al_default("lr")),
+    batch_size: int | None = typer.Option(None, "--batch-size", help="Examples per device per micro-step."
+                                          + _al_default("batch_size")),
+    grad_accum: int | None = typer.Option(None, "--grad-accum", help="Micro-steps per optimizer step (averaged)."
+                                          + _al_default("grad_accum")),
+    warmup_steps: int | None = typer.Option(None, "--warmup-steps", help="Linear warmup, then linear decay to 0 "
+                                            "[default: the first epoch with --epochs, else a tenth of the steps]"),
+    weight_decay: float | None = typer.Option(None, "--weight-decay", help="AdamW weight decay." + _al_default(
+        "weight_decay")),
+    max_grad_norm: float | None = typer.Option(None, "--max-grad-norm", help="Gradient clipping (0: off)."
+                                               + _al_default("max_grad_norm")),
+    seed: int | None = typer.Option(None, "--seed", help="Seed for weights' RNG and data order." + _al_default(
+        "seed")),
+    out: str | None = typer.Option(None, "--out", help="Output folder [default: runs/align-DATE-TIME]"),
+    overwrite: bool | None = typer.Option(None, "--overwrite/--no-overwrite", help="Replace the run in a non-empty"
+                                          " --out folder."),
+    lora_rank: int | None = typer.Option(None, "--lora-rank", help="Train LoRA adapters of rank R [default: 0]"),
+    lora_alpha: float | None = typer.Option(None, "--lora-alpha", help="LoRA alpha." + _al_default("lora_alpha")),
+    lora_targets: str | None = typer.Option(None, "--lora-targets", help="Modules to adapt, comma-separated."),
+    lora_dropout: float | None = typer.Option(None, "--lora-dropout", help="LoRA dropout." + _al_default(
+        "lora_dropout")),
+    gradient_checkpointing: bool | None = typer.Option(
+        None, "--gradient-checkpointing/--no-gradient-checkpointing", help="Recompute activations in backward."
+    ),
+    save_adapter_only: bool | None = typer.Option(
+        None, "--save-adapter-only/--save-merged", help="final/ holds the LoRA adapter only [default: merged model]"
+    ),
+    fsdp: bool | None = typer.Option(None, "--fsdp/--no-fsdp", help="Shard weights, gradients and optimizer states "
+                                     "across processes (FSDP2)."),
+    num_processes: int | None = typer.Option(
+        None, "--num-processes", min=1, help="Run on N processes through `accelerate launch`.",
+    ),
+    save_every: int | None = typer.Option(None, "--save-every", help="Write checkpoints/step-N/ every N steps."),
+    keep_last: int | None = typer.Option(None, "--keep-last", help="Keep the newest K checkpoints [default: all]"),
+    resume: str | None = typer.Option(None, "--resume", help="Continue the run in --out (latest checkpoint, or "
+                                      "the checkpoint folder given)."),
+    log_update_similarity: bool | None = typer.Option(None, "--log-update-similarity", help=SIMILARITY_HELP),
+    eval_batch_size: int | None = typer.Option(None, "--eval-batch-size", help="Prompts per generation batch."
+                                               + _al_default("eval_batch_size")),
+    eval_suite: str | None = typer.Option(None, "--eval-suite", help="After training, `doplus evaluate` final/ into "
+                                          "OUT/eval/: safety, xstest or safety,xstest [default: none]"),
+    eval_max_samples: int | None = typer.Option(None, "--eval-max-samples", help="The first N prompts of each set "
+                                                "[default: all]"),
+    eval_max_new_tokens: int | None = typer.Option(None, "--eval-max-new-tokens", help="Greedy tokens per answer."
+                                                   + _al_default("eval_max_new_tokens")),
+    eval_guard_model: str | None = typer.Option(
+        None, "--eval-guard-model", help="A Llama Guard-protocol model, or none [default: "
+        "meta-llama/Meta-Llama-Guard-2-8B if it loads, else the offline refusal judge]"),
+    eval_safety_data_dir: str | None = typer.Option(
+        None, "--eval-safety-data-dir", help="Folder with I-*.json, Q-Harm.json, xstest_prompts.csv [default: "
+        "download the releases' files]"),
+) -> None:
+    """Safety alignment as targeted unlearning: learn the safe responses, keep the general ones."""
+    overrides = {name: value for name, value in locals().items() if name not in ("recipe", "num_processes")}
+    from doplus_cli.config import AlignConfig, resolve_config
+    from doplus_cli.engine.teach import apply_teaching
+
+    config = resolve_config(recipe, overrides, AlignConfig)
+    apply_teaching(config, err_console)
+    if num_processes is not None and num_processes > 1 and "LOCAL_RANK" not in os.environ:
+        _relaunch_with_accelerate(num_processes)
+    from doplus_cli.engine.align import print_summary, run_align
+
+    report = run_align(config, err_console)
     if report:
         print_summary(report, Console(highlight=False))
 
@@ -501,8 +610,8 @@ def bench_optimizer(
 
 @bench_app.command("schemes")
 def bench_schemes(
-    recipe: str = typer.Option(..., "--recipe", help="An unlearn recipe (with eval_suite) or a multitask recipe "
-                               "(a tasks: list with held-out rows)."),
+    recipe: str = typer.Option(..., "--recipe", help="An unlearn recipe (with eval_suite), a multitask recipe "
+                               "(a tasks: list with held-out rows) or an align recipe (safety: ...)."),
     schemes: str = typer.Option(
         DEFAULT_SCHEMES, "--schemes", help="Comma-separated: " + ", ".join(SCHEMES) + "."
     ),

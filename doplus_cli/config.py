@@ -28,7 +28,10 @@ STATE_BITS = (32, 8)
 FORGET_LOSS_NAMES = ("GA", "NPO", "DPO", "ME", "IDK")
 RETAIN_LOSS_NAMES = ("GD", "KL", "AP")
 # Keys in a recipe whose relative paths are looked up next to the recipe file first.
-_PATH_KEYS = ("model", "teach", "forget", "retain", "eval_data_dir")
+_PATH_KEYS = ("model", "teach", "forget", "retain", "eval_data_dir", "safety", "general", "eval_safety_data_dir")
+# Options of which a run takes one: given both on the same level (both flags, both in the recipe) is an error;
+# a flag for one replaces the recipe's other.
+EXCLUSIVE_OPTIONS = (("steps", "epochs"),)
 
 
 @dataclass
@@ -150,6 +153,39 @@ class MultitaskConfig(TrainConfig):
     answer_key: str = "answer"
     eval_rows: int = 200  # rows kept out of training for a task without an eval file (0: not evaluated)
     eval_batch_size: int = 16  # prompts per greedy generation batch
+
+
+ALIGN_EVAL_SUITES = ("safety", "xstest")  # `doplus evaluate`'s suites an align run can end with
+
+
+@dataclass
+class AlignConfig(TrainConfig):
+    """Every option of `doplus align`: the options of every training command plus the safety and general sets."""
+
+    safety: str | None = None  # harmful instructions with the safe response to learn
+    general: str | None = None  # benign instructions with their responses (the utility to keep)
+    instruction_key: str = "instruction"
+    input_key: str = "input"  # optional per row; when not empty it follows the instruction after a blank line
+    output_key: str = "output"
+    freq: str = "1:10"  # F_s:F_g: safety steps, then general steps, per cycle (the paper's F_f:F_r = 1:10)
+    epochs: float | None = None  # instead of steps: passes over the general set (engine/align.py, epoch_steps)
+    held_out: int = 4  # each set's last rows, kept out of training and answered before and after (0: none)
+    eval_batch_size: int = 16  # prompts per greedy generation batch (held-out rows, the evaluation suite)
+    # `doplus evaluate`'s safety suites on final/ after training, into OUT/eval/
+    eval_suite: str | None = None  # safety, xstest or safety,xstest
+    eval_max_samples: int | None = None  # the first N prompts of each set
+    eval_max_new_tokens: int = 64
+    eval_guard_model: str | None = None  # None: Llama-Guard-2-8B when it loads, else the refusal judge; "none"
+    eval_safety_data_dir: str | None = None  # None: the releases' files, downloaded once
+
+
+def parse_cycle(text: str) -> tuple[int, int]:
+    """`F_s:F_g` (or `F_s,F_g`) -> (safety steps, general steps) per cycle, each a whole number >= 1."""
+    items = [item.strip() for item in str(text).replace(",", ":").split(":")]
+    if len(items) != 2 or not all(item.isdigit() and int(item) >= 1 for item in items):
+        raise UserError(f"--freq {text}: write F_s:F_g, safety steps then general steps per cycle, each a whole "
+                        "number >= 1 (the paper's 1:10)")
+    return int(items[0]), int(items[1])
 
 
 def task_from_option(text: str) -> dict[str, Any]:
@@ -295,6 +331,14 @@ def _resolve(recipe: str | None, overrides: dict[str, Any], cls: type[TrainConfi
         if value is not None:
             values[key] = value
             sources[key] = "command line"
+    for first, second in EXCLUSIVE_OPTIONS:
+        if first in values and second in values:
+            if sources[first] == sources[second]:
+                given = (f"--{first} {values[first]} and --{second} {values[second]}" if sources[first] ==
+                         "command line" else f"{sources[first]}: {first} and {second}")
+                raise UserError(f"{given}: give one or the other (--{second} sets the steps from the data's size)")
+            dropped = first if sources[first] != "command line" else second
+            del values[dropped], sources[dropped]
     config = cls()
     for key, value in values.items():
         setattr(config, key, _coerce(key, value, sources[key], cls))
@@ -396,6 +440,33 @@ def validate(config: TrainConfig) -> None:
         validate_unlearn(config)
     elif isinstance(config, MultitaskConfig):
         validate_multitask(config)
+    elif isinstance(config, AlignConfig):
+        validate_align(config)
+
+
+def validate_align(config: AlignConfig) -> None:
+    """The options of `doplus align` on top of `validate_training`."""
+    for name, flag in (("safety", "--safety"), ("general", "--general")):
+        if getattr(config, name) is None:
+            raise UserError(f"no {name} set: pass {flag} FILE (JSON lines, a JSON array, or hf:NAME[:CONFIG][@SPLIT]) "
+                            "or set it in the recipe")
+    parse_cycle(config.freq)
+    if config.epochs is not None and not (config.epochs > 0 and config.epochs < float("inf")):
+        raise UserError(f"--epochs must be a number > 0, got {config.epochs}")
+    for name in ("held_out",):
+        if getattr(config, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")
+    if config.eval_batch_size < 1:
+        raise UserError(f"--eval-batch-size must be at least 1, got {config.eval_batch_size}")
+    if config.eval_suite is not None:
+        suites = [s.strip() for s in config.eval_suite.split(",") if s.strip()]
+        if not suites or any(s not in ALIGN_EVAL_SUITES for s in suites):
+            raise UserError(f"unknown --eval-suite '{config.eval_suite}' for align: choose safety, xstest or "
+                            "safety,xstest (other suites: run `doplus evaluate` on final/)")
+    if config.eval_max_samples is not None and config.eval_max_samples < 1:
+        raise UserError(f"--eval-max-samples must be at least 1, got {config.eval_max_samples}")
+    if config.eval_max_new_tokens < 1:
+        raise UserError(f"--eval-max-new-tokens must be at least 1, got {config.eval_max_new_tokens}")
 
 
 def validate_multitask(config: MultitaskConfig) -> None:

@@ -38,6 +38,30 @@ class LossContext:
     reference: torch.nn.Module | None = None
     beta: float = 0.1
     token_count: Callable[[Tensor], Tensor] = local_token_count
+    tally: PartTally | None = None  # set by the loop during a step of a mixture objective
+
+
+class PartTally:
+    """The log of a mixture objective's step (`MixtureSource`, `doplus align --scheme joint`): per part (the set a
+    row comes from), the summed NLL of its rows' answer tokens, their token count and the row count, over the
+    step's micro-batches. The loss itself is one CE over the whole batch; this only splits what it saw."""
+
+    def __init__(self, names: tuple[str, ...], device: torch.device | str = "cpu") -> None:
+        self.names = names
+        self.sums = torch.zeros(len(names), 3, dtype=torch.float64, device=device)  # NLL, tokens, rows
+
+    def add(self, part: Tensor, row_nll: Tensor, row_tokens: Tensor) -> None:
+        values = torch.stack([row_nll.detach().double(), row_tokens.double(), torch.ones_like(row_tokens).double()], -1)
+        self.sums.index_add_(0, part.to(self.sums.device), values.to(self.sums.device))
+
+    def terms(self) -> dict[str, float | None]:
+        """{part}_loss: the token-mean CE over the rows of that part (None when the step drew none of them);
+        {part}_rows: how many rows of the step's batch came from it."""
+        terms: dict[str, float | None] = {}
+        for name, (nll, tokens, rows) in zip(self.names, self.sums.tolist()):
+            terms[f"{name}_loss"] = nll / tokens if tokens > 0 else None
+            terms[f"{name}_rows"] = int(rows)
+        return terms
 
 
 @dataclass(frozen=True)
@@ -183,5 +207,9 @@ def answer_preservation(ctx: LossContext, batch: Batch) -> Tensor:
 
 @_register(TASK_LOSSES, "CE")
 def supervised_cross_entropy(ctx: LossContext, batch: Batch) -> Tensor:
-    """CE: mean token cross-entropy of a task's answers given its prompts (prompt tokens masked)."""
-    return mean_ce(ctx.model, batch["answer"], ctx.token_count)
+    """CE: mean token cross-entropy of a task's answers given its prompts (prompt tokens masked). On a mixture's
+    batch the per-part NLLs are tallied for the log as well (`PartTally`); the loss is the same."""
+    nll, mask = token_nll(logits_of(ctx.model, batch["answer"]), batch["answer"]["labels"])
+    if ctx.tally is not None and "part" in batch:
+        ctx.tally.add(batch["part"]["index"], nll.sum(-1), mask.sum(-1))
+    return nll.sum() / ctx.token_count(mask)

@@ -220,7 +220,8 @@ def test_a_failing_run_stops_the_bench_and_names_its_log(tiny_llama, data, tofu_
     ("missing", "recipe file not found"),
     ("yaml", "not valid YAML"),
     ("unreadable", "cannot read the recipe"),
-    ("not_a_recipe", "not a recipe bench schemes can run: it sets none of tasks (multitask), forget (unlearn)"),
+    ("not_a_recipe", "not a recipe bench schemes can run: it sets none of tasks (multitask), forget (unlearn), "
+                     "safety (align)"),
 ])
 def test_bad_input_is_one_line_with_exit_code_2(tiny_llama, data, tofu_dir, tmp_path, capsys, case, needle):
     recipe = write_recipe(tmp_path / "recipe", tiny_llama, data, tofu_dir)
@@ -261,6 +262,7 @@ def test_bad_input_is_one_line_with_exit_code_2(tiny_llama, data, tofu_dir, tmp_
 def test_kinds_statistics_and_update_similarity_window(tmp_path):
     assert kind_of(tmp_path, {"tasks", "steps"}) is KINDS["multitask"]
     assert kind_of(tmp_path, {"forget", "steps"}) is KINDS["unlearn"]
+    assert kind_of(tmp_path, {"safety", "general"}) is KINDS["align"]
     assert mean_std([2.0, None, 4.0]) == {"mean": 3.0, "std": pytest.approx(2 ** 0.5), "n": 2}
     assert mean_std([5.0]) == {"mean": 5.0, "std": None, "n": 1}  # one seed: n/a, never 0
     points = [(1, 0.9), (2, 0.8), (3, 0.1), (4, 0.3)]

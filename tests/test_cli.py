@@ -18,17 +18,6 @@ def test_help_lists_every_subcommand():
         assert name in out
 
 
-@pytest.mark.parametrize("name,issue", [("align", None)])
-def test_unbuilt_subcommands_say_so_in_one_line_and_exit_2(capsys, name, issue):
-    with pytest.raises(SystemExit) as exit_info:
-        main([name, "--model", "x"])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0
-    assert f"doplus {name}` is not built yet" in err
-    assert (f"#{issue}" in err) if issue else ("#" not in err)
-
-
 def test_unknown_option_exits_2(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "optimizer", "--no-such-option"])

@@ -307,7 +307,7 @@ def test_trace_json_array_files_are_read_as_they_are(tmp_path):
     source = open_source(str(path), "task 'math'", keys)
     assert len(source) == 2 and (source[1].question, source[1].answer) == ("2+2=", "4")
     path.write_text(json.dumps([{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2="}]))
-    with pytest.raises(UserError, match="train.json: element 2: missing field 'answer'"):
+    with pytest.raises(UserError, match="train.json:1: element 2: missing field 'answer'"):
         open_source(str(path), "task 'math'", keys)
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from doplus_cli.config import MultitaskConfig, resolve_config
+from doplus_cli.config import AlignConfig, MultitaskConfig, resolve_config
 
 # recipes/cluster/ holds an accelerate configuration, not a doplus recipe (tests/test_distributed.py runs it)
 RECIPES = sorted(
@@ -28,6 +28,19 @@ def test_recipe_resolves(path):
         config = resolve_config(str(path), {}, MultitaskConfig)
         assert [t["name"] for t in config.tasks] == ["forget_authors", "retain_authors"]
         assert all(Path(t["data"].partition("[")[0]).is_file() for t in config.tasks)  # ../shared beside us
+        return
+    if "align" in path.parts:
+        config = resolve_config(str(path), {}, AlignConfig)
+        assert config.description
+        assert Path(config.safety.partition("[")[0]).is_file()  # ../shared beside us
+        if path.name == "demo.yaml":  # the embedded model, the shared files, a few CPU minutes
+            assert config.model is None and Path(config.general.partition("[")[0]).is_file() and config.held_out > 0
+            assert config.epochs is not None and config.batch_size * config.grad_accum <= 8
+        if path.name == "safety_llama3.yaml":  # the paper's setting as issue #11 gives it
+            assert config.model == "PKU-Alignment/alpaca-8b-reproduced-llama-3" and config.scheme == "doplus"
+            assert config.freq == "1:10"
+            assert (config.lr, config.epochs, config.batch_size * config.grad_accum) == (1e-5, 3.0, 128)
+            assert config.safety.endswith("[0:2004]") and config.general.endswith("[:20004]") and config.held_out == 4
         return
     if "multitask" in path.parts:
         config = resolve_config(str(path), {}, MultitaskConfig)

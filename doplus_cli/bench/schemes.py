@@ -2,14 +2,16 @@
 
     doplus bench schemes --recipe R.yaml --schemes joint,alternate,dualoptim,doplus --seeds 0,1,2 --out OUT
 
-Every scheme x seed (x sweep value) is an ordinary run of the CLI, `doplus unlearn` or `doplus multitask` by
-the recipe's kind, started as a subprocess from a recipe of its own and evaluated with the recipe's suite:
+Every scheme x seed (x sweep value) is an ordinary run of the CLI, `doplus unlearn`, `doplus multitask` or
+`doplus align` by the recipe's kind, started as a subprocess from a recipe of its own and evaluated with the
+recipe's suite:
 
     OUT/bench.json                the experiment (kind, recipe values, --set, --sweep key) and the runs it holds
     OUT/recipes/NAME.yaml         the run's recipe: the given one (paths absolute), scheme, seed, --set, sweep
     OUT/runs/NAME/                the run itself (config.yaml, metrics.jsonl, report.json, final/, checkpoints/)
     OUT/runs/NAME.log             its output (and its evaluation's), appended at every start
-    OUT/runs/NAME/eval/           `doplus evaluate` of final/ (unlearn, unless the run evaluated at its last step)
+    OUT/runs/NAME/eval/           `doplus evaluate` of final/ (unlearn, unless the run evaluated at its last step;
+                                  align with eval_suite, written by the run itself)
     OUT/SCHEMES.json, SCHEMES.md  per scheme (and sweep value): mean and sample standard deviation over seeds
     OUT/tradeoff.png, curves.png, update_similarity.png
 
@@ -40,6 +42,8 @@ import yaml
 
 from doplus_cli.config import (
     _PATH_KEYS,
+    EXCLUSIVE_OPTIONS,
+    AlignConfig,
     MultitaskConfig,
     TrainConfig,
     UnlearnConfig,
@@ -159,6 +163,10 @@ class Kind:
     def curve_names(self, config: TrainConfig) -> tuple[str, ...]:
         return tuple(m.key for m in self.metric_list(config))
 
+    def planned_steps(self, config: TrainConfig) -> int:
+        """The run's optimizer steps, as far as the bench can tell before it runs (for `save_every`)."""
+        return config.steps
+
 
 class UnlearnKind(Kind):
     command, marker, config, metrics = "unlearn", "forget", UnlearnConfig, UNLEARN_METRICS
@@ -249,8 +257,91 @@ class MultitaskKind(Kind):
         return dict(report["scores"]["after"]), {}
 
 
-# A recipe is of the first kind whose marker it sets. `doplus align` will be one more entry here.
-KINDS: dict[str, Kind] = {"multitask": MultitaskKind(), "unlearn": UnlearnKind()}
+class AlignKind(Kind):
+    """`doplus align`: scored by the run's own report (the held-out refusal rates, the final losses) and, with
+    `eval_suite`, by `doplus evaluate`'s safety suites on final/ (run by align itself into OUT/runs/NAME/eval/)."""
+
+    command, marker, config = "align", "safety", AlignConfig
+
+    def check_evaluation(self, given: set[str], config: AlignConfig, recipe: Path) -> None:
+        if config.held_out == 0 and config.eval_suite is None:
+            raise UserError(f"{recipe}: no evaluation: held_out is 0 and there is no eval_suite, so only the training "
+                            "losses would be compared; set held_out > 0 or eval_suite: safety (or xstest)")
+
+    def metric_list(self, config: AlignConfig) -> tuple[Metric, ...]:
+        suites = config.eval_suite.split(",") if config.eval_suite else []
+        return (*(ALIGN_EVAL_METRICS if "safety" in suites else ()),
+                *(XSTEST_METRICS if "xstest" in suites else ()),
+                *(ALIGN_HELD_OUT_METRICS if config.held_out else ()), *ALIGN_LOSS_METRICS)
+
+    def describe(self, config: AlignConfig, swept: str | None) -> str:
+        length = f"{config.epochs:g} epoch(s)" if config.epochs is not None else f"{config.steps} steps"
+        return ("" if swept == "freq" else f"F_s:F_g = {config.freq}, ") + length
+
+    def evaluation(self, folder: Path, report: dict[str, Any]) -> Path | None:
+        if not report["config"].get("eval_suite"):
+            return folder
+        return folder / "eval" if (folder / "eval" / "eval.json").is_file() else None
+
+    def evaluate_command(self, run: Run) -> list[str]:
+        """What align's own evaluation runs (`engine/align.py`, evaluate_final), for a run stopped before it."""
+        c: AlignConfig = run.config
+        options = [("--suite", c.eval_suite), ("--max-samples", c.eval_max_samples),
+                   ("--max-new-tokens", c.eval_max_new_tokens), ("--batch-size", c.eval_batch_size),
+                   ("--guard-model", c.eval_guard_model), ("--safety-data-dir", c.eval_safety_data_dir),
+                   ("--seed", c.seed), ("--dtype", c.dtype)]
+        command = [sys.executable, "-m", "doplus_cli", "evaluate", "--model", str(run.folder / "final")]
+        for option, value in options:
+            if value is not None:
+                command += [option, str(value)]
+        if c.trust_remote_code:
+            command.append("--trust-remote-code")
+        return command + ["--out", str(run.folder / "eval"), "--overwrite"]
+
+    def scores(self, report: dict[str, Any], evaluation: Path) -> tuple[dict[str, Any], dict[str, str]]:
+        rates = (report.get("held_out") or {}).get("refusal_rate", {})
+        values = {f"held_out_{name}_refusal": 100 * rate["after"] for name, rate in rates.items()}
+        for objective_terms in report["losses"].values():
+            for term in ("safety_loss", "general_loss"):
+                if term in objective_terms:
+                    values[term] = objective_terms[term]["end_mean10"]
+        notes = {}
+        summary_path = evaluation / "SUMMARY.json"
+        if evaluation.name == "eval" and summary_path.is_file():
+            summary = _read_json(summary_path)
+            for metric in (*ALIGN_EVAL_METRICS, *XSTEST_METRICS):
+                value = summary.get(metric.key)
+                values[metric.key] = None if value is None else 100 * value
+            judge = summary.get("safety_judge") or ""
+            if judge.startswith("offline refusal judge"):
+                notes["safety_rate_avg"] = "refusal rate standing in for the safety rate: no guard model"
+        return values, notes
+
+    def curve_names(self, config: TrainConfig) -> tuple[str, ...]:
+        return ()
+
+    def planned_steps(self, config: AlignConfig) -> int:
+        """--epochs: the steps on one process (`epoch_steps`; more processes take fewer)."""
+        if config.epochs is None or not (config.safety and config.general):  # validation says what is missing
+            return config.steps
+        from doplus_cli.engine.align import AlignPlan
+
+        plan = AlignPlan(config)
+        plan.open()
+        return plan.total_steps(config.batch_size * config.grad_accum)
+
+
+# doplus align: the safety suites' rates (percent) and what the run measures itself.
+ALIGN_EVAL_METRICS = (Metric("safety_rate_avg", "safety AVG (%)", True),)
+XSTEST_METRICS = (Metric("xstest_over_refusal", "XSTest over-refusal (%)", False),
+                  Metric("xstest_unsafe_refusal", "XSTest unsafe refusal (%)", True))
+ALIGN_HELD_OUT_METRICS = (Metric("held_out_safety_refusal", "held-out harmful refused (%)", True, ".1f"),
+                          Metric("held_out_general_refusal", "held-out benign refused (%)", False, ".1f"))
+ALIGN_LOSS_METRICS = (Metric("safety_loss", "safety loss", False, ".3f"),
+                      Metric("general_loss", "general loss", False, ".3f"))
+
+# A recipe is of the first kind whose marker it sets.
+KINDS: dict[str, Kind] = {"multitask": MultitaskKind(), "unlearn": UnlearnKind(), "align": AlignKind()}
 
 
 def kind_of(recipe: Path, keys: set[str]) -> Kind:
@@ -416,18 +507,37 @@ def _plan_run(bench: Bench, scheme: str, sweep_value: Any, seed: int) -> Run:
         sources[bench.sweep_key] = f"--sweep {bench.sweep_key}"
         name += f"-{bench.sweep_key}={_name_part(sweep_value)}"
     name += f"-s{seed}"
-    steps = _coerce("steps", values.get("steps", default_of("steps", TrainConfig)), sources.get("steps", "default"),
-                    bench.kind.config)
+    _keep_one_of_exclusive(values, sources, [str(bench.recipe), "--set", "--sweep"])
+    steps = bench.kind.planned_steps(_config(bench.kind, values, sources))
     # So that every run can resume after a kill: checkpoints about every tenth of the run, the newest kept.
     values.setdefault("save_every", max(1, steps // 10))
     values.setdefault("keep_last", 1)
     if bench.log_update_similarity:
         values["log_update_similarity"] = True
-    config = bench.kind.config()
-    for key, value in copy.deepcopy(values).items():
-        setattr(config, key, _coerce(key, value, sources.get(key, "bench schemes"), bench.kind.config))
+    config = _config(bench.kind, values, sources)
     validate(copy.deepcopy(config))
     return Run(name, scheme, seed, sweep_value, _plain(values), config, bench.out / "runs" / name)
+
+
+def _config(kind: Kind, values: dict[str, Any], sources: dict[str, str]) -> TrainConfig:
+    config = kind.config()
+    for key, value in copy.deepcopy(values).items():
+        setattr(config, key, _coerce(key, value, sources.get(key, "bench schemes"), kind.config))
+    return config
+
+
+def _keep_one_of_exclusive(values: dict[str, Any], sources: dict[str, str], levels: list[str]) -> None:
+    """Of two options a run takes one of (`steps`, `epochs`): the one given on the higher level (recipe < --set <
+    --sweep) stays; both on the same level is an error."""
+    def level(key: str) -> int:
+        return next(i for i, prefix in enumerate(levels) if sources[key].startswith(prefix))
+
+    for first, second in EXCLUSIVE_OPTIONS:
+        if first in values and second in values:
+            if level(first) == level(second):
+                raise UserError(f"{sources[first]} and {sources[second]}: {first} and {second} both given; give one")
+            dropped = min((first, second), key=level)
+            del values[dropped], sources[dropped]
 
 
 def _name_part(value: Any) -> str:
@@ -864,6 +974,19 @@ def definitions(bench: Bench, results: list[Result], update_cosine: bool) -> lis
                         else "")
                      + f"protocol {config.eval_protocol}; evaluated {where}); model_utility, forget_quality: "
                      "OpenUnlearning's (a fraction; a KS-test p-value against --retain-logs).")
+    elif isinstance(config, AlignConfig):
+        if config.eval_suite:
+            lines.append(f"safety AVG, XSTest: `doplus evaluate --suite {config.eval_suite}` on final/ ("
+                         + (f"the first {config.eval_max_samples} prompt(s) of each set; " if config.eval_max_samples
+                            else "")
+                         + "the judge is named under Partial aggregates when it is the refusal judge standing in for "
+                         "a guard model).")
+        if config.held_out:
+            lines.append(f"held-out harmful/benign refused: % of the last {config.held_out} rows of the safety/general "
+                         "set (kept out of training) whose greedy response after training the rules-only refusal "
+                         "judge calls a refusal (report.json held_out).")
+        lines.append("safety/general loss: the response cross-entropy over the last 10 steps that logged it (joint: "
+                     "over each mixed batch's rows of that set).")
     else:
         lines.append("Task scores: % on each task's held-out rows after training (its metric); average: their mean.")
     lines += [
@@ -949,7 +1072,7 @@ def _row_label(row: dict[str, Any], sweep: dict[str, Any] | None) -> str:
 
 def plot_tradeoff(summary: dict[str, Any], out: Path) -> str | None:
     """Unlearning: forget efficacy (UFE) against utility (MU) per scheme, error bars the std over seeds.
-    Multitask: each task's score per scheme as grouped bars."""
+    Alignment: the safety loss against the general loss. Multitask: each task's score per scheme as grouped bars."""
     plt = _pyplot()
     rows, sweep = summary["rows"], summary["sweep"]
     keys = {c["key"] for c in summary["columns"]}
@@ -975,6 +1098,16 @@ def plot_tradeoff(summary: dict[str, Any], out: Path) -> str | None:
                         label=_row_label(row, sweep))
         ax.set_xlabel("MU (%)  (utility, higher is better)")
         ax.set_ylabel("UFE (%)  (forget efficacy, higher is better)")
+    elif summary["kind"] == "align":
+        fig, ax = plt.subplots(figsize=(6, 4.5))
+        for row in rows:
+            general, safety = row["metrics"]["general_loss"], row["metrics"]["safety_loss"]
+            if general["mean"] is None or safety["mean"] is None:
+                continue
+            ax.errorbar(general["mean"], safety["mean"], xerr=general["std"], yerr=safety["std"], fmt="o", capsize=4,
+                        label=_row_label(row, sweep))
+        ax.set_xlabel("general loss  (utility kept, lower is better)")
+        ax.set_ylabel("safety loss  (safe responses learned, lower is better)")
     else:
         tasks = [c["key"] for c in summary["columns"] if c["role"] == "score"]
         fig, ax = plt.subplots(figsize=(max(6.0, 2 + 0.6 * len(tasks) * len(rows)), 4.5))

@@ -12,7 +12,7 @@ import torch
 
 from doplus_cli.data.formatting import PromptFormatter, collate
 from doplus_cli.data.rejections import rejection_for
-from doplus_cli.data.sources import Source
+from doplus_cli.data.sources import MixtureSource, Source
 from doplus_cli.errors import UserError
 
 
@@ -50,11 +50,14 @@ def build_batch(
     source: Source, indices: list[int], formatter: PromptFormatter, *, with_rejection: bool, seed: int
 ) -> dict[str, dict[str, torch.Tensor]]:
     """{"answer": the rows' own answers} and, for IDK/DPO/AP, {"rejection": the same questions answered
-    with a rejection phrase from the project's list}."""
+    with a rejection phrase from the project's list}; from a `MixtureSource`, {"part": {"index": the part each
+    row comes from}} too."""
     rows = [source[i] for i in indices]
     pad_id = formatter.tokenizer.pad_token_id
     encoded = [formatter.encode_text(r.text) if r.is_text else formatter.encode(r.question, r.answer) for r in rows]
     batch = {"answer": collate(encoded, pad_id)}
+    if isinstance(source, MixtureSource):
+        batch["part"] = {"index": torch.tensor([source.part_of(i) for i in indices], dtype=torch.long)}
     if with_rejection:
         if any(r.is_text for r in rows):
             raise UserError(f"{source.name}: rows with only a 'text' field have no question to answer with a "

@@ -1,4 +1,4 @@
-"""Forget and retain sets: local JSON-lines files or Hugging Face hub datasets, read lazily.
+"""Forget and retain sets: local JSON-lines files, JSON-array files or Hugging Face hub datasets, read lazily.
 
 A local file is scanned once when it is opened: every line is parsed and checked (so a malformed line 9,000
 stops the run before training, not after an hour) and only its byte offset is kept. Rows are read back
@@ -8,10 +8,12 @@ Arrow memory-mapped by `datasets`, which gives the same random access.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import re
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -47,6 +49,17 @@ class Keys:
     need_answer: bool = True  # False when answers come from the model (`answers_from_model`)
     text_rows: bool = True  # rows with only a text field are an untargeted corpus (False: refused)
     question_flag: str = "--question-key"  # the option that names the question field, for error messages
+    answer_flag: str = "--answer-key"  # the option that names the answer field, for error messages
+    # Alpaca rows (`doplus align`): the optional field whose text, when not empty, follows the instruction
+    # (`question`) after a blank line; rows in Stanford Alpaca's seed-task layout are read too (`_seed_task`).
+    input: str | None = None
+    input_flag: str = "--input-key"
+
+
+def alpaca_prompt(instruction: str, input_text: str) -> str:
+    """The prompt of an Alpaca row: the instruction, then a blank line and the input when the input is not
+    empty (Stanford Alpaca's and Safety-Tuned LLaMAs' convention; the chat template, if any, wraps the whole)."""
+    return f"{instruction}\n\n{input_text}" if input_text else instruction
 
 
 def parse_json_line(raw: bytes, path: str, line_number: int) -> object:
@@ -58,18 +71,39 @@ def parse_json_line(raw: bytes, path: str, line_number: int) -> object:
         raise UserError(f"{path}:{line_number}: malformed JSON ({getattr(error, 'msg', error)}){hint}") from None
 
 
+def _seed_task(record: dict, keys: Keys, where: str) -> dict:
+    """A row of Stanford Alpaca's `seed_tasks.jsonl` ({"instruction", "instances": [{"input", "output"}]}) as a
+    flat Alpaca row; any other record as it is. A seed task with several instances is refused (one row is one
+    example here)."""
+    instances = record.get("instances")
+    if keys.input is None or keys.answer in record or not isinstance(instances, list):
+        return record
+    if len(instances) != 1 or not isinstance(instances[0], dict):
+        raise UserError(f"{where}: 'instances' holds {len(instances)} entries; doplus reads seed tasks with exactly "
+                        "one {input, output} instance (write one row per instance)")
+    return {**record, **instances[0]}
+
+
 def _row_from(record: object, keys: Keys, where: str) -> Row:
     """Check one record and turn it into a Row; `where` is 'FILE:LINE' for the error message."""
     if not isinstance(record, dict):
         raise UserError(f"{where}: expected a JSON object per line, got {type(record).__name__}")
+    record = _seed_task(record, keys, where)
     if keys.question in record:
         question = record[keys.question]
         if not isinstance(question, str):
             raise UserError(f"{where}: field '{keys.question}' must be a string, got {type(question).__name__}")
+        if keys.input is not None:
+            input_text = record.get(keys.input)
+            input_text = "" if input_text is None else input_text
+            if not isinstance(input_text, str):
+                raise UserError(f"{where}: field '{keys.input}' must be a string, got {type(input_text).__name__} "
+                                f"(set {keys.input_flag} to read another field)")
+            question = alpaca_prompt(question, input_text)
         if not keys.need_answer:
             return Row(question=question)
         if keys.answer not in record:
-            raise UserError(f"{where}: missing field '{keys.answer}' (set --answer-key to read another field)")
+            raise UserError(f"{where}: missing field '{keys.answer}' (set {keys.answer_flag} to read another field)")
         answer = record[keys.answer]
         if not isinstance(answer, str):
             raise UserError(f"{where}: field '{keys.answer}' must be a string, got {type(answer).__name__}")
@@ -130,21 +164,27 @@ class JsonlSource:
 
 
 class JsonArraySource:
-    """A `.json` file holding one JSON array of row objects (as TRACE ships its train.json/test.json files).
+    """A `.json` file holding one JSON array of row objects (as TRACE ships its train.json/test.json files and
+    Safety-Tuned LLaMAs its safety_only_data_Instructions.json).
 
-    The whole array is parsed once (such files are small: TRACE's hold 5,000 rows); each element is checked
-    and an error names its position in the array."""
+    The whole array is parsed once (such files are small: TRACE's hold 5,000 rows, the safety set 2,483); each
+    element is checked and an error names the line it starts on and its position in the array."""
 
     def __init__(self, path: str, keys: Keys = Keys()) -> None:
         self.name = path
         try:
             with open(path, "rb") as handle:
-                records = json.load(handle)
+                text = handle.read().decode()
+            records = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             line = getattr(error, "lineno", None)
             where = f"{path}:{line}" if line else path
             raise UserError(f"{where}: malformed JSON ({getattr(error, 'msg', error)})") from None
-        self._rows = [_row_from(record, keys, f"{path}: element {i + 1}") for i, record in enumerate(records)]
+        if not isinstance(records, list):  # pragma: no cover - only called on files that start with "["
+            raise UserError(f"{path}: expected a JSON array of objects")
+        lines = _element_lines(text, len(records))
+        self._rows = [_row_from(record, keys, f"{path}:{line}: element {i + 1}")
+                      for i, (record, line) in enumerate(zip(records, lines))]
         self.text_rows = sum(row.is_text for row in self._rows)
 
     def __len__(self) -> int:
@@ -152,6 +192,23 @@ class JsonArraySource:
 
     def __getitem__(self, index: int) -> Row:
         return self._rows[index]
+
+
+def _element_lines(text: str, count: int) -> list[int]:
+    """The line on which each of the `count` elements of the JSON array `text` starts (the text is valid JSON:
+    `json.loads` read it first)."""
+    decoder = json.JSONDecoder()
+    position, line, lines = text.index("[") + 1, 1 + text.count("\n", 0, text.index("[")), []
+    for _ in range(count):
+        start = position
+        while text[position] in " \t\r\n,":
+            position += 1
+        line += text.count("\n", start, position)
+        lines.append(line)
+        _, end = decoder.raw_decode(text, position)
+        line += text.count("\n", position, end)
+        position = end
+    return lines
 
 
 def _starts_with_array(path: str) -> bool:
@@ -209,6 +266,34 @@ class RowRange:
         if not 0 <= index < len(self):
             raise IndexError(index)
         return self.source[self.start + index]
+
+
+class MixtureSource:
+    """Several sources as one set, their rows one after the other. An `IndexStream` over it walks a permutation
+    of the union, so each batch is a draw without replacement from all rows together: every source's share of
+    a batch is, on average, its share of the rows, and one pass over the mixture takes every row once.
+    `part_of(i)` is the index (in `part_names`) of the source that row i comes from."""
+
+    def __init__(self, parts: Sequence[tuple[str, Source]]) -> None:
+        self.part_names = tuple(name for name, _ in parts)
+        self.sources = [source for _, source in parts]
+        self.starts = [0]
+        for source in self.sources:
+            self.starts.append(self.starts[-1] + len(source))
+        self.name = " + ".join(source.name for source in self.sources)
+        self.text_rows = sum(getattr(source, "text_rows", 0) for source in self.sources)
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def part_of(self, index: int) -> int:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return bisect.bisect_right(self.starts, index) - 1
+
+    def __getitem__(self, index: int) -> Row:
+        part = self.part_of(index)
+        return self.sources[part][index - self.starts[part]]
 
 
 def parse_hub_spec(spec: str) -> tuple[str, str | None, str]:

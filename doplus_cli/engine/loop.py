@@ -30,13 +30,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from doplus_cli.config import TrainConfig
 from doplus_cli.data.batches import IndexStream
 from doplus_cli.data.formatting import PromptFormatter
+from doplus_cli.data.sources import MixtureSource
 from doplus_cli.engine import checkpoint, outputs, sharding
 from doplus_cli.engine.objectives import Objective, Plan, frequencies, lr_multipliers
 from doplus_cli.engine.optimizers import build_optimizer
 from doplus_cli.engine.schedule import JOINT, objective_at, steps_per_objective
 from doplus_cli.engine.similarity import UpdateSimilarity
 from doplus_cli.errors import RunError, UserError, worker_exit_code
-from doplus_cli.losses import LossContext, local_token_count
+from doplus_cli.losses import LossContext, PartTally, local_token_count
 from doplus_cli.models import load_model_and_tokenizer
 from doplus_cli.optim import quant
 
@@ -137,6 +138,9 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
     fsdp = config.fsdp and world > 1
     processes = checkpoint.Processes(accelerator, sharded=fsdp)
     effective_batch = config.batch_size * config.grad_accum * world
+    derived_steps = plan.total_steps(effective_batch)
+    if derived_steps is not None:
+        config.steps = derived_steps
     if config.warmup_steps is None:
         config.warmup_steps = plan.default_warmup(effective_batch)
     config.warmup_steps = min(config.warmup_steps, config.steps)
@@ -241,7 +245,8 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
                           **update, "seconds": time.perf_counter() - step_started, "peak_memory_gb": peak}
                 if metrics is not None:
                     metrics.write(record)
-                last_losses.update({k: v for k, v in terms.items() if k != "total_loss"})
+                last_losses.update({k: v for k, v in terms.items()
+                                    if k.endswith("_loss") and k != "total_loss" and v is not None})
                 shown = " ".join(f"{k.removesuffix('_loss')} {v:.4f}" for k, v in last_losses.items())
                 status = f"{objective:<{width}} {shown}"
                 progress.update(task, advance=1, status=status + f"  {1 / max(record['seconds'], 1e-9):.2f} step/s")
@@ -362,9 +367,10 @@ class StopRequest:
         self._previous.clear()
 
 
-def _stop_if_not_finite(step: int, terms: dict[str, float], grad_norm: float, out: Path, lr_options: str) -> None:
+def _stop_if_not_finite(step: int, terms: dict[str, float | None], grad_norm: float, out: Path,
+                        lr_options: str) -> None:
     """A NaN or infinite loss or gradient ends the run before it reaches the weights."""
-    bad = {k: v for k, v in terms.items() if not math.isfinite(v)}
+    bad = {k: v for k, v in terms.items() if v is not None and not math.isfinite(v)}
     if not math.isfinite(grad_norm):
         bad["grad_norm"] = grad_norm
     if bad:
@@ -431,12 +437,15 @@ def _token_count(accelerator):
 def _accumulate_gradients(
     objective: str, objectives: Sequence[Objective], context: LossContext, formatter: PromptFormatter,
     config: TrainConfig, accelerator,
-) -> dict[str, float]:
+) -> dict[str, float | None]:
     """Backward `grad_accum` micro-batches of this step's objective (gradients averaged); return the mean
-    of each loss term. A joint step sums every objective's weighted loss on one batch of each."""
+    of each loss term. A joint step sums every objective's weighted loss on one batch of each. An objective
+    over a `MixtureSource` also logs each part's loss and rows (`PartTally`)."""
     parts = list(objectives) if objective == JOINT else [o for o in objectives if o.name == objective]
     sums = {f"{part.name}_loss": 0.0 for part in parts}
     model = context.model
+    mixed = tuple(n for part in parts if isinstance(part.source, MixtureSource) for n in part.source.part_names)
+    context.tally = PartTally(mixed, accelerator.device) if mixed else None
     for micro in range(config.grad_accum):
         last = micro == config.grad_accum - 1
         with nullcontext() if last or config.fsdp else accelerator.no_sync(model):
@@ -453,6 +462,11 @@ def _accumulate_gradients(
         sums = dict(zip(names, mean.tolist()))
     if objective == JOINT:
         sums["total_loss"] = sum(part.weight * sums[f"{part.name}_loss"] for part in parts)
+    if context.tally is not None:
+        if accelerator.num_processes > 1:  # every process's rows: the global batch's per-part losses
+            context.tally.sums = accelerator.reduce(context.tally.sums, "sum")
+        sums.update(context.tally.terms())
+        context.tally = None
     return sums
 
 

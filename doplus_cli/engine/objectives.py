@@ -1,4 +1,4 @@
-"""A run is a list of objectives; a command (unlearn, multitask) builds that list and the loop trains on it.
+"""A run is a list of objectives; a command (unlearn, multitask, align) builds that list and the loop trains on it.
 
 Each objective has a name (handed to `optimizer.step(objective=name)` and used in the logged loss terms
 `{name}_loss`), a data source, a loss, a weight (its factor in a joint step's sum), a frequency (F_i
@@ -50,7 +50,7 @@ class Plan:
     """What a command adds to the one training loop (`engine.loop.run_training`): its data and objectives,
     what it measures before, during and after training, and its report. The loop calls, in this order:
 
-    open() (data checked before anything is written) -> default_warmup() -> objectives(model, ...) ->
+    open() (data checked before anything is written) -> total_steps() -> default_warmup() -> objectives(model, ...) ->
     before(model, ...) -> [training; evaluate(step, ...) every --eval-every steps] -> after(model, ...) ->
     data_report(), render_markdown(report).
     """
@@ -63,6 +63,11 @@ class Plan:
 
     def open(self) -> None:
         """Open (and check) the data sources."""
+
+    def total_steps(self, effective_batch: int) -> int | None:
+        """The number of optimizer steps when the command derives it from its data (align's --epochs); None:
+        --steps."""
+        return None
 
     def default_warmup(self, effective_batch: int) -> int:
         return 0

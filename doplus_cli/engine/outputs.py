@@ -21,7 +21,8 @@ import yaml
 from doplus_cli.errors import UserError
 
 # Everything a run writes; `--overwrite` removes these and nothing else.
-RUN_FILES = ("config.yaml", "metrics.jsonl", "report.json", "report.md", "final", "data", "evals", "checkpoints")
+RUN_FILES = ("config.yaml", "metrics.jsonl", "report.json", "report.md", "final", "data", "evals", "eval",
+             "checkpoints")
 
 
 def prepare_out_dir(path: str, overwrite: bool) -> Path:
@@ -123,17 +124,18 @@ def environment(device: torch.device, world_size: int, effective_batch: int, see
 
 def loss_summary(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per objective: step count and, for each loss term, its value at the first and last step of that
-    objective and the mean over its last (up to) 10 steps."""
+    objective where it was logged and the mean over its last (up to) 10 such steps (a mixture's per-part
+    terms are null in a step that drew no row of that part)."""
     summary: dict[str, dict[str, Any]] = {}
     for objective in dict.fromkeys(r["objective"] for r in records):
         rows = [r for r in records if r["objective"] == objective]
-        terms = [k for k in rows[0] if k.endswith("_loss")]
+        terms = dict.fromkeys(k for r in rows for k in r if k.endswith("_loss"))
         summary[objective] = {"steps": len(rows)}
         for term in terms:
-            tail = [r[term] for r in rows[-10:]]
-            summary[objective][term] = {
-                "start": rows[0][term], "end": rows[-1][term], "end_mean10": sum(tail) / len(tail)
-            }
+            values = [r[term] for r in rows if r.get(term) is not None]
+            if values:
+                tail = values[-10:]
+                summary[objective][term] = {"start": values[0], "end": values[-1], "end_mean10": sum(tail) / len(tail)}
     return summary
 
 
