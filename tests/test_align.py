@@ -89,6 +89,28 @@ def test_joint_steps_draw_from_the_mixture_and_log_both_losses(tiny_llama, tmp_p
     assert "each step one batch from the mixture of both sets" in markdown
 
 
+def test_joint_mixture_on_two_processes_logs_the_global_batchs_per_set_losses(tiny_llama, tmp_path):
+    """Two processes at batch 2 draw the rows one process draws at batch 4, and the per-set split is reduced over
+    both: the same rows per set and the same token-mean per-set losses at every step, and the same weights."""
+    from tests.test_distributed import max_difference, two_processes, weights
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    base = ["--scheme", "joint", "--steps", 4, "--save-every", 0]
+    assert run_cli(*align_args(tiny_llama, one, *base, "--batch-size", 4)) == 0
+    two_processes(align_args(tiny_llama, two, *base, "--batch-size", 2))
+    assert json.loads((two / "report.json").read_text())["environment"]["world_size"] == 2
+    first, second = read_metrics(one), read_metrics(two)
+    assert len(first) == len(second) == 4
+    assert any(0 < r["safety_rows"] < 4 for r in first)  # mixed batches: the split is not trivial
+    for a, b in zip(first, second):
+        assert (a["safety_rows"], a["general_rows"]) == (b["safety_rows"], b["general_rows"])
+        for key in ("safety_loss", "general_loss", "mixture_loss"):
+            assert (a[key] is None) == (b[key] is None)
+            if a[key] is not None:
+                assert b[key] == pytest.approx(a[key], rel=1e-5)
+    assert max_difference(weights(one), weights(two)) < 1e-5
+
+
 def test_the_mixture_sampler_and_its_per_set_losses(tiny_llama):
     """MixtureSource maps rows to their set by hand; the per-set losses a joint step logs are each set's own CE,
     and the trained loss stays the CE over the whole batch."""
