@@ -215,13 +215,7 @@ class UnlearnKind(Kind):
                    ("--protocol", c.eval_protocol), ("--nli-model", c.eval_nli_model),
                    ("--embedding-model", c.eval_embedding_model), ("--batch-size", max(c.batch_size, 8)),
                    ("--seed", c.seed), ("--dtype", c.dtype)]
-        command = [sys.executable, "-m", "doplus_cli", "evaluate", "--model", str(run.folder / "final")]
-        for option, value in options:
-            if value is not None:
-                command += [option, str(value)]
-        if c.trust_remote_code:
-            command.append("--trust-remote-code")
-        return command + ["--out", str(run.folder / "eval"), "--overwrite"]
+        return _evaluate_command(run, options, c.trust_remote_code)
 
     def scores(self, report: dict[str, Any], evaluation: Path) -> tuple[dict[str, Any], dict[str, str]]:
         if report["config"].get("eval_suite") == "answers":
@@ -290,13 +284,7 @@ class AlignKind(Kind):
                    ("--max-new-tokens", c.eval_max_new_tokens), ("--batch-size", c.eval_batch_size),
                    ("--guard-model", c.eval_guard_model), ("--safety-data-dir", c.eval_safety_data_dir),
                    ("--seed", c.seed), ("--dtype", c.dtype)]
-        command = [sys.executable, "-m", "doplus_cli", "evaluate", "--model", str(run.folder / "final")]
-        for option, value in options:
-            if value is not None:
-                command += [option, str(value)]
-        if c.trust_remote_code:
-            command.append("--trust-remote-code")
-        return command + ["--out", str(run.folder / "eval"), "--overwrite"]
+        return _evaluate_command(run, options, c.trust_remote_code)
 
     def scores(self, report: dict[str, Any], evaluation: Path) -> tuple[dict[str, Any], dict[str, str]]:
         rates = (report.get("held_out") or {}).get("refusal_rate", {})
@@ -1226,3 +1214,14 @@ def print_summary(summary: dict[str, Any], console) -> None:
         cells += [_cell(row["metrics"][c["key"]], c["format"], False) for c in summary["columns"]]
         table.add_row(*cells)
     console.print(table)
+
+
+def _evaluate_command(run: Run, options: list[tuple[str, Any]], trust_remote_code: bool) -> list[str]:
+    """`doplus evaluate` of the run's final/ into its eval/ folder, with the options whose value is not None."""
+    command = [sys.executable, "-m", "doplus_cli", "evaluate", "--model", str(run.folder / "final")]
+    for option, value in options:
+        if value is not None:
+            command += [option, str(value)]
+    if trust_remote_code:
+        command.append("--trust-remote-code")
+    return command + ["--out", str(run.folder / "eval"), "--overwrite"]

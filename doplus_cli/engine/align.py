@@ -296,9 +296,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append("")
         lines.append(f"The full records and judge notes: {evaluation['folder']}/report.md.")
     lines += outputs.update_lines(report.get("update_sizes") or {})
-    lines += ["", "## Environment", "",
-              f"- device: {env['device']}, world size {env['world_size']}, dtype {env['dtype']}",
-              "- " + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v) + f", python {env['python']}"]
+    lines += outputs.environment_lines(env)
     return "\n".join(lines) + "\n"
 
 

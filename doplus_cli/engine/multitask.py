@@ -209,9 +209,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {name} | {outputs.cell(s['prompt'], 60)} | {outputs.cell(s['reference'], 40)} "
                          f"| {outputs.cell(s['before'], 60)} | {outputs.cell(s['after'], 60)} |")
     lines += outputs.update_lines(report.get("update_sizes") or {})
-    lines += ["", "## Environment", "",
-              f"- device: {env['device']}, world size {env['world_size']}, dtype {env['dtype']}",
-              "- " + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v) + f", python {env['python']}"]
+    lines += outputs.environment_lines(env)
     return "\n".join(lines) + "\n"
 
 

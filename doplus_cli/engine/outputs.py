@@ -275,10 +275,15 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += [f"\nCoverage: {note}" for note in sorted(notes)]
         if report.get("eval_curves"):
             lines += ["", "![curves](evals/curves.png)"]
-    lines += ["", "## Environment", ""]
-    lines.append(f"- device: {env['device']}, world size {env['world_size']}, dtype {env['dtype']}")
-    lines.append("- " + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v) + f", python {env['python']}")
+    lines += environment_lines(env)
     return "\n".join(lines) + "\n"
+
+
+def environment_lines(env: dict[str, Any]) -> list[str]:
+    """The report's closing section: device, world size, dtype and package versions."""
+    return ["", "## Environment", "",
+            f"- device: {env['device']}, world size {env['world_size']}, dtype {env['dtype']}",
+            "- " + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v) + f", python {env['python']}"]
 
 
 def write_report(out: Path, report: dict[str, Any], render=None) -> None:

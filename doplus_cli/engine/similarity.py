@@ -6,9 +6,10 @@ After every step of objective k the loop keeps k's latest update Δθ_k = θ_aft
     update_cosine = mean over pairs (a, b) of <Δθ_a, Δθ_b> / (‖Δθ_a‖ ‖Δθ_b‖)
     grad_cosine   = mean over pairs (a, b) of <g_a, g_b> / (‖g_a‖ ‖g_b‖)
 
-over every trainable parameter (products in the weights' dtype, sums in float64); null until every objective has stepped once, and for joint
-steps, which do not separate the objectives. The paper's claim: DualOptim's updates are nearly orthogonal
-(each objective has its own moments), Alternate's nearly parallel (one shared state), DualOptim+ in between.
+over every trainable parameter (products in the weights' dtype, sums in float64); null until every objective
+has stepped once, and for joint steps, which do not separate the objectives. The paper's claim: DualOptim's
+updates are nearly orthogonal (each objective has its own moments), Alternate's nearly parallel (one shared state),
+DualOptim+ in between.
 
 The cost: one copy of the trainable weights (θ_before) plus, per objective, one update and one gradient, in
 the weights' dtype. Under FSDP each process keeps its shards and the sums are added across processes.

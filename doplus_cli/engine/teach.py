@@ -57,7 +57,8 @@ def _model_identity(model: str | None) -> str:
         return f"embedded:{path.name}:{path.stat().st_size}"
     if os.path.isdir(model):
         files = sorted(Path(model).iterdir())
-        return "folder:" + ";".join(f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}" for p in files if p.is_file())
+        return "folder:" + ";".join(f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}"
+                                    for p in files if p.is_file())
     return model  # a hub id (its revision is the hub's latest)
 
 

@@ -116,9 +116,11 @@ PACKED_TOKENS_PER_ROW = 48
 @torch.no_grad()
 def _packed_nlls(model, formatter: PromptFormatter, questions: Sequence[str], answers: Sequence[Sequence[str]],
                  batch_size: int) -> list[list[float]]:
-    device = next(model.parameters()).device
-    result: list[list[float]] = [[0.0] * len(group) for group in answers]
-    jobs, leftovers = _shared_jobs(formatter, questions, answers)
+    return _score_jobs(model, formatter, questions, answers, batch_size, _pack_and_score)
+
+
+def _pack_and_score(model, formatter: PromptFormatter, jobs: list[_Job], batch_size: int, device, result) -> None:
+    """Questions sorted by packed length, in batches of about `batch_size` x PACKED_TOKENS_PER_ROW tokens."""
     trees = [_TokenTree(job) for job in jobs]
     order = sorted(range(len(trees)), key=lambda i: trees[i].length)
     budget = max(1, batch_size) * PACKED_TOKENS_PER_ROW
@@ -130,11 +132,21 @@ def _packed_nlls(model, formatter: PromptFormatter, questions: Sequence[str], an
         batch.append(trees[i])
     if batch:
         _score_packed(model, batch, device, formatter.tokenizer.pad_token_id, result)
+
+
+def _score_jobs(model, formatter: PromptFormatter, questions: Sequence[str], answers: Sequence[Sequence[str]],
+                batch_size: int, score) -> list[list[float]]:
+    """Both shared-prefix paths: `score` fills the values of every question's distinct, untruncated answers;
+    the pairs `encode` truncates take `mean_token_nlls`, and identical answers copy the value computed once."""
+    device = next(model.parameters()).device
+    result: list[list[float]] = [[0.0] * len(group) for group in answers]
+    jobs, leftovers = _shared_jobs(formatter, questions, answers)
+    score(model, formatter, jobs, batch_size, device, result)
     if leftovers:
         values = mean_token_nlls(model, formatter, [(questions[q], answers[q][a]) for q, a in leftovers], batch_size)
         for (q, a), value in zip(leftovers, values):
             result[q][a] = value
-    for job in jobs:  # identical answers of one question share the value computed once
+    for job in jobs:
         for position, first in job.copies.items():
             result[job.question][position] = result[job.question][first]
     return result
@@ -264,12 +276,14 @@ def _cached_prefix_nlls(
     (left-padded); their KV cache is then expanded over the answers (any answer row may take any prompt row, so
     answers are packed by length across questions) and each answer runs on top of its prompt's cache. The first
     answer token is scored from the prompt's last logits, the others from the answer pass."""
-    device = next(model.parameters()).device
-    result: list[list[float]] = [[0.0] * len(group) for group in answers]
-    jobs, leftovers = _shared_jobs(formatter, questions, answers)
-    order = sorted(range(len(jobs)), key=lambda i: len(jobs[i].prompt))
-    if not _shares_cache(model, formatter, device):
+    if not _shares_cache(model, formatter, next(model.parameters()).device):
         return grouped_nlls(model, formatter, questions, answers, batch_size)
+    return _score_jobs(model, formatter, questions, answers, batch_size, _chunk_and_score)
+
+
+def _chunk_and_score(model, formatter: PromptFormatter, jobs: list[_Job], batch_size: int, device, result) -> None:
+    """Questions sorted by prompt length, in chunks of about ANSWER_ROWS_PER_CHUNK x `batch_size` answers."""
+    order = sorted(range(len(jobs)), key=lambda i: len(jobs[i].prompt))
     chunk: list[_Job] = []
     for i in order:
         chunk.append(jobs[i])
@@ -278,15 +292,6 @@ def _cached_prefix_nlls(
             chunk = []
     if chunk:
         _score_chunk(model, formatter, chunk, batch_size, device, result)
-    if leftovers:
-        values = mean_token_nlls(model, formatter, [(questions[q], answers[q][a]) for q, a in leftovers],
-                                 batch_size)
-        for (q, a), value in zip(leftovers, values):
-            result[q][a] = value
-    for job in jobs:  # identical answers of one question share the value computed once
-        for position, first in job.copies.items():
-            result[job.question][position] = result[job.question][first]
-    return result
 
 
 def _shares_cache(model, formatter: PromptFormatter, device) -> bool:
