@@ -401,6 +401,9 @@ def align(
     eval_guard_model: str | None = typer.Option(
         None, "--eval-guard-model", help="A Llama Guard-protocol model, or none [default: "
         "meta-llama/Meta-Llama-Guard-2-8B if it loads, else the offline refusal judge]"),
+    eval_refusal_model: str | None = typer.Option(
+        None, "--eval-refusal-model", help="A chat model labelling refusals by XSTest's protocol [default: the "
+        "offline refusal judge]"),
     eval_safety_data_dir: str | None = typer.Option(
         None, "--eval-safety-data-dir", help="Folder with I-*.json, Q-Harm.json, xstest_prompts.csv [default: "
         "download the releases' files]"),
@@ -479,6 +482,14 @@ def evaluate(
         None, "--guard-model", help="safety: a Llama Guard-protocol model (hub id or folder), or none [default: "
         "meta-llama/Meta-Llama-Guard-2-8B if it loads, else the offline refusal judge, said in the report]"
     ),
+    refusal_model: str | None = typer.Option(
+        None, "--refusal-model", help="safety, xstest: a chat model (hub id or folder) that labels refusals by "
+        "XSTest's classification protocol instead of the offline refusal judge"
+    ),
+    refusal_model_prompt: str | None = typer.Option(
+        None, "--refusal-model-prompt", help="Its prompt: a text file with {question} and {response} [default: "
+        "doplus's wording of XSTest's GPT-4 prompt]"
+    ),
     safety_data_dir: str | None = typer.Option(
         None, "--safety-data-dir", help="safety, xstest: folder with I-*.json, Q-Harm.json, xstest_prompts.csv "
         "[default: download the releases' files]"
@@ -509,7 +520,8 @@ def evaluate(
         tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), limit=limit, lm_eval_include=lm_eval_include,
         dtype=dtype, trust_remote_code=trust_remote_code, overwrite=overwrite, seed=seed,
         prompt_template=prompt_template, protocol=protocol, retain_logs=retain_logs, holdout=holdout,
-        guard_model=guard_model, safety_data_dir=safety_data_dir, responses=responses,
+        guard_model=guard_model, safety_data_dir=safety_data_dir, responses=responses, refusal_model=refusal_model,
+        refusal_model_prompt=refusal_model_prompt,
     )
     check_prompt_template(prompt_template)
     get_protocol(protocol)

@@ -176,6 +176,7 @@ class AlignConfig(TrainConfig):
     eval_max_samples: int | None = None  # the first N prompts of each set
     eval_max_new_tokens: int = 64
     eval_guard_model: str | None = None  # None: Llama-Guard-2-8B when it loads, else the refusal judge; "none"
+    eval_refusal_model: str | None = None  # a chat model labelling refusals (XSTest's protocol); None: offline judge
     eval_safety_data_dir: str | None = None  # None: the releases' files, downloaded once
 
 

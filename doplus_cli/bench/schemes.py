@@ -282,7 +282,8 @@ class AlignKind(Kind):
         c: AlignConfig = run.config
         options = [("--suite", c.eval_suite), ("--max-samples", c.eval_max_samples),
                    ("--max-new-tokens", c.eval_max_new_tokens), ("--batch-size", c.eval_batch_size),
-                   ("--guard-model", c.eval_guard_model), ("--safety-data-dir", c.eval_safety_data_dir),
+                   ("--guard-model", c.eval_guard_model), ("--refusal-model", c.eval_refusal_model),
+                   ("--safety-data-dir", c.eval_safety_data_dir),
                    ("--seed", c.seed), ("--dtype", c.dtype)]
         return _evaluate_command(run, options, c.trust_remote_code)
 

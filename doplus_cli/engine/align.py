@@ -191,6 +191,7 @@ def evaluate_final(config: AlignConfig, report: dict[str, Any], console: Console
         model=report["final"], suites=parse_suites(config.eval_suite), out=str(folder), overwrite=True,
         max_samples=config.eval_max_samples, max_new_tokens=config.eval_max_new_tokens,
         batch_size=config.eval_batch_size, guard_model=config.eval_guard_model,
+        refusal_model=config.eval_refusal_model,
         safety_data_dir=config.eval_safety_data_dir, dtype=config.dtype, trust_remote_code=config.trust_remote_code,
         seed=config.seed), console)
     summary = {}

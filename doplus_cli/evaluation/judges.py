@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from doplus_cli.models import hub_offline
+from doplus_cli.models import hub_offline, looks_like_path
 
 DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 DEFAULT_NLI_MODEL = "sileod/deberta-v3-base-tasksource-nli"
@@ -110,6 +110,8 @@ def _why(name: str, error: Exception) -> str:
     if os.path.isdir(os.path.expanduser(name)):
         detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return f"local folder: {detail}"[:200]
+    if looks_like_path(name):
+        return "no such folder"
     if hub_offline():
         return "offline: not in the local cache"
     return f"not on the hub or the hub could not be reached: {type(error).__name__}"

@@ -75,6 +75,8 @@ class EvalConfig:
     retain_logs: str | None = None  # a retain model's TOFU_EVAL.json: forget_quality and privleak's reference
     holdout: str | None = None  # non-member rows (TOFU holdout10): the privacy suite, and privacy in TOFU
     guard_model: str | None = None  # safety: None tries meta-llama/Meta-Llama-Guard-2-8B, "none" never
+    refusal_model: str | None = None  # safety, xstest: a chat model judging refusals (XSTest's protocol)
+    refusal_model_prompt: str | None = None  # its prompt, a file with {question} and {response}
     safety_data_dir: str | None = None  # safety, xstest: None downloads the releases' files
     responses: str | None = None  # safety, xstest: judge these (prompt, response) rows instead of generating
     extra: dict[str, Any] = field(default_factory=dict)
@@ -263,7 +265,8 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
     if "safety" in config.suites or "xstest" in config.suites:
         from doplus_cli.evaluation import safety
 
-        safety_judges = safety.load_safety_judges(config.guard_model, device, config.dtype)
+        safety_judges = safety.load_safety_judges(config.guard_model, device, config.dtype, config.refusal_model,
+                                                  config.refusal_model_prompt, need_guard="safety" in config.suites)
     summary: dict[str, Any] = {}
     sections: list[dict[str, Any]] = []
     timings: dict[str, float] = {}
@@ -335,7 +338,7 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
             "nli_model": getattr(judges.nli, "name", None), "nli_missing": judges.nli_reason,
             "guard_model": getattr(getattr(safety_judges, "guard", None), "name", None),
             "guard_missing": getattr(safety_judges, "guard_missing", None),
-            "refusal_judge": getattr(getattr(safety_judges, "refusal", None), "name", None),
+            "refusal_judge": getattr(safety_judges, "refusal_name", None),
         },
         "targeted": targeted,
         "protocol": protocol.describe(config.max_new_tokens),
