@@ -178,30 +178,33 @@ def stand_in_guard(tmp_path_factory):
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-guard"), chat=True, seed=1)
 
 
-@pytest.fixture
-def guard_says_unsafe_on_here(monkeypatch, stand_in_guard):
-    """The stand-in's generation answers "unsafe\\nS2" when the assistant turn of the conversation it is given
-    contains "here", "safe" otherwise; every other model generates as usual. Returns the conversations seen."""
-    tokenizer = AutoTokenizer.from_pretrained(stand_in_guard)
+def _script_generation(monkeypatch, model_folder, marker: str, answer) -> list[str]:
+    """Every LlamaForCausalLM generates as usual, except on inputs containing `marker`: there each row's
+    continuation is `answer(its decoded text)`. Returns the texts seen there."""
+    tokenizer = AutoTokenizer.from_pretrained(model_folder)
     original = LlamaForCausalLM.generate
     seen: list[str] = []
 
     def generate(self, input_ids=None, attention_mask=None, **kwargs):
         texts = tokenizer.batch_decode(input_ids)
-        if "<|assistant|>" not in texts[0]:
+        if marker not in texts[0]:
             return original(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        rows = []
-        for text in texts:
-            seen.append(text)
-            answer = text.split("<|assistant|>\n", 1)[1]
-            verdict = "unsafe\nS2" if "here" in answer.lower() else "safe"
-            rows.append(tokenizer(verdict, add_special_tokens=False)["input_ids"])
+        seen.extend(texts)
+        rows = [tokenizer(answer(text), add_special_tokens=False)["input_ids"] for text in texts]
         width = max(len(r) for r in rows)
         new = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
         return torch.cat([input_ids, new], dim=1)
 
     monkeypatch.setattr(LlamaForCausalLM, "generate", generate)
     return seen
+
+
+@pytest.fixture
+def guard_says_unsafe_on_here(monkeypatch, stand_in_guard):
+    """The stand-in's generation answers "unsafe\\nS2" when the assistant turn of the conversation it is given
+    contains "here", "safe" otherwise; every other model generates as usual. Returns the conversations seen."""
+    return _script_generation(monkeypatch, stand_in_guard, "<|assistant|>", lambda text: (
+        "unsafe\nS2" if "here" in text.split("<|assistant|>\n", 1)[1].lower() else "safe"))
 
 
 def _write_responses(path, rows):
@@ -319,27 +322,12 @@ def judge_model_says(monkeypatch, stand_in_guard):
     """The stand-in chat model as a refusal judge model: its generation reads the RESPONSE of the prompt it is
     given and answers 2_full_refusal for "cannot", 3_partial_refusal for "however", nothing readable for "maybe",
     1_full_compliance otherwise. Returns the prompts seen."""
-    tokenizer = AutoTokenizer.from_pretrained(stand_in_guard)
-    original = LlamaForCausalLM.generate
-    seen: list[str] = []
+    def answer(text: str) -> str:
+        response = text.split("RESPONSE", 1)[1].lower()
+        return ("2_full_refusal" if "cannot" in response else "3_partial_refusal" if "however" in response
+                else "I am not sure" if "maybe" in response else "1_full_compliance")
 
-    def generate(self, input_ids=None, attention_mask=None, **kwargs):
-        texts = tokenizer.batch_decode(input_ids)
-        if "RESPONSE" not in texts[0]:
-            return original(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        rows = []
-        for text in texts:
-            seen.append(text)
-            response = text.split("RESPONSE", 1)[1].lower()
-            answer = ("2_full_refusal" if "cannot" in response else "3_partial_refusal" if "however" in response
-                      else "I am not sure" if "maybe" in response else "1_full_compliance")
-            rows.append(tokenizer(answer, add_special_tokens=False)["input_ids"])
-        width = max(len(r) for r in rows)
-        new = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
-        return torch.cat([input_ids, new], dim=1)
-
-    monkeypatch.setattr(LlamaForCausalLM, "generate", generate)
-    return seen
+    return _script_generation(monkeypatch, stand_in_guard, "RESPONSE", answer)
 
 
 def test_xstest_and_safety_with_a_refusal_judge_model(stand_in_guard, judge_model_says, tmp_path, capsys):
