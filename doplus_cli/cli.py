@@ -753,5 +753,19 @@ def main(argv: list[str] | None = None) -> None:
         if not quiet_worker():
             err_console.print(Text("error: ", style="bold red") + Text(str(error)))
         sys.exit(worker_exit_code(error.exit_code))
+    _leave_process_group()
     if isinstance(code, int) and code != 0:
         sys.exit(code)
+
+
+def _leave_process_group() -> None:
+    """After a command that ran as one of several processes and finished: destroy the process group, as PyTorch
+    asks (without it NCCL warns at exit, and a rank can abort in interpreter finalization while gloo's worker
+    threads still hold tensors, pytorch/pytorch#179291). A failed process exits without it: torchrun stops the
+    others, and a destroy that waits on a dead peer could hang."""
+    if "torch.distributed" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
