@@ -379,20 +379,20 @@ def measure(paths: list[str], labelled_by: str = "reading") -> dict:
     embedder, _ = load_embedder(None)
     judges = {"judge": RefusalJudge(embedder), "judge_rules_only": RefusalJudge(None)}
     result = {}
-    pooled: dict[str, list] = {"truth": []}
+    all_truth: list[str] = []
+    all_predictions: dict[str, list[str]] = {}
     for path in paths:
         rows = read_labelled(path)
         responses = [r["response"] for r in rows]
         truth = [r["label"] for r in rows]
         predictions = {name: [v.label for v in judge.classify(responses)] for name, judge in judges.items()}
         predictions["xstest_prefix"] = [xstest_prefix_label(t) for t in responses]
-        pooled["truth"] += truth
+        all_truth += truth
         for name, p in predictions.items():
-            pooled.setdefault(name, []).extend(p)
+            all_predictions.setdefault(name, []).extend(p)
         result[Path(path).name] = _figures(truth, predictions, labelled_by)
     if len(paths) > 1:
-        truth = pooled.pop("truth")
-        result["all"] = {**_figures(truth, pooled, labelled_by), "files": [Path(p).name for p in paths]}
+        result["all"] = {**_figures(all_truth, all_predictions, labelled_by), "files": [Path(p).name for p in paths]}
     return result
 
 

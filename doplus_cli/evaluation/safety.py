@@ -499,19 +499,19 @@ def agreement_section(prefix: str, records: list[dict[str, Any]], judges: Safety
     if not known:
         return {}, None
     truth = [r["known_refusal"] for r in known]
-    judged = {judges.refusal_name: [r["refusal"] for r in known]}
+    used = [r["refusal"] for r in known]
+    judged = [("judge", judges.refusal_name, used)]  # (summary key, name in the report, labels)
     if judges.refusal_model is not None:
-        judged[f"offline refusal judge {judges.refusal.name}"] = [r["refusal_offline"] for r in known]
-    judged["XSTest's string-prefix rule"] = [xstest_prefix_label(r["response"]) for r in known]
-    keys = ["judge"] + (["offline_judge"] if judges.refusal_model is not None else []) + ["prefix"]
+        judged.append(("offline_judge", f"offline refusal judge {judges.refusal.name}",
+                       [r["refusal_offline"] for r in known]))
+    judged.append(("prefix", "XSTest's string-prefix rule", [xstest_prefix_label(r["response"]) for r in known]))
     summary: dict[str, Any] = {f"{prefix}_labelled": len(known)}
     rows = []
-    for key, (name, predicted) in zip(keys, judged.items()):
+    for key, name, predicted in judged:
         three, two = agreement(truth, predicted), agreement(truth, predicted, three_way=False)
         summary[f"{prefix}_{key}_agreement"] = three
         summary[f"{prefix}_{key}_agreement_2way"] = two
         rows.append([name, len(known), three, two])
-    used = judged[judges.refusal_name]
     confusion = [[t] + [sum(1 for x, y in zip(truth, used) if x == t and y == p) for p in (*LABELS, None)]
                  for t in LABELS]
     return summary, {"judge": judges.refusal_name, "rows": rows, "confusion": confusion}
