@@ -235,8 +235,12 @@ def test_eval_suite_runs_doplus_evaluate_on_final(tiny_llama, tmp_path):
     ("no_safety", "no safety set: pass --safety FILE"),
     ("bad_freq", "--freq 1:0: write F_s:F_g"),
     ("too_few_rows", "the safety set has 2 rows and --held-out 2 would keep every one"),
+    # the evaluation's prompt files are read before training, not found missing after it
+    ("eval_data_missing", "--eval-suite safety,xstest: EMPTY/I-MaliciousInstructions.json: file not found"),
+    ("eval_offline", "--eval-suite xstest: https://raw.githubusercontent.com/paul-rottger/exaggerated-safety/main/"
+                     "xstest_prompts.csv: offline (HF_HUB_OFFLINE is set) and not cached; pass --eval-safety-data-dir"),
 ])
-def test_bad_input_is_one_line_with_exit_code_2(tiny_llama, tmp_path, capsys, case, needle):
+def test_bad_input_is_one_line_with_exit_code_2(tiny_llama, tmp_path, capsys, monkeypatch, case, needle):
     out = tmp_path / "out"
     bad = tmp_path / "bad.jsonl"
     good = {"instruction": "Name a colour.", "output": "Blue."}
@@ -271,9 +275,16 @@ def test_bad_input_is_one_line_with_exit_code_2(tiny_llama, tmp_path, capsys, ca
         extra = ["--freq", "1:0"]
     elif case == "too_few_rows":
         safety = f"{SAFETY}[0:2]"
+    elif case == "eval_data_missing":
+        (tmp_path / "empty").mkdir()
+        extra = ["--eval-suite", "safety,xstest", "--eval-safety-data-dir", tmp_path / "empty"]
+    elif case == "eval_offline":
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        monkeypatch.setenv("DOPLUS_CACHE", str(tmp_path / "cache"))  # nothing downloaded before
+        extra = ["--eval-suite", "xstest"]
     args = ["align", "--model", tiny_llama, *(["--safety", safety] if safety else []), "--general", general,
             "--held-out", 2, *length, "--out", out, *extra]
-    needle = needle.replace("BAD", str(bad))
+    needle = needle.replace("BAD", str(bad)).replace("EMPTY", str(tmp_path / "empty"))
     capsys.readouterr()
     assert run_cli(*args) == 2
     err = capsys.readouterr().err.strip()

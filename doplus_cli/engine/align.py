@@ -114,6 +114,8 @@ class AlignPlan(Plan):
         for name, part in self.sets.items():
             rows = [part.held_out[i] for i in range(len(part.held_out))] if part.held_out is not None else []
             self.held_out += [(name, row.question, row.answer) for row in rows]
+        if self.config.eval_suite:
+            check_eval_prompts(self.config)
 
     def _epoch_steps(self, epochs: float, effective_batch: int) -> int:
         return epoch_steps(epochs, len(self.sets["safety"].train), len(self.sets["general"].train), effective_batch,
@@ -180,6 +182,23 @@ class AlignPlan(Plan):
                                    self.config.max_new_tokens, batch_size=self.config.eval_batch_size,
                                    progress=progress, description=f"held-out responses {when}")
         return texts
+
+
+def check_eval_prompts(config: AlignConfig) -> None:
+    """Read the evaluation suites' prompt files (downloading them once when online) before training, so that a
+    missing, unreachable or malformed file is one error line now rather than after the run."""
+    from doplus_cli.evaluation.runner import parse_suites
+    from doplus_cli.evaluation.safety import load_harmful_sets, read_xstest
+
+    suites = parse_suites(config.eval_suite)
+    try:
+        if "safety" in suites:
+            load_harmful_sets(config.eval_safety_data_dir, config.eval_max_samples)
+        if "xstest" in suites:
+            read_xstest(config.eval_safety_data_dir)
+    except UserError as error:
+        message = str(error).replace("pass --safety-data-dir", "pass --eval-safety-data-dir")
+        raise UserError(f"--eval-suite {config.eval_suite}: {message}") from None
 
 
 def evaluate_final(config: AlignConfig, report: dict[str, Any], console: Console | None) -> dict[str, Any]:
