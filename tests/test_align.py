@@ -320,6 +320,18 @@ def test_bench_schemes_runs_an_align_recipe(tiny_llama, tmp_path, monkeypatch):
         AlignKind().check_evaluation(set(), AlignConfig(held_out=0), recipe)
 
 
+def test_bench_set_none_is_a_value_and_null_unsets(tiny_llama, tmp_path):
+    """`--set eval_guard_model=none` means no guard model; it once became None, which tries the default 8B guard."""
+    from doplus_cli.bench.schemes import plan_bench
+
+    recipe = tmp_path / "align.yaml"
+    recipe.write_text(yaml.safe_dump({"model": str(tiny_llama), "safety": f"{SAFETY}[0:14]",
+                                      "general": f"{GENERAL}[0:26]", "steps": 2, "eval_max_samples": 3}))
+    bench = plan_bench(str(recipe), "doplus", "0", str(tmp_path / "bench"),
+                       ["eval_guard_model=none", "eval_max_samples=null"], None, False)
+    assert bench.set_values == {"eval_guard_model": "none", "eval_max_samples": None}
+
+
 def test_a_row_range_of_the_shared_safety_file_is_read_as_it_is():
     source = open_source(f"{SAFETY}[0:200]", "safety", alpaca_keys(AlignConfig()))
     assert isinstance(source, RowRange) and len(source) == 200

@@ -479,8 +479,9 @@ def _option_key(raw: str, flag: str, names: list[str]) -> str:
 
 
 def _null(text: str) -> str | None:
-    """`--set KEY=null` (or none) sets an optional option back to None."""
-    return None if text.lower() in ("null", "none", "~") else text
+    """`--set KEY=null` (or ~, YAML's nulls) sets an optional option back to None. "none" stays a value: some options
+    give it a meaning (`eval_guard_model=none`: no guard model, where None means the default 8B guard)."""
+    return None if text.lower() in ("null", "~") else text
 
 
 def _plan_run(bench: Bench, scheme: str, sweep_value: Any, seed: int) -> Run:
