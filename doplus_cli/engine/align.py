@@ -188,17 +188,13 @@ def check_eval_prompts(config: AlignConfig) -> None:
     """Read the evaluation suites' prompt files (downloading them once when online) before training, so that a
     missing, unreachable or malformed file is one error line now rather than after the run."""
     from doplus_cli.evaluation.runner import parse_suites
-    from doplus_cli.evaluation.safety import load_harmful_sets, read_xstest
+    from doplus_cli.evaluation.safety import prompt_sets
 
-    suites = parse_suites(config.eval_suite)
     try:
-        if "safety" in suites:
-            load_harmful_sets(config.eval_safety_data_dir, config.eval_max_samples)
-        if "xstest" in suites:
-            read_xstest(config.eval_safety_data_dir)
+        for suite in parse_suites(config.eval_suite):
+            prompt_sets(suite, config.eval_safety_data_dir, config.eval_max_samples, "--eval-safety-data-dir")
     except UserError as error:
-        message = str(error).replace("pass --safety-data-dir", "pass --eval-safety-data-dir")
-        raise UserError(f"--eval-suite {config.eval_suite}: {message}") from None
+        raise UserError(f"--eval-suite {config.eval_suite}: {error}") from None
 
 
 def evaluate_final(config: AlignConfig, report: dict[str, Any], console: Console | None) -> dict[str, Any]:

@@ -80,14 +80,14 @@ def safety_overall(safety_avg: float, utility_avg: float) -> float:
 
 # ---------------------------------------------------------------------------------------------- data
 
-def _download(url: str, name: str) -> Path:
+def _download(url: str, name: str, option: str = "--safety-data-dir") -> Path:
     """`url` cached under $DOPLUS_CACHE/safety/; a one-line error when offline or unreachable."""
     from doplus_cli.models import cache_root, hub_offline
 
     path = cache_root() / "safety" / name
     if path.is_file():
         return path
-    hint = "pass --safety-data-dir with the files (the layout of the release)"
+    hint = f"pass {option} with the files (the layout of the release)"
     if hub_offline():
         raise UserError(f"{url}: offline (HF_HUB_OFFLINE is set) and not cached; {hint}")
     try:
@@ -113,13 +113,14 @@ def _json_file(path: Path) -> Any:
         raise UserError(f"{path}: not UTF-8 text") from None
 
 
-def load_harmful_sets(data_dir: str | None, max_samples: int | None) -> list[PromptSet]:
+def load_harmful_sets(data_dir: str | None, max_samples: int | None, option: str = "--safety-data-dir"
+                      ) -> list[PromptSet]:
     """The four harmful-instruction sets, `{"instructions": [...], "inputs": [...]}` each, from `data_dir`
     (files NAME.json) or downloaded from the release; an input, when not empty, follows its instruction."""
     sets = []
     for name, short in HARMFUL_SETS:
         path = Path(data_dir) / f"{name}.json" if data_dir else _download(RELEASE_URL.format(name=name),
-                                                                          f"{name}.json")
+                                                                          f"{name}.json", option)
         data = _json_file(path)
         instructions = data.get("instructions") if isinstance(data, dict) else None
         if not isinstance(instructions, list) or not instructions or not all(isinstance(i, str)
@@ -133,9 +134,9 @@ def load_harmful_sets(data_dir: str | None, max_samples: int | None) -> list[Pro
     return sets
 
 
-def read_xstest(data_dir: str | None) -> tuple[str, list[dict[str, Any]]]:
+def read_xstest(data_dir: str | None, option: str = "--safety-data-dir") -> tuple[str, list[dict[str, Any]]]:
     """XSTest's prompts (`id, prompt, type, label, ...`; label safe or unsafe) with their file line."""
-    path = Path(data_dir) / XSTEST_FILE if data_dir else _download(XSTEST_URL, XSTEST_FILE)
+    path = Path(data_dir) / XSTEST_FILE if data_dir else _download(XSTEST_URL, XSTEST_FILE, option)
     if not path.is_file():
         raise UserError(f"{path}: file not found")
     rows = []
@@ -631,6 +632,16 @@ def overall_section(summary: dict[str, Any], utility_avg: float | None) -> dict[
             "judge": summary.get("safety_judge")}
 
 
+def prompt_sets(suite: str, data_dir: str | None, max_samples: int | None, option: str = "--safety-data-dir"
+                ) -> list[PromptSet]:
+    """The prompts of `safety` (the four harmful sets) or `xstest` (its safe and unsafe prompts); `option` is the
+    flag the offline error names."""
+    if suite == "safety":
+        return load_harmful_sets(data_dir, max_samples, option)
+    source, rows = read_xstest(data_dir, option)
+    return xstest_sets(source, rows, max_samples)
+
+
 def run_suite(suite: str, model, formatter, config, judges: SafetyJudges, out: Path, model_name: str,
               progress=None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run `safety` or `xstest`, write its EVAL and SUMMARY files into `out`; (summary, report section)."""
@@ -639,11 +650,8 @@ def run_suite(suite: str, model, formatter, config, judges: SafetyJudges, out: P
     if config.responses:
         rows = read_responses(config.responses)
         sets = sets_from_responses(suite, rows, config.suites, config.responses, config.safety_data_dir)
-    elif suite == "safety":
-        sets = load_harmful_sets(config.safety_data_dir, config.max_samples)
     else:
-        source, rows = read_xstest(config.safety_data_dir)
-        sets = xstest_sets(source, rows, config.max_samples)
+        sets = prompt_sets(suite, config.safety_data_dir, config.max_samples)
     runner = run_safety if suite == "safety" else run_xstest
     summary, section, records = runner(sets, model, formatter, config, judges, progress)
     stem = suite.upper()
