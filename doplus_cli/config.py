@@ -20,13 +20,16 @@ import yaml
 from doplus_cli.data.formatting import check_prompt_template
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.protocol import get_protocol
+from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossParams, parse_layer_list
 
 SCHEMES = ("joint", "alternate", "dualoptim", "doplus")
 OPTIMIZERS = ("adamw", "muon")
 DTYPES = ("auto", "float32", "bfloat16")
+PRECISIONS = ("auto", "fp32", "bf16-mixed", "bf16")  # engine/precision.py
+SAVE_DTYPES = ("auto", "float32", "bfloat16")
 STATE_BITS = (32, 8)
-FORGET_LOSS_NAMES = ("GA", "NPO", "DPO", "ME", "IDK")
-RETAIN_LOSS_NAMES = ("GD", "KL", "AP")
+FORGET_LOSS_NAMES = tuple(FORGET_LOSSES)  # GA, NPO, DPO, ME, IDK, SimNPO, WGA, SatImp, UNDIAL, CE-U, RMU
+RETAIN_LOSS_NAMES = tuple(RETAIN_LOSSES)  # GD, KL, AP, EMBED
 # Keys in a recipe whose relative paths are looked up next to the recipe file first.
 _PATH_KEYS = ("model", "teach", "forget", "retain", "eval_data_dir", "safety", "general", "eval_safety_data_dir")
 # Options of which a run takes one: given both on the same level (both flags, both in the recipe) is an error;
@@ -44,7 +47,11 @@ class TrainConfig:
     # Model
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     teach: str | None = None  # a multitask recipe taught first (cached); its final model is the starting model
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    dtype: str = "auto"  # the load dtype: auto is bfloat16 on CUDA, float32 on CPU
+    # fp32, bf16-mixed (float32 master weights, bf16 autocast) or bf16 (bf16 weights, compensated updates);
+    # auto: bf16-mixed where the model loads in bfloat16 (CUDA), fp32 otherwise (engine/precision.py)
+    precision: str = "auto"
+    save_dtype: str = "auto"  # final/'s dtype: auto is float32 under fp32, bfloat16 under bf16-mixed and bf16
     trust_remote_code: bool = False
     max_length: int = 256
     # None: the tokenizer's chat template, `question-answer` without one; else a preset (chat, question-answer,
@@ -62,7 +69,7 @@ class TrainConfig:
     lr: float = 1e-5
     batch_size: int = 4
     grad_accum: int = 1
-    warmup_steps: int | None = None  # None: the command's default (unlearn: one pass over the forget set)
+    warmup_steps: int | None = None  # None: the command's default (unlearn: the DualOptim+ authors' one epoch)
     weight_decay: float = 0.01
     max_grad_norm: float = 1.0
     seed: int = 0
@@ -101,7 +108,11 @@ class UnlearnConfig(TrainConfig):
 
     # Data
     forget: str | None = None
-    retain: str | None = None
+    retain: str | None = None  # a file, hf:..., or "tofu-authors": the authors' retain set for the forget file
+    # Files whose rows carry task_id (the DualOptim+ authors' TOFU files): the forget task to unlearn; None: task 1
+    task_id: int | None = None
+    task_ids: str | None = None  # "1,2,3" with continual: the tasks in the order they are unlearned
+    continual: bool = False  # each task starts from the previous task's final model (data/tofu.py)
     question_key: str = "question"
     answer_key: str = "answer"
     answers_from_model: bool = False  # targets are the starting model's own greedy answers (real-world setting)
@@ -110,6 +121,17 @@ class UnlearnConfig(TrainConfig):
     beta: float = 0.1
     forget_coeff: float = 1.0
     retain_coeff: float = 1.0
+    # The hyper-parameters of SimNPO, UNDIAL, WGA, SatImp and RMU/EMBED; defaults and sources: losses.LossParams
+    simnpo_beta: float = LossParams.simnpo_beta
+    simnpo_gamma: float = LossParams.simnpo_gamma
+    undial_beta: float = LossParams.undial_beta
+    wga_beta: float = LossParams.wga_beta
+    satimp_beta1: float = LossParams.satimp_beta1
+    satimp_beta2: float = LossParams.satimp_beta2
+    rmu_layer: int | None = LossParams.rmu_layer  # None: 7, or 7/32 of the depth of a model with fewer layers
+    rmu_coeff: float = LossParams.rmu_coeff
+    rmu_update_layers: str | None = LossParams.rmu_update_layers  # "5,6,7"; None: rmu_layer-2 .. rmu_layer
+    rmu_modules: str | None = LossParams.rmu_modules  # "mlp.down_proj"; None: the MLP's output projection
     # The forget-first F_f:F_r cycle
     forget_freq: int = 1
     retain_freq: int = 5
@@ -178,6 +200,21 @@ class AlignConfig(TrainConfig):
     eval_guard_model: str | None = None  # None: Llama-Guard-2-8B when it loads, else the refusal judge; "none"
     eval_refusal_model: str | None = None  # a chat model labelling refusals (XSTest's protocol); None: offline judge
     eval_safety_data_dir: str | None = None  # None: the releases' files, downloaded once
+
+
+def parse_task_ids(text: Any, flag: str = "--task-ids") -> list[int]:
+    """`1,2,3` -> [1, 2, 3]: whole numbers >= 0, none repeated."""
+    items = [item.strip() for item in str(text).split(",") if item.strip()]
+    if not items:
+        raise UserError(f"{flag} is empty: give one or more task ids, e.g. {flag} 1,2,3")
+    bad = next((item for item in items if not item.isdigit()), None)
+    if bad is not None:
+        raise UserError(f"{flag} {text}: '{bad}' is not a whole number >= 0")
+    ids = [int(item) for item in items]
+    repeated = next((task for task in ids if ids.count(task) > 1), None)
+    if repeated is not None:
+        raise UserError(f"{flag} {text}: task {repeated} is given twice")
+    return ids
 
 
 def parse_cycle(text: str) -> tuple[int, int]:
@@ -382,6 +419,8 @@ def _coerce(key: str, value: Any, source: str, cls: type[TrainConfig] = UnlearnC
             if not isinstance(value, list):
                 raise ValueError
             return list(value)
+        if key == "task_ids" and isinstance(value, list):  # a recipe may write the list as YAML: [1, 2, 3]
+            return ",".join(str(item) for item in value)
         if isinstance(value, (dict, list)):
             raise ValueError
         return str(value)
@@ -404,6 +443,9 @@ def validate_training(config: TrainConfig) -> None:
     _choice("scheme", config.scheme, SCHEMES)
     _choice("optimizer", config.optimizer, OPTIMIZERS)
     _choice("dtype", config.dtype, DTYPES)
+    _choice("precision", config.precision, PRECISIONS)
+    _choice("save-dtype", config.save_dtype, SAVE_DTYPES)
+    check_precision(config)
     _choice("state-bits", config.state_bits, STATE_BITS)
     _choice("doplus-rule", config.doplus_rule, DOPLUS_RULES)
     for name in ("steps", "batch_size", "grad_accum", "max_length", "max_new_tokens"):
@@ -432,6 +474,20 @@ def validate_training(config: TrainConfig) -> None:
     check_prompt_template(config.prompt_template)
     if config.optimizer == "muon" and config.scheme != "doplus":
         raise UserError("--optimizer muon is built for --scheme doplus only; use adamw with the other schemes")
+
+
+def check_precision(config: TrainConfig) -> None:
+    """--precision against --dtype and the optimizer: contradictions are one line each."""
+    if config.precision == "bf16" and config.dtype == "float32":
+        raise UserError("--precision bf16 trains bfloat16 weights, --dtype float32 asks for float32 ones: use "
+                        "--precision bf16-mixed (float32 master weights, bf16 compute) or --dtype bfloat16/auto")
+    if config.precision == "fp32" and config.dtype == "bfloat16":
+        raise UserError("--precision fp32 trains float32 weights, --dtype bfloat16 asks for bfloat16 ones: use "
+                        "--precision bf16-mixed (float32 master weights, bf16 compute) or --dtype float32/auto")
+    if config.precision == "bf16" and config.state_bits == 8 and config.scheme != "doplus":
+        raise UserError(f"--precision bf16 with --state-bits 8 needs --scheme doplus: the {config.scheme} scheme's "
+                        "8-bit AdamW (bitsandbytes) has no compensated update for bf16 weights; use 32-bit states "
+                        "or --precision bf16-mixed")
 
 
 def validate(config: TrainConfig) -> None:
@@ -501,6 +557,23 @@ def validate_multitask(config: MultitaskConfig) -> None:
         raise UserError(f"--eval-batch-size must be at least 1, got {config.eval_batch_size}")
 
 
+def validate_loss_params(config: UnlearnConfig) -> None:
+    """The hyper-parameters of SimNPO, UNDIAL, WGA, SatImp and RMU (`losses.LossParams`): numbers >= 0, SimNPO's
+    beta > 0 (it divides by it), RMU's layers whole numbers >= 0 (their range is checked on the model)."""
+    for name in ("simnpo_beta", "undial_beta", "wga_beta", "satimp_beta1", "satimp_beta2", "rmu_coeff"):
+        value = getattr(config, name)
+        if not value >= 0 or value == float("inf"):
+            raise UserError(f"--{name.replace('_', '-')} must be a number >= 0, got {value}")
+    if config.simnpo_beta == 0 and config.forget_loss == "SimNPO":
+        raise UserError("--simnpo-beta must be > 0 for SimNPO (it divides by it)")
+    if config.simnpo_gamma != config.simnpo_gamma or abs(config.simnpo_gamma) == float("inf"):
+        raise UserError(f"--simnpo-gamma must be a finite number, got {config.simnpo_gamma}")
+    if config.rmu_layer is not None and config.rmu_layer < 0:
+        raise UserError(f"--rmu-layer must be a layer number >= 0, got {config.rmu_layer}")
+    if config.rmu_update_layers is not None:
+        parse_layer_list(config.rmu_update_layers)
+
+
 def validate_unlearn(config: UnlearnConfig) -> None:
     """The options of `doplus unlearn` on top of `validate_training`."""
     parts = config.loss.split("+")
@@ -520,6 +593,7 @@ def validate_unlearn(config: UnlearnConfig) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be a number >= 0, got {value}")
     if config.beta == 0 and config.forget_loss in ("NPO", "DPO") or config.beta == 0 and config.retain_loss == "AP":
         raise UserError("--beta must be > 0 for NPO, DPO and AP (they divide by it)")
+    validate_loss_params(config)
     if config.forget_lr is not None and not config.forget_lr >= 0:
         raise UserError(f"--forget-lr must be a number >= 0, got {config.forget_lr}")
     get_protocol(config.eval_protocol)
@@ -528,6 +602,17 @@ def validate_unlearn(config: UnlearnConfig) -> None:
                         "(run `doplus evaluate --suite ...` on final/ afterwards for the others)")
     if config.forget is None:
         raise UserError("no forget set: pass --forget FILE.jsonl (or hf:NAME[:CONFIG][@SPLIT]) or set it in the recipe")
+    if config.task_id is not None and config.task_id < 0:
+        raise UserError(f"--task-id must be a whole number >= 0, got {config.task_id}")
+    if config.continual and config.task_ids is None:
+        raise UserError("--continual needs --task-ids T1,T2,...: the forget tasks in the order they are unlearned")
+    if config.task_ids is not None:
+        ids = parse_task_ids(config.task_ids, "--task-ids")
+        if not config.continual:
+            raise UserError("--task-ids unlearns tasks one after another: add --continual (for independent runs "
+                            "per task, from the same starting model, use doplus bench schemes --task-ids)")
+        if config.task_id is not None and config.task_id not in ids:
+            raise UserError(f"--task-id {config.task_id} is not in --task-ids {config.task_ids}")
     if config.retain_loss is not None and config.retain is None:
         raise UserError(f"loss {config.loss} has a retain term: pass --retain FILE.jsonl or use a forget loss alone")
     if config.scheme in ("joint",) and config.forget_lr is not None:

@@ -71,6 +71,17 @@ def parse_json_line(raw: bytes, path: str, line_number: int) -> object:
         raise UserError(f"{path}:{line_number}: malformed JSON ({getattr(error, 'msg', error)}){hint}") from None
 
 
+def task_id_of(record: object, where: str) -> int | None:
+    """A row's `task_id` (the DualOptim+ authors' TOFU files hold several forget sets per file, told apart by it;
+    they write it as a string, "1") as an int, None when the row has none."""
+    if not isinstance(record, dict) or record.get("task_id") is None:
+        return None
+    value = record["task_id"]
+    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.strip().isdigit())):
+        raise UserError(f"{where}: field 'task_id' must be a whole number, got {value!r}")
+    return int(value)
+
+
 def _seed_task(record: dict, keys: Keys, where: str) -> dict:
     """A row of Stanford Alpaca's `seed_tasks.jsonl` ({"instruction", "instances": [{"input", "output"}]}) as a
     flat Alpaca row; any other record as it is. A seed task with several instances is refused (one row is one
@@ -133,6 +144,7 @@ class JsonlSource:
         self._offsets = array("q")
         self._lengths = array("q")
         self._line_numbers = array("q")
+        self._task_ids = array("q")  # -1: the row has no task_id
         self.text_rows = 0
         self._handle = None
         self._scan()
@@ -144,11 +156,22 @@ class JsonlSource:
                 start, offset = offset, offset + len(raw)
                 if not raw.strip():
                     continue
-                row = self._parse(raw, line_number)
+                record = parse_json_line(raw, self.path, line_number)
+                where = f"{self.path}:{line_number}"
+                row = _row_from(record, self.keys, where)
+                task = task_id_of(record, where)
                 self.text_rows += row.is_text
                 self._offsets.append(start)
                 self._lengths.append(len(raw))
                 self._line_numbers.append(line_number)
+                self._task_ids.append(-1 if task is None else task)
+
+    @property
+    def task_ids(self) -> list[int | None] | None:
+        """Each row's task_id, or None when no row has one."""
+        if all(task < 0 for task in self._task_ids):
+            return None
+        return [None if task < 0 else task for task in self._task_ids]
 
     def _parse(self, raw: bytes, line_number: int) -> Row:
         return _row_from(parse_json_line(raw, self.path, line_number), self.keys, f"{self.path}:{line_number}")
@@ -183,8 +206,10 @@ class JsonArraySource:
         if not isinstance(records, list):  # pragma: no cover - only called on files that start with "["
             raise UserError(f"{path}: expected a JSON array of objects")
         lines = _element_lines(text, len(records))
-        self._rows = [_row_from(record, keys, f"{path}:{line}: element {i + 1}")
-                      for i, (record, line) in enumerate(zip(records, lines))]
+        wheres = [f"{path}:{line}: element {i + 1}" for i, line in enumerate(lines)]
+        self._rows = [_row_from(record, keys, where) for record, where in zip(records, wheres)]
+        ids = [task_id_of(record, where) for record, where in zip(records, wheres)]
+        self.task_ids = ids if any(task is not None for task in ids) else None
         self.text_rows = sum(row.is_text for row in self._rows)
 
     def __len__(self) -> int:
@@ -243,6 +268,8 @@ class HubSource:
         if keys.question in columns and keys.need_answer and keys.answer not in columns:
             raise UserError(f"{spec}: missing field '{keys.answer}' (columns: {', '.join(sorted(columns))})")
         self.text_rows = len(self._data) if keys.question not in columns else 0
+        self.task_ids = ([task_id_of({"task_id": v}, f"{spec}[{i}]") for i, v in enumerate(self._data["task_id"])]
+                         if "task_id" in columns else None)  # locuslab/TOFU has none: one forget set per config
 
     def __len__(self) -> int:
         return len(self._data)
@@ -262,10 +289,60 @@ class RowRange:
     def __len__(self) -> int:
         return self.stop - self.start
 
+    @property
+    def task_ids(self) -> list[int | None] | None:
+        ids = getattr(self.source, "task_ids", None)
+        return None if ids is None else ids[self.start:self.stop]
+
     def __getitem__(self, index: int) -> Row:
         if not 0 <= index < len(self):
             raise IndexError(index)
         return self.source[self.start + index]
+
+
+class RowSubset:
+    """The rows of another source at the given indices, in their order: one forget task of the authors' TOFU files,
+    or the rows of the tasks that stay in the retain set."""
+
+    def __init__(self, source: Source, indices: Sequence[int], name: str) -> None:
+        self.source, self.indices, self.name = source, array("q", indices), name
+        self.text_rows = sum(source[i].is_text for i in self.indices) if getattr(source, "text_rows", 0) else 0
+        ids = getattr(source, "task_ids", None)
+        self.task_ids = None if ids is None else [ids[i] for i in self.indices]
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> Row:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self.source[self.indices[index]]
+
+
+def available_tasks(source: Source) -> list[int]:
+    """The task ids a source's rows carry, sorted ([] when its rows have none)."""
+    return sorted({task for task in getattr(source, "task_ids", None) or [] if task is not None})
+
+
+def select_tasks(source: Source, task_ids: Sequence[int], keep: bool = True, name: str | None = None) -> RowSubset:
+    """The rows of `source` whose task_id is in `task_ids` (keep=True) or is not (keep=False)."""
+    wanted = set(task_ids)
+    ids = getattr(source, "task_ids", None) or []
+    indices = [i for i, task in enumerate(ids) if (task in wanted) == keep]
+    return RowSubset(source, indices, name or source.name)
+
+
+def task_rows(source: Source, spec: str, task_id: int) -> RowSubset:
+    """One forget task of a file whose rows carry `task_id`; a task the file does not hold is one line naming the
+    file and the ids it has."""
+    have = available_tasks(source)
+    if task_id not in have:
+        raise UserError(f"{spec}: no rows with task_id {task_id} (its rows have task ids {_id_list(have)})")
+    return select_tasks(source, [task_id], name=f"{spec} (task {task_id})")
+
+
+def _id_list(ids: Sequence[int]) -> str:
+    return ", ".join(map(str, ids))
 
 
 class MixtureSource:

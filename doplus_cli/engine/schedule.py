@@ -32,3 +32,27 @@ def steps_per_objective(steps: int, scheme: str, frequencies: Sequence[tuple[str
         name = objective_at(step, scheme, frequencies)
         counts[name] = counts.get(name, 0) + 1
     return counts
+
+
+def authors_epoch_steps(scheme: str, forget_rows: int, retain_rows: int, forget_freq: int, retain_freq: int,
+                        effective_batch: int) -> int:
+    """One "epoch" in optimizer steps, as the DualOptim+ authors count it (`forget.py`, `steps_per_epoch`); their
+    warm-up is one such epoch, then linear decay.
+
+    Alternating schemes (alternate, dualoptim, doplus) with B = batch x grad_accum x processes:
+    (1 + F_r/F_f) * ceil(|D_f| / B) when ceil(|D_f| / F_f) <= ceil(|D_r| / F_r), else (1 + F_f/F_r) * ceil(|D_r| / B)
+    (the retain side runs out first), truncated to a whole number. Joint (each example pairs a forget row with a
+    retain row) and a forget set alone: ceil(|D_f| / B). The truncation is done in exact integers here, where the
+    authors' `int()` of a float product could land one step lower when the product is whole but rounds below it.
+    """
+    forget_batches = -(-forget_rows // effective_batch)
+    if scheme == "joint" or retain_rows == 0 or retain_freq == 0:
+        return forget_batches
+    if -(-forget_rows // forget_freq) <= -(-retain_rows // retain_freq):
+        return (forget_freq + retain_freq) * forget_batches // forget_freq
+    return (forget_freq + retain_freq) * -(-retain_rows // effective_batch) // retain_freq
+
+
+def authors_warmup(epoch_steps: int) -> int:
+    """The authors' warm-up: one epoch, none when an epoch is a single step."""
+    return epoch_steps if epoch_steps > 1 else 0

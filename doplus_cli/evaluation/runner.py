@@ -54,6 +54,7 @@ class EvalConfig:
     suites: tuple[str, ...] = ("tofu",)
     split: str = "forget10"
     data_dir: str | None = None
+    task_id: int | None = None  # the forget task of files whose rows carry task_id (None: task 1)
     forget: str | None = None  # real-world suite
     retain: str | None = None
     out: str | None = None
@@ -276,7 +277,8 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
         suite_started = time.perf_counter()
         if suite in ("tofu", "real-world"):
             if suite == "tofu":
-                sets = load_tofu_sets(config.split, config.data_dir, config.max_samples)
+                sets = load_tofu_sets(config.split, config.data_dir, config.max_samples, config.task_id,
+                                      protocol.max_rows)
                 stem = "TOFU"
             else:
                 sets = load_real_world_sets(config.forget, config.retain, config.max_samples)
@@ -294,12 +296,14 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
             _write_json(out / f"{stem}_SUMMARY.json", suite_summary)
             summary.update(suite_summary if suite == "tofu" else {f"rw_{k}": v for k, v in suite_summary.items()})
             sections.append({"suite": suite, "sets": [{"name": s.name, "source": s.source, "n": len(s.samples),
+                                                      "task_id": s.task_id, "file_rows": s.file_rows,
                                                       "fields": field_sources(s.samples), "seconds": s.seconds}
                                                      for s in sets],
                              "summary": suite_summary, "values": values, "openunlearning": openunlearning,
                              "aggregates": [asdict(a) for a in aggregates]})
         elif suite == "privacy":
-            forget_set = load_tofu_sets(config.split, config.data_dir, config.max_samples)[0]
+            forget_set = load_tofu_sets(config.split, config.data_dir, config.max_samples, config.task_id,
+                                        protocol.max_rows)[0]
             forget = [(s.question, s.answer) for s in forget_set.samples]
             holdout = read_holdout(config.holdout, config.max_samples)
             values_p, logs, notes = privacy_metrics(model, formatter, forget, holdout, config.batch_size, retain[1])
@@ -307,7 +311,8 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
             _write_json(out / "PRIVACY_SUMMARY.json", values_p)
             summary.update(values_p)
             sections.append({"suite": suite, "openunlearning": {"values": values_p, "notes": notes},
-                             "sets": [{"name": "forget", "source": forget_set.source, "n": len(forget)},
+                             "sets": [{"name": "forget", "source": forget_set.source, "n": len(forget),
+                                       "task_id": forget_set.task_id, "file_rows": forget_set.file_rows},
                                       {"name": "holdout", "source": config.holdout, "n": len(holdout)}]})
         elif suite in ("safety", "xstest"):
             suite_summary, section = safety.run_suite(suite, model, formatter, config, safety_judges, out,
@@ -379,6 +384,11 @@ def run_evaluate(config: EvalConfig, console: Console | None = None) -> dict[str
         raise UserError("--suite real-world needs --forget FILE and --retain FILE (the neighbour set)")
     if "privacy" in config.suites and config.holdout is None:
         raise UserError("--suite privacy needs --holdout FILE (non-member rows, e.g. TOFU's holdout10)")
+    if config.task_id is not None and config.task_id < 0:
+        raise UserError(f"--task-id must be a whole number >= 0, got {config.task_id}")
+    if config.data_dir is not None and {"tofu", "privacy"} & set(config.suites):  # a bad file or task stops here
+        load_tofu_sets(config.split, config.data_dir, config.max_samples, config.task_id,
+                       get_protocol(config.protocol).max_rows)
     if config.retain_logs:
         read_retain_logs(config.retain_logs)  # a bad file stops here, before the model loads
     if config.holdout:

@@ -14,7 +14,7 @@ from typing import Any
 
 from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.data.rejections import rejection_for
-from doplus_cli.data.sources import parse_json_line
+from doplus_cli.data.sources import parse_json_line, task_id_of
 from doplus_cli.engine.generation import greedy_generate
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation import metrics
@@ -51,6 +51,8 @@ class QASet:
     choice_probability: bool = False  # p(true) / (p(true) + sum p(perturbed)) instead of exp(-NLL)
     premise_is_generation: bool = False  # Entailment: generation => truth (forget, real-world) or the reverse
     seconds: dict[str, float] = field(default_factory=dict)  # generation, scoring, judges (filled by evaluate)
+    task_id: int | None = None  # the forget task whose rows these are (files whose rows carry task_id)
+    file_rows: int | None = None  # rows in the whole file (None: from the hub)
 
 
 @dataclass
@@ -64,9 +66,17 @@ class Judges:
 # ---- data ----
 
 def _read_rows(path: str, need_paraphrase: bool, max_samples: int | None) -> list[QASample]:
+    return _read_file(path, need_paraphrase, max_samples, None)[0]
+
+
+def _read_file(path: str, need_paraphrase: bool, max_samples: int | None, task_id: int | None,
+               ) -> tuple[list[QASample], dict[str, Any]]:
+    """A set's rows, and what was read: {"file_rows", "task_id", "tasks"}. A file whose rows carry `task_id` (the
+    DualOptim+ authors' forget files) gives the rows of one task (`task_id`, default 1); then the first
+    `max_samples` of them."""
     if not os.path.isfile(path):
         raise UserError(f"{path}: file not found")
-    samples = []
+    samples, task_ids = [], []
     with open(path, "rb") as handle:
         for line_number, raw in enumerate(handle, start=1):
             if not raw.strip():
@@ -74,11 +84,20 @@ def _read_rows(path: str, need_paraphrase: bool, max_samples: int | None) -> lis
             where = f"{path}:{line_number}"
             row = parse_json_line(raw, path, line_number)
             samples.append(_sample(row, where, need_paraphrase))
-            if max_samples is not None and len(samples) >= max_samples:
-                break
+            task_ids.append(task_id_of(row, where))
+    read = {"file_rows": len(samples), "task_id": None, "tasks": sorted({t for t in task_ids if t is not None})}
+    if read["tasks"]:
+        chosen = 1 if task_id is None else task_id
+        if chosen not in read["tasks"]:
+            raise UserError(f"{path}: no rows with task_id {chosen} (its rows have task ids "
+                            f"{', '.join(map(str, read['tasks']))})")
+        samples = [sample for sample, task in zip(samples, task_ids) if task == chosen]
+        read["task_id"] = chosen
+    elif task_id is not None:
+        raise UserError(f"{path}: its rows have no task_id, so --task-id {task_id} cannot pick a forget task")
     if not samples:
         raise UserError(f"{path}: the set is empty")
-    return samples
+    return (samples if max_samples is None else samples[:max_samples]), read
 
 
 def _sample(row: Any, where: str, need_paraphrase: bool) -> QASample:
@@ -153,8 +172,14 @@ def _hub_rows(config: str, need_paraphrase: bool, max_samples: int | None) -> tu
     return [_sample(dict(r), f"{spec}[{i}]", need_paraphrase) for i, r in enumerate(rows)], spec
 
 
-def load_tofu_sets(split: str, data_dir: str | None, max_samples: int | None) -> list[QASet]:
-    """forget (`{split}_perturbed`), retain, real authors and world facts, from a folder or the hub."""
+def load_tofu_sets(split: str, data_dir: str | None, max_samples: int | None, task_id: int | None = None,
+                   max_rows: int | None = None) -> list[QASet]:
+    """forget (`{split}_perturbed`), retain, real authors and world facts, from a folder or the hub.
+
+    The forget set of a file whose rows carry `task_id` is one task's rows (`task_id`, default 1), as the
+    DualOptim+ authors evaluate it; the hub's files have one forget set and no task_id. Every set is then cut to
+    its first min(`max_samples`, `max_rows`) rows (`max_rows`: the protocol's cap, the authors' `ds_size: 300`)."""
+    cap = min((n for n in (max_samples, max_rows) if n is not None), default=None)
     plan = [
         ("forget", "forget", f"{split}_perturbed", True),
         ("retain", "retain", "retain_perturbed", False),
@@ -167,11 +192,14 @@ def load_tofu_sets(split: str, data_dir: str | None, max_samples: int | None) ->
         if data_dir is not None:
             candidates = [os.path.join(data_dir, config + ext) for ext in (".json", ".jsonl")]
             path = next((c for c in candidates if os.path.isfile(c)), candidates[0])
-            samples, source = _read_rows(path, need_paraphrase, max_samples), path
+            samples, read = _read_file(path, need_paraphrase, cap, task_id if is_forget else None)
+            source = path
         else:
-            samples, source = _hub_rows(config, need_paraphrase, max_samples)
+            samples, source = _hub_rows(config, need_paraphrase, cap)
+            read = {"file_rows": None, "task_id": None, "tasks": []}
         sets.append(QASet(name, prefix, samples, source, is_forget=is_forget,
-                          choice_probability=name in ("real_authors", "world_facts"), premise_is_generation=is_forget))
+                          choice_probability=name in ("real_authors", "world_facts"), premise_is_generation=is_forget,
+                          task_id=read["task_id"], file_rows=read["file_rows"]))
     return sets
 
 

@@ -1,0 +1,217 @@
+"""TOFU as the DualOptim+ authors run it: one forget task of a file whose rows carry task_id, their retain set,
+their warm-up, the paper protocol's 300-row cap, continual unlearning and forget tasks as a bench axis."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from doplus_cli.config import UnlearnConfig
+from doplus_cli.engine.schedule import authors_epoch_steps, authors_warmup
+from doplus_cli.engine.unlearn import UnlearnPlan
+from doplus_cli.evaluation.suites import load_tofu_sets
+from tests.helpers import run_cli
+
+PER_TASK = 4  # rows of each task in the small authors-layout folder
+
+
+def _rows(path, n=None):
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    return rows if n is None else rows[:n]
+
+
+@pytest.fixture(scope="module")
+def authors_dir(tofu_dir, tmp_path_factory):
+    """A small folder in the authors' layout: forget01.json and forget01_perturbed.json with tasks 1-3 (4 rows
+    each, the first rows of those tasks in ../shared), retain90.json (6 rows) and the three other evaluation sets."""
+    folder = tmp_path_factory.mktemp("authors")
+    for name in ("forget01.json", "forget01_perturbed.json"):
+        picked = []
+        for task in ("1", "2", "3"):
+            picked += [r for r in _rows(tofu_dir / name) if r["task_id"] == task][:PER_TASK]
+        (folder / name).write_text("".join(json.dumps(r) + "\n" for r in picked))
+    for name, n in (("retain90.json", 6), ("retain_perturbed.json", 3), ("real_authors_perturbed.json", 2),
+                    ("world_facts_perturbed.json", 2)):
+        (folder / name).write_text("".join(json.dumps(r) + "\n" for r in _rows(tofu_dir / name, n)))
+    return folder
+
+
+def _task_questions(path, task):
+    return [r["question"] for r in _rows(path) if int(r["task_id"]) == task]
+
+
+def test_task_2_trains_on_its_rows_and_keeps_the_retain_split_plus_the_other_tasks(authors_dir):
+    config = UnlearnConfig(forget=str(authors_dir / "forget01.json"), retain="tofu-authors", task_id=2,
+                           loss="IDK+GD")
+    plan = UnlearnPlan(config)
+    plan.open()
+    forget = [plan.forget_source[i].question for i in range(len(plan.forget_source))]
+    assert forget == _task_questions(authors_dir / "forget01.json", 2)
+    retain = [plan.retain_source[i].question for i in range(len(plan.retain_source))]
+    expected = ([r["question"] for r in _rows(authors_dir / "retain90.json")]
+                + _task_questions(authors_dir / "forget01.json", 1) + _task_questions(authors_dir / "forget01.json", 3))
+    assert retain == expected and len(retain) == 6 + 2 * PER_TASK
+    assert not set(forget) & set(retain)
+
+
+def test_the_authors_retain_set_on_the_shared_files_is_every_row_outside_the_task(tofu_dir):
+    """The issue's check: for task 1 the retain set holds 3,960, 3,800 and 3,600 rows, none of them in the task."""
+    for split, expected in (("forget01", 3960), ("forget05", 3800), ("forget10", 3600)):
+        plan = UnlearnPlan(UnlearnConfig(forget=str(tofu_dir / f"{split}.json"), retain="tofu-authors",
+                                         loss="IDK+GD"))
+        plan.open()
+        assert len(plan.retain_source) == expected
+        assert len(plan.forget_source) == {"forget01": 40, "forget05": 200, "forget10": 400}[split]
+        assert plan.task["task_id"] == 1 and not plan.task["task_given"]
+
+
+def test_unlearn_reports_the_task_and_the_retain_parts(tiny_llama, authors_dir, tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("unlearn", "--model", tiny_llama, "--forget", authors_dir / "forget01.json", "--retain",
+                   "tofu-authors", "--task-id", 2, "--loss", "IDK+GD", "--scheme", "alternate", "--steps", 2,
+                   "--batch-size", 2, "--max-length", 48, "--show-samples", 0, "--out", out) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["data"]["forget_rows"] == PER_TASK and report["data"]["retain_rows"] == 6 + 2 * PER_TASK
+    assert report["data"]["task"]["task_id"] == 2 and report["data"]["task"]["file_tasks"] == [1, 2, 3]
+    assert [p["rows"] for p in report["data"]["retain"]["parts"]] == [6, 2 * PER_TASK]
+    # the authors' warm-up: ceil(4/1)=4 <= ceil(14/5)=3 is false, so (1 + 1/5) * ceil(14/2) = 8 (truncated)
+    assert report["data"]["epoch_steps"] == 8 and report["warmup_steps"] == 2  # capped at --steps
+    text = (out / "report.md").read_text()
+    assert "task 2 of the file's tasks 1, 2, 3" in text and "the authors' retain set" in text
+
+
+@pytest.mark.parametrize("scheme,forget,retain,f_f,f_r,batch,accum,processes,epoch", [
+    # forget10 task 1 at 1:5 and the paper's effective batch 40 (2 GPUs x 4 x 5): (1 + 5) * ceil(400 / 40) = 60
+    ("doplus", 400, 3600, 1, 5, 4, 5, 2, 60),
+    ("alternate", 200, 3800, 1, 5, 4, 5, 2, 30),  # forget05: (1 + 5) * ceil(200 / 40)
+    ("joint", 400, 3600, 1, 5, 4, 5, 2, 10),  # joint: ceil(400 / 40)
+    # the retain side runs out first: ceil(100/1) > ceil(20/5), so (1 + 1/5) * ceil(20 / 4) = 6
+    ("dualoptim", 100, 20, 1, 5, 2, 2, 1, 6),
+    ("doplus", 10, 100, 2, 3, 4, 1, 1, 7),  # (1 + 3/2) * ceil(10 / 4) = 7.5, truncated to 7
+    ("doplus", 40, 3960, 1, 5, 8, 1, 1, 30),  # forget01: (1 + 5) * ceil(40 / 8)
+    ("alternate", 3, 50, 1, 1, 4, 1, 1, 2),  # (1 + 1) * ceil(3 / 4) = 2
+])
+def test_authors_epoch_steps_by_hand(scheme, forget, retain, f_f, f_r, batch, accum, processes, epoch):
+    assert authors_epoch_steps(scheme, forget, retain, f_f, f_r, batch * accum * processes) == epoch
+
+
+def test_a_one_step_epoch_has_no_warmup():
+    assert authors_warmup(1) == 0 and authors_warmup(2) == 2 and authors_warmup(60) == 60
+    assert authors_epoch_steps("joint", 3, 10, 1, 5, 4) == 1
+
+
+def test_warmup_default_counts_grad_accum_in_the_effective_batch(tiny_llama, authors_dir, tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("unlearn", "--model", tiny_llama, "--forget", authors_dir / "forget01.json", "--retain",
+                   "tofu-authors", "--loss", "IDK+GD", "--scheme", "doplus", "--steps", 9, "--batch-size", 1,
+                   "--grad-accum", 2, "--max-length", 32, "--show-samples", 0, "--out", out, "--lr", 0) == 0
+    report = json.loads((out / "report.json").read_text())
+    # task 1: |D_f| = 4, |D_r| = 6 + 8 = 14; ceil(4/1) = 4 <= ceil(14/5) = 3 is false:
+    # (1 + 1/5) * ceil(14 / 2) = 8.4 -> 8 steps
+    assert report["data"]["epoch_steps"] == 8 and report["warmup_steps"] == 8
+    lrs = [json.loads(line)["lr"] for line in open(out / "metrics.jsonl")]
+    assert lrs[0] == 0.0  # lr 0: the schedule's shape is checked in test_unlearn; here only that it ran
+
+
+def test_evaluation_scores_the_tasks_perturbed_rows_only(tiny_llama, authors_dir, tmp_path):
+    out = tmp_path / "eval"
+    assert run_cli("evaluate", "--model", tiny_llama, "--data-dir", authors_dir, "--split", "forget01",
+                   "--task-id", 2, "--max-new-tokens", 2, "--out", out) == 0
+    records = json.loads((out / "TOFU_EVAL.json").read_text())["sets"]
+    assert [r["question"] for r in records["forget"]] == _task_questions(authors_dir / "forget01_perturbed.json", 2)
+    assert all(r["task_id"] == "2" for r in records["forget"])
+    assert len(records["retain"]) == 3
+    sets = json.loads((out / "eval.json").read_text())["sections"][0]["sets"]
+    assert (sets[0]["task_id"], sets[0]["n"], sets[0]["file_rows"]) == (2, PER_TASK, 3 * PER_TASK)
+    assert f"forget ({PER_TASK} rows scored, task 2;" in (out / "report.md").read_text()
+
+
+def test_paper_protocol_caps_every_set_at_300_rows_after_picking_the_task(tofu_dir):
+    task_1 = [r["question"] for r in _rows(tofu_dir / "forget10_perturbed.json") if r["task_id"] == "1"]
+    retain = [r["question"] for r in _rows(tofu_dir / "retain_perturbed.json")]
+    paper = load_tofu_sets("forget10", str(tofu_dir), None, None, max_rows=300)
+    assert [len(s.samples) for s in paper] == [300, 300, 100, 117]
+    assert [s.question for s in paper[0].samples] == task_1[:300]
+    assert [s.question for s in paper[1].samples] == retain[:300]
+    whole = load_tofu_sets("forget10", str(tofu_dir), None, 1)
+    assert [len(s.samples) for s in whole] == [400, 400, 100, 117]
+    assert [s.question for s in whole[0].samples] == task_1
+    third = load_tofu_sets("forget10", str(tofu_dir), 5, 3, max_rows=300)  # --max-samples below the cap
+    assert [s.question for s in third[0].samples] == [
+        r["question"] for r in _rows(tofu_dir / "forget10_perturbed.json") if r["task_id"] == "3"][:5]
+
+
+def test_continual_starts_each_task_from_the_previous_final_model(tiny_llama, authors_dir, tmp_path):
+    common = ["--forget", authors_dir / "forget01.json", "--retain", "tofu-authors", "--loss", "IDK+GD",
+              "--scheme", "doplus", "--steps", 3, "--batch-size", 2, "--max-length", 48, "--show-samples", 0,
+              "--lr", 1e-3, "--eval-data-dir", authors_dir, "--eval-split", "forget01", "--eval-max-new-tokens", 2]
+    out = tmp_path / "continual"
+    assert run_cli("unlearn", "--model", tiny_llama, *common, "--task-ids", "1,2", "--continual", "--out", out) == 0
+    first, second = out / "task-1", out / "task-2"
+    second_report = json.loads((second / "report.json").read_text())
+    assert second_report["model"] == str(first / "final")
+    # its retain set lacks the first task: retain90's 6 rows + task 3 only
+    assert second_report["data"]["retain_rows"] == 6 + PER_TASK
+    assert second_report["data"]["task"]["unlearned"] == [1, 2]
+    # task 2 unlearned on its own (not continual) keeps both other tasks in its retain set
+    alone = tmp_path / "alone"
+    assert run_cli("unlearn", "--model", first / "final", *common, "--task-ids", "1,2", "--continual",
+                   "--task-id", 2, "--out", alone) == 2  # --task-id with --continual is refused
+    assert run_cli("unlearn", "--model", first / "final", *common, "--task-id", 2, "--out", alone,
+                   "--eval-every", 3) == 0
+    alone_report = json.loads((alone / "report.json").read_text())
+    assert alone_report["data"]["retain_rows"] == 6 + 2 * PER_TASK  # one task alone keeps both other tasks
+    summary = json.loads((out / "continual.json").read_text())
+    assert [row["task_id"] for row in summary["rows"]] == [1, 2]
+    assert summary["running_mean"][1]["MU"] == pytest.approx(
+        (summary["rows"][0]["MU"] + summary["rows"][1]["MU"]) / 2)
+    assert "Running mean over the tasks unlearned so far" in (out / "report.md").read_text()
+    # a second invocation with --resume skips both finished tasks and leaves their weights alone
+    before = load_file(second / "final" / "model.safetensors")
+    assert run_cli("unlearn", "--model", tiny_llama, *common, "--task-ids", "1,2", "--continual", "--out", out,
+                   "--resume", "latest") == 0
+    after = load_file(second / "final" / "model.safetensors")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_continual_second_task_loads_the_first_tasks_final_weights_exactly(tiny_llama, authors_dir, tmp_path):
+    """At lr 0 nothing moves, so task 2's final weights are exactly the weights it loaded: task 1's final ones."""
+    out = tmp_path / "continual"
+    assert run_cli("unlearn", "--model", tiny_llama, "--forget", authors_dir / "forget01.json", "--retain",
+                   "tofu-authors", "--loss", "IDK+GD", "--scheme", "doplus", "--steps", 2, "--batch-size", 2,
+                   "--max-length", 48, "--show-samples", 0, "--lr", 0, "--eval-data-dir", authors_dir,
+                   "--eval-split", "forget01", "--eval-max-new-tokens", 2, "--task-ids", "3,1", "--continual",
+                   "--out", out) == 0
+    first = load_file(out / "task-3" / "final" / "model.safetensors")
+    second = load_file(out / "task-1" / "final" / "model.safetensors")
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--task-id", 7], "forget01.json: no rows with task_id 7 (its rows have task ids 1, 2, 3)"),
+    (["--continual"], "--continual needs --task-ids"),
+    (["--task-ids", "1,2,1", "--continual"], "--task-ids 1,2,1: task 1 is given twice"),
+    (["--task-ids", "1,2"], "--task-ids unlearns tasks one after another: add --continual"),
+])
+def test_bad_task_options_are_one_line(tiny_llama, authors_dir, tmp_path, capsys, extra, message):
+    code = run_cli("unlearn", "--model", tiny_llama, "--forget", authors_dir / "forget01.json", "--retain",
+                   "tofu-authors", "--loss", "IDK+GD", "--out", tmp_path / "run", *extra)
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_task_for_evaluate_and_authors_retain_without_task_ids(tiny_llama, authors_dir, tofu_dir, tmp_path,
+                                                                     capsys):
+    assert run_cli("evaluate", "--model", tiny_llama, "--data-dir", authors_dir, "--split", "forget01",
+                   "--task-id", 9, "--out", tmp_path / "e") == 2
+    assert "forget01_perturbed.json: no rows with task_id 9" in capsys.readouterr().err
+    plain = tmp_path / "forget01.json"  # no task_id in its rows
+    plain.write_text("".join(json.dumps({"question": r["question"], "answer": r["answer"]}) + "\n"
+                             for r in _rows(tofu_dir / "forget01.json", 4)))
+    assert run_cli("unlearn", "--model", tiny_llama, "--forget", plain, "--retain", "tofu-authors", "--loss",
+                   "IDK+GD", "--out", tmp_path / "r") == 2
+    assert "its rows have no task_id" in capsys.readouterr().err
