@@ -80,10 +80,32 @@ def unlearn(
             "max_new_tokens")
     ),
     loss: str | None = typer.Option(
-        None, "--loss", help="FORGET[+RETAIN]: FORGET in GA, NPO, DPO, ME, IDK; RETAIN in GD, KL, AP." + _default(
-            "loss")
+        None, "--loss", help="FORGET[+RETAIN]: FORGET in GA, NPO, DPO, ME, IDK, SimNPO, RMU, UNDIAL, WGA, SatImp, "
+        "CE-U; RETAIN in GD, KL, AP, EMBED (RMU's activation term)." + _default("loss")
     ),
     beta: float | None = typer.Option(None, "--beta", help="Temperature of NPO, DPO and AP." + _default("beta")),
+    simnpo_beta: float | None = typer.Option(None, "--simnpo-beta", help="SimNPO's beta." + _default("simnpo_beta")),
+    simnpo_gamma: float | None = typer.Option(
+        None, "--simnpo-gamma", help="SimNPO's reward margin gamma." + _default("simnpo_gamma")),
+    undial_beta: float | None = typer.Option(
+        None, "--undial-beta", help="UNDIAL's reduction of the true token's reference logit." + _default(
+            "undial_beta")),
+    wga_beta: float | None = typer.Option(None, "--wga-beta", help="WGA's exponent on p_t." + _default("wga_beta")),
+    satimp_beta1: float | None = typer.Option(
+        None, "--satimp-beta1", help="SatImp's exponent on p_t." + _default("satimp_beta1")),
+    satimp_beta2: float | None = typer.Option(
+        None, "--satimp-beta2", help="SatImp's exponent on 1 - p_t." + _default("satimp_beta2")),
+    rmu_layer: int | None = typer.Option(
+        None, "--rmu-layer", help="RMU/EMBED: the decoder layer whose output is steered or held [default: 7; "
+        "7/32 of the depth of a model with 7 layers or fewer]"),
+    rmu_coeff: float | None = typer.Option(
+        None, "--rmu-coeff", help="RMU's steering coefficient c." + _default("rmu_coeff")),
+    rmu_update_layers: str | None = typer.Option(
+        None, "--rmu-update-layers", help="RMU: layers whose modules train, e.g. 5,6,7 [default: the RMU layer "
+        "and the two before it]"),
+    rmu_modules: str | None = typer.Option(
+        None, "--rmu-modules", help="RMU: the modules of those layers that train, e.g. mlp.down_proj [default: "
+        "the MLP's output projection]"),
     forget_coeff: float | None = typer.Option(None, "--forget-coeff", help="Weight of the forget loss." + _default(
         "forget_coeff")),
     retain_coeff: float | None = typer.Option(None, "--retain-coeff", help="Weight of the retain loss." + _default(

@@ -178,6 +178,7 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
         elif config.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
+        plan.prepare_model(model)  # e.g. RMU: only its chosen modules stay trainable
 
         for index, objective in enumerate(objectives):
             objective.stream = IndexStream(len(objective.source), config.batch_size, config.seed + index,
@@ -199,7 +200,7 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
             console.print(f"resuming from {resume_from} at step {start_step}", highlight=False)
         if not fsdp:
             model = accelerator.prepare(model)
-        context = LossContext(model, reference, plan.beta, _token_count(accelerator))
+        context = LossContext(model, reference, plan.beta, _token_count(accelerator), params=plan.loss_params)
         metrics = outputs.MetricsWriter(out / "metrics.jsonl", records) if main_process else None
         task = progress.add_task(plan.activity, total=config.steps, completed=start_step, status="")
         # In a batch job's log (no terminal) a live bar draws nothing; print a plain line now and then.

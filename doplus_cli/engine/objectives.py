@@ -17,7 +17,7 @@ import torch
 from doplus_cli.data.batches import IndexStream, build_batch
 from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.data.sources import Source
-from doplus_cli.losses import LossSpec
+from doplus_cli.losses import LossParams, LossSpec
 
 
 @dataclass
@@ -51,7 +51,8 @@ class Plan:
     what it measures before, during and after training, and its report. The loop calls, in this order:
 
     open() (data checked before anything is written) -> total_steps() -> default_warmup() -> objectives(model, ...) ->
-    before(model, ...) -> [training; evaluate(step, ...) every --eval-every steps] -> after(model, ...) ->
+    before(model, ...) -> prepare_model(model) ->
+    [training; evaluate(step, ...) every --eval-every steps] -> after(model, ...) ->
     data_report(), render_markdown(report).
     """
 
@@ -60,6 +61,7 @@ class Plan:
     lr_options = "--lr"  # named when a non-finite loss stops the run
     curve_names: tuple[str, ...] = ()  # the evaluation values plotted in evals/curves.png
     beta = 0.1  # the temperature handed to the losses (NPO, DPO, AP)
+    loss_params = LossParams()  # the other losses' hyper-parameters (SimNPO, UNDIAL, WGA, SatImp, RMU)
 
     def open(self) -> None:
         """Open (and check) the data sources."""
@@ -74,6 +76,10 @@ class Plan:
 
     def objectives(self, model, formatter, out, progress, accelerator, resumed: bool) -> list[Objective]:
         raise NotImplementedError
+
+    def prepare_model(self, model) -> None:
+        """Called once the model is final (after LoRA) and before the optimizer is built: e.g. RMU leaves only
+        its chosen modules trainable."""
 
     def before(self, model, formatter, progress, accelerator, saved: Any | None) -> Any:
         """Measurements of the starting model (JSON-able; kept in checkpoints, so `saved` on resume)."""
