@@ -47,6 +47,13 @@ PROTOCOL_HELP = ("Judges and generation budget: doplus (all-MiniLM-L6-v2, --max-
                  "Entropy over the generated ids) or paper (the DualOptim+ code: paraphrase-MiniLM-L6-v2, 200 tokens "
                  "in total, Token Entropy over the re-tokenised text).")
 
+PRECISION_HELP = ("Training precision: fp32 (float32 weights and compute), bf16-mixed (float32 master weights and "
+                  "optimizer states, bf16 autocast compute) or bf16 (bf16 weights with a compensated update in every "
+                  "optimizer); auto: bf16-mixed where the model loads in bf16 (CUDA), fp32 otherwise.")
+SAVE_DTYPE_HELP = "final/'s dtype: float32 or bfloat16; auto: float32 under fp32, bfloat16 under the bf16 precisions."
+DTYPE_HELP = ("Load dtype (the reference model of NPO/DPO/KL, LoRA's frozen base under bf16-mixed): auto (bf16 on "
+              "CUDA, fp32 on CPU), float32, bfloat16.")
+
 
 def _default(name: str) -> str:
     return f" [default: {default_of(name)}]"
@@ -58,14 +65,23 @@ def unlearn(
     model: str | None = typer.Option(
         None, "--model", help="Hub id, local model folder or .gguf file [default: embedded SmolLM2-135M-Instruct]"
     ),
-    dtype: str | None = typer.Option(None, "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16."
-                                     + _default("dtype")),
+    dtype: str | None = typer.Option(None, "--dtype", help=DTYPE_HELP + _default("dtype")),
+    precision: str | None = typer.Option(None, "--precision", help=PRECISION_HELP + _default("precision")),
+    save_dtype: str | None = typer.Option(None, "--save-dtype", help=SAVE_DTYPE_HELP + _default("save_dtype")),
     trust_remote_code: bool | None = typer.Option(
         None, "--trust-remote-code/--no-trust-remote-code", help="Allow the model's own code to run." + _default(
             "trust_remote_code")
     ),
     forget: str | None = typer.Option(None, "--forget", help="Forget set: FILE.jsonl or hf:NAME[:CONFIG][@SPLIT]."),
-    retain: str | None = typer.Option(None, "--retain", help="Retain set: FILE.jsonl or hf:NAME[:CONFIG][@SPLIT]."),
+    retain: str | None = typer.Option(
+        None, "--retain", help="Retain set: FILE.jsonl, hf:NAME[:CONFIG][@SPLIT], or tofu-authors (the DualOptim+ "
+        "authors' retain set for --forget's file and task)."),
+    task_id: int | None = typer.Option(None, "--task-id", help="Forget files whose rows carry task_id (the authors' "
+                                       "TOFU files): the task to unlearn [default: 1]"),
+    task_ids: str | None = typer.Option(None, "--task-ids", help="With --continual: the tasks, in order (1,2,3)."),
+    continual: bool | None = typer.Option(None, "--continual/--no-continual", help="Unlearn --task-ids one after "
+                                          "another, each from the previous task's final model." + _default(
+                                              "continual")),
     question_key: str | None = typer.Option(None, "--question-key", help="Question field." + _default("question_key")),
     answer_key: str | None = typer.Option(None, "--answer-key", help="Answer field." + _default("answer_key")),
     max_length: int | None = typer.Option(None, "--max-length", help="Tokens per example." + _default("max_length")),
@@ -212,6 +228,13 @@ def unlearn(
         _relaunch_with_accelerate(num_processes)
     from doplus_cli.engine.unlearn import print_summary, run_unlearn
 
+    if config.continual:
+        from doplus_cli.engine.continual import print_continual, run_continual
+
+        report = run_continual(config, err_console)
+        if report:
+            print_continual(report, Console(highlight=False))
+        return
     report = run_unlearn(config, err_console)
     if report:
         print_summary(report, Console(highlight=False))
@@ -246,8 +269,9 @@ def multitask(
     model: str | None = typer.Option(
         None, "--model", help="Hub id, local model folder or .gguf file [default: embedded SmolLM2-135M-Instruct]"
     ),
-    dtype: str | None = typer.Option(None, "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16."
-                                     + _mt_default("dtype")),
+    dtype: str | None = typer.Option(None, "--dtype", help=DTYPE_HELP + _mt_default("dtype")),
+    precision: str | None = typer.Option(None, "--precision", help=PRECISION_HELP + _mt_default("precision")),
+    save_dtype: str | None = typer.Option(None, "--save-dtype", help=SAVE_DTYPE_HELP + _mt_default("save_dtype")),
     trust_remote_code: bool | None = typer.Option(
         None, "--trust-remote-code/--no-trust-remote-code", help="Allow the model's own code to run."
     ),
@@ -353,8 +377,9 @@ def align(
     model: str | None = typer.Option(
         None, "--model", help="Hub id, local model folder or .gguf file [default: embedded SmolLM2-135M-Instruct]"
     ),
-    dtype: str | None = typer.Option(None, "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16."
-                                     + _al_default("dtype")),
+    dtype: str | None = typer.Option(None, "--dtype", help=DTYPE_HELP + _al_default("dtype")),
+    precision: str | None = typer.Option(None, "--precision", help=PRECISION_HELP + _al_default("precision")),
+    save_dtype: str | None = typer.Option(None, "--save-dtype", help=SAVE_DTYPE_HELP + _al_default("save_dtype")),
     trust_remote_code: bool | None = typer.Option(
         None, "--trust-remote-code/--no-trust-remote-code", help="Allow the model's own code to run."
     ),
@@ -457,6 +482,8 @@ def evaluate(
         "tofu", "--suite", help="tofu, real-world, lm-eval, privacy, safety, xstest, or several comma-separated."
     ),
     split: str = typer.Option("forget10", "--split", help="TOFU forget split: forget01, forget05, forget10."),
+    task_id: int | None = typer.Option(None, "--task-id", help="TOFU files whose rows carry task_id (the DualOptim+ "
+                                       "authors'): the forget task scored [default: 1]"),
     data_dir: str | None = typer.Option(
         None, "--data-dir", help="Folder of TOFU JSON-lines files [default: hf:locuslab/TOFU from the hub]"
     ),
@@ -536,7 +563,8 @@ def evaluate(
     if dtype not in ("auto", "float32", "bfloat16"):
         raise UserError(f"unknown dtype '{dtype}': choose one of auto, float32, bfloat16")
     config = EvalConfig(
-        model=model, suites=parse_suites(suite), split=split, data_dir=data_dir, forget=forget, retain=retain,
+        model=model, suites=parse_suites(suite), split=split, data_dir=data_dir, task_id=task_id, forget=forget,
+        retain=retain,
         out=out, max_samples=max_samples, batch_size=batch_size, max_new_tokens=max_new_tokens,
         embedding_model=embedding_model, nli_model=nli_model, targeted=targeted,
         tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), limit=limit, lm_eval_include=lm_eval_include,
@@ -650,6 +678,8 @@ def bench_schemes(
         DEFAULT_SCHEMES, "--schemes", help="Comma-separated: " + ", ".join(SCHEMES) + "."
     ),
     seeds: str = typer.Option(DEFAULT_SEEDS, "--seeds", help="Comma-separated seeds; each scheme runs once per seed."),
+    task_ids: str | None = typer.Option(None, "--task-ids", help="unlearn recipes on files whose rows carry task_id: "
+                                        "the forget tasks (1,2,3,4,5), an axis beside the seeds; tables pool them."),
     out: str | None = typer.Option(None, "--out", help="Output folder [default: bench/RECIPE-NAME]"),
     set_options: list[str] | None = typer.Option(
         None, "--set", help="KEY=VALUE: a recipe value for every run (repeatable)."
@@ -665,7 +695,8 @@ def bench_schemes(
     from doplus_cli.bench.schemes import print_summary, run_schemes_bench
 
     summary = run_schemes_bench(recipe, schemes, seeds, out, list(set_options or []), sweep, log_update_similarity,
-                                num_processes, fsdp, say=lambda line: err_console.print(Text(line)))
+                                num_processes, fsdp, say=lambda line: err_console.print(Text(line)),
+                                task_ids=task_ids)
     # Without a terminal (a batch job's log) rich would fold the table into 80 columns.
     print_summary(summary, Console(highlight=False, width=None if sys.stdout.isatty() else 200))
 

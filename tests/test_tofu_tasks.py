@@ -215,3 +215,40 @@ def test_bad_task_for_evaluate_and_authors_retain_without_task_ids(tiny_llama, a
     assert run_cli("unlearn", "--model", tiny_llama, "--forget", plain, "--retain", "tofu-authors", "--loss",
                    "IDK+GD", "--out", tmp_path / "r") == 2
     assert "its rows have no task_id" in capsys.readouterr().err
+
+
+def test_bench_schemes_pools_forget_tasks_and_the_statistics_match_the_runs(tiny_llama, authors_dir, tmp_path,
+                                                                             monkeypatch):
+    import statistics
+
+    import yaml
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the runs are subprocesses; one thread each is fastest here
+    recipe = tmp_path / "tasks.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": str(tiny_llama), "forget": str(authors_dir / "forget01.json"), "retain": "tofu-authors",
+        "loss": "IDK+GD", "steps": 4, "lr": 1e-3, "batch_size": 2, "max_length": 48, "show_samples": 0,
+        "eval_every": 4, "eval_suite": "tofu", "eval_split": "forget01", "eval_data_dir": str(authors_dir),
+        "eval_max_new_tokens": 2}))
+    out = tmp_path / "bench"
+    assert run_cli("bench", "schemes", "--recipe", recipe, "--out", out, "--schemes", "doplus", "--seeds", "0",
+                   "--task-ids", "1,2") == 0
+    summary = json.loads((out / "SCHEMES.json").read_text())
+    assert set(summary["runs"]) == {"doplus-t1-s0", "doplus-t2-s0"}
+    (row,) = summary["rows"]
+    assert sorted(row["tasks"]) == [1, 2] and summary["over"] == "forget tasks"
+    for name, task in (("doplus-t1-s0", 1), ("doplus-t2-s0", 2)):
+        report = json.loads((out / "runs" / name / "report.json").read_text())
+        assert report["data"]["task"]["task_id"] == task
+        evaluated = json.loads((out / "runs" / name / "evals" / "step-4" / "eval.json").read_text())
+        assert evaluated["sections"][0]["sets"][0]["task_id"] == task
+    for key in ("MU", "UFE"):
+        per_run = [json.loads((out / "runs" / name / "report.json").read_text())["evals"][-1][key]
+                   for name in row["runs"]]
+        assert row["metrics"][key]["mean"] == pytest.approx(statistics.mean(per_run))
+        assert row["metrics"][key]["std"] == pytest.approx(statistics.stdev(per_run))
+    table = (out / "SCHEMES.md").read_text()
+    assert "forget tasks 1, 2 (task_id)" in table and "over forget tasks" in table and "| 2 x 1 |" in table
+    # a repeated task is one line, exit 2
+    assert run_cli("bench", "schemes", "--recipe", recipe, "--out", out, "--schemes", "doplus", "--seeds", "0",
+                   "--task-ids", "2,2") == 2

@@ -51,6 +51,7 @@ from doplus_cli.config import (
     default_of,
     field_names,
     load_recipe,
+    parse_task_ids,
     read_recipe,
     validate,
 )
@@ -214,7 +215,7 @@ class UnlearnKind(Kind):
                    ("--max-samples", c.eval_max_samples), ("--max-new-tokens", c.eval_max_new_tokens),
                    ("--protocol", c.eval_protocol), ("--nli-model", c.eval_nli_model),
                    ("--embedding-model", c.eval_embedding_model), ("--batch-size", max(c.batch_size, 8)),
-                   ("--seed", c.seed), ("--dtype", c.dtype)]
+                   ("--seed", c.seed), ("--dtype", c.dtype), ("--task-id", c.task_id)]
         return _evaluate_command(run, options, c.trust_remote_code)
 
     def scores(self, report: dict[str, Any], evaluation: Path) -> tuple[dict[str, Any], dict[str, str]]:
@@ -353,6 +354,7 @@ class Run:
     recipe: dict[str, Any]  # what OUT/recipes/NAME.yaml holds
     config: TrainConfig  # the recipe resolved and validated
     folder: Path  # OUT/runs/NAME
+    task_id: int | None = None  # --task-ids: the forget task of this run
 
     @property
     def recipe_path(self) -> Path:
@@ -378,6 +380,7 @@ class Bench:
     out: Path
     log_update_similarity: bool
     runs: list[Run] = field(default_factory=list)
+    task_ids: list[int | None] = field(default_factory=lambda: [None])  # --task-ids: forget tasks, an axis
 
     def experiment(self) -> dict[str, Any]:
         """What every run of OUT shares; a later command into the same OUT must give the same."""
@@ -387,10 +390,11 @@ class Bench:
 
 
 def plan_bench(recipe: str, schemes: str, seeds: str, out: str, set_options: list[str], sweep: str | None,
-               log_update_similarity: bool) -> Bench:
+               log_update_similarity: bool, task_ids: str | None = None) -> Bench:
     """Every check on the command and the recipe, and the runs it asks for; nothing is written."""
     scheme_names = parse_schemes(schemes)
     seed_list = parse_seeds(seeds)
+    task_list: list[int | None] = [None] if task_ids is None else list(parse_task_ids(task_ids, "--task-ids"))
     path = Path(recipe).expanduser().resolve()
     raw = read_recipe(path)
     set_pairs = [_split_pair(text, "--set") for text in set_options]
@@ -417,12 +421,19 @@ def plan_bench(recipe: str, schemes: str, seeds: str, out: str, set_options: lis
                                                             kind.config)})[sweep_key] for v in items]
         if len({json.dumps(_plain(v)) for v in sweep_values}) < len(sweep_values):
             raise UserError(f"--sweep {sweep_key}: a value is given twice ({sweep_pair[1]})")
+    if task_ids is not None:
+        if kind.command != "unlearn":
+            raise UserError(f"--task-ids picks the forget tasks of an unlearn recipe; {path.name} is a "
+                            f"{kind.command} recipe")
+        if "task_id" in set_values or sweep_key == "task_id":
+            raise UserError("--task-ids and --set/--sweep task_id: give the tasks once, with --task-ids")
     bench = Bench(path, kind, base, set_values, sweep_key, sweep_values, scheme_names, seed_list,
-                  Path(out).expanduser().resolve(), log_update_similarity)
+                  Path(out).expanduser().resolve(), log_update_similarity, task_ids=task_list)
     for scheme in scheme_names:
         for value in sweep_values:
-            for seed in seed_list:
-                bench.runs.append(_plan_run(bench, scheme, value, seed))
+            for task in task_list:
+                for seed in seed_list:
+                    bench.runs.append(_plan_run(bench, scheme, value, seed, task))
     for run in bench.runs:
         kind.check_evaluation(given | ({sweep_key} if sweep_key else set()), run.config, path)
     names_seen = [run.name for run in bench.runs]
@@ -484,7 +495,7 @@ def _null(text: str) -> str | None:
     return None if text.lower() in ("null", "~") else text
 
 
-def _plan_run(bench: Bench, scheme: str, sweep_value: Any, seed: int) -> Run:
+def _plan_run(bench: Bench, scheme: str, sweep_value: Any, seed: int, task: int | None = None) -> Run:
     """The run's recipe (recipe < scheme < seed < --set < sweep value < the bench's checkpoint defaults) and its
     validated config."""
     values = {**copy.deepcopy(bench.base), **scheme_values(scheme), "seed": seed, **bench.set_values}
@@ -496,6 +507,10 @@ def _plan_run(bench: Bench, scheme: str, sweep_value: Any, seed: int) -> Run:
         values[bench.sweep_key] = sweep_value
         sources[bench.sweep_key] = f"--sweep {bench.sweep_key}"
         name += f"-{bench.sweep_key}={_name_part(sweep_value)}"
+    if task is not None:
+        values["task_id"] = task
+        sources["task_id"] = "--task-ids"
+        name += f"-t{task}"
     name += f"-s{seed}"
     _keep_one_of_exclusive(values, sources, [str(bench.recipe), "--set", "--sweep"])
     steps = bench.kind.planned_steps(_config(bench.kind, values, sources))
@@ -506,7 +521,7 @@ def _plan_run(bench: Bench, scheme: str, sweep_value: Any, seed: int) -> Run:
         values["log_update_similarity"] = True
     config = _config(bench.kind, values, sources)
     validate(copy.deepcopy(config))
-    return Run(name, scheme, seed, sweep_value, _plain(values), config, bench.out / "runs" / name)
+    return Run(name, scheme, seed, sweep_value, _plain(values), config, bench.out / "runs" / name, task)
 
 
 def _config(kind: Kind, values: dict[str, Any], sources: dict[str, str]) -> TrainConfig:
@@ -615,7 +630,8 @@ def check_out(bench: Bench) -> dict[str, Any]:
 def _record_runs(bench: Bench, index: dict[str, Any]) -> None:
     """bench.json first (an OUT without it is refused later), then each run's recipe."""
     for run in bench.runs:
-        index["runs"][run.name] = {"scheme": run.scheme, "seed": run.seed, "sweep_value": _plain(run.sweep_value)}
+        index["runs"][run.name] = {"scheme": run.scheme, "seed": run.seed, "sweep_value": _plain(run.sweep_value),
+                                   **({"task_id": run.task_id} if run.task_id is not None else {})}
     (bench.out / "recipes").mkdir(parents=True, exist_ok=True)
     atomic_write_text(bench.out / "bench.json", json.dumps(index, indent=2) + "\n")
     for run in bench.runs:
@@ -784,6 +800,7 @@ class Result:
     evals: list[dict[str, Any]]  # the report's evaluations during training
     update_cosines: list[tuple[int, float]]  # (step, update_cosine) where recorded
     facts: dict[str, Any]  # model, steps, device, world size, evaluation folder
+    task_id: int | None = None  # --task-ids: the run's forget task
 
 
 def collect(bench: Bench, index: dict[str, Any]) -> tuple[list[Result], list[str]]:
@@ -807,7 +824,7 @@ def collect(bench: Bench, index: dict[str, Any]) -> tuple[list[Result], list[str
                  "evaluation": str(evaluation.relative_to(bench.out)), "wall_time_s": report.get("wall_time_s"),
                  "evaluated_during_training": evaluation.parent.name == "evals"}
         results.append(Result(name, entry["scheme"], entry["seed"], entry["sweep_value"], values, notes,
-                              report.get("evals") or [], cosines, facts))
+                              report.get("evals") or [], cosines, facts, entry.get("task_id")))
     return results, unfinished
 
 
@@ -855,7 +872,8 @@ def summarise(bench: Bench, results: list[Result], unfinished: list[str]) -> dic
     sweep_order = [json.dumps(v) for v in _sweep_values_seen(bench, results)]
     groups: dict[tuple[str, str], list[Result]] = {}
     for result in sorted(results, key=lambda r: (list(SCHEMES).index(r.scheme),
-                                                 sweep_order.index(json.dumps(r.sweep_value)), r.seed)):
+                                                 sweep_order.index(json.dumps(r.sweep_value)),
+                                                 -1 if r.task_id is None else r.task_id, r.seed)):
         groups.setdefault((result.scheme, json.dumps(result.sweep_value)), []).append(result)
     rows = []
     for (scheme, _), members in groups.items():
@@ -865,7 +883,8 @@ def summarise(bench: Bench, results: list[Result], unfinished: list[str]) -> dic
             per_run = [None if r.values.get(column.key) is None else r.values[column.key] / scale for r in members]
             row_metrics[column.key] = {**mean_std(per_run), "values": per_run}
         rows.append({"scheme": scheme, "label": SCHEMES[scheme].label, "sweep_value": members[0].sweep_value,
-                     "seeds": [r.seed for r in members], "runs": [r.name for r in members], "metrics": row_metrics})
+                     "seeds": [r.seed for r in members], "runs": [r.name for r in members], "metrics": row_metrics,
+                     "tasks": [r.task_id for r in members] if any(r.task_id is not None for r in members) else None})
     _mark_best(rows, columns)
     partial: dict[str, list[dict[str, Any]]] = {}  # column -> each note on what it covers, with its run count
     for column in columns:
@@ -889,7 +908,9 @@ def summarise(bench: Bench, results: list[Result], unfinished: list[str]) -> dic
         "runs_total": len(results),
         "unfinished": unfinished,
         "definitions": definitions(bench, results, UPDATE_COSINE in columns),
-        "runs": {r.name: {"scheme": r.scheme, "seed": r.seed, "sweep_value": r.sweep_value, **r.facts,
+        "over": over(results),
+        "runs": {r.name: {"scheme": r.scheme, "seed": r.seed, "sweep_value": r.sweep_value, "task_id": r.task_id,
+                          **r.facts,
                           "values": r.values, "notes": r.notes} for r in results},
     }
 
@@ -932,18 +953,29 @@ def _distinct(values: list[Any]) -> str:
     return ", ".join(str(v) for v in dict.fromkeys(values))
 
 
+def over(results: list[Result]) -> str:
+    """What a row's mean and std run over: "seeds", or "forget tasks and seeds" with --task-ids."""
+    tasks = any(r.task_id is not None for r in results)
+    seeds = len({r.seed for r in results}) > 1
+    return "forget tasks and seeds" if tasks and seeds else "forget tasks" if tasks else "seeds"
+
+
 def caption(bench: Bench, results: list[Result]) -> str:
     """Recipe, what it trains, model, steps, seeds, device: the table's caption."""
     config = bench.runs[0].config
     seeds = sorted({r.seed for r in results})
+    tasks = sorted({r.task_id for r in results if r.task_id is not None})
     devices = _distinct([f"{r.facts['device']}" + (f" x {r.facts['world_size']} processes"
                                                    if r.facts["world_size"] > 1 else "") for r in results])
     what = bench.kind.describe(config, bench.sweep_key)
     return (f"Update schemes on {bench.recipe.name} (doplus {bench.kind.command}{', ' + what if what else ''}): "
             f"model {_distinct([r.facts['model'] for r in results])}, {_distinct([r.facts['steps'] for r in results])}"
-            f" steps, seeds {', '.join(map(str, seeds))}, {devices}"
+            f" steps, " + (f"forget tasks {', '.join(map(str, tasks))} (task_id), " if tasks else "")
+            + f"seeds {', '.join(map(str, seeds))}, {devices}"
             + (f"; --set {', '.join(f'{k}={v}' for k, v in bench.set_values.items())}" if bench.set_values else "")
-            + ". Mean ± sample standard deviation over seeds (n/a: one seed); best per column in bold"
+            + (f". Mean ± sample standard deviation over {over(results)}, every run of a scheme pooled (n/a: one run)"
+               if tasks else ". Mean ± sample standard deviation over seeds (n/a: one seed)")
+            + "; best per column in bold"
             + (f" among the schemes at the same {bench.sweep_key}" if bench.sweep_key else "") + ".")
 
 
@@ -1008,15 +1040,17 @@ def render_markdown(summary: dict[str, Any], figures: list[str]) -> str:
     columns = summary["columns"]
     sweep = summary["sweep"]
     arrow = {"higher": " ↑", "lower": " ↓", None: ""}
+    with_tasks = any(row.get("tasks") for row in summary["rows"])
     headers = ["Method", *([sweep["key"]] if sweep else []), *[c["label"] + arrow[c["better"]] for c in columns],
-               "seeds"]
+               "tasks x seeds" if with_tasks else "seeds"]
     lines = [f"**Table.** {summary['caption']}", "",
              "| " + " | ".join(headers) + " |",
              "| --- |" + (" ---: |" if sweep else "") + " ---: |" * len(columns) + " ---: |"]
     for row in summary["rows"]:
         cells = [row["label"], *([str(row["sweep_value"])] if sweep else [])]
         cells += [_cell(row["metrics"][c["key"]], c["format"], c["key"] in row["best"]) for c in columns]
-        cells.append(str(len(row["seeds"])))
+        cells.append(f"{len(set(row['tasks']))} x {len(set(row['seeds']))}" if row.get("tasks")
+                     else str(len(row["seeds"])))
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     if summary["partial"]:
@@ -1184,13 +1218,14 @@ def write_outputs(bench: Bench, index: dict[str, Any]) -> dict[str, Any]:
 
 def run_schemes_bench(recipe: str, schemes: str, seeds: str, out: str | None, set_options: list[str],
                       sweep: str | None, log_update_similarity: bool, num_processes: int | None, fsdp: bool,
-                      say: Callable[[str], None]) -> dict[str, Any]:
+                      say: Callable[[str], None], task_ids: str | None = None) -> dict[str, Any]:
     """Plan and check everything, run what is missing, then write the tables and figures; return SCHEMES.json."""
     out = out or os.path.join("bench", Path(recipe).stem)
-    bench = plan_bench(recipe, schemes, seeds, out, set_options, sweep, log_update_similarity)
+    bench = plan_bench(recipe, schemes, seeds, out, set_options, sweep, log_update_similarity, task_ids)
     index = check_out(bench)
     _record_runs(bench, index)
-    say(f"{len(bench.runs)} runs ({len(bench.schemes)} schemes x {len(bench.seeds)} seeds"
+    tasks = f" x {len(bench.task_ids)} forget tasks" if task_ids is not None else ""
+    say(f"{len(bench.runs)} runs ({len(bench.schemes)} schemes{tasks} x {len(bench.seeds)} seeds"
         + (f" x {len(bench.sweep_values)} values of {bench.sweep_key}" if bench.sweep_key else "")
         + f") of doplus {bench.kind.command} into {bench.out}")
     Runner(bench, say, num_processes, fsdp).run_all()
@@ -1204,7 +1239,7 @@ def print_summary(summary: dict[str, Any], console) -> None:
     """The means (± std) as a table on the console."""
     from rich.table import Table
 
-    table = Table(title="bench schemes: mean ± std over seeds", title_justify="left")
+    table = Table(title=f"bench schemes: mean ± std over {summary.get('over', 'seeds')}", title_justify="left")
     sweep = summary["sweep"]
     table.add_column("scheme")
     if sweep:

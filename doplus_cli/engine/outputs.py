@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from doplus_cli.errors import UserError
+from doplus_cli.optim.kernels import fallbacks
 
 # Everything a run writes; `--overwrite` removes these and nothing else.
 RUN_FILES = ("config.yaml", "metrics.jsonl", "report.json", "report.md", "final", "data", "evals", "eval",
@@ -214,6 +215,35 @@ def teach_note(teach: dict[str, Any] | None) -> str:
     return f"; taught first by {teach['recipe']} ({how} {teach['cache']})"
 
 
+def task_note(data: dict[str, Any]) -> str:
+    """`: task 2 of tasks 1-3 (task_id; 120 rows in the file)` for a forget file whose rows carry task_id."""
+    task = data.get("task")
+    if not task:
+        return ""
+    how = "" if task["task_given"] else ", the default"
+    note = (f": task {task['task_id']}{how} of the file's tasks {', '.join(map(str, task['file_tasks']))} "
+            f"({task['forget_file_rows']} rows in the file)")
+    if len(task["unlearned"]) > 1:
+        note += f"; continual, tasks unlearned so far {', '.join(map(str, task['unlearned']))}"
+    return note
+
+
+def retain_note(data: dict[str, Any]) -> str:
+    """`: the authors' retain set, retain90 (3,600) + other tasks (360)`, or the parts of an explicit set."""
+    retain = data.get("retain")
+    if not retain:
+        return ""
+    parts = " + ".join(f"{part['source']} ({part['rows']:,})" for part in retain["parts"])
+    return f": the authors' retain set, {parts}" if retain["kind"] == "authors" else ""
+
+
+def warmup_note(cfg: dict[str, Any], report: dict[str, Any]) -> str:
+    epoch = report.get("data", {}).get("epoch_steps")
+    if epoch is None:
+        return " (set by warmup_steps)"
+    return f" (one epoch of {epoch} steps by the DualOptim+ authors' rule for {cfg['scheme']})"
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     cfg = report["config"]
     env = report["environment"]
@@ -221,13 +251,14 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"# doplus unlearn: {cfg['loss']} with {cfg['scheme']}",
         "",
         f"- model: {report['model']}" + teach_note(report.get("teach")),
-        f"- forget: {cfg['forget']} ({report['data']['forget_rows']} rows); "
-        f"retain: {cfg['retain']} ({report['data']['retain_rows']} rows)",
+        f"- forget: {cfg['forget']} ({report['data']['forget_rows']} rows{task_note(report['data'])}); "
+        f"retain: {cfg['retain']} ({report['data']['retain_rows']} rows{retain_note(report['data'])})",
         f"- scheme {cfg['scheme']}, optimizer {cfg['optimizer']} ({cfg['state_bits']}-bit states"
         + (f", {cfg.get('doplus_rule', 'paper')} rule" if cfg["scheme"] == "doplus" else "") + "), "
         f"F_f:F_r = {cfg['forget_freq']}:{cfg['retain_freq']}, lr {cfg['lr']}"
         + (f" (forget {cfg['forget_lr']})" if cfg.get("forget_lr") is not None else "")
-        + f", betas {tuple(cfg['betas'])}, weight decay {cfg['weight_decay']}, warmup {report['warmup_steps']} steps",
+        + f", betas {tuple(cfg['betas'])}, weight decay {cfg['weight_decay']}, warmup {report['warmup_steps']} steps"
+        + warmup_note(cfg, report),
         f"- {report['steps']} steps ({', '.join(f'{k}: {v}' for k, v in report['steps_per_objective'].items())}), "
         f"effective batch {env['effective_batch']}, seed {env['seed']}",
         f"- wall time {report['wall_time_s']:.1f} s, peak memory {report['peak_memory_gb']:.2f} GB "
@@ -281,12 +312,18 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def environment_lines(env: dict[str, Any]) -> list[str]:
     """The report's closing section: device, world size, dtype and package versions."""
+    eager = env.get("eager_fallbacks") or {}
     return ["", "## Environment", "",
             f"- device: {env['device']}, world size {env['world_size']}, dtype {env['dtype']}",
-            "- " + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v) + f", python {env['python']}"]
+            "- " + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v) + f", python {env['python']}",
+            *(f"- the {name} kernel failed to compile and ran as eager code (same results, slower): {reason}"
+              for name, reason in eager.items())]
 
 
 def write_report(out: Path, report: dict[str, Any], render=None) -> None:
-    """report.md (written by `render`, unlearn's `render_markdown` by default), then report.json."""
+    """report.md (written by `render`, unlearn's `render_markdown` by default), then report.json; the
+    environment records the compiled kernels that fell back to eager code in this process."""
+    if "environment" in report and fallbacks():
+        report["environment"]["eager_fallbacks"] = fallbacks()
     atomic_write_text(out / "report.md", (render or render_markdown)(report))
     atomic_write_text(out / "report.json", json.dumps(report, indent=2) + "\n")
