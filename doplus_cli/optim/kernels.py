@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -193,33 +194,52 @@ def _adamw_plus_inplace(
     return ratio.amax(), (ratio > BIG_UPDATE).sum()
 
 
+REQUIRE_COMPILED_ENV = "DOPLUS_REQUIRE_COMPILED"  # "1": a kernel that fails to compile raises (the tests set it)
+KERNELS: list[CompiledKernel] = []  # every compiled kernel of the process, in creation order
+
+
 class CompiledKernel:
     """A function compiled lazily with `torch.compile(dynamic=True)`; falls back to eager if compiling fails.
 
     Compilation happens on the first call (that step pays for it; `doplus bench` reports how much) and is
-    cached on disk by inductor, so later processes load the kernel instead of compiling it again.
+    cached on disk by inductor, so later processes load the kernel instead of compiling it again. A fallback
+    is logged once and listed by `fallbacks()` (the run's report says so); with `$DOPLUS_REQUIRE_COMPILED=1`
+    the compile error is raised instead, so a test suite cannot pass on the eager code by accident.
     """
 
     def __init__(self, fn, name: str):
         self._fn = fn
-        self._name = name
+        self.name = name
         self._compiled = None
-        self._failed = False
+        self.fallback_reason: str | None = None  # why this process uses the eager code, once it does
+        self.compiled_calls = 0  # calls that ran the compiled code
         self._lock = threading.Lock()
+        KERNELS.append(self)
 
     def __call__(self, *args):
-        if self._failed:
+        if self.fallback_reason is not None:
             return self._fn(*args)
         if self._compiled is None:
             with self._lock:
                 if self._compiled is None:
                     self._compiled = torch.compile(self._fn, dynamic=True, fullgraph=True)
         try:
-            return self._compiled(*args)
-        except Exception as error:  # no C++ compiler, unsupported platform: stay correct, warn once
-            self._failed = True
-            log.warning("doplus: compiling the %s kernel failed (%s); using eager code.", self._name, error)
+            result = self._compiled(*args)
+        except Exception as error:  # no C++ compiler, unsupported platform: stay correct, say so once
+            if os.environ.get(REQUIRE_COMPILED_ENV) == "1":
+                raise
+            first_line = (str(error).strip().splitlines() or [""])[0]
+            self.fallback_reason = f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
+            log.warning("doplus: compiling the %s kernel failed (%s); using eager code.", self.name,
+                        self.fallback_reason)
             return self._fn(*args)
+        self.compiled_calls += 1
+        return result
+
+
+def fallbacks() -> dict[str, str]:
+    """{kernel name: reason} for the compiled kernels this process runs as eager code after a failed compile."""
+    return {kernel.name: kernel.fallback_reason for kernel in KERNELS if kernel.fallback_reason is not None}
 
 
 _adamw_plus_compiled = CompiledKernel(_adamw_plus_inplace, "DualOptim+ AdamW")
