@@ -364,12 +364,12 @@ def _layer_output(model: torch.nn.Module, tensors: dict[str, Tensor], layer: int
     return captured[0]
 
 
-def rmu_direction(params: LossParams, width: int, device: torch.device) -> Tensor:
+def rmu_direction(params: LossParams, width: int, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
     """RMU's fixed random unit vector u (WMDP's and OpenUnlearning's draw: uniform [0, 1) entries, normalised),
     the same on every process and every resume: drawn from its own generator seeded with `params.seed`."""
     generator = torch.Generator().manual_seed(params.seed)
     u = torch.rand(width, generator=generator, dtype=torch.float64)
-    return (u / u.norm()).to(device=device, dtype=torch.float32)
+    return (u / u.norm()).to(device=device, dtype=dtype)
 
 
 def _mean_square_per_token(difference: Tensor, mask: Tensor, ctx: LossContext) -> Tensor:
@@ -388,8 +388,8 @@ def rmu(ctx: LossContext, batch: Batch) -> Tensor:
     layer 7 (scaled to shallower models, `rmu_layer_index`), c = 20."""
     tensors = batch["answer"]
     layer = rmu_layer_index(ctx.params, len(decoder_layers(ctx.model)))
-    hidden = _layer_output(ctx.model, tensors, layer)
-    steer = ctx.params.rmu_coeff * rmu_direction(ctx.params, hidden.size(-1), hidden.device)
+    hidden = _upcast(_layer_output(ctx.model, tensors, layer))  # bf16 activations: the distance in float32
+    steer = ctx.params.rmu_coeff * rmu_direction(ctx.params, hidden.size(-1), hidden.device, hidden.dtype)
     return _mean_square_per_token(hidden - steer, tensors["labels"] != IGNORE_INDEX, ctx)
 
 
@@ -400,10 +400,11 @@ def activation_preservation(ctx: LossContext, batch: Batch) -> Tensor:
     RMU's layer (`rmu_layer`), with any forget loss."""
     tensors = batch["answer"]
     layer = rmu_layer_index(ctx.params, len(decoder_layers(ctx.model)))
-    hidden = _layer_output(ctx.model, tensors, layer)
+    hidden = _upcast(_layer_output(ctx.model, tensors, layer))
     with torch.no_grad():
-        ref_hidden = _layer_output(ctx.reference, _on_reference_device(ctx, tensors), layer).to(hidden.device)
-    return _mean_square_per_token(hidden - ref_hidden, tensors["labels"] != IGNORE_INDEX, ctx)
+        ref_hidden = _layer_output(ctx.reference, _on_reference_device(ctx, tensors), layer)
+    difference = hidden - ref_hidden.to(hidden.device, hidden.dtype)
+    return _mean_square_per_token(difference, tensors["labels"] != IGNORE_INDEX, ctx)
 
 
 def _mlp_output_projection(block: torch.nn.Module) -> str:

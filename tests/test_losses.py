@@ -1,5 +1,6 @@
 """Every loss against a float64 reference written here with plain loops, and the direction it moves the
-forget/retain likelihoods when minimised on a toy batch."""
+forget/retain likelihoods when minimised on a toy batch. (Hand-made logits and activations with padding:
+tests/test_losses_2026.py.)"""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from doplus_cli.data.formatting import PromptFormatter, collate
-from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossContext, sequence_nll
+from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossContext, LossParams, sequence_nll
 
 QUESTIONS = ["What gender is author Basil Mahfouz Al-Kuwaiti?", "Where was Jaime Vasquez born?"]
 ANSWERS = ["Author Basil Mahfouz Al-Kuwaiti is male.", "Jaime Vasquez was born in Santiago, Chile."]
 REJECTIONS = ["I don't know.", "I have no information about that person."]
 BETA = 0.7
+# Away from the defaults where those leave a loss flat on a random model (SimNPO's beta 4.5 saturates the
+# sigmoid, SatImp's p^5 vanishes at p ~ 1/600); RMU and EMBED take layer 0 (the default for 2 layers).
+PARAMS = LossParams(simnpo_beta=0.5, simnpo_gamma=1.0, undial_beta=2.0, wga_beta=0.5, satimp_beta1=0.5,
+                    satimp_beta2=2.0, rmu_coeff=3.0, seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +82,62 @@ def _log_sigmoid(x: float) -> float:
     return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
 
 
+def _hidden_rows(model, tensors, layer: int):
+    """[(answer positions' hidden vectors of decoder layer `layer`)] per sample, from output_hidden_states
+    (entry layer + 1 is that layer's output for every layer but the last)."""
+    with torch.no_grad():
+        states = model(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"],
+                       output_hidden_states=True).hidden_states[layer + 1]
+    return [[states[i, t].tolist() for t in range(states.shape[1]) if int(tensors["labels"][i, t]) != -100]
+            for i in range(states.shape[0])]
+
+
+def _softmax(row: list[float]) -> list[float]:
+    return [math.exp(x) for x in _log_softmax_row(row)]
+
+
+def _token_terms(model, tensors):
+    """(log-prob row, target) for every answer position of the batch."""
+    return [(row, y) for rows, ys in _answer_rows(model, tensors) for row, y in zip(rows, ys)]
+
+
+def reference_value_2026(name: str, model, reference, batch) -> float:
+    P = PARAMS
+    answer = batch["answer"]
+    terms = _token_terms(model, answer)
+    if name == "SimNPO":
+        per_sample = [-sum(row[y] for row, y in zip(rows, ys)) / len(ys) for rows, ys in _answer_rows(model, answer)]
+        return -(2 / P.simnpo_beta) * sum(_log_sigmoid(P.simnpo_beta * x - P.simnpo_gamma)
+                                           for x in per_sample) / len(per_sample)
+    if name == "WGA":
+        return -sum(math.exp(row[y]) ** P.wga_beta * -row[y] for row, y in terms) / len(terms)
+    if name == "SatImp":
+        return -sum(math.exp(row[y]) ** P.satimp_beta1 * (1 - math.exp(row[y])) ** P.satimp_beta2 * -row[y]
+                    for row, y in terms) / len(terms)
+    if name == "UNDIAL":  # softmax is shift-invariant: the reference's log-probs stand for its logits
+        total = 0.0
+        for (row, y), (ref_row, _) in zip(terms, _token_terms(reference, answer)):
+            target = _softmax([r - (P.undial_beta if v == y else 0.0) for v, r in enumerate(ref_row)])
+            total += -sum(q * lp for q, lp in zip(target, row))
+        return total / len(terms)
+    if name == "CE-U":  # the model's own distribution without the true token, renormalised
+        total = 0.0
+        for row, y in terms:
+            rest = 1 - math.exp(row[y])
+            total += -sum(math.exp(lp) / rest * lp for v, lp in enumerate(row) if v != y)
+        return total / len(terms)
+    if name in ("RMU", "EMBED"):  # layer 0 of 2; u: uniform [0, 1) entries from a generator seeded with the seed
+        vectors = [v for rows in _hidden_rows(model, answer, 0) for v in rows]
+        if name == "RMU":
+            draw = torch.rand(len(vectors[0]), generator=torch.Generator().manual_seed(P.seed), dtype=torch.float64)
+            norm = math.sqrt(sum(x * x for x in draw.tolist()))
+            targets = [[P.rmu_coeff * x / norm for x in draw.tolist()]] * len(vectors)
+        else:
+            targets = [v for rows in _hidden_rows(reference, answer, 0) for v in rows]
+        return sum(sum((a - b) ** 2 for a, b in zip(v, t)) / len(v) for v, t in zip(vectors, targets)) / len(vectors)
+    raise KeyError(name)
+
+
 def reference_value(name: str, model, reference, batch) -> float:
     if name == "GA":
         return -_mean_ce(model, batch["answer"])
@@ -110,7 +171,7 @@ def reference_value(name: str, model, reference, batch) -> float:
                 total += sum(math.exp(r) * (r - p) for r, p in zip(ref_row, row))
                 count += 1
         return total / count
-    raise KeyError(name)
+    return reference_value_2026(name, model, reference, batch)
 
 
 ALL_LOSSES = [("forget", n) for n in FORGET_LOSSES] + [("retain", n) for n in RETAIN_LOSSES]
@@ -120,7 +181,7 @@ ALL_LOSSES = [("forget", n) for n in FORGET_LOSSES] + [("retain", n) for n in RE
 def test_loss_equals_float64_loop_reference(setup, kind, name):
     model, reference, batch = setup
     spec = (FORGET_LOSSES if kind == "forget" else RETAIN_LOSSES)[name]
-    value = spec.fn(LossContext(model, reference if spec.needs_reference else None, BETA), batch)
+    value = spec.fn(LossContext(model, reference if spec.needs_reference else None, BETA, params=PARAMS), batch)
     assert value.dtype == torch.float32 or value.dtype == torch.float64
     assert torch.isfinite(value)
     expected = reference_value(name, model, reference, batch)
@@ -142,7 +203,7 @@ def _minimise(spec, model, reference, batch, steps=15, lr=0.05):
     model = copy.deepcopy(model).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     for _ in range(steps):
-        loss = spec.fn(LossContext(model, reference, BETA), batch)
+        loss = spec.fn(LossContext(model, reference, BETA, params=PARAMS), batch)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -159,15 +220,18 @@ def _uniform_kl(model, tensors) -> float:
 def test_minimising_the_loss_moves_likelihoods_the_intended_way(setup, name):
     model, reference, batch = setup
     spec = FORGET_LOSSES.get(name) or RETAIN_LOSSES[name]
-    if name == "KL":  # start away from the reference, so pulling back toward it is visible
+    if name in ("KL", "EMBED"):  # start away from the reference, so pulling back toward it is visible
         start = _minimise(FORGET_LOSSES["GA"], model, None, batch, steps=5)
         ref = model
+    elif name == "UNDIAL":  # self-distillation: the reference is the starting model
+        start, ref = model, model
     else:
         start, ref = model, reference
-    # a random init predicts nearly uniformly already, so ME needs a larger step to move visibly
-    trained = _minimise(spec, start, ref, batch, lr=1.0 if name == "ME" else 0.05)
+    # a random init predicts nearly uniformly already, so ME needs a larger step to move visibly; so do RMU and
+    # EMBED, whose gradients reach layer 0's output through few weights
+    trained = _minimise(spec, start, ref, batch, lr=1.0 if name in ("ME", "RMU", "EMBED") else 0.05)
     answer, rejection = batch["answer"], batch["rejection"]
-    if name in ("GA", "NPO"):  # forget answers become less likely
+    if name in ("GA", "NPO", "SimNPO", "WGA", "SatImp", "UNDIAL", "CE-U"):  # forget answers become less likely
         assert _nll(trained, answer) > _nll(start, answer) + 1e-3
     elif name == "ME":  # predictions on forget answers move toward uniform
         assert _uniform_kl(trained, answer) < 0.9 * _uniform_kl(start, answer)
@@ -185,3 +249,10 @@ def test_minimising_the_loss_moves_likelihoods_the_intended_way(setup, name):
         assert after < 0.95 * before
     elif name == "AP":  # the true answer gains on the rejection answer
         assert _nll(trained, answer) - _nll(trained, rejection) < _nll(start, answer) - _nll(start, rejection) - 1e-3
+    elif name in ("RMU", "EMBED"):  # layer 0's output moves toward c*u (RMU), back toward the reference's (EMBED)
+        with torch.no_grad():
+            before = spec.fn(LossContext(start, ref, BETA, params=PARAMS), batch).item()
+            after = spec.fn(LossContext(trained, ref, BETA, params=PARAMS), batch).item()
+        assert after < 0.95 * before
+    else:
+        raise AssertionError(f"no expected direction written for {name}")
