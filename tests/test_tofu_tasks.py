@@ -252,3 +252,32 @@ def test_bench_schemes_pools_forget_tasks_and_the_statistics_match_the_runs(tiny
     # a repeated task is one line, exit 2
     assert run_cli("bench", "schemes", "--recipe", recipe, "--out", out, "--schemes", "doplus", "--seeds", "0",
                    "--task-ids", "2,2") == 2
+
+
+def test_evaluate_logs_progress_without_a_terminal_and_reports_its_compute_floor(tiny_llama, authors_dir, tmp_path,
+                                                                                  capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "eval"
+    assert run_cli("evaluate", "--model", tiny_llama, "--data-dir", authors_dir, "--split", "forget01",
+                   "--max-new-tokens", 3, "--out", out) == 0
+    log = capsys.readouterr().err  # pytest's capture: no terminal, as in a batch job
+    for name, n in (("forget", PER_TASK), ("retain", 3), ("real_authors", 2), ("world_facts", 2)):
+        assert f"generating ({name}): 0/{n}" in log and f"scoring ({name}): {n}/{n} (100%)" in log
+    compute = json.loads((out / "eval.json").read_text())["compute"]
+    # prompts, counted here with the tokenizer itself: the question-answer template with its BOS token
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    questions = [r["question"] for r in _rows(authors_dir / "forget01_perturbed.json") if r["task_id"] == "1"]
+    for name in ("retain_perturbed.json", "real_authors_perturbed.json", "world_facts_perturbed.json"):
+        questions += [r["question"] for r in _rows(authors_dir / name)]
+    prompt_lengths = [len(tokenizer(f"Question: {q}\nAnswer:")["input_ids"]) for q in questions]
+    assert compute["tokens"]["prompt"] == sum(prompt_lengths)
+    assert len(questions) <= compute["tokens"]["generated"] <= 3 * len(questions)
+    # teacher-forced: every prompt once, plus at least the longest answer's tokens of each question
+    assert compute["tokens"]["teacher_forced"] > sum(prompt_lengths)
+    parameters = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_llama).parameters())
+    assert compute["parameters"] == parameters
+    total = sum(compute["tokens"][k] for k in ("prompt", "generated", "teacher_forced"))
+    assert compute["floor_s"] == pytest.approx(2 * parameters * total / (compute["matmul_gflops"] * 1e9))
+    assert compute["ratio"] == pytest.approx(compute["wall_s"] / compute["floor_s"])
+    assert "Compute floor:" in (out / "report.md").read_text()

@@ -12,6 +12,7 @@ from rich.progress import Progress
 from doplus_cli.data.formatting import PromptFormatter, left_padded_prompts
 from doplus_cli.data.sources import Source
 from doplus_cli.errors import UserError
+from doplus_cli.progress import count_tokens
 
 MAX_SELF_ANSWERED_ROWS = 5000
 
@@ -49,6 +50,7 @@ def greedy_generate(
     try:
         for chunk in _chunks(list(questions), batch_size):
             batch = {k: v.to(device) for k, v in left_padded_prompts(formatter, list(chunk)).items()}
+            count_tokens("prompt", int(batch["attention_mask"].sum()))
             budgets = [max_new_tokens] * len(chunk)
             if max_total_tokens is not None:
                 budgets = [max(0, max_total_tokens - n) for n in batch["attention_mask"].sum(-1).tolist()]
@@ -59,6 +61,7 @@ def greedy_generate(
             for row, budget in zip(output[:, batch["input_ids"].shape[1]:].tolist(), budgets):
                 row = row[:budget]
                 cut = next((i for i, t in enumerate(row) if t in stop), len(row))
+                count_tokens("generated", min(cut + 1, len(row)))  # the stop token was computed too
                 tokens.append(row[:cut])
                 texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True).strip())
             if task is not None:

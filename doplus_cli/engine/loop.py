@@ -31,7 +31,7 @@ from doplus_cli.config import TrainConfig
 from doplus_cli.data.batches import IndexStream
 from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.data.sources import MixtureSource
-from doplus_cli.engine import checkpoint, outputs, sharding
+from doplus_cli.engine import checkpoint, outputs, precision, sharding
 from doplus_cli.engine.objectives import Objective, Plan, frequencies, lr_multipliers
 from doplus_cli.engine.optimizers import build_optimizer
 from doplus_cli.engine.schedule import JOINT, objective_at, steps_per_objective
@@ -40,6 +40,7 @@ from doplus_cli.errors import RunError, UserError, worker_exit_code
 from doplus_cli.losses import LossContext, PartTally, local_token_count
 from doplus_cli.models import load_model_and_tokenizer
 from doplus_cli.optim import quant
+from doplus_cli.progress import LoggedProgress
 
 
 def default_out_dir(command: str = "unlearn") -> str:
@@ -57,7 +58,9 @@ def _shared_default_out(accelerator, command: str) -> str:
 
 
 def _progress(console: Console, enabled: bool) -> Progress:
-    return Progress(
+    """A bar on a terminal; in a batch log, plain lines for the evaluations and generations inside the run (the
+    steps print their own lines)."""
+    return LoggedProgress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
@@ -77,11 +80,11 @@ def _reference_model(config: TrainConfig, model: torch.nn.Module, accelerator, f
         from doplus_cli.models import load_model_8bit
 
         return load_model_8bit(config.model, config.dtype, config.trust_remote_code, accelerator.device)
-    reference = copy.deepcopy(model).eval().requires_grad_(False)
+    reference = copy.deepcopy(model).eval().requires_grad_(False).to(precision.reference_dtype(config))
     if config.ref_offload == "cpu":
         return reference.to("cpu")
     if fsdp:
-        return sharding.shard_model(accelerator, reference)
+        return sharding.shard_model(accelerator, reference, config.precision == "bf16-mixed")
     return reference
 
 
@@ -136,6 +139,7 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
     world = accelerator.num_processes
     config.fsdp = bool(config.fsdp or sharding.launched_with_fsdp(accelerator))
     fsdp = config.fsdp and world > 1
+    precision.resolve(config)  # before the resume check: a checkpoint's config names the precision it used
     processes = checkpoint.Processes(accelerator, sharded=fsdp)
     effective_batch = config.batch_size * config.grad_accum * world
     derived_steps = plan.total_steps(effective_batch)
@@ -155,7 +159,8 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
     else:
         out = outputs.prepare_out_dir(config.out, config.overwrite) if main_process else Path(config.out)
 
-    model, tokenizer, model_name = load_model_and_tokenizer(config.model, config.dtype, config.trust_remote_code)
+    model, tokenizer, model_name = load_model_and_tokenizer(config.model, precision.weights_dtype(config),
+                                                            config.trust_remote_code)
     formatter = PromptFormatter(tokenizer, config.max_length, config.prompt_template)
     if main_process:
         outputs.write_config(out, {**config.to_dict(), "out": str(out)})
@@ -186,7 +191,7 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
 
         model.train()
         if fsdp:  # before the optimizer, which then keeps states for this process's shards only
-            model = sharding.shard_model(accelerator, model)
+            model = sharding.shard_model(accelerator, model, config.precision == "bf16-mixed")
         names = tuple(o.name for o in objectives)
         optimizer, scheduled = build_optimizer(config, model, names, lr_multipliers(objectives), sharded=fsdp)
         scheduler = get_linear_schedule_with_warmup(scheduled, config.warmup_steps, config.steps)
@@ -202,7 +207,7 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
             model = accelerator.prepare(model)
         context = LossContext(model, reference, plan.beta, _token_count(accelerator), params=plan.loss_params)
         metrics = outputs.MetricsWriter(out / "metrics.jsonl", records) if main_process else None
-        task = progress.add_task(plan.activity, total=config.steps, completed=start_step, status="")
+        task = progress.add_task(plan.activity, total=config.steps, completed=start_step, status="", log=False)
         # In a batch job's log (no terminal) a live bar draws nothing; print a plain line now and then.
         log_lines, log_every = not console.is_terminal, max(1, config.steps // 20)
         last_losses = {f"{o.name}_loss": float("nan") for o in objectives}  # latest value of each term
@@ -286,6 +291,8 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
                                 "adapter_norms": adapter_norms(unwrapped),
                                 "final": "adapter only" if config.save_adapter_only else "merged model"}}
         unwrapped = final_model(unwrapped, config.save_adapter_only)
+    trained_dtype = str(unwrapped.dtype).removeprefix("torch.")
+    unwrapped, full_weights = _in_save_dtype(unwrapped, full_weights, precision.save_dtype(config))
     final = outputs.save_final(unwrapped, tokenizer, out, full_weights)
     peak, peak_kind = outputs.peak_memory_gb(accelerator.device)
     report = {
@@ -305,8 +312,9 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
         # this process's (its shards under FSDP): numel x element size of every state tensor, 8-bit codes and
         # block scales included (paper, Table 8)
         "optimizer_state_bytes": quant.optimizer_state_bytes(scheduled),
-        "environment": outputs.environment(accelerator.device, world, effective_batch, config.seed,
-                                           str(unwrapped.dtype).removeprefix("torch.")),
+        "precision": precision.describe(config),
+        "environment": {**outputs.environment(accelerator.device, world, effective_batch, config.seed, trained_dtype),
+                        "precision": config.precision},
         **({"teach": config.extra["taught"]} if config.extra.get("taught") else {}),
         **measured_after,
         **lora_report,
@@ -317,6 +325,13 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
         report["eval_curves"] = _plot_curves(evals, out, plan.curve_names)
     outputs.write_report(out, report, plan.render_markdown)
     return report
+
+
+def _in_save_dtype(model: torch.nn.Module, full_weights: dict[str, torch.Tensor] | None, dtype: torch.dtype):
+    """final/'s model (and a sharded run's gathered weights) in `--save-dtype`; integer tensors unchanged."""
+    if full_weights is not None:
+        full_weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full_weights.items()}
+    return model.to(dtype), full_weights
 
 
 class RunInterrupted(UserError):
@@ -453,7 +468,8 @@ def _accumulate_gradients(
             total = 0.0
             for part in parts:
                 batch = part.next_batch(formatter, accelerator.device, config.seed)
-                value = part.loss.fn(context, batch)
+                with precision.autocast(config, accelerator.device):  # bf16 forward under bf16-mixed
+                    value = part.loss.fn(context, batch)
                 sums[f"{part.name}_loss"] += value.item() / config.grad_accum
                 total = total + part.weight * value
             accelerator.backward(total / config.grad_accum)

@@ -103,6 +103,10 @@ def render_eval_markdown(record: dict[str, Any]) -> str:
                for section in record["sections"] for s in section.get("sets", []) if s.get("seconds")]
     if per_set:
         lines += ["", "Per set: " + "; ".join(per_set) + "."]
+    if record.get("compute"):
+        from doplus_cli.evaluation.compute import floor_line
+
+        lines += ["", floor_line(record["compute"])]
     return "\n".join(lines) + "\n"
 
 

@@ -15,6 +15,7 @@ from doplus_cli.engine.outputs import atomic_write_text
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation import metrics
 from doplus_cli.evaluation import openunlearning as ou
+from doplus_cli.evaluation.compute import compute_floor, matmul_gflops
 from doplus_cli.evaluation.privacy import privacy_metrics, read_holdout, read_retain_logs
 from doplus_cli.evaluation.protocol import get_protocol
 from doplus_cli.evaluation.safety import SUITE_FILES as SAFETY_FILES
@@ -28,6 +29,7 @@ from doplus_cli.evaluation.suites import (
     load_tofu_sets,
 )
 from doplus_cli.losses import FORGET_LOSSES
+from doplus_cli.progress import counting_tokens, progress_bar
 
 SUITES = ("tofu", "real-world", "lm-eval", "privacy", "safety", "xstest")
 
@@ -247,14 +249,32 @@ def prepare_eval_dir(path: str, overwrite: bool) -> Path:
 
 
 def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: str, progress=None,
-                   targeted: bool | None = None, judges: Judges | None = None) -> dict[str, Any]:
+                   targeted: bool | None = None, judges: Judges | None = None,
+                   command: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run the suites on a loaded model and write the outputs into `out`; return the eval record.
 
     `judges` (the embedding and NLI models) can be passed in, so evaluations during training load them once.
+    `command` ({"started": perf_counter at the command's start, "gflops": matmul rate, "dtype"}), from `doplus
+    evaluate`: the record gets the compute floor of the tokens the suites pushed through the model.
     """
+    started = time.perf_counter()
+    with counting_tokens() as tokens:
+        record = _evaluate_model(model, tokenizer, config, out, model_name, progress, targeted, judges, started)
+    if command is not None and model is not None:
+        parameters = sum(p.numel() for p in model.parameters())
+        record["compute"] = compute_floor(tokens, parameters, command["gflops"],
+                                          time.perf_counter() - command["started"], command["dtype"])
+    _write_json(out / "eval.json", record)
+    from doplus_cli.evaluation.report import render_eval_markdown
+
+    (out / "report.md").write_text(render_eval_markdown(record))
+    return record
+
+
+def _evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: str, progress, targeted,
+                    judges: Judges | None, started: float) -> dict[str, Any]:
     from doplus_cli.data.formatting import PromptFormatter
 
-    started = time.perf_counter()
     formatter = PromptFormatter(tokenizer, max_length=512, template=config.prompt_template) if tokenizer is not None \
         else None  # None: --responses
     protocol = get_protocol(config.protocol)
@@ -353,10 +373,6 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
         "wall_time_s": time.perf_counter() - started,
     }
     _write_json(out / "SUMMARY.json", summary)
-    _write_json(out / "eval.json", record)
-    from doplus_cli.evaluation.report import render_eval_markdown
-
-    (out / "report.md").write_text(render_eval_markdown(record))
     return record
 
 
@@ -373,10 +389,9 @@ def check_responses(config: EvalConfig) -> None:
 
 def run_evaluate(config: EvalConfig, console: Console | None = None) -> dict[str, Any]:
     """Load the model, run the suites, write the outputs; return the eval record."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from doplus_cli.models import load_model_and_tokenizer
 
+    started = time.perf_counter()
     console = console or Console(stderr=True)
     if config.max_samples is not None and config.max_samples < 1:
         raise UserError(f"--max-samples must be at least 1, got {config.max_samples}")
@@ -407,7 +422,11 @@ def run_evaluate(config: EvalConfig, console: Console | None = None) -> dict[str
     targeted = config.targeted if config.targeted is not None else targeted_from_run(config.model)
     if config.prompt_template is None:
         config.prompt_template = template_from_run(config.model)
-    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console)
+    command = None
+    if model is not None:  # the floor's matmul rate, in the model's dtype, on its device, in this run
+        parameter = next(model.parameters())
+        command = {"started": started, "dtype": str(parameter.dtype).removeprefix("torch."),
+                   "gflops": matmul_gflops(parameter.dtype, parameter.device)}
+    progress = progress_bar(console)
     with progress:
-        return evaluate_model(model, tokenizer, config, out, name, progress, targeted)
+        return evaluate_model(model, tokenizer, config, out, name, progress, targeted, command=command)

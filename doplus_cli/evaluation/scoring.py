@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from doplus_cli.data.formatting import IGNORE_INDEX, Encoded, PromptFormatter, collate
 from doplus_cli.losses import token_nll
+from doplus_cli.progress import count_tokens
 
 
 @torch.no_grad()
@@ -30,6 +31,7 @@ def mean_token_nlls(
     try:
         for start in range(0, len(order), batch_size):
             chunk = order[start:start + batch_size]
+            count_tokens("teacher_forced", sum(len(encoded[i].input_ids) for i in chunk))
             batch = {k: v.to(device) for k, v in left_padded([encoded[i] for i in chunk],
                                                              formatter.tokenizer.pad_token_id).items()}
             keep = 1 + max(sum(1 for label in encoded[i].labels if label != IGNORE_INDEX) for i in chunk)
@@ -87,7 +89,7 @@ ANSWER_ROWS_PER_CHUNK = 16
 @torch.no_grad()
 def shared_prefix_nlls(
     model: torch.nn.Module, formatter: PromptFormatter, questions: Sequence[str], answers: Sequence[Sequence[str]],
-    batch_size: int = 16,
+    batch_size: int = 16, progress=None, description: str = "scoring",
 ) -> list[list[float]]:
     """Mean token NLLs of several answers per question, each question's prompt encoded once.
 
@@ -100,10 +102,12 @@ def shared_prefix_nlls(
     """
     was_training = model.training
     model.eval()
+    task = progress.add_task(description, total=len(questions), status="") if progress is not None else None
+    tick = (lambda n: progress.advance(task, n)) if task is not None else None
     try:
         if _takes_packed_rows(model, formatter):
-            return _packed_nlls(model, formatter, questions, answers, batch_size)
-        return _cached_prefix_nlls(model, formatter, questions, answers, batch_size)
+            return _packed_nlls(model, formatter, questions, answers, batch_size, tick)
+        return _cached_prefix_nlls(model, formatter, questions, answers, batch_size, tick)
     finally:
         model.train(was_training)
 
@@ -113,13 +117,17 @@ def shared_prefix_nlls(
 PACKED_TOKENS_PER_ROW = 48
 
 
+Tick = Callable[[int], None] | None  # called with the number of questions each batch finished
+
+
 @torch.no_grad()
 def _packed_nlls(model, formatter: PromptFormatter, questions: Sequence[str], answers: Sequence[Sequence[str]],
-                 batch_size: int) -> list[list[float]]:
-    return _score_jobs(model, formatter, questions, answers, batch_size, _pack_and_score)
+                 batch_size: int, tick: Tick = None) -> list[list[float]]:
+    return _score_jobs(model, formatter, questions, answers, batch_size, _pack_and_score, tick)
 
 
-def _pack_and_score(model, formatter: PromptFormatter, jobs: list[_Job], batch_size: int, device, result) -> None:
+def _pack_and_score(model, formatter: PromptFormatter, jobs: list[_Job], batch_size: int, device, result,
+                    tick: Tick = None) -> None:
     """Questions sorted by packed length, in batches of about `batch_size` x PACKED_TOKENS_PER_ROW tokens."""
     trees = [_TokenTree(job) for job in jobs]
     order = sorted(range(len(trees)), key=lambda i: trees[i].length)
@@ -128,20 +136,26 @@ def _pack_and_score(model, formatter: PromptFormatter, jobs: list[_Job], batch_s
     for i in order:
         if batch and (len(batch) + 1) * trees[i].length > budget:
             _score_packed(model, batch, device, formatter.tokenizer.pad_token_id, result)
+            if tick is not None:
+                tick(len(batch))
             batch = []
         batch.append(trees[i])
     if batch:
         _score_packed(model, batch, device, formatter.tokenizer.pad_token_id, result)
+        if tick is not None:
+            tick(len(batch))
 
 
 def _score_jobs(model, formatter: PromptFormatter, questions: Sequence[str], answers: Sequence[Sequence[str]],
-                batch_size: int, score) -> list[list[float]]:
+                batch_size: int, score, tick: Tick = None) -> list[list[float]]:
     """Both shared-prefix paths: `score` fills the values of every question's distinct, untruncated answers;
     the pairs `encode` truncates take `mean_token_nlls`, and identical answers copy the value computed once."""
     device = next(model.parameters()).device
     result: list[list[float]] = [[0.0] * len(group) for group in answers]
     jobs, leftovers = _shared_jobs(formatter, questions, answers)
-    score(model, formatter, jobs, batch_size, device, result)
+    if tick is not None and len(jobs) < len(questions):  # questions with nothing to score by the shared prefix
+        tick(len(questions) - len(jobs))
+    score(model, formatter, jobs, batch_size, device, result, tick)
     if leftovers:
         values = mean_token_nlls(model, formatter, [(questions[q], answers[q][a]) for q, a in leftovers], batch_size)
         for (q, a), value in zip(leftovers, values):
@@ -183,6 +197,7 @@ def _score_packed(model, batch: list[_TokenTree], device, pad_id: int, result) -
     """One forward over left-padded packed rows; each answer's mean NLL into `result[question][position]`."""
     width = max(tree.length for tree in batch)
     keep = 1 + max(len(tree.tokens) for tree in batch)
+    count_tokens("teacher_forced", sum(tree.length for tree in batch))
     ids = torch.full((len(batch), width), pad_id if pad_id is not None else 0, dtype=torch.long)
     positions = torch.zeros((len(batch), width), dtype=torch.long)
     allowed = torch.zeros((len(batch), width, width), dtype=torch.bool)
@@ -270,18 +285,22 @@ def _takes_packed_rows(model, formatter: PromptFormatter) -> bool:
 @torch.no_grad()
 def _cached_prefix_nlls(
     model: torch.nn.Module, formatter: PromptFormatter, questions: Sequence[str], answers: Sequence[Sequence[str]],
-    batch_size: int = 16,
+    batch_size: int = 16, tick: Tick = None,
 ) -> list[list[float]]:
     """`shared_prefix_nlls` for models without custom 4D masks: the prompts of a chunk of questions run once
     (left-padded); their KV cache is then expanded over the answers (any answer row may take any prompt row, so
     answers are packed by length across questions) and each answer runs on top of its prompt's cache. The first
     answer token is scored from the prompt's last logits, the others from the answer pass."""
     if not _shares_cache(model, formatter, next(model.parameters()).device):
-        return grouped_nlls(model, formatter, questions, answers, batch_size)
-    return _score_jobs(model, formatter, questions, answers, batch_size, _chunk_and_score)
+        values = grouped_nlls(model, formatter, questions, answers, batch_size)
+        if tick is not None:
+            tick(len(questions))
+        return values
+    return _score_jobs(model, formatter, questions, answers, batch_size, _chunk_and_score, tick)
 
 
-def _chunk_and_score(model, formatter: PromptFormatter, jobs: list[_Job], batch_size: int, device, result) -> None:
+def _chunk_and_score(model, formatter: PromptFormatter, jobs: list[_Job], batch_size: int, device, result,
+                     tick: Tick = None) -> None:
     """Questions sorted by prompt length, in chunks of about ANSWER_ROWS_PER_CHUNK x `batch_size` answers."""
     order = sorted(range(len(jobs)), key=lambda i: len(jobs[i].prompt))
     chunk: list[_Job] = []
@@ -289,9 +308,13 @@ def _chunk_and_score(model, formatter: PromptFormatter, jobs: list[_Job], batch_
         chunk.append(jobs[i])
         if sum(len(job.answers) for job in chunk) >= ANSWER_ROWS_PER_CHUNK * batch_size:
             _score_chunk(model, formatter, chunk, batch_size, device, result)
+            if tick is not None:
+                tick(len(chunk))
             chunk = []
     if chunk:
         _score_chunk(model, formatter, chunk, batch_size, device, result)
+        if tick is not None:
+            tick(len(chunk))
 
 
 def _shares_cache(model, formatter: PromptFormatter, device) -> bool:
@@ -341,6 +364,7 @@ def _score_chunk(model, formatter: PromptFormatter, chunk: list[_Job], batch_siz
 
     pad_id = formatter.tokenizer.pad_token_id
     prompts = [Encoded(job.prompt, [IGNORE_INDEX] * len(job.prompt)) for job in chunk]
+    count_tokens("teacher_forced", sum(len(job.prompt) + sum(len(ids) for _, ids in job.answers) for job in chunk))
     batch = {k: v.to(device) for k, v in left_padded(prompts, pad_id).items()}
     output = _forward(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"], None, keep=1)
     cache, first_log_probs = output.past_key_values, torch.log_softmax(_upcast(output.logits[:, -1]), dim=-1)

@@ -66,14 +66,15 @@ class Judges:
 # ---- data ----
 
 def _read_rows(path: str, need_paraphrase: bool, max_samples: int | None) -> list[QASample]:
-    return _read_file(path, need_paraphrase, max_samples, None)[0]
+    """Every row of a set (the real-world suite's files: a task_id there is kept as a field, not a filter)."""
+    return _read_file(path, need_paraphrase, max_samples, None, by_task=False)[0]
 
 
 def _read_file(path: str, need_paraphrase: bool, max_samples: int | None, task_id: int | None,
-               ) -> tuple[list[QASample], dict[str, Any]]:
-    """A set's rows, and what was read: {"file_rows", "task_id", "tasks"}. A file whose rows carry `task_id` (the
-    DualOptim+ authors' forget files) gives the rows of one task (`task_id`, default 1); then the first
-    `max_samples` of them."""
+               by_task: bool = True) -> tuple[list[QASample], dict[str, Any]]:
+    """A set's rows, and what was read: {"file_rows", "task_id", "tasks"}. With `by_task`, a file whose rows carry
+    `task_id` (the DualOptim+ authors' TOFU forget files) gives the rows of one task (`task_id`, default 1); then
+    the first `max_samples` of them."""
     if not os.path.isfile(path):
         raise UserError(f"{path}: file not found")
     samples, task_ids = [], []
@@ -85,7 +86,8 @@ def _read_file(path: str, need_paraphrase: bool, max_samples: int | None, task_i
             row = parse_json_line(raw, path, line_number)
             samples.append(_sample(row, where, need_paraphrase))
             task_ids.append(task_id_of(row, where))
-    read = {"file_rows": len(samples), "task_id": None, "tasks": sorted({t for t in task_ids if t is not None})}
+    read = {"file_rows": len(samples), "task_id": None,
+            "tasks": sorted({t for t in task_ids if t is not None}) if by_task else []}
     if read["tasks"]:
         chosen = 1 if task_id is None else task_id
         if chosen not in read["tasks"]:
@@ -237,7 +239,7 @@ def evaluate_set(
     # every answer of a question from its prompt encoded once: true, paraphrased (or true), perturbed
     groups = [[s.answer, s.paraphrased or s.answer, *s.perturbed] for s in samples]
     started = time.perf_counter()
-    nlls = shared_prefix_nlls(model, formatter, questions, groups, batch_size)
+    nlls = shared_prefix_nlls(model, formatter, questions, groups, batch_size, progress, f"scoring ({qa_set.name})")
     timings["scoring"] = time.perf_counter() - started
     started = time.perf_counter()
     nll_true, nll_para, nll_pert = [g[0] for g in nlls], [g[1] for g in nlls], [g[2:] for g in nlls]
