@@ -349,3 +349,17 @@ def test_bad_input_is_one_line_with_exit_code_2(tiny_llama, data, tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert needle in err
     assert err.count("\n") == 0 and "Traceback" not in err
+
+
+def test_a_checkpoint_from_before_these_options_resumes_at_their_defaults_and_refuses_other_values():
+    import dataclasses
+
+    from doplus_cli.config import UnlearnConfig
+    from doplus_cli.engine.checkpoint import differing_keys
+
+    now = UnlearnConfig().to_dict()
+    added = {f.name for f in dataclasses.fields(LossParams)} - {"seed"}
+    assert added <= set(now)  # every hyper-parameter is a recipe key
+    before = {k: v for k, v in now.items() if k not in added}
+    assert differing_keys(before, now) == []
+    assert differing_keys(before, {**now, "rmu_coeff": 6.5, "rmu_layer": 1}) == ["rmu_coeff", "rmu_layer"]

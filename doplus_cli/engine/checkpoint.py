@@ -14,6 +14,7 @@ system every process sees (as a cluster's shared storage is).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -27,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from doplus_cli.errors import UserError
+from doplus_cli.losses import LossParams
 from doplus_cli.optim.dualoptim_plus import local_shard
 
 # Options that may change between a run and its resumption: they do not change what is computed.
@@ -37,6 +39,8 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 # Options added after runs were written with them implied: a saved config without one ran with this value.
 IMPLIED_BEFORE_ADDED = {"doplus_rule": "paper"}  # before 0.2 DualOptim+ had the paper's rule only
+# before the losses of issue #28 no run used their hyper-parameters (LossParams): their defaults stand in
+IMPLIED_BEFORE_ADDED.update({f.name: f.default for f in dataclasses.fields(LossParams) if f.name != "seed"})
 
 
 def config_for_comparison(config: dict[str, Any]) -> dict[str, Any]:
