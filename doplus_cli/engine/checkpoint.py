@@ -33,12 +33,14 @@ from doplus_cli.optim.dualoptim_plus import local_shard
 
 # Options that may change between a run and its resumption: they do not change what is computed.
 RESUMABLE_CHANGES = {"resume", "overwrite", "save_every", "keep_last", "show_samples", "description", "out",
-                     "log_update_similarity"}
+                     "log_update_similarity", "save_dtype"}
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 # Options added after runs were written with them implied: a saved config without one ran with this value.
-IMPLIED_BEFORE_ADDED = {"doplus_rule": "paper"}  # before 0.2 DualOptim+ had the paper's rule only
+# before 0.2 DualOptim+ had the paper's rule only; before --precision a run trained in its load dtype (a run on
+# CUDA in uncompensated bf16, which no precision reproduces: such a checkpoint is refused)
+IMPLIED_BEFORE_ADDED = {"doplus_rule": "paper", "precision": "fp32"}
 # before the losses of issue #28 no run used their hyper-parameters (LossParams): their defaults stand in
 IMPLIED_BEFORE_ADDED.update({f.name: f.default for f in dataclasses.fields(LossParams) if f.name != "seed"})
 

@@ -7,6 +7,11 @@
 Biases and norm weights (every parameter with fewer than 2 dimensions) get no weight decay, as in the
 Hugging Face Trainer the paper's code ran on.
 
+Under `--precision bf16` every optimizer updates the bf16 weights with compensated summation (a bf16
+compensation buffer per weight, read and written inside the update kernel): DualOptim+ and DualOptim with
+`compensated=True`, and joint and alternate with doplus's `optim.adamw.AdamW` in place of torch's, which has
+none. Under fp32 and bf16-mixed the weights are float32 and these are torch's and bitsandbytes' optimizers.
+
 Under FSDP every optimizer keeps states for this process's shard only, as plain tensors: DualOptim+ steps
 the shards of its DTensor parameters itself; torch's and bitsandbytes' optimizers are given each shard as a
 parameter of its own (`OnLocalShards`), which also lets bitsandbytes' 8-bit states work there.
@@ -19,6 +24,7 @@ from torch.optim import Optimizer
 
 from doplus_cli.config import TrainConfig
 from doplus_cli.optim import DualOptim, DualOptimPlus, muon_param_groups, quant
+from doplus_cli.optim.adamw import AdamW
 from doplus_cli.optim.diagnostics import adamw_step_stats, reduce_step_stats
 from doplus_cli.optim.dualoptim_plus import local_shard
 
@@ -57,6 +63,8 @@ class SharedState:
         self.inner.zero_grad(set_to_none=set_to_none)
 
     def step_diagnostics(self) -> dict[str, float]:
+        if hasattr(self.inner, "step_diagnostics"):  # doplus's AdamW measures the step inside its kernel
+            return self.inner.step_diagnostics()
         return reduce_step_stats(adamw_step_stats(self.inner, getattr(self, "_last_multiplier", 1.0)))
 
     def state_dict(self) -> dict:
@@ -147,6 +155,7 @@ def build_optimizer(
     optimizer = DualOptimPlus(
         groups, objectives=objectives, inner=config.optimizer, state_bits=config.state_bits, rule=config.doplus_rule,
         lr_multipliers=multipliers, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay,
+        compensated=config.precision == "bf16",
     )
     return optimizer, optimizer
 
@@ -156,8 +165,11 @@ def _build_unsharded(
 ) -> tuple[object, Optimizer]:
     """joint / alternate (one shared state) and dualoptim (one state per objective) over `groups`."""
     common = dict(lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+    compensated = config.precision == "bf16"  # config.py refuses bf16 with these schemes' 8-bit states
     if config.scheme in ("joint", "alternate"):
-        if config.state_bits == 8:
+        if compensated:
+            inner = AdamW(groups, compensated=True, **common)
+        elif config.state_bits == 8:
             import bitsandbytes as bnb
 
             inner = bnb.optim.AdamW8bit(groups, min_8bit_size=quant.MIN_8BIT_SIZE, **common)
@@ -168,5 +180,5 @@ def _build_unsharded(
         shared = SharedState(inner, multipliers)
         return shared, inner
     optimizer = DualOptim(groups, objectives=objectives, state_bits=config.state_bits, lr_multipliers=multipliers,
-                          **common)
+                          compensated=compensated, **common)
     return optimizer, optimizer

@@ -314,7 +314,8 @@ def environment_lines(env: dict[str, Any]) -> list[str]:
     """The report's closing section: device, world size, dtype and package versions."""
     eager = env.get("eager_fallbacks") or {}
     return ["", "## Environment", "",
-            f"- device: {env['device']}, world size {env['world_size']}, dtype {env['dtype']}",
+            f"- device: {env['device']}, world size {env['world_size']}, dtype {env['dtype']}"
+            + (f", precision {env['precision']}" if env.get("precision") else ""),
             "- " + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v) + f", python {env['python']}",
             *(f"- the {name} kernel failed to compile and ran as eager code (same results, slower): {reason}"
               for name, reason in eager.items())]

@@ -47,8 +47,11 @@ def fsdp_plugin(accelerator):
     return plugin
 
 
-def shard_model(accelerator, model: torch.nn.Module) -> torch.nn.Module:
+def shard_model(accelerator, model: torch.nn.Module, mixed_precision: bool = False) -> torch.nn.Module:
     """Shard `model` across the processes with accelerate's FSDP2 preparation; return the sharded model.
+
+    `mixed_precision` (`--precision bf16-mixed`): FSDP2's mixed-precision policy, the shards kept in their
+    own dtype (float32 master weights), gathered and computed in bf16, gradients reduced in float32.
 
     Under LoRA the causal LM inside the peft wrapper becomes the FSDP root: `generate` calls that model's
     forward directly, and only a root's forward gathers the weights outside the decoder blocks."""
@@ -57,6 +60,11 @@ def shard_model(accelerator, model: torch.nn.Module) -> torch.nn.Module:
     if not getattr(model, "_no_split_modules", None):
         raise UserError(f"FSDP: {type(model).__name__} names no decoder block class (_no_split_modules) to shard")
     accelerator.state.fsdp_plugin = fsdp_plugin(accelerator)
+    if mixed_precision:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        accelerator.state.fsdp_plugin.mixed_precision_policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     get_base_model = getattr(model, "get_base_model", None)
     if callable(get_base_model):  # a peft model: shard the model it wraps, in place
         fsdp2_prepare_model(accelerator, get_base_model())

@@ -4,6 +4,10 @@ Each objective owns a real `torch.optim.AdamW` (32-bit) or `bitsandbytes.optim.A
 same parameters, so its step is exactly that optimizer's step with that objective's state. This class keeps
 the public param groups (for LR schedulers and per-group options) and copies their hyper-parameters into
 the inner optimizer of the objective being stepped.
+
+With `compensated=True` (bf16 weights, `--precision bf16`) each objective's optimizer is doplus's
+`optim.adamw.AdamW` instead, and all of them read and write one compensation buffer per weight (a weight
+has one rounding residual, whichever objective moved it last); it is saved once, in this state_dict.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class DualOptim(Optimizer):
         fused: passed to `torch.optim.AdamW` (32-bit states). None uses torch's fused kernel where torch
             supports it (CPU and CUDA floating-point parameters), which is also what makes DualOptim as
             fast as a single AdamW; False gives torch's default (single-tensor/foreach) arithmetic.
+        compensated: compensated summation for bf16 weights (32-bit states only; see the module).
     """
 
     def __init__(
@@ -48,8 +53,14 @@ class DualOptim(Optimizer):
         *,
         lr_multipliers: Mapping[str, float] | None = None,
         fused: bool | None = None,
+        compensated: bool = False,
     ) -> None:
         check_common(lr, betas, eps, weight_decay, state_bits)
+        if compensated and state_bits != 32:
+            raise ValueError("DualOptim's compensated summation needs 32-bit states (bitsandbytes' 8-bit AdamW "
+                             "has none)")
+        self.compensated = compensated
+        self.compensation: dict[Tensor, Tensor] = {}  # one buffer per weight, shared by the objectives
         self.objectives = check_objectives(objectives)
         self.lr_multipliers = check_lr_multipliers(lr_multipliers, self.objectives)
         self.state_bits = state_bits
@@ -71,6 +82,10 @@ class DualOptim(Optimizer):
     def _make_inner(self) -> Optimizer:
         groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": group["params"]}
                   for group in self.param_groups]
+        if self.compensated:
+            from doplus_cli.optim.adamw import AdamW
+
+            return AdamW(groups, compensation=self.compensation)
         if self.state_bits == 8:
             import bitsandbytes as bnb
 
@@ -98,6 +113,8 @@ class DualOptim(Optimizer):
     def step_diagnostics(self) -> dict[str, float]:
         """Largest |Δθ|/η and the number of elements above 10η of the last step (`diagnostics.py`)."""
         last = getattr(self, "_last_objective", None)
+        if last and hasattr(self.inner[last], "step_diagnostics"):  # doplus's AdamW measures it in its kernel
+            return self.inner[last].step_diagnostics()
         return reduce_step_stats(adamw_step_stats(self.inner[last]) if last else [])
 
     @property
@@ -107,18 +124,27 @@ class DualOptim(Optimizer):
         for name, inner in getattr(self, "inner", {}).items():
             for param, value in inner.state.items():
                 merged.setdefault(param, {})[name] = value
+        for param, buffer in getattr(self, "compensation", {}).items():
+            merged.setdefault(param, {})["compensation"] = buffer
         return merged
 
     @state.setter
     def state(self, value) -> None:  # Optimizer.__init__ assigns an empty defaultdict
         pass
 
+    def _params(self) -> list[Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "param_groups": super().state_dict()["param_groups"],
             "state": {},
             "objectives": {name: inner.state_dict() for name, inner in self.inner.items()},
         }
+        if self.compensation:
+            state["compensation"] = {i: self.compensation[p] for i, p in enumerate(self._params())
+                                     if p in self.compensation}
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         missing = set(self.objectives) - set(state_dict.get("objectives", {}))
@@ -127,3 +153,7 @@ class DualOptim(Optimizer):
         super().load_state_dict({"param_groups": state_dict["param_groups"], "state": {}})
         for name, inner in self.inner.items():
             inner.load_state_dict(state_dict["objectives"][name])
+        params = self._params()
+        self.compensation.clear()  # the inner optimizers hold this same dict
+        for index, buffer in state_dict.get("compensation", {}).items():
+            self.compensation[params[index]] = buffer.detach().to(params[index].device, copy=True)

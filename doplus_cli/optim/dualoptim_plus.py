@@ -14,6 +14,8 @@ State of one parameter (plain tensors and dicts, so `torch.load(weights_only=Tru
     delta[k].step                t_k, counts updates by objective k
     delta[k].exp_avg, .exp_avg_sq   m_k, v_k                | delta[k].momentum_buffer
     <name>_absmax                with 8-bit states: <name> holds uint8 codes, this the fp32 block absmax
+    compensation                 with bf16 weights and compensated=True: the weight's compensation buffer
+                                 (bf16, the size of the weight; `kernels.py`), shared by every objective
 
 A sharded parameter (a DTensor, as FSDP2 makes it) is updated through its local shard: every state above is
 a plain tensor the size of this process's shard, so each process keeps states only for its own part, the
@@ -32,6 +34,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from doplus_cli.optim import quant
+from doplus_cli.optim.adamw import new_compensation
 from doplus_cli.optim.diagnostics import reduce_step_stats
 from doplus_cli.optim.kernels import (
     AdamWPlusScalars,
@@ -115,6 +118,9 @@ class DualOptimPlus(Optimizer):
             denominator at ``v_floor``·(v̂_B + |v̂_k|) and bounds each element's step at ``max_update``·lr
             (`kernels.py`); elsewhere the two rules are identical. The Muon rule has no such division and
             is the same under both.
+        compensated: for bf16 weights, keep a compensation buffer per weight that every update kernel
+            reads and writes with it, so that updates below the weights' spacing accumulate (issue #26,
+            `--precision bf16`); float32 weights have none and step exactly as without it.
         fused: use the compiled one-pass kernels (True), the eager reference (False), or decide per
             tensor by size (None).
         ns_coefficients, ns_steps, ns_eps, adjust_lr_fn: Muon's Newton–Schulz settings, as `torch.optim.Muon`.
@@ -138,6 +144,7 @@ class DualOptimPlus(Optimizer):
         v_floor: float = 0.05,
         max_update: float = 10.0,
         fused: bool | None = None,
+        compensated: bool = False,
         ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315),
         ns_steps: int = 5,
         ns_eps: float = 1e-7,
@@ -164,6 +171,7 @@ class DualOptimPlus(Optimizer):
         self.rule = rule
         self.v_floor, self.max_update = (v_floor, max_update) if rule == "safeguarded" else (0.0, math.inf)
         self.fused = fused
+        self.compensated = compensated
         self._step_stats: list[tuple[Tensor, Tensor]] = []
         defaults = dict(
             lr=lr,
@@ -218,6 +226,9 @@ class DualOptimPlus(Optimizer):
         if not state:
             state.update(self._new_states(param, local, names, is_base=True))
             state["delta"] = {}
+            compensation = new_compensation(local) if self.compensated else None
+            if compensation is not None:
+                state["compensation"] = compensation
         if objective not in state["delta"]:
             state["delta"][objective] = self._new_states(param, local, names, is_base=False)
         return state, state["delta"][objective]
@@ -246,10 +257,13 @@ class DualOptimPlus(Optimizer):
                 state, delta = self._state_for(param, local, group, objective)
                 state["step"] += 1
                 delta["step"] += 1
+                compensation = state.get("compensation")
                 if self._uses_muon(param, group):
-                    self._step_stats.append(self._muon_update(param, local, grad, group, state, delta, lr_scale))
+                    self._step_stats.append(
+                        self._muon_update(param, local, grad, group, state, delta, lr_scale, compensation))
                 elif local.numel():  # a shard can be empty when a small tensor has fewer rows than processes
-                    self._step_stats.append(self._adamw_update(local, grad, group, state, delta, lr_scale, hp_cache))
+                    self._step_stats.append(
+                        self._adamw_update(local, grad, group, state, delta, lr_scale, hp_cache, compensation))
         return loss
 
     def step_diagnostics(self) -> dict[str, float]:
@@ -275,7 +289,8 @@ class DualOptimPlus(Optimizer):
         )
 
     def _adamw_update(
-        self, param: Tensor, grad: Tensor, group: dict, state: dict, delta: dict, lr_scale: float, hp_cache: dict
+        self, param: Tensor, grad: Tensor, group: dict, state: dict, delta: dict, lr_scale: float, hp_cache: dict,
+        compensation: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         s = self._adamw_scalars(group, state, delta, lr_scale)
         # (container, name, signed map): the delta second moment can be negative, so it is signed too
@@ -286,7 +301,9 @@ class DualOptimPlus(Optimizer):
             (delta, "exp_avg_sq", True),
         ]
         if not self._use_fused(param, grad):
-            return _adamw_reference_slots(param.view(-1), grad.reshape(-1), slots, s, 0, param.numel())
+            flat_compensation = None if compensation is None else compensation.view(-1)
+            return _adamw_reference_slots(param.view(-1), grad.reshape(-1), slots, s, 0, param.numel(),
+                                          flat_compensation)
         state_dtype = torch.promote_types(param.dtype, torch.float32)
         key = (s, str(param.device), state_dtype)
         if key not in hp_cache:
@@ -294,12 +311,14 @@ class DualOptimPlus(Optimizer):
         hp = hp_cache[key]
         if not any(container[name].dtype == torch.uint8 for container, name, _ in slots):
             return adamw_plus_fused(
-                param, grad, state["exp_avg"], state["exp_avg_sq"], delta["exp_avg"], delta["exp_avg_sq"], hp
+                param, grad, state["exp_avg"], state["exp_avg_sq"], delta["exp_avg"], delta["exp_avg_sq"], hp,
+                compensation,
             )
-        return _adamw_fused_8bit_slots(param, grad, slots, s, hp)
+        return _adamw_fused_8bit_slots(param, grad, slots, s, hp, compensation)
 
     def _muon_update(
-        self, param: Tensor, local: Tensor, grad: Tensor, group: dict, state: dict, delta: dict, lr_scale: float
+        self, param: Tensor, local: Tensor, grad: Tensor, group: dict, state: dict, delta: dict, lr_scale: float,
+        compensation: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         s = MuonPlusScalars(
             lr=float(group["lr"]) * lr_scale,
@@ -314,7 +333,7 @@ class DualOptimPlus(Optimizer):
         base = _read_slot(state, "momentum_buffer", True, 0, local.numel()).view(local.shape)
         mom = _read_slot(delta, "momentum_buffer", True, 0, local.numel()).view(local.shape)
         orthogonalize = _sharded_orthogonalize(param, s) if local is not param else None
-        stats = muon_plus_reference(local, grad, base, mom, s, orthogonalize, param.shape)
+        stats = muon_plus_reference(local, grad, base, mom, s, orthogonalize, param.shape, compensation)
         _write_slot(state, "momentum_buffer", True, base.view(-1), 0)
         _write_slot(delta, "momentum_buffer", True, mom.view(-1), 0)
         return stats
@@ -387,24 +406,27 @@ def _write_slot(container: dict, name: str, signed: bool, values: Tensor, start:
 
 
 def _adamw_reference_slots(
-    flat_param: Tensor, flat_grad: Tensor, slots: list, s: AdamWPlusScalars, start: int, stop: int
+    flat_param: Tensor, flat_grad: Tensor, slots: list, s: AdamWPlusScalars, start: int, stop: int,
+    flat_compensation: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Reference AdamW rule on elements [start, stop): dequantize (bitsandbytes), update, re-quantize."""
     values = [_read_slot(c, name, signed, start, stop) for c, name, signed in slots]
     param_part = flat_param[start:stop]
-    stats = adamw_plus_reference(param_part, flat_grad[start:stop], *values, s)
+    compensation = None if flat_compensation is None else flat_compensation[start:stop]
+    stats = adamw_plus_reference(param_part, flat_grad[start:stop], *values, s, compensation)
     for (container, name, signed), value in zip(slots, values):
         _write_slot(container, name, signed, value, start)
     return stats
 
 
 def _adamw_fused_8bit_slots(
-    param: Tensor, grad: Tensor, slots: list, s: AdamWPlusScalars, hp: Tensor
+    param: Tensor, grad: Tensor, slots: list, s: AdamWPlusScalars, hp: Tensor, compensation: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """Compiled 8-bit kernel on the whole 256-blocks; the short last block (if any) takes the reference."""
     numel = param.numel()
     whole = numel // quant.BLOCKSIZE * quant.BLOCKSIZE
     flat_param, flat_grad = param.view(-1), grad.view(-1)
+    flat_compensation = None if compensation is None else compensation.view(-1)
     device = str(param.device)
     maps = (quant.code_map(True, device), quant.code_map(False, device))
     tables = tuple(
@@ -431,9 +453,10 @@ def _adamw_fused_8bit_slots(
             maps,
             tables,
             hp,
+            None if flat_compensation is None else flat_compensation[lo:hi].view(-1, quant.BLOCKSIZE),
         ))
     if whole < numel:
-        stats.append(_adamw_reference_slots(flat_param, flat_grad, slots, s, whole, numel))
+        stats.append(_adamw_reference_slots(flat_param, flat_grad, slots, s, whole, numel, flat_compensation))
     largest = torch.stack([m for m, _ in stats]).amax()
     return largest, torch.stack([c for _, c in stats]).sum()
 

@@ -29,6 +29,17 @@ paper's bit for bit; the paper's rule is ρ = 0, c = ∞ (`rule="paper"`).
 Every path also returns the step diagnostics of issue #16, computed from the update itself (no copy of the
 weights): the largest |Δθ|/η over the tensor's elements and how many exceed `BIG_UPDATE` (10), where
 |Δθ|/η = |λ·θ + clamp((m̂_B + m̂_k)/(sqrt(D) + ε), −c, c)| is the step per unit learning rate.
+
+Compensated summation (issue #26, `--precision bf16`): with bfloat16 weights every rule takes an optional
+bf16 `compensation` buffer c the size of the parameter, and the same kernel reads and writes the weight as
+
+    θ   = θ_bf16 + c                          (the master value, ~16 mantissa bits, exact in float32)
+    θ'  = the rule's new θ, in float32
+    θ_bf16 ← bf16(θ'),   c ← bf16(θ' − θ_bf16)  (what rounding to bf16 dropped, kept for the next step)
+
+so an update below bf16's spacing (1.2e-4 next to a weight of 0.02, against steps of ~lr = 1e-5) accumulates
+in c instead of vanishing (Kahan summation, as in Zamirai et al. 2020, "Revisiting BFloat16 Training").
+Without a buffer (None) the arithmetic is unchanged, bit for bit.
 """
 
 from __future__ import annotations
@@ -116,14 +127,17 @@ def adamw_plus_reference(
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
     s: AdamWPlusScalars,
+    compensation: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """DualOptim+ AdamW rule in eager PyTorch, updating all tensors in place; math in the states' dtype.
+    `compensation`: the bf16 weight's compensation buffer (module docstring), or None.
 
     Returns the step diagnostics (largest |Δθ|/η, number of elements above `BIG_UPDATE`) as 0-d tensors."""
     # Products are written out (no alpha= fused multiply-adds) so that the compiled kernel, which rounds
     # each product separately, gives the same bits.
     g = grad.to(exp_avg.dtype)
-    theta = param.to(exp_avg.dtype) * (1.0 - s.lr * s.weight_decay)  # decoupled weight decay
+    theta_old = read_master(param, compensation, exp_avg.dtype)
+    theta = theta_old * (1.0 - s.lr * s.weight_decay)  # decoupled weight decay
     base_m_hat = base_exp_avg * s.inv_base_bc1  # base read with the previous step's bias correction
     base_v_hat = base_exp_avg_sq * s.inv_base_bc2
     exp_avg.copy_(s.beta1 * exp_avg + (1.0 - s.beta1) * (g - base_m_hat))  # delta: residual (Eq. 4)
@@ -138,11 +152,11 @@ def adamw_plus_reference(
     step = s.lr * m / denominator
     if math.isfinite(s.max_update):
         step = step.clamp(-s.lr * s.max_update, s.lr * s.max_update)
-    ratio = (s.weight_decay * param.to(exp_avg.dtype) + (m / denominator).clamp(-s.max_update, s.max_update)).abs()
+    ratio = (s.weight_decay * theta_old + (m / denominator).clamp(-s.max_update, s.max_update)).abs()
     theta = theta - step
     base_exp_avg.copy_(s.base_beta1 * base_exp_avg + (1.0 - s.base_beta1) * g)  # base after θ (Eq. 3)
     base_exp_avg_sq.copy_(s.base_beta2 * base_exp_avg_sq + (1.0 - s.base_beta2) * (g * g))
-    param.copy_(theta)
+    write_master(param, compensation, theta)
     return _stats(ratio)
 
 
@@ -151,6 +165,32 @@ def _stats(ratio: Tensor) -> tuple[Tensor, Tensor]:
     if ratio.numel() == 0:
         return ratio.new_zeros(()), torch.zeros((), dtype=torch.int64, device=ratio.device)
     return ratio.amax(), (ratio > BIG_UPDATE).sum()
+
+
+def read_master(param: Tensor, compensation: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """The weight an update applies to, in `dtype`: θ, or θ_bf16 + c under compensated summation."""
+    theta = param.to(dtype)
+    return theta if compensation is None else theta + compensation.to(dtype)
+
+
+def round_to_bfloat16(x: Tensor) -> Tensor:
+    """float32 → the nearest bfloat16 value (ties to even), still as float32, by integer arithmetic on the bits.
+
+    Not `x.to(bfloat16).float()`: inductor may drop such a round trip inside a compiled kernel (it keeps
+    intermediates in float32 unless `emulate_precision_casts` is set), which would zero every compensation."""
+    bits = x.view(torch.int32)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536  # -65536 = 0xFFFF0000 as int32
+    return rounded.view(torch.float32)
+
+
+def write_master(param: Tensor, compensation: Tensor | None, theta: Tensor) -> None:
+    """Store the new weight: θ ← θ', or θ_bf16 ← bf16(θ') and c ← bf16(θ' − θ_bf16) (compensated)."""
+    if compensation is None:
+        param.copy_(theta)
+        return
+    rounded = round_to_bfloat16(theta.float())
+    param.copy_(rounded)  # exact: `rounded` is a bfloat16 value
+    compensation.copy_(theta.float() - rounded)  # exact in float32, rounded once to bfloat16 on the store
 
 
 def _adamw_plus_math(
@@ -181,12 +221,13 @@ def _adamw_plus_math(
 
 
 def _adamw_plus_inplace(
-    param: Tensor, grad: Tensor, mb: Tensor, vb: Tensor, md: Tensor, vd: Tensor, hp: Tensor
+    param: Tensor, grad: Tensor, mb: Tensor, vb: Tensor, md: Tensor, vd: Tensor, hp: Tensor,
+    compensation: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     theta, mb_new, vb_new, md_new, vd_new, ratio = _adamw_plus_math(
-        param.to(mb.dtype), grad.to(mb.dtype), mb, vb, md, vd, hp
+        read_master(param, compensation, mb.dtype), grad.to(mb.dtype), mb, vb, md, vd, hp
     )
-    param.copy_(theta)
+    write_master(param, compensation, theta)
     mb.copy_(mb_new)
     vb.copy_(vb_new)
     md.copy_(md_new)
@@ -253,9 +294,11 @@ def adamw_plus_fused(
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
     hp: Tensor,
+    compensation: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The AdamW rule as one compiled elementwise kernel over flattened tensors (all contiguous); returns
-    the step diagnostics as `adamw_plus_reference` does."""
+    the step diagnostics as `adamw_plus_reference` does. With a `compensation` buffer (bf16 weights) the
+    same pass reads and writes it."""
     return _adamw_plus_compiled(
         param.view(-1),
         grad.view(-1),
@@ -264,6 +307,7 @@ def adamw_plus_fused(
         exp_avg.view(-1),
         exp_avg_sq.view(-1),
         hp,
+        None if compensation is None else compensation.view(-1),
     )
 
 
@@ -287,6 +331,7 @@ class MuonPlusScalars:
 def muon_plus_reference(
     param: Tensor, grad: Tensor, base_momentum_buffer: Tensor, momentum_buffer: Tensor, s: MuonPlusScalars,
     orthogonalize: Callable[[Tensor], Tensor] | None = None, full_shape: torch.Size | None = None,
+    compensation: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """DualOptim+ Muon rule for a 2-D weight, in place.
 
@@ -294,7 +339,8 @@ def muon_plus_reference(
 
     with the orthogonalisation and the shape scaling η' of `torch.optim.Muon`. For a sharded weight, `param`,
     `grad` and the buffers are this process's rows, `orthogonalize` maps those rows of m_B + m_k to the same
-    rows of NewtonSchulz5 of the whole matrix, and `full_shape` is the whole matrix's shape. Returns the
+    rows of NewtonSchulz5 of the whole matrix, and `full_shape` is the whole matrix's shape. `compensation`:
+    the bf16 weight's compensation buffer (module docstring), or None. Returns the
     step diagnostics (|Δθ|/η = |λ·θ + (η'/η)·o|), as `adamw_plus_reference` does.
     """
     from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
@@ -307,11 +353,11 @@ def muon_plus_reference(
     momentum_buffer.mul_(s.momentum).add_(g - base_momentum_buffer)
     update = orthogonalize(base_momentum_buffer + momentum_buffer)
     scale = _adjust_lr(1.0, s.adjust_lr_fn, full_shape or param.shape)  # η'/η
-    theta_old = param.to(momentum_buffer.dtype)
+    theta_old = read_master(param, compensation, momentum_buffer.dtype)
     theta = theta_old * (1.0 - s.lr * s.weight_decay)
     theta.add_(update.to(theta.dtype), alpha=-s.lr * scale)
     ratio = (s.weight_decay * theta_old + scale * update.to(theta.dtype)).abs()
-    param.copy_(theta)
+    write_master(param, compensation, theta)
     base_momentum_buffer.mul_(s.base_momentum).add_(g)
     return _stats(ratio)
 
@@ -350,8 +396,10 @@ def _adamw_plus_8bit_inplace(
     maps: tuple[Tensor, Tensor],
     tables: tuple[tuple, tuple],
     hp: Tensor,
+    compensation: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """`states` = (m_B, v_B, m_k, v_k), each `(fp32,)` or `(codes, absmax)`; all shaped [blocks, 256].
+    """`states` = (m_B, v_B, m_k, v_k), each `(fp32,)` or `(codes, absmax)`; all shaped [blocks, 256], as is
+    `compensation` (bf16 weights) when given.
 
     `maps` and `tables` are (signed, unsigned): v_B uses the unsigned map, the other three the signed one.
     """
@@ -360,8 +408,9 @@ def _adamw_plus_8bit_inplace(
         state[0] if len(state) == 1 else _dequantize_blocks(state[0], state[1], maps[which[i]])
         for i, state in enumerate(states)
     ]
-    theta, *new_values, ratio = _adamw_plus_math(param.float(), grad.float(), *values, hp)
-    param.copy_(theta)
+    theta, *new_values, ratio = _adamw_plus_math(read_master(param, compensation, torch.float32), grad.float(),
+                                                 *values, hp)
+    write_master(param, compensation, theta)
     for i, (state, value) in enumerate(zip(states, new_values)):
         if len(state) == 1:
             state[0].copy_(value)
@@ -374,3 +423,73 @@ def _adamw_plus_8bit_inplace(
 
 # The 8-bit AdamW rule over the whole 256-blocks of flattened tensors (the caller handles a short last block).
 adamw_plus_fused_8bit = CompiledKernel(_adamw_plus_8bit_inplace, "DualOptim+ AdamW 8-bit")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plain AdamW (joint, alternate and DualOptim under `--precision bf16`: `optim/adamw.py`)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdamWScalars:
+    lr: float
+    weight_decay: float
+    beta1: float
+    beta2: float
+    eps: float
+    step: int  # t, already incremented
+
+    def packed(self, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
+        values = [self.lr, 1.0 - self.lr * self.weight_decay, self.beta1, 1.0 - self.beta1, self.beta2,
+                  1.0 - self.beta2, self.eps, 1.0 / (1.0 - self.beta1**self.step),
+                  1.0 / (1.0 - self.beta2**self.step), self.weight_decay]
+        return torch.tensor(values, dtype=dtype, device=device)
+
+
+def adamw_reference(
+    param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, s: AdamWScalars,
+    compensation: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """`torch.optim.AdamW`'s rule in place, math in the states' dtype, with an optional compensation buffer:
+
+        m ← β1·m + (1 − β1)·g,  v ← β2·v + (1 − β2)·g²,  u = (m/(1 − β1^t)) / (sqrt(v/(1 − β2^t)) + ε)
+        θ ← θ·(1 − η·λ) − η·u
+
+    Returns the step diagnostics, |Δθ|/η = |λ·θ + u|."""
+    g = grad.to(exp_avg.dtype)
+    theta_old = read_master(param, compensation, exp_avg.dtype)
+    exp_avg.copy_(s.beta1 * exp_avg + (1.0 - s.beta1) * g)
+    exp_avg_sq.copy_(s.beta2 * exp_avg_sq + (1.0 - s.beta2) * (g * g))
+    inv_bc1, inv_bc2 = 1.0 / (1.0 - s.beta1**s.step), 1.0 / (1.0 - s.beta2**s.step)
+    u = (exp_avg * inv_bc1) / ((exp_avg_sq * inv_bc2).sqrt() + s.eps)
+    theta = theta_old * (1.0 - s.lr * s.weight_decay) - s.lr * u
+    write_master(param, compensation, theta)
+    return _stats((s.weight_decay * theta_old + u).abs())
+
+
+def _adamw_inplace(
+    param: Tensor, grad: Tensor, m: Tensor, v: Tensor, hp: Tensor, compensation: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """`adamw_reference` as a pure elementwise function over flat tensors; `hp` is `AdamWScalars.packed()`."""
+    lr, decay, b1, c1, b2, c2, eps, inv_bc1, inv_bc2, wd = (hp[i] for i in range(10))
+    g = grad.to(m.dtype)
+    theta_old = read_master(param, compensation, m.dtype)
+    m_new = b1 * m + c1 * g
+    v_new = b2 * v + c2 * (g * g)
+    u = (m_new * inv_bc1) / ((v_new * inv_bc2).sqrt() + eps)
+    write_master(param, compensation, theta_old * decay - lr * u)
+    m.copy_(m_new)
+    v.copy_(v_new)
+    ratio = (wd * theta_old + u).abs()
+    return ratio.amax(), (ratio > BIG_UPDATE).sum()
+
+
+_adamw_compiled = CompiledKernel(_adamw_inplace, "AdamW")
+
+
+def adamw_fused(
+    param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, hp: Tensor, compensation: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """`adamw_reference` as one compiled elementwise kernel over flattened contiguous tensors."""
+    return _adamw_compiled(param.view(-1), grad.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1), hp,
+                           None if compensation is None else compensation.view(-1))
