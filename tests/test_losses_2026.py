@@ -363,3 +363,45 @@ def test_a_checkpoint_from_before_these_options_resumes_at_their_defaults_and_re
     before = {k: v for k, v in now.items() if k not in added}
     assert differing_keys(before, now) == []
     assert differing_keys(before, {**now, "rmu_coeff": 6.5, "rmu_layer": 1}) == ["rmu_coeff", "rmu_layer"]
+
+
+def test_rmu_default_modules_follow_the_architecture_phi_fc2():
+    """A 9-layer Phi: layer 7 fits, so layers 5-7 train their MLP output projection, which Phi calls fc2."""
+    from transformers import PhiConfig, PhiForCausalLM
+
+    from doplus_cli.losses import prepare_rmu
+
+    model = PhiForCausalLM(PhiConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=9,
+                                     num_attention_heads=2))
+    assert prepare_rmu(model, LossParams()) == ["5.mlp.fc2", "6.mlp.fc2", "7.mlp.fc2"]
+    assert sorted(n for n, p in model.named_parameters() if p.requires_grad) == [
+        f"model.layers.{i}.mlp.fc2.{kind}" for i in (5, 6, 7) for kind in ("bias", "weight")]
+
+
+RECIPE_PARAMS = {
+    "simnpo_gd": ("SimNPO+GD", {"simnpo_beta": 4.5, "simnpo_gamma": 0.0, "retain_coeff": 0.125}),
+    "rmu_embed": ("RMU+EMBED", {"rmu_layer": 7, "rmu_coeff": 20.0, "rmu_update_layers": "5,6,7"}),
+    "undial_gd": ("UNDIAL+GD", {"undial_beta": 10.0}),
+    "wga_gd": ("WGA+GD", {"wga_beta": 1.0}),
+    "satimp_gd": ("SatImp+GD", {"satimp_beta1": 5.0, "satimp_beta2": 1.0}),
+    "ceu_gd": ("CE-U+GD", {}),
+}
+
+
+@pytest.mark.parametrize("model", ["phi-1.5", "llama2-7b"])
+@pytest.mark.parametrize("name", list(RECIPE_PARAMS))
+def test_tofu_recipes_of_the_2026_losses(model, name):
+    """Each loss has a TOFU recipe per paper model: the paper's lr, steps and 1:5 cycle, the method's values."""
+    from pathlib import Path
+
+    from doplus_cli.config import resolve_config
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / "tofu" / model / f"{name}.yaml"
+    config = resolve_config(str(path), {})
+    loss, values = RECIPE_PARAMS[name]
+    assert config.loss == loss and config.model == f"locuslab/tofu_ft_{model}"
+    assert (config.lr, config.steps, config.forget_freq, config.retain_freq, config.scheme) == (
+        1e-5, 300, 1, 5, "doplus")
+    assert {k: getattr(config, k) for k in values} == values
+    if name == "rmu_embed":
+        assert config.rmu_modules == {"phi-1.5": "mlp.fc2", "llama2-7b": "mlp.down_proj"}[model]
