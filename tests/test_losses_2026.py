@@ -302,6 +302,9 @@ def test_rmu_trains_exactly_the_modules_named_and_nothing_else(tiny_llama, data,
     assert changed_tensors(start, final) == {f"model.layers.{i}.{m}.weight" for i in (0, 1)
                                              for m in ("mlp.down_proj", "self_attn.o_proj")}
     assert all(torch.equal(start[k], final[k]) for k in start if "down_proj" not in k and "o_proj" not in k)
+    report = json.loads((out / "report.json").read_text())
+    assert report["data"]["rmu_trained_modules"] == ["0.mlp.down_proj", "0.self_attn.o_proj", "1.mlp.down_proj",
+                                                     "1.self_attn.o_proj"]
 
 
 def _two_processes(arguments):

@@ -54,6 +54,7 @@ class UnlearnPlan(Plan):
         self.eval_state: dict[str, Any] = {}
         self.task: dict[str, Any] = {}  # the forget task, for files whose rows carry task_id
         self.epoch_steps: int | None = None
+        self.rmu_trained: list[str] = []  # RMU: "LAYER.MODULE" of the modules it left trainable
 
     def open(self) -> None:
         config = self.config
@@ -114,7 +115,7 @@ class UnlearnPlan(Plan):
 
     def prepare_model(self, model) -> None:
         if self.forget_spec.name == "RMU":  # RMU trains its chosen modules only (WMDP: mlp.down_proj of 3 layers)
-            self.trained_modules = prepare_rmu(model, self.loss_params)
+            self.rmu_trained = prepare_rmu(model, self.loss_params)
 
     def before(self, model, formatter, progress, accelerator, saved: Any | None) -> Any:
         self.samples = _pick_samples(self.forget_source, self.retain_source, self.config.show_samples)
@@ -138,6 +139,8 @@ class UnlearnPlan(Plan):
                   "epoch_steps": self.epoch_steps}
         if self.task:
             report["task"] = self.task
+        if self.rmu_trained:
+            report["rmu_trained_modules"] = self.rmu_trained
         if self.retain_source is not None:
             report["retain"] = {"kind": "authors" if self.config.retain == AUTHORS_RETAIN else "as given",
                                 **describe_retain(self.retain_source)}
