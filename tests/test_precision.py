@@ -339,3 +339,26 @@ def test_bf16_mixed_with_a_bfloat16_load_dtype_is_accepted_and_auto_follows_the_
     assert report["environment"]["dtype"] == "float32"  # float32 master weights ...
     parameters = sum(t.numel() for t in load_file(str(tiny_llama / "model.safetensors")).values())
     assert 0 < report["reference"]["memory_gb"] * 1e9 < 2.1 * parameters  # ... and a bf16 reference (2 bytes)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16"])
+def test_fsdp_keeps_float32_or_compensated_shards_and_tracks_one_float32_process(tiny_llama, data, tmp_path,
+                                                                                precision):
+    from tests.test_distributed import two_processes
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert run_cli(*unlearn(tiny_llama, data, one, 4, "--batch-size", 4, "--precision", "fp32")) == 0
+    two_processes(unlearn(tiny_llama, data, two, 4, "--fsdp", "--precision", precision, "--save-every", 2,
+                          "--save-dtype", "float32"))
+    checkpoint = two / "checkpoints" / "step-2"
+    shards = load_file(str(checkpoint / "model.rank1.safetensors"))
+    weight_dtype = torch.float32 if precision == "bf16-mixed" else torch.bfloat16
+    assert {t.dtype for t in shards.values()} == {weight_dtype}  # float32 master shards under bf16-mixed
+    states = torch.load(checkpoint / "optimizer.rank1.pt", weights_only=True)["state"]
+    assert {s["exp_avg"].dtype for s in states.values()} == {torch.float32}
+    assert all(("compensation" in s) == (precision == "bf16") for s in states.values())
+    start = load_file(str(tiny_llama / "model.safetensors"))
+    a, b = load_file(str(one / "final" / "model.safetensors")), load_file(str(two / "final" / "model.safetensors"))
+    moved = torch.cat([(a[k] - start[k]).flatten() for k in start])
+    moved_two = torch.cat([(b[k].float() - start[k]).flatten() for k in start])
+    assert moved.abs().max() > 1e-3 and (moved_two - moved).norm() < 0.1 * moved.norm()
