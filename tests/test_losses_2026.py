@@ -314,13 +314,16 @@ def _two_processes(arguments):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("loss,scheme", [("RMU+EMBED", "doplus"), ("UNDIAL+GD", "joint")])
-def test_two_processes_at_batch_b_equal_one_at_2b(tiny_llama, data, tmp_path, loss, scheme):
-    """Token means divide by the global token count: 2 processes at batch 2 train like 1 at batch 4."""
+@pytest.mark.parametrize("loss,scheme,sharding", [("RMU+EMBED", "doplus", []), ("UNDIAL+GD", "joint", []),
+                                                   ("RMU+EMBED", "doplus", ["--fsdp"])],
+                         ids=["rmu-doplus", "undial-joint", "rmu-doplus-fsdp"])
+def test_two_processes_at_batch_b_equal_one_at_2b(tiny_llama, data, tmp_path, loss, scheme, sharding):
+    """Token means divide by the global token count: 2 processes at batch 2 train like 1 at batch 4 (DDP, and
+    FSDP, where RMU's frozen weights and hooked layer are sharded and EMBED's reference too)."""
     one, two = tmp_path / "one", tmp_path / "two"
     common = ["--loss", loss, "--scheme", scheme, "--steps", 4, "--seed", 1]
     assert run_cli(*unlearn(tiny_llama, data, one, "--batch-size", 4, *common)) == 0
-    _two_processes(unlearn(tiny_llama, data, two, "--batch-size", 2, *common))
+    _two_processes(unlearn(tiny_llama, data, two, "--batch-size", 2, *common, *sharding))
     a, b = (load_file(str(out / "final" / "model.safetensors")) for out in (one, two))
     start = load_file(str(tiny_llama / "model.safetensors"))
     assert max((a[k] - start[k]).abs().max().item() for k in a) > 1e-3
