@@ -426,6 +426,15 @@ def parse_layer_list(text: str, option: str = "rmu-update-layers") -> list[int]:
     return [int(item) for item in items]
 
 
+def checked_rmu_layer(model: torch.nn.Module, params: LossParams) -> int:
+    """RMU's and EMBED's layer on this model, or one line (UserError) when the model has no such layer."""
+    depth = len(decoder_layers(model))
+    layer = rmu_layer_index(params, depth)
+    if not 0 <= layer < depth:
+        raise UserError(f"--rmu-layer {layer}: out of range, the model has {depth} decoder layers (0..{depth - 1})")
+    return layer
+
+
 def prepare_rmu(model: torch.nn.Module, params: LossParams) -> list[str]:
     """Leave only RMU's chosen modules trainable: `rmu_modules` (default: the MLP's output projection) of
     layers `rmu_update_layers` (default: l-2..l, the two before RMU's layer and itself); every other
@@ -434,9 +443,7 @@ def prepare_rmu(model: torch.nn.Module, params: LossParams) -> list[str]:
     a module that is not there."""
     layers = decoder_layers(model)
     depth = len(layers)
-    layer = rmu_layer_index(params, depth)
-    if not 0 <= layer < depth:
-        raise UserError(f"--rmu-layer {layer}: out of range, the model has {depth} decoder layers (0..{depth - 1})")
+    layer = checked_rmu_layer(model, params)
     update = (parse_layer_list(params.rmu_update_layers) if params.rmu_update_layers is not None
               else list(range(max(0, layer - 2), layer + 1)))
     for index in update:

@@ -336,6 +336,7 @@ def test_two_processes_at_batch_b_equal_one_at_2b(tiny_llama, data, tmp_path, lo
         (["--loss", "SIMNPO+GD"], "unknown loss 'SIMNPO+GD'"),
         (["--loss", "RMU+EMBEDDING"], "unknown loss 'RMU+EMBEDDING'"),
         (["--loss", "RMU+EMBED", "--rmu-layer", 5], "--rmu-layer 5: out of range, the model has 2 decoder layers"),
+        (["--loss", "GA+EMBED", "--rmu-layer", 2], "--rmu-layer 2: out of range, the model has 2 decoder layers"),
         (["--loss", "RMU+EMBED", "--rmu-layer", -1], "--rmu-layer must be a layer number >= 0, got -1"),
         (["--loss", "RMU+EMBED", "--rmu-update-layers", "0,3"], "--rmu-update-layers 0,3: layer 3 is out of range"),
         (["--loss", "RMU+EMBED", "--rmu-update-layers", "0,x"], "--rmu-update-layers 0,x: give layer numbers"),

@@ -28,7 +28,7 @@ from doplus_cli.engine.objectives import Objective, Plan
 from doplus_cli.engine.schedule import authors_epoch_steps, authors_warmup
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.metrics import rouge_l_recall
-from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossParams, LossSpec, prepare_rmu
+from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossParams, LossSpec, checked_rmu_layer, prepare_rmu
 
 
 def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[str, Any]:
@@ -116,6 +116,8 @@ class UnlearnPlan(Plan):
     def prepare_model(self, model) -> None:
         if self.forget_spec.name == "RMU":  # RMU trains its chosen modules only (WMDP: mlp.down_proj of 3 layers)
             self.rmu_trained = prepare_rmu(model, self.loss_params)
+        elif self.retain_spec is not None and self.retain_spec.name == "EMBED":  # its layer exists
+            checked_rmu_layer(model, self.loss_params)
 
     def before(self, model, formatter, progress, accelerator, saved: Any | None) -> Any:
         self.samples = _pick_samples(self.forget_source, self.retain_source, self.config.show_samples)
