@@ -249,7 +249,7 @@ def supervised_cross_entropy(ctx: LossContext, batch: Batch) -> Tensor:
 @_register(FORGET_LOSSES, "SimNPO")
 def simnpo(ctx: LossContext, batch: Batch) -> Tensor:
     """SimNPO (Fan et al., 2024, "Simplicity Prevails: Rethinking Negative Preference Optimization for LLM
-    Unlearning", Eq. 4): -(2/beta) * mean log sigmoid(beta * NLL_theta(y)/|y| - gamma), NLL summed over the
+    Unlearning"): -(2/beta) * mean log sigmoid(beta * NLL_theta(y)/|y| - gamma), NLL summed over the
     |y| answer tokens of each sample; reference-free and length-normalised. The paper's sign and margin
     convention (gamma subtracted outside the beta); OpenUnlearning writes beta * (NLL/|y| - delta), the same
     loss with delta = gamma / beta. Defaults beta 4.5, gamma 0 (`LossParams`)."""
@@ -292,9 +292,14 @@ def _cross_entropy_to(logits: Tensor, target: Tensor, mask: Tensor, ctx: LossCon
     return (per_position * mask).sum() / ctx.token_count(mask)
 
 
-def _true_token_one_hot(logits: Tensor, labels: Tensor) -> Tensor:
-    """[B, T-1, V] with 1 at each position's label (labels off the answer are clamped to 0 and masked later)."""
-    return F.one_hot(labels.clamp_min(0), logits.size(-1)).to(_upcast(logits).dtype)
+def _lower_true_token(logits: Tensor, labels: Tensor, amount: float) -> Tensor:
+    """A float32 (or wider) copy of `logits` [B, T-1, V] with each position's label logit lowered by `amount`
+    (inf: set to -inf); labels off the answer are clamped to 0, their positions masked by the caller."""
+    index = labels.clamp_min(0).unsqueeze(-1)
+    logits = _upcast(logits).clone()
+    if amount == float("inf"):
+        return logits.scatter_(-1, index, float("-inf"))
+    return logits.scatter_add_(-1, index, torch.full(index.shape, -amount, dtype=logits.dtype, device=logits.device))
 
 
 @_register(FORGET_LOSSES, "UNDIAL", needs_reference=True)
@@ -305,8 +310,8 @@ def undial(ctx: LossContext, batch: Batch) -> Tensor:
     OpenUnlearning averaged over every position, prompt and padding included); default beta 10."""
     tensors = batch["answer"]
     logits, labels, mask = shifted(logits_of(ctx.model, tensors), tensors["labels"])
-    ref_logits = _upcast(_reference_logits(ctx, tensors))
-    target = F.softmax(ref_logits - ctx.params.undial_beta * _true_token_one_hot(ref_logits, labels), dim=-1)
+    ref_logits = _reference_logits(ctx, tensors)
+    target = F.softmax(_lower_true_token(ref_logits, labels, ctx.params.undial_beta), dim=-1)
     return _cross_entropy_to(logits, target, mask, ctx)
 
 
@@ -318,7 +323,7 @@ def cross_entropy_unlearning(ctx: LossContext, batch: Batch) -> Tensor:
     (the paper's footnote), doplus does not."""
     tensors = batch["answer"]
     logits, labels, mask = shifted(logits_of(ctx.model, tensors), tensors["labels"])
-    suppressed = _upcast(logits.detach()).masked_fill(_true_token_one_hot(logits, labels).bool(), float("-inf"))
+    suppressed = _lower_true_token(logits.detach(), labels, float("inf"))
     return _cross_entropy_to(logits, F.softmax(suppressed, dim=-1), mask, ctx)
 
 
