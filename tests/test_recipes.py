@@ -56,7 +56,10 @@ def test_recipe_resolves(path):
     config = resolve_config(str(path), {})
     assert config.description
     if "tofu" in path.parts:
-        assert config.forget == "hf:locuslab/TOFU:forget10" and config.retain == "hf:locuslab/TOFU:retain90"
+        # the authors' files, task 1, their retain set (the hub's locuslab/TOFU has no forget tasks)
+        assert Path(config.forget).name == "forget10.json" and Path(config.forget).is_file()  # ../shared beside us
+        assert config.retain == "tofu-authors" and config.task_id == 1 and config.warmup_steps is None
+        assert Path(config.eval_data_dir).is_dir() and config.eval_split == "forget10"
         assert (config.lr, config.steps, config.forget_freq, config.retain_freq) == (1e-5, 300, 1, 5)
         assert config.betas == (0.9, 0.95) and config.weight_decay == 0.01 and config.beta == 0.1
         effective = {"phi-1.5": 40, "llama2-7b": 128}[path.parent.name]

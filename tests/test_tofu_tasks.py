@@ -281,3 +281,17 @@ def test_evaluate_logs_progress_without_a_terminal_and_reports_its_compute_floor
     assert compute["floor_s"] == pytest.approx(2 * parameters * total / (compute["matmul_gflops"] * 1e9))
     assert compute["ratio"] == pytest.approx(compute["wall_s"] / compute["floor_s"])
     assert "Compute floor:" in (out / "report.md").read_text()
+
+
+def test_the_paper_recipe_takes_task_1_the_authors_retain_set_and_a_60_step_warmup():
+    from pathlib import Path
+
+    from doplus_cli.config import resolve_config
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tofu" / "phi-1.5" / "idk_gd.yaml"
+    config = resolve_config(str(recipe), {})
+    plan = UnlearnPlan(config)
+    plan.open()
+    assert (len(plan.forget_source), len(plan.retain_source)) == (400, 3600)
+    # effective batch 40 (4 x 10 on one process): (1 + 5) * ceil(400 / 40) = 60 steps, the figure
+    assert plan.default_warmup(config.batch_size * config.grad_accum) == 60
