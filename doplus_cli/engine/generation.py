@@ -38,37 +38,125 @@ def greedy_generate(
     The token ids stop before the first EOS/pad token; the texts are decoded without special tokens.
     `max_total_tokens` (instead of `max_new_tokens`): each answer may be as long as that budget less its own
     prompt (the DualOptim+ code's `generate(max_length=200)`, counted per row rather than per padded batch).
+
+    Questions are batched in order of prompt length (less padding) and handed back in their own order. Models
+    with a plain KV cache and no logits processors in their generation config decode in `_decode_dropping`: a
+    row leaves the batch (and its cache) as soon as it has stopped, where `generate` keeps computing every row
+    until the last one ends. Others take `model.generate`.
     """
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     tokenizer = formatter.tokenizer
     stop = {tokenizer.eos_token_id, tokenizer.pad_token_id} - {None}
-    texts: list[str] = []
-    tokens: list[list[int]] = []
+    texts: list[str] = [""] * len(questions)
+    tokens: list[list[int]] = [[] for _ in questions]
+    prompts = [formatter.prompt_ids(q)[-formatter.max_length:] for q in questions]
+    order = sorted(range(len(questions)), key=lambda i: len(prompts[i]))
     task = progress.add_task(description, total=len(questions), status="") if progress is not None else None
     try:
-        for chunk in _chunks(list(questions), batch_size):
-            batch = {k: v.to(device) for k, v in left_padded_prompts(formatter, list(chunk)).items()}
+        for chunk in _chunks(order, batch_size):
+            batch = {k: v.to(device) for k, v in left_padded_prompts(formatter, [questions[i] for i in chunk]).items()}
             count_tokens("prompt", int(batch["attention_mask"].sum()))
             budgets = [max_new_tokens] * len(chunk)
             if max_total_tokens is not None:
                 budgets = [max(0, max_total_tokens - n) for n in batch["attention_mask"].sum(-1).tolist()]
-            output = model.generate(
-                **batch, max_new_tokens=max(1, max(budgets)), do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                temperature=None, top_p=None, top_k=None,
-            )
-            for row, budget in zip(output[:, batch["input_ids"].shape[1]:].tolist(), budgets):
-                row = row[:budget]
-                cut = next((i for i, t in enumerate(row) if t in stop), len(row))
+            rows = _decode_dropping(model, batch, budgets, _stop_ids(model, stop)) if _drops_rows(model) else None
+            if rows is None:
+                output = model.generate(
+                    **batch, max_new_tokens=max(1, max(budgets)), do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id, temperature=None, top_p=None, top_k=None,
+                )
+                rows = [row[:budget] for row, budget in zip(output[:, batch["input_ids"].shape[1]:].tolist(), budgets)]
+            for i, row in zip(chunk, rows):
+                cut = next((k for k, t in enumerate(row) if t in stop), len(row))
                 count_tokens("generated", min(cut + 1, len(row)))  # the stop token was computed too
-                tokens.append(row[:cut])
-                texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True).strip())
+                tokens[i] = row[:cut]
+                texts[i] = tokenizer.decode(row[:cut], skip_special_tokens=True).strip()
             if task is not None:
                 progress.advance(task, len(chunk))
     finally:
         model.train(was_training)
     return texts, tokens
+
+
+# generation-config fields that would make `generate` pick another token than the plain argmax
+_PROCESSORS = ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens",
+               "begin_suppress_tokens", "min_length", "min_new_tokens", "forced_bos_token_id", "forced_eos_token_id",
+               "sequence_bias", "encoder_repetition_penalty", "exponential_decay_length_penalty")
+_NEUTRAL = (None, 0, 1.0, [], {})
+
+
+def _drops_rows(model) -> bool:
+    """Whether `_decode_dropping` gives what `generate` gives: a plain greedy argmax over a DynamicCache."""
+    config = getattr(model, "generation_config", None)
+    if config is None or any(getattr(config, name, None) not in _NEUTRAL for name in _PROCESSORS):
+        return False
+    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(text_config, "sliding_window", None) or getattr(text_config, "layer_types", None) and any(
+            kind != "full_attention" for kind in text_config.layer_types):
+        return False
+    return not getattr(model.config, "is_encoder_decoder", False)
+
+
+def _stop_ids(model, stop: set[int]) -> set[int]:
+    """The tokens that end a row: the tokenizer's EOS and pad, and the generation config's EOS ids."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return stop | (set(eos) if isinstance(eos, (list, tuple)) else {eos} - {None})
+
+
+def _cache_argument(model) -> str:
+    """The forward's name for the KV cache: `cache` (transformers 5.x, which deprecates the old name), else
+    `past_key_values`."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _decode_dropping(model, batch: dict[str, torch.Tensor], budgets: list[int], stop: set[int]
+                     ) -> list[list[int]] | None:
+    """Greedy decoding of left-padded prompts where each row leaves the batch once it produced a stop token or
+    reached its budget; each row's tokens up to and including that token. None when the model's cache is not a
+    DynamicCache (then `generate` runs instead)."""
+    from transformers import DynamicCache
+
+    mask = batch["attention_mask"]
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    produced: list[list[int]] = [[] for _ in budgets]
+    alive = [row for row, budget in enumerate(budgets) if budget > 0]
+    if not alive:
+        return produced
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": mask, "position_ids": positions, "use_cache": True}
+    try:
+        output = model(**inputs, logits_to_keep=1)
+    except TypeError:  # an architecture without logits_to_keep
+        output = model(**inputs)
+    cache = output.past_key_values
+    if type(cache) is not DynamicCache:
+        return None
+    selected = torch.tensor(alive, device=mask.device)
+    if len(alive) < len(budgets):
+        cache.batch_select_indices(selected)
+    mask, next_position = mask[selected], positions[selected, -1] + 1
+    token = output.logits[selected, -1].argmax(-1)
+    while True:
+        keep = []
+        for k, (row, value) in enumerate(zip(alive, token.tolist())):
+            produced[row].append(value)
+            if value not in stop and len(produced[row]) < budgets[row]:
+                keep.append(k)
+        if not keep:
+            return produced
+        if len(keep) < len(alive):
+            index = torch.tensor(keep, device=mask.device)
+            cache.batch_select_indices(index)
+            mask, next_position, token = mask[index], next_position[index], token[index]
+            alive = [alive[k] for k in keep]
+        mask = torch.cat([mask, mask.new_ones((len(alive), 1))], dim=1)
+        output = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position[:, None],
+                       use_cache=True, **{_cache_argument(model): cache})
+        next_position = next_position + 1
+        token = output.logits[:, -1].argmax(-1)
 
 
 def write_self_answered(
