@@ -670,6 +670,37 @@ def bench_optimizer(
         print_table(result)
 
 
+@bench_app.command("precision")
+def bench_precision(
+    model: str | None = typer.Option(
+        None, "--model", help="Hub id, local model folder or .gguf file [default: embedded SmolLM2-135M-Instruct]"
+    ),
+    out: str = typer.Option("bench/precision", "--out", help="Output folder (one run per mode, precision.json)."),
+    steps: int = typer.Option(20, "--steps", min=3, help="Steps per run (IDK+GD, DualOptim+)."),
+    lr: float = typer.Option(1e-5, "--lr", help="Peak learning rate, decaying linearly to 0."),
+    modes: str = typer.Option("fp32,bf16-mixed,bf16,bf16-uncompensated", "--modes",
+                              help="Comma-separated: fp32, bf16-mixed, bf16, bf16-uncompensated (fp32 is the "
+                              "reference of the distances)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout instead of a table."),
+) -> None:
+    """Each --precision (and bf16 without compensation) on the same short unlearning run: weight elements
+    changed, distance travelled against fp32, bytes per parameter, step time."""
+    from doplus_cli.bench.precision import MODES, print_table, run_precision_bench
+
+    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
+    unknown = [m for m in chosen if m not in MODES]
+    if unknown or not chosen:
+        raise UserError(f"--modes {modes}: choose from {', '.join(MODES)}")
+    _quiet_libraries()
+    result = run_precision_bench(model, out, steps, lr, chosen, say=lambda line: err_console.print(Text(line)))
+    if as_json:
+        import json
+
+        sys.stdout.write(json.dumps(result, indent=2) + "\n")
+    else:
+        print_table(result, Console(highlight=False, width=None if sys.stdout.isatty() else 200))
+
+
 @bench_app.command("schemes")
 def bench_schemes(
     recipe: str = typer.Option(..., "--recipe", help="An unlearn recipe (with eval_suite), a multitask recipe "
@@ -690,13 +721,17 @@ def bench_schemes(
     ),
     num_processes: int | None = typer.Option(None, "--num-processes", min=1, help="Processes per run."),
     fsdp: bool = typer.Option(False, "--fsdp", help="Run every run with FSDP2 (with --num-processes)."),
+    keep_checkpoints: bool = typer.Option(
+        False, "--keep-checkpoints", help="Keep each run's checkpoints once it is evaluated (by default they are "
+        "removed, so the bench needs the disk of one run's checkpoints plus every run's final/)."
+    ),
 ) -> None:
     """Every scheme x seed on one recipe as ordinary runs, evaluated; mean ± std tables and plots."""
     from doplus_cli.bench.schemes import print_summary, run_schemes_bench
 
     summary = run_schemes_bench(recipe, schemes, seeds, out, list(set_options or []), sweep, log_update_similarity,
                                 num_processes, fsdp, say=lambda line: err_console.print(Text(line)),
-                                task_ids=task_ids)
+                                task_ids=task_ids, keep_checkpoints=keep_checkpoints)
     # Without a terminal (a batch job's log) rich would fold the table into 80 columns.
     print_summary(summary, Console(highlight=False, width=None if sys.stdout.isatty() else 200))
 
@@ -806,6 +841,12 @@ def main(argv: list[str] | None = None) -> None:
         if not quiet_worker():
             err_console.print(Text("error: ", style="bold red") + Text(str(error)))
         sys.exit(worker_exit_code(error.exit_code))
+    except OSError as error:  # a place no check named before (an unwritable --out's parent, say): still one line
+        if _debug["on"] or not error.filename:
+            raise
+        if not quiet_worker():
+            err_console.print(Text("error: ", style="bold red") + Text(f"{error.filename}: {error.strerror}"))
+        sys.exit(worker_exit_code(2))
     _leave_process_group()
     if isinstance(code, int) and code != 0:
         sys.exit(code)

@@ -74,6 +74,12 @@ class SharedState:
         self.inner.load_state_dict(state)
 
 
+def compensated(config: TrainConfig) -> bool:
+    """Whether the optimizer keeps compensation buffers: under --precision bf16, unless `doplus bench
+    precision` switched them off to show what bf16 weights updated in place lose."""
+    return config.precision == "bf16" and config.extra.get("compensation", True)
+
+
 def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Two param groups: matrices with weight decay, vectors (biases, norms) without."""
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -155,7 +161,7 @@ def build_optimizer(
     optimizer = DualOptimPlus(
         groups, objectives=objectives, inner=config.optimizer, state_bits=config.state_bits, rule=config.doplus_rule,
         lr_multipliers=multipliers, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay,
-        compensated=config.precision == "bf16",
+        compensated=compensated(config),
     )
     return optimizer, optimizer
 
@@ -165,9 +171,8 @@ def _build_unsharded(
 ) -> tuple[object, Optimizer]:
     """joint / alternate (one shared state) and dualoptim (one state per objective) over `groups`."""
     common = dict(lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
-    compensated = config.precision == "bf16"  # config.py refuses bf16 with these schemes' 8-bit states
     if config.scheme in ("joint", "alternate"):
-        if compensated:
+        if compensated(config):  # config.py refuses bf16 with these schemes' 8-bit states
             inner = AdamW(groups, compensated=True, **common)
         elif config.state_bits == 8:
             import bitsandbytes as bnb
@@ -180,5 +185,5 @@ def _build_unsharded(
         shared = SharedState(inner, multipliers)
         return shared, inner
     optimizer = DualOptim(groups, objectives=objectives, state_bits=config.state_bits, lr_multipliers=multipliers,
-                          compensated=compensated, **common)
+                          compensated=compensated(config), **common)
     return optimizer, optimizer
