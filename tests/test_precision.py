@@ -382,3 +382,27 @@ def test_bench_precision_shows_the_lost_updates_and_the_bytes(tiny_llama, tmp_pa
         b = rows[mode]["bytes_per_parameter"]
         assert (b["weights"], b["compensation"], b["gradients"]) == (weights, compensation, weights)
         assert b["optimizer_states"] == pytest.approx(24.0, abs=0.05)
+
+
+def test_multitask_and_align_train_under_each_bf16_precision(tiny_llama, tmp_path):
+    """--precision on the other training commands; multitask with LoRA under bf16-mixed: float32 adapters on a
+    frozen base loaded at --dtype (bfloat16 here), final/ merged and saved in bfloat16."""
+    from tests.test_align import align_args
+
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    rows = [{"prompt": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(10)]
+    (folder / "sums.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "mt"
+    assert run_cli("multitask", "--model", tiny_llama, "--task", f"sums={folder / 'sums.jsonl'},metric=exact",
+                   "--steps", 3, "--lr", 1e-3, "--batch-size", 2, "--max-length", 48, "--max-new-tokens", 4,
+                   "--eval-rows", 2, "--out", out, "--precision", "bf16-mixed", "--dtype", "bfloat16",
+                   "--lora-rank", 4) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["precision"]["mode"] == "bf16-mixed" and report["lora"]["adapter_norms"]["delta_total"] > 0
+    assert {t.dtype for t in load_file(str(out / "final" / "model.safetensors")).values()} == {torch.bfloat16}
+    out = tmp_path / "align"
+    assert run_cli(*align_args(tiny_llama, out, "--steps", 3, "--precision", "bf16", "--scheme", "dualoptim")) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["precision"]["mode"] == "bf16" and report["environment"]["dtype"] == "bfloat16"
+    assert "precision: bf16" in (out / "config.yaml").read_text()
