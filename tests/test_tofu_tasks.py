@@ -81,6 +81,11 @@ def test_unlearn_reports_the_task_and_the_retain_parts(tiny_llama, authors_dir, 
     assert report["data"]["epoch_steps"] == 8 and report["warmup_steps"] == 2  # capped at --steps
     text = (out / "report.md").read_text()
     assert "task 2 of the file's tasks 1, 2, 3" in text and "the authors' retain set" in text
+    # `doplus evaluate` of the run's final/ scores the task it unlearned, without being told
+    assert run_cli("evaluate", "--model", out / "final", "--data-dir", authors_dir, "--split", "forget01",
+                   "--max-new-tokens", 2, "--out", tmp_path / "eval") == 0
+    records = json.loads((tmp_path / "eval" / "TOFU_EVAL.json").read_text())["sets"]["forget"]
+    assert [r["question"] for r in records] == _task_questions(authors_dir / "forget01_perturbed.json", 2)
 
 
 @pytest.mark.parametrize("scheme,forget,retain,f_f,f_r,batch,accum,processes,epoch", [

@@ -115,6 +115,12 @@ def targeted_from_run(model: str | None) -> bool | None:
     return spec.targeted if spec is not None else None
 
 
+def task_from_run(model: str | None) -> int | None:
+    """When the model is a `doplus unlearn` run's final/ folder, the forget task it unlearned (None: not set)."""
+    task = run_config(model).get("task_id")
+    return int(task) if isinstance(task, int) and not isinstance(task, bool) else None
+
+
 def template_from_run(model: str | None) -> str | None:
     """When the model is a `doplus unlearn` run's final/ folder, the prompt template it was trained with."""
     template = run_config(model).get("prompt_template")
@@ -401,6 +407,8 @@ def run_evaluate(config: EvalConfig, console: Console | None = None) -> dict[str
         raise UserError("--suite privacy needs --holdout FILE (non-member rows, e.g. TOFU's holdout10)")
     if config.task_id is not None and config.task_id < 0:
         raise UserError(f"--task-id must be a whole number >= 0, got {config.task_id}")
+    if config.task_id is None:  # a run's final/: the task it unlearned, as its template
+        config.task_id = task_from_run(config.model)
     if config.data_dir is not None and {"tofu", "privacy"} & set(config.suites):  # a bad file or task stops here
         load_tofu_sets(config.split, config.data_dir, config.max_samples, config.task_id,
                        get_protocol(config.protocol).max_rows)

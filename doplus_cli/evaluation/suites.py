@@ -96,7 +96,8 @@ def _read_file(path: str, need_paraphrase: bool, max_samples: int | None, task_i
         samples = [sample for sample, task in zip(samples, task_ids) if task == chosen]
         read["task_id"] = chosen
     elif task_id is not None:
-        raise UserError(f"{path}: its rows have no task_id, so --task-id {task_id} cannot pick a forget task")
+        raise UserError(f"{path}: its rows have no task_id, so task {task_id} (--task-id, or the task_id of the run "
+                        "whose final/ is evaluated) cannot pick a forget task")
     if not samples:
         raise UserError(f"{path}: the set is empty")
     return (samples if max_samples is None else samples[:max_samples]), read
