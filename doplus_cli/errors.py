@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class UserError(Exception):
     """A problem with what the user asked for (a path, an option, a data row), not a bug in doplus.
@@ -16,6 +19,45 @@ class RunError(UserError):
     """A run that cannot go on (a non-finite loss, say): one line, exit code 1."""
 
     exit_code = 1
+
+
+class WriteError(UserError):
+    """A file or folder doplus writes could not be written (disk full, no permission, a read-only or missing
+    place): one line naming it, exit code 2. Every writer writes aside and renames, so what failed never looks
+    finished, and the same command run again goes on from what was complete."""
+
+
+_WRITE_WORDS = ("write", "ioerror", "storagefull", "no space", "os error", "permission denied", "read-only")
+
+
+def write_failure(path: object, error: BaseException, then: str = "") -> WriteError | None:
+    """The one-line WriteError for `error` raised while writing `path` (None: not a failed write). torch.save
+    and safetensors report a full disk as RuntimeError / SafetensorError, with no path; an OSError may name
+    the file that failed, which is then named instead of `path`."""
+    if isinstance(error, OSError):
+        where, reason = error.filename or path, error.strerror or str(error)
+    elif isinstance(error, RuntimeError) or type(error).__name__ == "SafetensorError":
+        text = " ".join(str(error).split())
+        if not any(word in text.lower() for word in _WRITE_WORDS):
+            return None
+        where, reason = path, text[:200]
+    else:
+        return None
+    return WriteError(f"{where}: cannot write ({reason}){then}")
+
+
+@contextmanager
+def writing(path: object, then: str = "") -> Iterator[None]:
+    """Turn a failed write inside the block into `write_failure(path, ...)`; other errors pass unchanged."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as error:
+        failure = write_failure(path, error, then)
+        if failure is None:
+            raise
+        raise failure from error
 
 
 # Set by `doplus unlearn --num-processes N` for its workers: where each worker leaves the exit code of a run

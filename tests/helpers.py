@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
 
 from doplus_cli.cli import main
 
@@ -42,3 +51,100 @@ def write_parity_task(folder):
         "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\nmetadata:\n  version: 1.0\n"
     )
     return folder
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# ------------------------------------------------------------------ processes (resume, DDP, FSDP)
+
+
+def launch(arguments):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen([sys.executable, "-m", "doplus_cli", *map(str, arguments)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_steps(out, n, process, timeout=180):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        path = out / "metrics.jsonl"
+        if path.exists() and sum(1 for _ in open(path)) >= n:
+            return
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.01)
+    raise AssertionError("the run did not reach the step in time")
+
+
+def two_processes(arguments):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-m", "doplus_cli", *map(str, arguments), "--num-processes", "2"],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def weights(out):
+    return load_file(str(out / "final" / "model.safetensors"))
+
+
+def max_difference(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+# ------------------------------------------------------------------ optimizer references
+
+
+def cycle(frequencies: dict[str, int], steps: int) -> list[str]:
+    """The objective sequence: F_1 steps of the first objective, then F_2 of the second, ... repeated."""
+    order = [name for name, count in frequencies.items() for _ in range(count)]
+    return [order[i % len(order)] for i in range(steps)]
+
+
+class Float64DualOptimPlus:
+    """The issue #2 rule, one line per line, on float64 tensors; with `floor`/`bound` the issue #16 safeguard:
+    the denominator's square at least floor·(v̂_B + |v̂_k|), each element's step at most bound·lr."""
+
+    def __init__(self, params, lr, betas, base_betas, eps, weight_decay, lr_multipliers=None, floor=0.0,
+                 bound=math.inf):
+        self.floor, self.bound = floor, bound
+        self.params = [p.detach().double().clone() for p in params]
+        self.lr, self.eps, self.wd = lr, eps, weight_decay
+        self.b1, self.b2 = betas
+        self.bb1, self.bb2 = base_betas
+        self.mult = lr_multipliers or {}
+        self.t_base = [0] * len(params)
+        self.m_base = [torch.zeros_like(p) for p in self.params]
+        self.v_base = [torch.zeros_like(p) for p in self.params]
+        self.delta: dict[str, list[dict]] = {}
+
+    def step(self, objective, grads, lr=None):
+        lr = (self.lr if lr is None else lr) * self.mult.get(objective, 1.0)
+        deltas = self.delta.setdefault(
+            objective,
+            [{"t": 0, "m": torch.zeros_like(p), "v": torch.zeros_like(p)} for p in self.params],
+        )
+        for i, g in enumerate(grads):
+            g = g.double()
+            d = deltas[i]
+            self.t_base[i] += 1
+            d["t"] += 1
+            t_b, t_k = self.t_base[i], d["t"]
+            theta = self.params[i] * (1 - lr * self.wd)
+            if t_b == 1:
+                m_hat_b = torch.zeros_like(g)
+                v_hat_b = torch.zeros_like(g)
+            else:
+                m_hat_b = self.m_base[i] / (1 - self.bb1 ** (t_b - 1))
+                v_hat_b = self.v_base[i] / (1 - self.bb2 ** (t_b - 1))
+            d["m"] = self.b1 * d["m"] + (1 - self.b1) * (g - m_hat_b)
+            d["v"] = self.b2 * d["v"] + (1 - self.b2) * (g * g - v_hat_b)
+            m = m_hat_b + d["m"] / (1 - self.b1**t_k)
+            v_hat_k = d["v"] / (1 - self.b2**t_k)
+            v = v_hat_b + v_hat_k
+            square = torch.maximum(v.abs(), self.floor * (v_hat_b + v_hat_k.abs()))
+            step = lr * m / (square.sqrt() + self.eps)
+            self.params[i] = theta - step.clamp(-lr * self.bound, lr * self.bound)
+            self.m_base[i] = self.bb1 * self.m_base[i] + (1 - self.bb1) * g
+            self.v_base[i] = self.bb2 * self.v_base[i] + (1 - self.bb2) * g * g

@@ -20,7 +20,7 @@ from doplus_cli.engine.align import alpaca_keys, epoch_steps
 from doplus_cli.errors import UserError
 from doplus_cli.losses import LossContext, PartTally, mean_ce, supervised_cross_entropy
 from doplus_cli.models import load_model_and_tokenizer
-from tests.helpers import run_cli
+from tests.helpers import max_difference, run_cli, two_processes, weights
 from tests.tiny_model import SHARED
 
 SAFETY_DIR = SHARED / "data" / "safety"
@@ -92,7 +92,6 @@ def test_joint_steps_draw_from_the_mixture_and_log_both_losses(tiny_llama, tmp_p
 def test_joint_mixture_on_two_processes_logs_the_global_batchs_per_set_losses(tiny_llama, tmp_path):
     """Two processes at batch 2 draw the rows one process draws at batch 4, and the per-set split is reduced over
     both: the same rows per set and the same token-mean per-set losses at every step, and the same weights."""
-    from tests.test_distributed import max_difference, two_processes, weights
 
     one, two = tmp_path / "one", tmp_path / "two"
     base = ["--scheme", "joint", "--steps", 4, "--save-every", 0]

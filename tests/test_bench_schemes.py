@@ -25,8 +25,7 @@ from doplus_cli.bench.schemes import (
     summarise,
 )
 from doplus_cli.engine.checkpoint import list_checkpoints
-from tests.helpers import run_cli, write_sets
-from tests.test_multitask import write_jsonl
+from tests.helpers import run_cli, write_jsonl, write_sets
 
 PNG = b"\x89PNG"
 
@@ -92,6 +91,12 @@ def test_killed_bench_resumes_and_reports_mean_and_std_over_seeds(tiny_llama, da
     assert "[2/4] alternate-s1: resumed from step-" in err and "[4/4] doplus-s1: finished in" in err
     assert "resuming from" in (out / "runs" / "alternate-s1.log").read_text()
     assert [r["step"] for r in read_metrics(second)] == list(range(1, 25))
+    # once evaluated, a run's checkpoints go (the disk stays about one run's checkpoints); final/ stays
+    assert "[4/4] doplus-s1: removed its checkpoints (" in err and "--keep-checkpoints keeps them)" in err
+    for run in (out / "runs").iterdir():
+        if run.is_dir():
+            assert sorted(p.name for p in run.iterdir() if "checkpoints" in p.name) == [], run.name
+            assert (run / "final" / "model.safetensors").is_file()
 
     # The run's recipe: relative data paths made absolute, the scheme and seed, checkpoints for resuming.
     run_recipe = yaml.safe_load((out / "recipes" / "doplus-s1.yaml").read_text())
@@ -191,7 +196,8 @@ def test_multitask_recipe_per_task_scores(tiny_llama, tmp_path):
         "eval_rows": 3, "tasks": [{"name": "math", "data": "math.jsonl"},
                                   {"name": "sci", "data": "sci.jsonl", "metric": "choice"}]}))
     out = tmp_path / "mt-bench"
-    assert run_cli(*bench_args(recipe, out, "--schemes", "doplus-8bit", "--seeds", "0")) == 0
+    assert run_cli(*bench_args(recipe, out, "--schemes", "doplus-8bit", "--seeds", "0", "--keep-checkpoints")) == 0
+    assert list_checkpoints(out / "runs" / "doplus-8bit-s0" / "checkpoints")  # kept, as asked
     summary = json.loads((out / "SCHEMES.json").read_text())
     assert [row["label"] for row in summary["rows"]] == ["DO+ 8bit"]
     for row in summary["rows"]:

@@ -27,13 +27,7 @@ from doplus_cli.evaluation.task_metrics import (
     task_score,
 )
 from doplus_cli.optim import DualOptimPlus
-from tests.helpers import run_cli
-from tests.test_resume import launch, wait_for_steps
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+from tests.helpers import launch, max_difference, run_cli, two_processes, wait_for_steps, weights, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -319,7 +313,6 @@ def test_three_tasks_on_two_processes_at_batch_b_equal_one_process_at_2b(tiny_ll
                                                                           tolerance):
     """The N-objective schedule under DDP and FSDP: every process takes the same task at each step, and the
     averaged gradients of 2 x b rows are one process's gradients of 2b rows."""
-    from tests.test_distributed import max_difference, two_processes, weights
 
     one, two = tmp_path / "one", tmp_path / "two"
     base = ["--steps", 6, "--save-every", 0]
@@ -337,15 +330,25 @@ def test_three_tasks_on_two_processes_at_batch_b_equal_one_process_at_2b(tiny_ll
 
 def test_three_tasks_with_lora_and_8bit_states(tiny_llama, tasks, tmp_path):
     """LoRA adapters with DualOptim+ 8-bit states over three tasks: only adapters have states, each with its
-    base and three delta states, and the merged model differs from the start only through the adapters."""
+    base and three delta states, 8-bit wherever the adapter has 4,096 elements or more (rank 128 on the
+    32-wide model makes most of them that large), and the merged model differs from the start only through
+    the adapters."""
     out = tmp_path / "lora"
-    assert run_cli(*mt_args(tiny_llama, tasks, out, "--lora-rank", 4, "--state-bits", 8, "--save-every", 4)) == 0
+    assert run_cli(*mt_args(tiny_llama, tasks, out, "--lora-rank", 128, "--state-bits", 8, "--save-every", 4)) == 0
     report = json.loads((out / "report.json").read_text())
-    assert report["lora"]["rank"] == 4 and report["config"]["state_bits"] == 8
+    assert report["lora"]["rank"] == 128 and report["config"]["state_bits"] == 8
     state = torch.load(out / "checkpoints" / "step-4" / "optimizer.pt", weights_only=False)["state"]
     trainable = load_file(str(out / "checkpoints" / "step-4" / "model.safetensors"))
     assert trainable and all("lora_" in k for k in trainable) and len(state) == len(trainable)
     assert all(set(s["delta"]) == {"math", "sci", "code"} for s in state.values())
+    eight_bit = 0
+    for s in state.values():
+        large = s["exp_avg"].numel() >= 4096
+        for stored in (s, *s["delta"].values()):
+            assert (stored["exp_avg"].dtype == torch.uint8) == large
+            assert (stored["exp_avg_sq"].dtype == torch.uint8) == large
+        eight_bit += large
+    assert eight_bit >= len(state) // 2, (eight_bit, len(state))  # really 8-bit states, not all fp32
     start, final = load_file(str(tiny_llama / "model.safetensors")), load_file(str(out / "final" / "model.safetensors"))
     changed = {k for k in start if not torch.equal(start[k], final[k])}
     assert changed and all(("proj" in k) for k in changed)  # adapted projections only; embeddings, norms unchanged

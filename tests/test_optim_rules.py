@@ -9,62 +9,9 @@ import pytest
 import torch
 
 from doplus_cli.optim import DualOptim, DualOptimPlus, muon_param_groups
+from tests.helpers import Float64DualOptimPlus, cycle
 
 SHAPES = [(7,), (5, 3), (4, 4, 4), (300,)]
-
-
-def cycle(frequencies: dict[str, int], steps: int) -> list[str]:
-    """The objective sequence: F_1 steps of the first objective, then F_2 of the second, ... repeated."""
-    order = [name for name, count in frequencies.items() for _ in range(count)]
-    return [order[i % len(order)] for i in range(steps)]
-
-
-class Float64DualOptimPlus:
-    """The issue #2 rule, one line per line, on float64 tensors; with `floor`/`bound` the issue #16 safeguard:
-    the denominator's square at least floor·(v̂_B + |v̂_k|), each element's step at most bound·lr."""
-
-    def __init__(self, params, lr, betas, base_betas, eps, weight_decay, lr_multipliers=None, floor=0.0,
-                 bound=math.inf):
-        self.floor, self.bound = floor, bound
-        self.params = [p.detach().double().clone() for p in params]
-        self.lr, self.eps, self.wd = lr, eps, weight_decay
-        self.b1, self.b2 = betas
-        self.bb1, self.bb2 = base_betas
-        self.mult = lr_multipliers or {}
-        self.t_base = [0] * len(params)
-        self.m_base = [torch.zeros_like(p) for p in self.params]
-        self.v_base = [torch.zeros_like(p) for p in self.params]
-        self.delta: dict[str, list[dict]] = {}
-
-    def step(self, objective, grads, lr=None):
-        lr = (self.lr if lr is None else lr) * self.mult.get(objective, 1.0)
-        deltas = self.delta.setdefault(
-            objective,
-            [{"t": 0, "m": torch.zeros_like(p), "v": torch.zeros_like(p)} for p in self.params],
-        )
-        for i, g in enumerate(grads):
-            g = g.double()
-            d = deltas[i]
-            self.t_base[i] += 1
-            d["t"] += 1
-            t_b, t_k = self.t_base[i], d["t"]
-            theta = self.params[i] * (1 - lr * self.wd)
-            if t_b == 1:
-                m_hat_b = torch.zeros_like(g)
-                v_hat_b = torch.zeros_like(g)
-            else:
-                m_hat_b = self.m_base[i] / (1 - self.bb1 ** (t_b - 1))
-                v_hat_b = self.v_base[i] / (1 - self.bb2 ** (t_b - 1))
-            d["m"] = self.b1 * d["m"] + (1 - self.b1) * (g - m_hat_b)
-            d["v"] = self.b2 * d["v"] + (1 - self.b2) * (g * g - v_hat_b)
-            m = m_hat_b + d["m"] / (1 - self.b1**t_k)
-            v_hat_k = d["v"] / (1 - self.b2**t_k)
-            v = v_hat_b + v_hat_k
-            square = torch.maximum(v.abs(), self.floor * (v_hat_b + v_hat_k.abs()))
-            step = lr * m / (square.sqrt() + self.eps)
-            self.params[i] = theta - step.clamp(-lr * self.bound, lr * self.bound)
-            self.m_base[i] = self.bb1 * self.m_base[i] + (1 - self.bb1) * g
-            self.v_base[i] = self.bb2 * self.v_base[i] + (1 - self.bb2) * g * g
 
 
 def random_grads(generator, shapes, objective_index):

@@ -14,7 +14,7 @@ from doplus_cli.bench.stability import doplus_builder, relative_distance, run, s
 from doplus_cli.engine.outputs import render_markdown, update_summary, update_warning
 from doplus_cli.optim import DualOptim, DualOptimPlus
 from doplus_cli.optim.diagnostics import adamw_step_stats, reduce_step_stats
-from tests.test_optim_rules import Float64DualOptimPlus, cycle
+from tests.helpers import Float64DualOptimPlus, cycle
 
 LR, BETAS, BASE_BETAS, EPS, WD = 1e-2, (0.9, 0.95), (0.9, 0.95), 1e-8, 0.01
 SAFEGUARD = {"floor": 0.05, "bound": 10.0}

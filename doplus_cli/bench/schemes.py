@@ -8,7 +8,8 @@ recipe's suite:
 
     OUT/bench.json                the experiment (kind, recipe values, --set, --sweep key) and the runs it holds
     OUT/recipes/NAME.yaml         the run's recipe: the given one (paths absolute), scheme, seed, --set, sweep
-    OUT/runs/NAME/                the run itself (config.yaml, metrics.jsonl, report.json, final/, checkpoints/)
+    OUT/runs/NAME/                the run itself (config.yaml, metrics.jsonl, report.json, final/, and its
+                                  checkpoints/ until it is evaluated; --keep-checkpoints keeps them)
     OUT/runs/NAME.log             its output (and its evaluation's), appended at every start
     OUT/runs/NAME/eval/           `doplus evaluate` of final/ (unlearn, unless the run evaluated at its last step;
                                   align with eval_suite, written by the run itself)
@@ -27,6 +28,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -57,7 +59,7 @@ from doplus_cli.config import (
 )
 from doplus_cli.engine.checkpoint import list_checkpoints
 from doplus_cli.engine.outputs import atomic_write_text
-from doplus_cli.errors import RunError, UserError
+from doplus_cli.errors import RunError, UserError, writing
 
 # ---- schemes ------------------------------------------------------------------------------------------------
 
@@ -687,8 +689,10 @@ class _Signals:
 class Runner:
     """Runs each command as a subprocess with its output appended to the run's log, one at a time."""
 
-    def __init__(self, bench: Bench, say: Callable[[str], None], num_processes: int | None, fsdp: bool) -> None:
+    def __init__(self, bench: Bench, say: Callable[[str], None], num_processes: int | None, fsdp: bool,
+                 keep_checkpoints: bool = False) -> None:
         self.bench, self.say, self.num_processes, self.fsdp = bench, say, num_processes, fsdp
+        self.keep_checkpoints = keep_checkpoints
         self.signals = _Signals()
 
     def run_all(self) -> None:
@@ -705,6 +709,7 @@ class Runner:
         report = _completed_report(run.folder)
         if report is not None and kind.evaluation(run.folder, report) is not None:
             self._say(label, "skipped: finished and evaluated")
+            self._remove_checkpoints(run, label)
             return
         if report is None:
             report = self._train(run, label)
@@ -714,6 +719,22 @@ class Runner:
             if kind.evaluation(run.folder, report) is None:
                 raise RunError(f"the evaluation of {run.name} wrote no eval.json; see its log {run.log}")
             self._say(label, f"evaluated in {_duration(seconds)}")
+        self._remove_checkpoints(run, label)
+
+    def _remove_checkpoints(self, run: Run, label: str) -> None:
+        """A finished and evaluated run's checkpoints go (only an unfinished run resumes from one), so the disk a
+        bench needs stays about one run's checkpoints; `--keep-checkpoints` keeps them. The folder is renamed
+        out of sight first: a kill mid-removal leaves nothing that looks like a checkpoint."""
+        folder = run.folder / "checkpoints"
+        if self.keep_checkpoints or not folder.is_dir():
+            return
+        size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+        aside = run.folder / ".checkpoints.removing"
+        shutil.rmtree(aside, ignore_errors=True)
+        with writing(folder):
+            os.replace(folder, aside)
+            shutil.rmtree(aside)
+        self._say(label, f"removed its checkpoints ({size / 1e9:.2f} GB; --keep-checkpoints keeps them)")
 
     def _train(self, run: Run, label: str) -> dict[str, Any]:
         command = [sys.executable, "-m", "doplus_cli", self.bench.kind.command, "--recipe", str(run.recipe_path),
@@ -1218,7 +1239,8 @@ def write_outputs(bench: Bench, index: dict[str, Any]) -> dict[str, Any]:
 
 def run_schemes_bench(recipe: str, schemes: str, seeds: str, out: str | None, set_options: list[str],
                       sweep: str | None, log_update_similarity: bool, num_processes: int | None, fsdp: bool,
-                      say: Callable[[str], None], task_ids: str | None = None) -> dict[str, Any]:
+                      say: Callable[[str], None], task_ids: str | None = None,
+                      keep_checkpoints: bool = False) -> dict[str, Any]:
     """Plan and check everything, run what is missing, then write the tables and figures; return SCHEMES.json."""
     out = out or os.path.join("bench", Path(recipe).stem)
     bench = plan_bench(recipe, schemes, seeds, out, set_options, sweep, log_update_similarity, task_ids)
@@ -1228,7 +1250,7 @@ def run_schemes_bench(recipe: str, schemes: str, seeds: str, out: str | None, se
     say(f"{len(bench.runs)} runs ({len(bench.schemes)} schemes{tasks} x {len(bench.seeds)} seeds"
         + (f" x {len(bench.sweep_values)} values of {bench.sweep_key}" if bench.sweep_key else "")
         + f") of doplus {bench.kind.command} into {bench.out}")
-    Runner(bench, say, num_processes, fsdp).run_all()
+    Runner(bench, say, num_processes, fsdp, keep_checkpoints).run_all()
     summary = write_outputs(bench, index)
     say(f"tables: {bench.out / 'SCHEMES.md'}, {bench.out / 'SCHEMES.json'}; figures: "
         + ", ".join(str(bench.out / f) for f in summary["figures"]))

@@ -13,6 +13,7 @@ import copy
 import math
 import os
 import shlex
+import shutil
 import signal
 import sys
 import threading
@@ -36,7 +37,7 @@ from doplus_cli.engine.objectives import Objective, Plan, frequencies, lr_multip
 from doplus_cli.engine.optimizers import build_optimizer
 from doplus_cli.engine.schedule import JOINT, objective_at, steps_per_objective
 from doplus_cli.engine.similarity import UpdateSimilarity
-from doplus_cli.errors import RunError, UserError, worker_exit_code
+from doplus_cli.errors import RunError, UserError, worker_exit_code, write_failure
 from doplus_cli.losses import LossContext, PartTally, local_token_count
 from doplus_cli.models import load_model_and_tokenizer
 from doplus_cli.optim import quant
@@ -217,11 +218,19 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
                       if config.log_update_similarity else None)
 
         def save(step_done: int) -> Path:  # every process takes part
-            return checkpoint.save_checkpoint(
-                out / "checkpoints", step_done, accelerator.unwrap_model(model), optimizer, scheduler, streams,
-                config.to_dict(), metrics.records if metrics else [], {"before": before, "evals": evals},
-                config.keep_last, processes,
-            )
+            try:
+                return checkpoint.save_checkpoint(
+                    out / "checkpoints", step_done, accelerator.unwrap_model(model), optimizer, scheduler, streams,
+                    config.to_dict(), metrics.records if metrics else [], {"before": before, "evals": evals},
+                    config.keep_last, processes,
+                )
+            except Exception as error:  # disk full, no permission: one line, the half-written step removed
+                failure = write_failure(out / "checkpoints" / f"step-{step_done}", error, _newest(out))
+                if failure is None:
+                    raise
+                for partial in (out / "checkpoints").glob(f".step-{step_done}.tmp"):
+                    shutil.rmtree(partial, ignore_errors=True)
+                raise failure from error
 
         try:
             stop.install()
@@ -395,6 +404,15 @@ def _stop_if_not_finite(step: int, terms: dict[str, float | None], grad_norm: fl
         what = ", ".join(f"{k} = {v}" for k, v in bad.items())
         raise RunError(f"step {step}: non-finite {what}; stopped before the optimizer step; {kept}; "
                        f"try a lower {lr_options}, or --dtype float32")
+
+
+def _newest(out: Path) -> str:
+    """What a run whose checkpoint write failed says next: how to go on, from which checkpoint."""
+    found = checkpoint.list_checkpoints(out / "checkpoints")
+    if not found:
+        return "; the run stopped before its first checkpoint: free space (or fix the permission) and start it again"
+    return (f"; the run stopped, its newest complete checkpoint is {found[-1]}: free space (or fix the permission), "
+            "then run the same command with --resume")
 
 
 def _refuse_changed_config(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:

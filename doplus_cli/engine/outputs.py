@@ -18,12 +18,17 @@ from typing import Any
 import torch
 import yaml
 
-from doplus_cli.errors import UserError
+from doplus_cli.errors import UserError, writing
 from doplus_cli.optim.kernels import fallbacks
 
 # Everything a run writes; `--overwrite` removes these and nothing else.
 RUN_FILES = ("config.yaml", "metrics.jsonl", "report.json", "report.md", "final", "data", "evals", "eval",
              "checkpoints")
+
+
+# what a run that failed to write says next (errors.WriteError)
+AGAIN = "; free space (or fix the permission), then run the same command again: --resume goes on from the newest " \
+        "checkpoint, if one was written"
 
 
 def prepare_out_dir(path: str, overwrite: bool) -> Path:
@@ -34,20 +39,22 @@ def prepare_out_dir(path: str, overwrite: bool) -> Path:
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise UserError(f"{path}: output folder exists and is not empty (pass --overwrite to replace its run)")
-        for name in RUN_FILES:
-            target = out / name
-            if target.is_dir():
-                shutil.rmtree(target)
-            elif target.exists():
-                target.unlink()
-        for stale in out.glob("*.tmp*"):
-            shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink()
-    out.mkdir(parents=True, exist_ok=True)
+        with writing(out):
+            for name in RUN_FILES:
+                target = out / name
+                if target.is_dir():
+                    shutil.rmtree(target)
+                elif target.exists():
+                    target.unlink()
+            for stale in out.glob("*.tmp*"):
+                shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink()
+    with writing(out, "; choose another --out"):
+        out.mkdir(parents=True, exist_ok=True)
     return out
 
 
 def write_config(out: Path, resolved: dict[str, Any]) -> None:
-    (out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+    atomic_write_text(out / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
 
 
 class MetricsWriter:
@@ -56,23 +63,33 @@ class MetricsWriter:
     def __init__(self, path: Path, records: list[dict[str, Any]] | None = None) -> None:
         """Start the file afresh, or with `records` (the steps a resumed run already took)."""
         self.records: list[dict[str, Any]] = list(records or [])
-        self._handle = open(path, "w")
-        self._handle.writelines(json.dumps(r) + "\n" for r in self.records)
-        self._handle.flush()
+        self.path = path
+        with writing(path):
+            self._handle = open(path, "w")
+            self._handle.writelines(json.dumps(r) + "\n" for r in self.records)
+            self._handle.flush()
 
     def write(self, record: dict[str, Any]) -> None:
         self.records.append(record)
-        self._handle.write(json.dumps(record) + "\n")
-        self._handle.flush()
+        # a failed line is no loss: a resumed run rewrites the file from its checkpoint's records
+        with writing(self.path, AGAIN):
+            self._handle.write(json.dumps(record) + "\n")
+            self._handle.flush()
 
     def close(self) -> None:
         self._handle.close()
 
 
 def atomic_write_text(path: Path, text: str) -> None:
+    """Write `path` aside and rename it into place: a failed write (one line, `errors.WriteError`) leaves the
+    previous file, or none, never a partial one."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        with writing(path):
+            tmp.write_text(text)
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def save_final(model: torch.nn.Module, tokenizer, out: Path, state_dict: dict | None = None) -> Path:
@@ -80,11 +97,15 @@ def save_final(model: torch.nn.Module, tokenizer, out: Path, state_dict: dict | 
     full weights of a sharded (FSDP) model, gathered beforehand."""
     tmp, final = out / "final.tmp", out / "final"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": state_dict} if state_dict else {}))
-    tokenizer.save_pretrained(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    try:
+        with writing(final, AGAIN):
+            model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": state_dict} if state_dict else {}))
+            tokenizer.save_pretrained(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
