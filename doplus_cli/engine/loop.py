@@ -32,7 +32,7 @@ from doplus_cli.config import TrainConfig
 from doplus_cli.data.batches import IndexStream
 from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.data.sources import MixtureSource
-from doplus_cli.engine import checkpoint, outputs, precision, sharding
+from doplus_cli.engine import checkpoint, model_card, outputs, precision, sharding, tracking
 from doplus_cli.engine.objectives import Objective, Plan, frequencies, lr_multipliers
 from doplus_cli.engine.optimizers import build_optimizer
 from doplus_cli.engine.schedule import JOINT, objective_at, steps_per_objective
@@ -132,7 +132,7 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
     started = time.perf_counter()
     # cpu=True without CUDA: several processes started by `accelerate launch --multi_gpu` or torchrun then
     # form a gloo group on CPU (accelerate's own `--cpu` launcher needs MPI for more than one process).
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), **tracking.accelerator_options(config))
     main_process = accelerator.is_main_process
     set_seed(config.seed)
 
@@ -207,6 +207,7 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
         if not fsdp:
             model = accelerator.prepare(model)
         context = LossContext(model, reference, plan.beta, _token_count(accelerator), params=plan.loss_params)
+        tracker = tracking.RunTracker(accelerator, config, out, plan.command, saved, start_step)  # --report-to
         metrics = outputs.MetricsWriter(out / "metrics.jsonl", records) if main_process else None
         task = progress.add_task(plan.activity, total=config.steps, completed=start_step, status="", log=False)
         # In a batch job's log (no terminal) a live bar draws nothing; print a plain line now and then.
@@ -221,7 +222,8 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
             try:
                 return checkpoint.save_checkpoint(
                     out / "checkpoints", step_done, accelerator.unwrap_model(model), optimizer, scheduler, streams,
-                    config.to_dict(), metrics.records if metrics else [], {"before": before, "evals": evals},
+                    config.to_dict(), metrics.records if metrics else [],
+                    {"before": before, "evals": evals, "trackers": tracker.ids},
                     config.keep_last, processes,
                 )
             except Exception as error:  # disk full, no permission: one line, the half-written step removed
@@ -260,6 +262,7 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
                           **update, "seconds": time.perf_counter() - step_started, "peak_memory_gb": peak}
                 if metrics is not None:
                     metrics.write(record)
+                tracker.step(record)
                 last_losses.update({k: v for k, v in terms.items()
                                     if k.endswith("_loss") and k != "total_loss" and v is not None})
                 shown = " ".join(f"{k.removesuffix('_loss')} {v:.4f}" for k, v in last_losses.items())
@@ -267,6 +270,7 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
                 progress.update(task, advance=1, status=status + f"  {1 / max(record['seconds'], 1e-9):.2f} step/s")
                 if config.eval_every and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps):
                     evals.append(plan.evaluate(step + 1, model, tokenizer, formatter, out, progress, accelerator))
+                    tracker.evaluation(evals[-1])
                 if log_lines and main_process and ((step + 1) % log_every == 0 or step + 1 == config.steps):
                     console.print(f"step {step + 1}/{config.steps} {status} lr {lr:.3g} grad_norm {grad_norm:.3g} "
                                   f"{record['seconds']:.2f} s/step", highlight=False)
@@ -277,6 +281,9 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
                     if not main_process:  # the main process says what happened and how to resume
                         raise SystemExit(worker_exit_code(128 + stop.signal_number))
                     raise RunInterrupted(stop, step + 1, path, world)
+        except BaseException:
+            tracker.close()  # flushed; the checkpoint keeps the tracker run ids for --resume
+            raise
         finally:
             stop.restore()
             if metrics is not None:
@@ -333,6 +340,8 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
         report["evals"] = evals
         report["eval_curves"] = _plot_curves(evals, out, plan.curve_names)
     outputs.write_report(out, report, plan.render_markdown)
+    model_card.write_model_card(final, report, objectives, plan.command)
+    tracker.finish(report, config.steps)
     return report
 
 
@@ -403,7 +412,7 @@ def _stop_if_not_finite(step: int, terms: dict[str, float | None], grad_norm: fl
         kept = f"the last good checkpoint is {found[-1]}" if found else "no checkpoint was written (--save-every)"
         what = ", ".join(f"{k} = {v}" for k, v in bad.items())
         raise RunError(f"step {step}: non-finite {what}; stopped before the optimizer step; {kept}; "
-                       f"try a lower {lr_options}, or --dtype float32")
+                       f"try a lower {lr_options}, or --precision fp32")
 
 
 def _newest(out: Path) -> str:
