@@ -93,7 +93,7 @@ def _unsharded_lora_model(config: TrainConfig, lora, full_weights: dict[str, tor
     """The starting model with the same adapters, holding the gathered weights of a sharded LoRA run."""
     from doplus_cli.lora import apply_lora
 
-    base, _, _ = load_model_and_tokenizer(config.model, config.dtype, config.trust_remote_code)
+    base, _, _ = load_model_and_tokenizer(config.model, precision.weights_dtype(config), config.trust_remote_code)
     model = apply_lora(base, lora)
     model.load_state_dict(full_weights)
     return model
