@@ -14,8 +14,12 @@ import torch
 from safetensors.torch import load_file
 
 from doplus_cli.cli import main
+from tests.tiny_model import SHARED
 
 REPO = Path(__file__).resolve().parents[1]
+SAFETY_DIR = SHARED / "data" / "safety"
+SAFETY = SAFETY_DIR / "safety_instructions.json"  # a JSON array of instruction, input (empty), output
+GENERAL = SAFETY_DIR / "alpaca_seed_tasks.jsonl"  # instruction, instances[0].input/output
 
 
 def run_cli(*args) -> int:
@@ -51,6 +55,13 @@ def write_parity_task(folder):
         "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\nmetadata:\n  version: 1.0\n"
     )
     return folder
+
+
+def align_args(model, out, *extra, safety_rows=14, general_rows=26):
+    """A tiny `doplus align` run: each set's last 2 rows held out, so 12 safety and 24 general rows are trained."""
+    return ["align", "--model", model, "--safety", f"{SAFETY}[0:{safety_rows}]", "--general",
+            f"{GENERAL}[0:{general_rows}]", "--held-out", 2, "--batch-size", 2, "--max-length", 48,
+            "--max-new-tokens", 4, "--lr", 1e-3, "--out", out, *extra]
 
 
 def write_jsonl(path, rows):

@@ -20,19 +20,7 @@ from doplus_cli.engine.align import alpaca_keys, epoch_steps
 from doplus_cli.errors import UserError
 from doplus_cli.losses import LossContext, PartTally, mean_ce, supervised_cross_entropy
 from doplus_cli.models import load_model_and_tokenizer
-from tests.helpers import max_difference, run_cli, two_processes, weights
-from tests.tiny_model import SHARED
-
-SAFETY_DIR = SHARED / "data" / "safety"
-SAFETY = SAFETY_DIR / "safety_instructions.json"  # a JSON array of instruction, input (empty), output
-GENERAL = SAFETY_DIR / "alpaca_seed_tasks.jsonl"  # instruction, instances[0].input/output
-
-
-def align_args(model, out, *extra, safety_rows=14, general_rows=26):
-    """A tiny run: each set's last 2 rows held out, so 12 safety and 24 general rows are trained."""
-    return ["align", "--model", model, "--safety", f"{SAFETY}[0:{safety_rows}]", "--general",
-            f"{GENERAL}[0:{general_rows}]", "--held-out", 2, "--batch-size", 2, "--max-length", 48,
-            "--max-new-tokens", 4, "--lr", 1e-3, "--out", out, *extra]
+from tests.helpers import GENERAL, SAFETY, SAFETY_DIR, align_args, max_difference, run_cli, two_processes, weights
 
 
 def read_metrics(out):

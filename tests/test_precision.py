@@ -292,7 +292,7 @@ def test_resume_is_bit_identical_under_the_bf16_precisions(tiny_llama, data, tmp
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16"])
 def test_two_process_resume_is_bit_identical_under_the_bf16_precisions(tiny_llama, data, tmp_path, precision):
-    from tests.test_distributed import two_processes
+    from tests.helpers import two_processes
 
     def make_run(out, steps, extra):
         two_processes(unlearn(tiny_llama, data, out, steps, "--precision", precision, *extra))
@@ -344,7 +344,7 @@ def test_bf16_mixed_with_a_bfloat16_load_dtype_is_accepted_and_auto_follows_the_
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16"])
 def test_fsdp_keeps_float32_or_compensated_shards_and_tracks_one_float32_process(tiny_llama, data, tmp_path,
                                                                                 precision):
-    from tests.test_distributed import two_processes
+    from tests.helpers import two_processes
 
     one, two = tmp_path / "one", tmp_path / "two"
     assert run_cli(*unlearn(tiny_llama, data, one, 4, "--batch-size", 4, "--precision", "fp32")) == 0
@@ -387,7 +387,7 @@ def test_bench_precision_shows_the_lost_updates_and_the_bytes(tiny_llama, tmp_pa
 def test_multitask_and_align_train_under_each_bf16_precision(tiny_llama, tmp_path):
     """--precision on the other training commands; multitask with LoRA under bf16-mixed: float32 adapters on a
     frozen base loaded at --dtype (bfloat16 here), final/ merged and saved in bfloat16."""
-    from tests.test_align import align_args
+    from tests.helpers import align_args
 
     folder = tmp_path / "tasks"
     folder.mkdir()
