@@ -41,6 +41,9 @@ def _root(
     _debug["on"] = debug
 
 
+REPORT_TO_HELP = ("Experiment trackers through accelerate: none, or one or more of tensorboard, wandb, mlflow, "
+                  "trackio, all (comma-separated; files under OUT/trackers/, W&B offline unless WANDB_MODE says "
+                  "otherwise) [default: none]")
 SIMILARITY_HELP = ("Record in metrics.jsonl the cosine similarity of the objectives' latest updates and gradients "
                    "(update_cosine, grad_cosine; the paper's Figure 2). Costs a copy of the weights per objective.")
 PROTOCOL_HELP = ("Judges and generation budget: doplus (all-MiniLM-L6-v2, --max-new-tokens new tokens, Token "
@@ -216,6 +219,7 @@ def unlearn(
     ),
     eval_protocol: str | None = typer.Option(None, "--eval-protocol", help=PROTOCOL_HELP + _default("eval_protocol")),
     log_update_similarity: bool | None = typer.Option(None, "--log-update-similarity", help=SIMILARITY_HELP),
+    report_to: str | None = typer.Option(None, "--report-to", help=REPORT_TO_HELP),
 ) -> None:
     """Unlearn a forget set while keeping a retain set; writes final/, metrics.jsonl and a report."""
     overrides = {name: value for name, value in locals().items() if name not in ("recipe", "num_processes")}
@@ -327,6 +331,7 @@ def multitask(
     resume: str | None = typer.Option(None, "--resume", help="Continue the run in --out (latest checkpoint, or "
                                       "the checkpoint folder given)."),
     log_update_similarity: bool | None = typer.Option(None, "--log-update-similarity", help=SIMILARITY_HELP),
+    report_to: str | None = typer.Option(None, "--report-to", help=REPORT_TO_HELP),
 ) -> None:
     """Train on several tasks at once, one DualOptim+ delta state per task; scores each task before and after."""
     overrides = {name: value for name, value in locals().items()
@@ -437,6 +442,7 @@ def align(
     resume: str | None = typer.Option(None, "--resume", help="Continue the run in --out (latest checkpoint, or "
                                       "the checkpoint folder given)."),
     log_update_similarity: bool | None = typer.Option(None, "--log-update-similarity", help=SIMILARITY_HELP),
+    report_to: str | None = typer.Option(None, "--report-to", help=REPORT_TO_HELP),
     eval_batch_size: int | None = typer.Option(None, "--eval-batch-size", help="Prompts per generation batch."
                                                + _al_default("eval_batch_size")),
     eval_suite: str | None = typer.Option(None, "--eval-suite", help="After training, `doplus evaluate` final/ into "

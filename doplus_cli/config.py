@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from doplus_cli.data.formatting import check_prompt_template
+from doplus_cli.engine.tracking import parse_report_to
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.protocol import get_protocol
 from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossParams, parse_layer_list
@@ -93,6 +94,12 @@ class TrainConfig:
     eval_every: int = 0  # 0: never
     # The paper's Figure 2 diagnostic: cosine of the objectives' latest updates and gradients, in metrics.jsonl
     log_update_similarity: bool = False  # recorded in metrics.jsonl: update_cosine, grad_cosine
+    # Experiment trackers through accelerate (engine/tracking.py): none, or tensorboard, wandb, mlflow, trackio, all
+    report_to: str = "none"
+    tracker_project: str | None = None  # None: doplus-COMMAND (W&B and trackio project, MLflow experiment)
+    tracker_run_name: str | None = None  # None: the --out folder's name
+    tracker_group: str | None = None  # W&B and trackio group, an MLflow tag (bench schemes: scheme and sweep value)
+    tracker_dir: str | None = None  # None: OUT/trackers; WANDB_DIR, MLFLOW_TRACKING_URI, TRACKIO_DIR go first
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -472,6 +479,7 @@ def validate_training(config: TrainConfig) -> None:
     if config.resume is not None and config.out is None:
         raise UserError("--resume needs --out: the folder of the run to continue")
     check_prompt_template(config.prompt_template)
+    parse_report_to(config.report_to)  # an unknown tracker or a missing package: one line, before any model loads
     if config.optimizer == "muon" and config.scheme != "doplus":
         raise UserError("--optimizer muon is built for --scheme doplus only; use adamw with the other schemes")
 

@@ -521,6 +521,10 @@ def _plan_run(bench: Bench, scheme: str, sweep_value: Any, seed: int, task: int 
     values.setdefault("keep_last", 1)
     if bench.log_update_similarity:
         values["log_update_similarity"] = True
+    if str(values.get("report_to") or "none").lower() != "none":  # one tracker run per run, in one place
+        group = scheme + (f"-{bench.sweep_key}={_name_part(sweep_value)}" if bench.sweep_key is not None else "")
+        values.update({"tracker_project": f"doplus-bench-{bench.out.name}", "tracker_run_name": name,
+                       "tracker_group": group, "tracker_dir": str(bench.out / "trackers")})
     config = _config(bench.kind, values, sources)
     validate(copy.deepcopy(config))
     return Run(name, scheme, seed, sweep_value, _plain(values), config, bench.out / "runs" / name, task)

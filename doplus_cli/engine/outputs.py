@@ -23,7 +23,7 @@ from doplus_cli.optim.kernels import fallbacks
 
 # Everything a run writes; `--overwrite` removes these and nothing else.
 RUN_FILES = ("config.yaml", "metrics.jsonl", "report.json", "report.md", "final", "data", "evals", "eval",
-             "checkpoints")
+             "checkpoints", "trackers")
 
 
 # what a run that failed to write says next (errors.WriteError)

@@ -1,0 +1,211 @@
+"""Experiment trackers (`--report-to`) through accelerate's own tracker support.
+
+`Accelerator(log_with=...)` holds the trackers, `init_trackers` opens the run with the resolved configuration
+as hyper-parameters, `accelerator.log` writes each step's metrics.jsonl record, each evaluation and the final
+report's numbers, and every call runs on the main process only (accelerate's `on_main_process`), so a run on
+N processes logs once. Files go under OUT/trackers/ (or `tracker_dir`) unless the user's own settings say
+otherwise: WANDB_DIR, WANDB_MODE (W&B runs offline by default: nothing needs a network), MLFLOW_TRACKING_URI,
+MLFLOW_EXPERIMENT_NAME, TRACKIO_DIR. A resumed run continues the same tracker run: the W&B and MLflow run ids
+are kept in each checkpoint, and no step is logged twice.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+from doplus_cli.errors import UserError
+
+TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
+# the module each tracker needs, and the package that provides it
+_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
+_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
+# report.json's sections that are not metrics (configuration, text, per-row tables)
+_NOT_METRICS = ("config", "environment", "evals", "eval_curves", "samples", "final", "model", "status", "data",
+                "steps_per_objective", "precision", "teach", "lora", "reference")
+
+
+def _installed(name: str) -> bool:
+    try:
+        importlib.import_module(_MODULES[name])
+    except ImportError:
+        return False
+    return True
+
+
+def parse_report_to(text: str | None) -> list[str]:
+    """`none` -> []; `tensorboard,mlflow` -> both; `all` -> every installed tracker. Unknown names and trackers
+    whose package is missing are one line each (exit 2), before any model is loaded."""
+    items = [item.strip().lower() for item in str(text or "none").split(",") if item.strip()]
+    if not items or items == ["none"]:
+        return []
+    unknown = [item for item in items if item not in (*TRACKERS, "all")]
+    if unknown or ("none" in items):
+        bad = unknown[0] if unknown else "none"
+        raise UserError(f"--report-to {text}: unknown tracker '{bad}': choose none, or one or more of "
+                        f"{', '.join(TRACKERS)}, all (comma-separated)")
+    if "all" in items:
+        names = [name for name in TRACKERS if _installed(name)]
+        if not names:
+            raise UserError(f"--report-to all: no tracker is installed; pip install 'doplus-cli[tracking]' "
+                            f"(or one of: {', '.join(_PACKAGES.values())})")
+        return names
+    names = list(dict.fromkeys(items))
+    for name in names:
+        if not _installed(name):
+            raise UserError(f"--report-to {name}: the {_PACKAGES[name]} package is not installed; "
+                            f"pip install {_PACKAGES[name]} (or pip install 'doplus-cli[tracking]')")
+    return names
+
+
+def accelerator_options(config) -> dict[str, Any]:
+    """`Accelerator(**...)`'s tracker options; the logging folder is set when the run's folder is known."""
+    names = parse_report_to(config.report_to)
+    return {"log_with": names, "project_dir": "."} if names else {}
+
+
+def hyper_parameters(config: dict[str, Any]) -> dict[str, Any]:
+    """The resolved configuration as flat values every tracker takes (numbers, text, booleans): None as
+    "None", lists and mappings as JSON."""
+    flat = {}
+    for key, value in config.items():
+        if value is None:
+            value = "None"
+        elif isinstance(value, (list, tuple, dict)):
+            value = json.dumps(value, default=str)
+        flat[key] = value
+    return flat
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def numbers(values: dict[str, Any], prefix: str, depth: int = 4) -> dict[str, float]:
+    """`{prefix}/{key}` for every number in `values`, nested mappings joined by `/`; text, lists and nulls left out."""
+    found: dict[str, float] = {}
+    for key, value in values.items():
+        name = f"{prefix}/{key}"
+        if _is_number(value):
+            found[name] = value
+        elif isinstance(value, dict) and depth > 1:
+            found.update(numbers(value, name, depth - 1))
+    return found
+
+
+def _last_logged_step(out: Path) -> int:
+    """The last step of metrics.jsonl as the interrupted run left it (every step in it was sent to the trackers)."""
+    last = 0
+    try:
+        with open(out / "metrics.jsonl") as handle:
+            for line in handle:
+                try:
+                    last = max(last, int(json.loads(line).get("step", 0)))
+                except (ValueError, AttributeError):
+                    continue  # a line cut short by the interruption
+    except OSError:
+        pass
+    return last
+
+
+class RunTracker:
+    """One tracker run per training run: built once, then `step`, `evaluation` and `finish`; a no-op without
+    `--report-to`. Only the main process holds trackers (accelerate's `init_trackers` runs there alone)."""
+
+    def __init__(self, accelerator, config, out: Path, command: str, saved: dict[str, Any] | None,
+                 start_step: int) -> None:
+        self.accelerator = accelerator
+        self.names = [str(name) for name in getattr(accelerator, "log_with", None) or []]  # accelerate's LoggerType
+        self.ids: dict[str, str] = dict((saved or {}).get("extra", {}).get("trackers", {}))
+        # steps the interrupted run already sent: W&B, MLflow and trackio keep them, so they are not sent again;
+        # TensorBoard drops its events from the checkpoint's step on (purge_step) and takes them again
+        self.logged_until = _last_logged_step(out) if saved is not None else 0
+        self.start_step = start_step
+        self.finished = False
+        self._own_mlflow_uri = False  # set here for this run; unset at the end (mlflow puts it in the environment)
+        if not self.names or not accelerator.is_main_process:
+            return
+        folder = Path(config.tracker_dir or out / "trackers").resolve()
+        accelerator.project_configuration.project_dir = str(out)
+        run_name = config.tracker_run_name or Path(out).resolve().name
+        # TensorBoard's events in trackers/tensorboard/RUN/PROJECT/ (accelerate names the last folder after the project)
+        accelerator.project_configuration.logging_dir = str(folder / "tensorboard" / run_name)
+        project = config.tracker_project or f"doplus-{command}"
+        tags = {"command": command, "scheme": config.scheme, "seed": str(config.seed),
+                **({"group": config.tracker_group} if config.tracker_group else {}),
+                **({"task_id": str(config.task_id)} if getattr(config, "task_id", None) is not None else {})}
+        init_kwargs: dict[str, dict[str, Any]] = {}
+        if "tensorboard" in self.names:
+            init_kwargs["tensorboard"] = {"purge_step": start_step + 1} if saved is not None else {}
+        if "wandb" in self.names:
+            self.ids.setdefault("wandb", uuid.uuid4().hex[:16])
+            options = {"id": self.ids["wandb"], "resume": "allow", "name": run_name, "group": config.tracker_group,
+                       "mode": os.environ.get("WANDB_MODE") or "offline",
+                       "tags": [f"{k}:{v}" for k, v in tags.items()]}
+            if not os.environ.get("WANDB_DIR"):
+                (folder / "wandb").mkdir(parents=True, exist_ok=True)
+                options["dir"] = str(folder)
+            init_kwargs["wandb"] = options
+        if "mlflow" in self.names:
+            import mlflow
+
+            if not os.environ.get("MLFLOW_TRACKING_URI"):
+                folder.mkdir(parents=True, exist_ok=True)  # a local SQLite store (MLflow 3 refuses ./mlruns)
+                mlflow.set_tracking_uri(f"sqlite:///{folder / 'mlflow.db'}")
+                self._own_mlflow_uri = True
+            init_kwargs["mlflow"] = {"run_name": run_name, "run_id": self.ids.get("mlflow"), "tags": tags,
+                                     "logging_dir": str(folder / "mlflow-artifacts")}
+        own_trackio_dir = "trackio" in self.names and not os.environ.get("TRACKIO_DIR")
+        if "trackio" in self.names:
+            os.environ.setdefault("TRACKIO_DIR", str(folder / "trackio"))  # read once, when trackio is imported
+            init_kwargs["trackio"] = {"name": run_name, "group": config.tracker_group, "resume": "allow"}
+        resolved = {**config.to_dict(), "out": str(out), "command": command}
+        # hyper-parameters once per tracker run: a resumed run's tracker run already holds them
+        accelerator.init_trackers(project, config=None if saved is not None else hyper_parameters(resolved),
+                                  init_kwargs=init_kwargs)
+        if own_trackio_dir:
+            os.environ.pop("TRACKIO_DIR")
+        if "mlflow" in self.names:
+            self.ids["mlflow"] = accelerator.get_tracker("mlflow").active_run.info.run_id
+
+    def _log(self, values: dict[str, float], step: int) -> None:
+        if not values or not self.names:
+            return
+        if step <= self.logged_until:  # logged before the interruption; TensorBoard dropped what it must re-take
+            if "tensorboard" in self.names and step > self.start_step:
+                self.accelerator.get_tracker("tensorboard").log(values, step=step)
+            return
+        self.accelerator.log(values, step=step)
+        if "tensorboard" in self.names:  # on disk at once, so that a killed run keeps every step it logged
+            self.accelerator.get_tracker("tensorboard", unwrap=True).flush()
+
+    def step(self, record: dict[str, Any]) -> None:
+        """metrics.jsonl's record of one optimizer step: each loss, lr, grad norm and step diagnostic."""
+        self._log(numbers({k: v for k, v in record.items() if k != "step"}, "train", depth=1), record["step"])
+
+    def evaluation(self, record: dict[str, Any]) -> None:
+        """One evaluation during training, at its step."""
+        self._log(numbers({k: v for k, v in record.items() if k != "step"}, "eval"), record["step"])
+
+    def close(self) -> None:
+        """Flush and close every tracker (the run ended, or stopped: its checkpoint keeps the run ids)."""
+        if self.finished:
+            return
+        self.finished = True
+        for tracker in getattr(self.accelerator, "trackers", []):
+            tracker.finish()  # not accelerator.end_training(): that also ends the process group the run still uses
+        if self._own_mlflow_uri:  # the next run in this process, or a process it starts, finds the user's setting
+            import mlflow
+
+            mlflow.set_tracking_uri(None)
+
+    def finish(self, report: dict[str, Any], step: int) -> None:
+        """The final report's numbers at the last step, then close."""
+        if self.names and self.accelerator.is_main_process and not self.finished:
+            self.accelerator.log(numbers({k: v for k, v in report.items() if k not in _NOT_METRICS}, "final"),
+                                 step=step)
+        self.close()
