@@ -32,7 +32,7 @@ def final_weights(out):
 
 @pytest.mark.parametrize("extra", [[], ["--state-bits", "8"]], ids=["doplus-32bit", "doplus-8bit"])
 def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tiny_llama, data, tmp_path, extra):
-    steps = 60
+    steps = 30
     reference = tmp_path / "uninterrupted"
     assert run_cli(*args(tiny_llama, data, reference, steps, *extra)) == 0
     out = tmp_path / "killed"
@@ -54,7 +54,7 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tiny_llama, data,
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), replay
     records = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in records] == list(range(1, steps + 1)), replay
-    assert json.loads((out / "report.json").read_text())["losses"]["forget"]["steps"] == 10
+    assert json.loads((out / "report.json").read_text())["losses"]["forget"]["steps"] == steps // 6  # 1:5
 
 
 def test_sigterm_writes_a_checkpoint_and_the_resumed_run_ends_as_an_uninterrupted_one(tiny_llama, data, tmp_path):
