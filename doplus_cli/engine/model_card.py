@@ -99,7 +99,9 @@ def command_line(command: str, config: dict[str, Any], world_size: int = 1) -> t
     from doplus_cli.cli import app
     from doplus_cli.config import AlignConfig, MultitaskConfig, UnlearnConfig, default_of
 
-    cls = {"unlearn": UnlearnConfig, "multitask": MultitaskConfig, "align": AlignConfig}[command]
+    cls = {"unlearn": UnlearnConfig, "multitask": MultitaskConfig, "align": AlignConfig}.get(command)
+    if cls is None:  # an engine caller with a Plan of its own: no command to write
+        return "", dict(config)
     params = {p.name: p for p in typer.main.get_command(app).commands[command].params}
     words, recipe_only = ["doplus", command], {}
     for key, value in config.items():
@@ -174,7 +176,9 @@ def render_model_card(report: dict[str, Any], objectives: Sequence[Any], command
     lines += ["", "## Training", "", *_training_lines(command, cfg, report)]
     lines += _results_lines(report)
     lines += ["", "## Reproduce", "", f"doplus {__version__}; {env.get('device')}, world size "
-              f"{env.get('world_size')}, seed {env.get('seed')}.", "", "```", line, "```"]
+              f"{env.get('world_size')}, seed {env.get('seed')}."]
+    if line:
+        lines += ["", "```", line, "```"]
     if recipe_only:
         lines += ["", "with these recipe keys (no command-line flag): "
                   + ", ".join(f"{k}: {json.dumps(v, default=str)}" for k, v in recipe_only.items())]

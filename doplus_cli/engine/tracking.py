@@ -112,6 +112,13 @@ def _last_logged_step(out: Path) -> int:
     return last
 
 
+def _mlflow_last_step(run_id: str) -> int:
+    """The last step an MLflow run holds (every step logs train/lr, in one batch with the rest)."""
+    from mlflow.tracking import MlflowClient
+
+    return max((m.step for m in MlflowClient().get_metric_history(run_id, "train/lr")), default=0)
+
+
 class RunTracker:
     """One tracker run per training run: built once, then `step`, `evaluation` and `finish`; a no-op without
     `--report-to`. Only the main process holds trackers (accelerate's `init_trackers` runs there alone)."""
@@ -119,15 +126,19 @@ class RunTracker:
     def __init__(self, accelerator, config, out: Path, command: str, saved: dict[str, Any] | None,
                  start_step: int) -> None:
         self.accelerator = accelerator
-        self.names = [str(name) for name in getattr(accelerator, "log_with", None) or []]  # accelerate's LoggerType
+        # accelerate's LoggerType, as names; none on the other processes (trackers live on the main process only)
+        self.names = [str(name) for name in getattr(accelerator, "log_with", None) or []
+                      if accelerator.is_main_process]
         self.ids: dict[str, str] = dict((saved or {}).get("extra", {}).get("trackers", {}))
-        # steps the interrupted run already sent: W&B, MLflow and trackio keep them, so they are not sent again;
-        # TensorBoard drops its events from the checkpoint's step on (purge_step) and takes them again
-        self.logged_until = _last_logged_step(out) if saved is not None else 0
-        self.start_step = start_step
+        # per tracker, the last step the interrupted run sent: W&B, MLflow and trackio keep what they got, so it is
+        # not sent again (MLflow says what it holds; for the others metrics.jsonl does); TensorBoard drops its
+        # events from the checkpoint's step on (purge_step) and takes them again
+        self.logged_until: dict[str, int] = {}
+        if saved is not None:
+            self.logged_until = {name: _last_logged_step(out) for name in self.names} | {"tensorboard": start_step}
         self.finished = False
         self._own_mlflow_uri = False  # set here for this run; unset at the end (mlflow puts it in the environment)
-        if not self.names or not accelerator.is_main_process:
+        if not self.names:
             return
         folder = Path(config.tracker_dir or out / "trackers").resolve()
         accelerator.project_configuration.project_dir = str(out)
@@ -171,15 +182,18 @@ class RunTracker:
             os.environ.pop("TRACKIO_DIR")
         if "mlflow" in self.names:
             self.ids["mlflow"] = accelerator.get_tracker("mlflow").active_run.info.run_id
+            if saved is not None:
+                self.logged_until["mlflow"] = _mlflow_last_step(self.ids["mlflow"])
 
     def _log(self, values: dict[str, float], step: int) -> None:
         if not values or not self.names:
             return
-        if step <= self.logged_until:  # logged before the interruption; TensorBoard dropped what it must re-take
-            if "tensorboard" in self.names and step > self.start_step:
-                self.accelerator.get_tracker("tensorboard").log(values, step=step)
-            return
-        self.accelerator.log(values, step=step)
+        if all(step > until for until in self.logged_until.values()):
+            self.accelerator.log(values, step=step)
+        else:  # a resumed run's first steps: only to the trackers that do not hold them yet
+            for tracker in self.accelerator.trackers:
+                if step > self.logged_until.get(tracker.name, 0):
+                    tracker.log(values, step=step)
         if "tensorboard" in self.names:  # on disk at once, so that a killed run keeps every step it logged
             self.accelerator.get_tracker("tensorboard", unwrap=True).flush()
 
