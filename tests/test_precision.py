@@ -70,6 +70,19 @@ def test_a_bf16_step_of_lr_1e5_rounds_away_without_compensation_and_is_kept_with
     assert torch.allclose(moved, expected, rtol=0.01, atol=0)
 
 
+def test_bit_rounding_to_bfloat16_is_torchs_round_to_nearest_even():
+    """The kernels round by integer arithmetic on the bits (inductor may drop a cast round trip); torch's own
+    cast is the reference, ties included (x.5 ulp: the low 16 bits exactly 0x8000, both parities)."""
+    from doplus_cli.optim.kernels import round_to_bfloat16
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(100_000, generator=generator) * 10.0 ** torch.randint(-6, 4, (100_000,), generator=generator)
+    ties = ((x.view(torch.int32) & -65536) | 0x8000).view(torch.float32)
+    for values in (x, ties, -ties, torch.tensor([0.0, -0.0, 1.0, 3.3895314e38, float("inf"), -float("inf")])):
+        assert torch.equal(round_to_bfloat16(values), values.bfloat16().float())
+    assert torch.isnan(round_to_bfloat16(torch.tensor([float("nan")]))).all()
+
+
 def float64_doplus(start: torch.Tensor, grads: list[torch.Tensor], objectives: list[str], lr: float,
                    betas=(0.9, 0.95), eps=1e-8, wd=0.01, floor=0.05, bound=10.0) -> torch.Tensor:
     """DualOptim+'s safeguarded AdamW rule (the paper's Algorithm 1, base updated after θ) in float64."""
