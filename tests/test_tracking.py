@@ -141,6 +141,7 @@ def parse_back(command: str, monkeypatch) -> dict:
         return {}
 
     monkeypatch.setattr("doplus_cli.engine.unlearn.run_unlearn", capture)
+    monkeypatch.setattr("doplus_cli.engine.multitask.run_multitask", capture)
     words = shlex.split(command)
     assert words[0] == "doplus"
     assert run_cli(*words[1:]) == 0
@@ -249,3 +250,25 @@ def test_all_means_every_installed_tracker(monkeypatch):
     assert parse_report_to("all") == ["tensorboard", "mlflow"]
     assert parse_report_to("none") == [] and parse_report_to(None) == []
     assert parse_report_to("TensorBoard, mlflow,tensorboard") == ["tensorboard", "mlflow"]
+
+
+def test_a_multitask_card_writes_each_task_as_a_flag_and_parses_back(tiny_llama, tmp_path, monkeypatch):
+    from huggingface_hub import ModelCard
+
+    rows = [{"prompt": f"{a} plus {a}?", "answer": str(2 * a)} for a in range(12)]
+    (tmp_path / "add.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "mt"
+    data = tmp_path / "add.jsonl"
+    assert run_cli("multitask", "--model", tiny_llama, "--task", f"add={data},metric=edit_sim,weight=2",
+                   "--task", f"copy={data},freq=2", "--steps", 3, "--lr", 1e-3, "--batch-size", 2,
+                   "--max-length", 32, "--max-new-tokens", 2, "--eval-rows", 2, "--out", out) == 0
+    card = ModelCard.load(out / "final" / "README.md")
+    assert "doplus-multitask" in card.data.tags
+    digest = hashlib.sha256((tmp_path / "add.jsonl").read_bytes()).hexdigest()
+    assert card.text.count(digest) == 2 and "| add | " in card.text and "| copy | " in card.text
+    command = re.search(r"```\n(doplus multitask .*)\n```", card.text).group(1)
+    parsed = parse_back(command, monkeypatch)
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    for key in ("resume", "overwrite"):
+        saved.pop(key), parsed.pop(key)
+    assert parsed == saved
