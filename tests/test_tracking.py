@@ -272,3 +272,25 @@ def test_a_multitask_card_writes_each_task_as_a_flag_and_parses_back(tiny_llama,
     for key in ("resume", "overwrite"):
         saved.pop(key), parsed.pop(key)
     assert parsed == saved
+
+
+def test_bench_schemes_names_and_groups_each_run_in_one_tracker_folder(tiny_llama, data, tofu_dir, tmp_path):
+    from doplus_cli.bench.schemes import plan_bench
+
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": str(tiny_llama), "forget": str(data / "forget.jsonl"), "retain": str(data / "retain.jsonl"),
+        "loss": "IDK+GD", "steps": 4, "eval_suite": "tofu", "eval_data_dir": str(tofu_dir)}))
+    out = tmp_path / "cmp"
+    bench = plan_bench(str(recipe), "joint,doplus", "0,1", str(out), ["report_to=tensorboard,mlflow"],
+                       "lr=0.001,0.002", False)
+    assert len(bench.runs) == 8
+    for run in bench.runs:
+        config = run.config
+        assert config.report_to == "tensorboard,mlflow" and config.tracker_run_name == run.name
+        lr = "0.001" if config.lr == 0.001 else "0.002"
+        assert run.name == f"{run.scheme}-lr={lr}-s{run.seed}"
+        assert config.tracker_group == f"{run.scheme}-lr={lr}"  # the seeds of one scheme and value together
+        assert config.tracker_dir == str(out.resolve() / "trackers") and config.tracker_project == "doplus-bench-cmp"
+    plain = plan_bench(str(recipe), "doplus", "0", str(tmp_path / "plain"), [], None, False)
+    assert plain.runs[0].config.tracker_run_name is None and plain.runs[0].config.report_to == "none"
