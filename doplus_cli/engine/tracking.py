@@ -11,7 +11,7 @@ are kept in each checkpoint, and no step is logged twice.
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import json
 import os
 import uuid
@@ -30,11 +30,11 @@ _NOT_METRICS = ("config", "environment", "evals", "eval_curves", "samples", "fin
 
 
 def _installed(name: str) -> bool:
+    """Whether the tracker's package can be imported (found, not imported: trackio reads TRACKIO_DIR on import)."""
     try:
-        importlib.import_module(_MODULES[name])
-    except ImportError:
+        return importlib.util.find_spec(_MODULES[name]) is not None
+    except (ImportError, ValueError):
         return False
-    return True
 
 
 def parse_report_to(text: str | None) -> list[str]:
