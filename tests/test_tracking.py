@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shlex
 import signal
@@ -294,3 +295,16 @@ def test_bench_schemes_names_and_groups_each_run_in_one_tracker_folder(tiny_llam
         assert config.tracker_dir == str(out.resolve() / "trackers") and config.tracker_project == "doplus-bench-cmp"
     plain = plan_bench(str(recipe), "doplus", "0", str(tmp_path / "plain"), [], None, False)
     assert plain.runs[0].config.tracker_run_name is None and plain.runs[0].config.report_to == "none"
+
+
+def test_the_users_mlflow_tracking_uri_goes_first(tiny_llama, data, tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    store = f"sqlite:///{tmp_path / 'mine.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    out = tmp_path / "run"
+    assert run_cli(*args(tiny_llama, data, out, 2, "--report-to", "mlflow")) == 0
+    assert not (out / "trackers").exists()
+    client = MlflowClient(tracking_uri=store)
+    assert len(only_run(client).data.metrics) > 0
+    assert os.environ["MLFLOW_TRACKING_URI"] == store  # left as the user set it

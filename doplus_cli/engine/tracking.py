@@ -164,12 +164,12 @@ class RunTracker:
         if "mlflow" in self.names:
             import mlflow
 
+            init_kwargs["mlflow"] = {"run_name": run_name, "run_id": self.ids.get("mlflow"), "tags": tags}
             if not os.environ.get("MLFLOW_TRACKING_URI"):
                 folder.mkdir(parents=True, exist_ok=True)  # a local SQLite store (MLflow 3 refuses ./mlruns)
                 mlflow.set_tracking_uri(f"sqlite:///{folder / 'mlflow.db'}")
                 self._own_mlflow_uri = True
-            init_kwargs["mlflow"] = {"run_name": run_name, "run_id": self.ids.get("mlflow"), "tags": tags,
-                                     "logging_dir": str(folder / "mlflow-artifacts")}
+                init_kwargs["mlflow"]["logging_dir"] = str(folder / "mlflow-artifacts")  # a new experiment's artifacts
         own_trackio_dir = "trackio" in self.names and not os.environ.get("TRACKIO_DIR")
         if "trackio" in self.names:
             os.environ.setdefault("TRACKIO_DIR", str(folder / "trackio"))  # read once, when trackio is imported
