@@ -8,7 +8,8 @@ DualOptim+, forget-first 1:1 cycle, lr decaying linearly from `lr` to 0 without 
 * ``bf16-uncompensated``: bf16 weights updated in place without compensation buffers, which is what `--dtype
   auto` trained on CUDA before `--precision` existed (a bench-only switch, `config.extra["compensation"]`).
 
-Each run saves final/ in float32 (the bf16 modes' weights are exact there), so for every mode it reports:
+Each run saves final/ in float32: the fp32 and bf16-mixed weights, the bf16 weights of bf16 without
+compensation, and for compensated bf16 the weights as the run carried them, θ_bf16 + c. For every mode:
 
 * ``changed``: the fraction of weight elements whose stored value differs from the start (the start in the
   run's own weight dtype: bf16-rounded for the bf16 modes);

@@ -309,6 +309,8 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
         unwrapped = final_model(unwrapped, config.save_adapter_only)
     trained_dtype = str(unwrapped.dtype).removeprefix("torch.")
     unwrapped, full_weights = _in_save_dtype(unwrapped, full_weights, precision.save_dtype(config))
+    if config.precision == "bf16" and precision.save_dtype(config) == torch.float32 and full_weights is None:
+        _add_compensation(unwrapped, optimizer)
     final = outputs.save_final(unwrapped, tokenizer, out, full_weights)
     peak, peak_kind = outputs.peak_memory_gb(accelerator.device)
     report = {
@@ -350,6 +352,18 @@ def _in_save_dtype(model: torch.nn.Module, full_weights: dict[str, torch.Tensor]
     if full_weights is not None:
         full_weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full_weights.items()}
     return model.to(dtype), full_weights
+
+
+def _add_compensation(model: torch.nn.Module, optimizer) -> None:
+    """A float32 final/ of a `bf16` run holds each weight as the run carried it, θ_bf16 + c (the buffers of
+    `optim/kernels.py`). `model.to(float32)` keeps the parameter objects, which key the optimizer's buffers."""
+    from doplus_cli.optim.adamw import compensation_buffers
+
+    buffers = compensation_buffers(optimizer)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param in buffers:
+                param.add_(buffers[param].to(param.dtype))
 
 
 class RunInterrupted(UserError):

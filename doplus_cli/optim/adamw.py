@@ -119,3 +119,18 @@ class AdamW(Optimizer):
         params = [p for group in self.param_groups for p in group["params"]]
         for index, saved in state_dict["state"].items():
             self.state[params[index]] = _clone_to(saved, params[index].device)
+
+
+def compensation_buffers(optimizer) -> dict[Tensor, Tensor]:
+    """{parameter: compensation buffer} of a doplus optimizer (DualOptimPlus, DualOptim, AdamW, or the engine's
+    wrapper of one); empty where there are none."""
+    shared = getattr(optimizer, "compensation", None)  # DualOptim: one dict shared by its objectives
+    if isinstance(shared, dict):
+        return dict(shared)
+    if getattr(optimizer, "shared_compensation", None) is not None:
+        return dict(optimizer.shared_compensation)
+    inner = getattr(optimizer, "inner", None)  # the engine's SharedState around one AdamW
+    if isinstance(inner, Optimizer):
+        return compensation_buffers(inner)
+    return {param: state["compensation"] for param, state in getattr(optimizer, "state", {}).items()
+            if isinstance(state, dict) and "compensation" in state}
