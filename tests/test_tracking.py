@@ -308,3 +308,35 @@ def test_the_users_mlflow_tracking_uri_goes_first(tiny_llama, data, tmp_path, mo
     client = MlflowClient(tracking_uri=store)
     assert len(only_run(client).data.metrics) > 0
     assert os.environ["MLFLOW_TRACKING_URI"] == store  # left as the user set it
+
+
+def test_continual_makes_one_tracker_run_per_task_side_by_side(tiny_llama, tofu_dir, tmp_path, monkeypatch):
+    """Two forget tasks of a file whose rows carry task_id: two TensorBoard runs in OUT/trackers/, each with its
+    own steps; each task's card reproduces that task's own run (from the previous task's model)."""
+    from huggingface_hub import ModelCard
+
+    folder = tmp_path / "authors"
+    folder.mkdir()
+    lines = {name: [json.loads(line) for line in open(tofu_dir / name) if line.strip()]
+             for name in ("forget01.json", "forget01_perturbed.json", "retain90.json", "retain_perturbed.json",
+                          "real_authors_perturbed.json", "world_facts_perturbed.json")}
+    for name in ("forget01.json", "forget01_perturbed.json"):
+        picked = [r for task in ("1", "2") for r in [r for r in lines[name] if r["task_id"] == task][:4]]
+        (folder / name).write_text("".join(json.dumps(r) + "\n" for r in picked))
+    for name, n in (("retain90.json", 6), ("retain_perturbed.json", 2), ("real_authors_perturbed.json", 2),
+                    ("world_facts_perturbed.json", 2)):
+        (folder / name).write_text("".join(json.dumps(r) + "\n" for r in lines[name][:n]))
+    out = tmp_path / "cont"
+    assert run_cli("unlearn", "--model", tiny_llama, "--forget", folder / "forget01.json", "--retain", "tofu-authors",
+                   "--loss", "IDK+GD", "--steps", 2, "--batch-size", 2, "--max-length", 48, "--show-samples", 0,
+                   "--lr", 1e-3, "--eval-data-dir", folder, "--eval-split", "forget01", "--eval-max-new-tokens", 2,
+                   "--task-ids", "1,2", "--continual", "--out", out, "--report-to", "tensorboard") == 0
+    for task in (1, 2):
+        scalars = tensorboard_scalars(out / "trackers" / "tensorboard" / f"cont-task-{task}")
+        assert sorted(s for s, _ in scalars["train/lr"]) == [1, 2], task
+        assert [s for s, _ in scalars["eval/MU"]] == [2], task
+    card = ModelCard.load(out / "task-2" / "final" / "README.md").text
+    command = re.search(r"```\n(doplus unlearn .*)\n```", card).group(1)
+    assert "--task-id 2" in command and "--continual" not in command and str(out / "task-1" / "final") in command
+    parsed = parse_back(command, monkeypatch)
+    assert parsed["task_id"] == 2 and parsed["model"] == str(out / "task-1" / "final") and not parsed["continual"]

@@ -69,6 +69,7 @@ def _prepare(config: UnlearnConfig, out: Path, order: list[int]) -> None:
         shutil.rmtree(task_folder(out, task), ignore_errors=True)
     for name in ("continual.json", "report.md", "config.yaml"):
         (out / name).unlink(missing_ok=True)
+    shutil.rmtree(out / "trackers", ignore_errors=True)  # the tasks' tracker runs (--report-to)
 
 
 def run_continual(config: UnlearnConfig, console: Console | None = None) -> dict[str, Any]:
@@ -89,6 +90,9 @@ def run_continual(config: UnlearnConfig, console: Console | None = None) -> dict
         if report is None:
             part = copy.deepcopy(config)
             part.task_id, part.model, part.out = task, model, str(folder)
+            if part.tracker_dir is None:  # --report-to: the tasks' tracker runs side by side, in OUT/trackers/
+                part.tracker_dir, part.tracker_run_name = str(out / "trackers"), f"{out.name}-task-{task}"
+                part.tracker_group = part.tracker_group or out.name
             if index > 0:
                 part.extra.pop("taught", None)  # the starting model is the previous task's, not the taught one
             part.eval_every = part.eval_every or part.steps  # each task evaluated at its last step at least

@@ -107,6 +107,8 @@ def command_line(command: str, config: dict[str, Any], world_size: int = 1) -> t
     for key, value in config.items():
         if key in _NOT_IN_COMMAND or key == "steps" and config.get("epochs") is not None:
             continue
+        if key in ("continual", "task_ids") and config.get("continual"):
+            continue  # one task of a continual run: that task's own run, from the previous task's model
         if key == "tasks":
             for task in value:
                 extras = [f"{k}={v}" for k, v in task.items()
