@@ -53,4 +53,5 @@ def floor_line(compute: dict[str, Any]) -> str:
             f"{tokens['generated']:,} generated, {tokens['teacher_forced']:,} teacher-forced) x 2 x "
             f"{compute['parameters'] / 1e6:.1f}M parameters over {compute['matmul_gflops']:.0f} GFLOP/s "
             f"({compute['matmul_dtype']} matmul, measured in this run) = {compute['floor_s']:.1f} s; "
-            f"wall {compute['wall_s']:.1f} s, model load included: {compute['ratio']:.2f}x the floor.")
+            f"wall {compute['wall_s']:.1f} s, model load included"
+            + (f": {compute['ratio']:.2f}x the floor." if compute["ratio"] is not None else "."))
