@@ -124,6 +124,41 @@ def hub_offline(*also: str) -> bool:
     return any(os.environ.get(name, "").lower() in ("1", "true", "yes", "on") for name in ("HF_HUB_OFFLINE", *also))
 
 
+_REACHABLE: dict[str, bool] = {}  # host -> whether it resolved, once per process
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the hub's host (HF_ENDPOINT, default huggingface.co) resolves within `timeout` seconds, checked once
+    per process. On a machine without a network and without HF_HUB_OFFLINE, huggingface_hub retries each file with
+    backoff (about 30 s per model) before a judge model is given up; the judges ask this first instead."""
+    import socket
+    import threading
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+    if host not in _REACHABLE:
+        answer: list[bool] = []
+
+        def resolve() -> None:
+            try:
+                socket.getaddrinfo(host, 443)
+                answer.append(True)
+            except OSError:
+                answer.append(False)
+
+        thread = threading.Thread(target=resolve, daemon=True)
+        thread.start()
+        thread.join(timeout)
+        _REACHABLE[host] = bool(answer and answer[0])
+    return _REACHABLE[host]
+
+
+def judge_files_only() -> bool:
+    """Judge models (NLI, embedding, guard, refusal) load from the local cache only: offline mode is set, or the
+    hub's host does not resolve."""
+    return hub_offline() or not hub_reachable()
+
+
 def _hub_error(spec: str, error: Exception) -> UserError:
     why = "HF_HUB_OFFLINE is set" if hub_offline() else "the hub could not be reached"
     return UserError(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from doplus_cli.models import hub_offline, looks_like_path
+from doplus_cli.models import hub_offline, judge_files_only, looks_like_path
 
 DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 DEFAULT_NLI_MODEL = "sileod/deberta-v3-base-tasksource-nli"
@@ -114,6 +114,8 @@ def _why(name: str, error: Exception) -> str:
         return "no such folder"
     if hub_offline():
         return "offline: not in the local cache"
+    if judge_files_only():
+        return "the hub's host does not resolve (no network): not in the local cache"
     return f"not on the hub or the hub could not be reached: {type(error).__name__}"
 
 
@@ -144,7 +146,7 @@ def load_embedder(name: str | None = None, device: str = "cpu") -> tuple[Embedde
         _quiet()
         from sentence_transformers import SentenceTransformer
 
-        model = SentenceTransformer(source, device=device, local_files_only=hub_offline())
+        model = SentenceTransformer(source, device=device, local_files_only=judge_files_only())
     except Exception as error:  # any failure becomes a reason: the indicator is left out, not the run
         return None, f"no embedding model: '{label}' could not be loaded ({_why(source, error)})"
     return Embedder(model, label), None
@@ -158,7 +160,7 @@ def load_nli(name: str | None = None, device: str = "cpu") -> tuple[NLIJudge | N
         _quiet()
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        offline = hub_offline()
+        offline = judge_files_only()
         tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=offline)
         model = AutoModelForSequenceClassification.from_pretrained(name, local_files_only=offline).to(device)
         judge = NLIJudge(model, tokenizer, name)

@@ -366,11 +366,11 @@ def load_chat_model(name: str, device: str, dtype: str, what: str, needs: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from doplus_cli.evaluation.judges import _quiet, _why
-    from doplus_cli.models import hub_offline, resolve_dtype
+    from doplus_cli.models import judge_files_only, resolve_dtype
 
     try:
         _quiet()
-        offline = hub_offline()
+        offline = judge_files_only()
         tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=offline)
         if not tokenizer.chat_template:
             raise UserError(f"{what} '{name}': its tokenizer has no chat template ({needs} needs one)")
