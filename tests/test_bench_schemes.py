@@ -50,7 +50,7 @@ def write_recipe(folder, model, data, tofu_dir, **changes):
     recipe = {"model": str(model), "forget": "forget.jsonl", "retain": "retain.jsonl", "loss": "IDK+GD",
               "forget_freq": 1, "retain_freq": 2, "steps": 24, "lr": 1e-3, "batch_size": 2, "max_length": 48,
               "show_samples": 0, "eval_suite": "tofu", "eval_data_dir": str(tofu_dir), "eval_max_samples": 2,
-              "eval_max_new_tokens": 4, **changes}
+              "eval_max_new_tokens": 4, "eval_nli_model": str(folder / "no-such-nli"), **changes}
     path = folder / "tiny.yaml"
     path.write_text(yaml.safe_dump({k: v for k, v in recipe.items() if v is not None}, sort_keys=False))
     return path

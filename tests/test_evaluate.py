@@ -111,7 +111,7 @@ def test_real_world_suite(tiny_llama, tmp_path):
     retain.write_text(rows(["Grace Hopper", "John von Neumann", "Emmy Noether"]))
     out = tmp_path / "rw"
     assert run_cli("evaluate", "--model", tiny_llama, "--suite", "real-world", "--forget", forget, "--retain", retain,
-                   "--max-new-tokens", 4, "--out", out, "--untargeted") == 0
+                   "--max-new-tokens", 4, "--out", out, "--untargeted", "--nli-model", tmp_path / "no-such-nli") == 0
     summary = json.loads((out / "REAL_WORLD_SUMMARY.json").read_text())
     records = json.loads((out / "REAL_WORLD_EVAL.json").read_text())["sets"]
     assert len(records["forget"]) == 2 and len(records["neighbour"]) == 3
