@@ -134,6 +134,7 @@ def _decode_dropping(model, batch: dict[str, torch.Tensor], budgets: list[int], 
     cache = output.past_key_values
     if type(cache) is not DynamicCache:
         return None
+    cache_argument = _cache_argument(model)  # looked up once, not on every decoding step
     selected = torch.tensor(alive, device=mask.device)
     if len(alive) < len(budgets):
         cache.batch_select_indices(selected)
@@ -154,7 +155,7 @@ def _decode_dropping(model, batch: dict[str, torch.Tensor], budgets: list[int], 
             alive = [alive[k] for k in keep]
         mask = torch.cat([mask, mask.new_ones((len(alive), 1))], dim=1)
         output = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position[:, None],
-                       use_cache=True, **{_cache_argument(model): cache})
+                       use_cache=True, **{cache_argument: cache})
         next_position = next_position + 1
         token = output.logits[:, -1].argmax(-1)
 
