@@ -211,6 +211,9 @@ def unlearn(
     eval_max_new_tokens: int | None = typer.Option(
         None, "--eval-max-new-tokens", help="Greedy tokens per answer." + _default("eval_max_new_tokens")
     ),
+    eval_batch_size: int | None = typer.Option(
+        None, "--eval-batch-size", help="Prompts per batch of the evaluation during training [default: the larger of "
+        "--batch-size and 8]"),
     eval_nli_model: str | None = typer.Option(
         None, "--eval-nli-model", help="NLI model [default: sileod/deberta-v3-base-tasksource-nli]"
     ),

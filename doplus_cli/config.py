@@ -153,6 +153,7 @@ class UnlearnConfig(TrainConfig):
     eval_nli_model: str | None = None
     eval_embedding_model: str | None = None
     eval_protocol: str = "doplus"  # or "paper": the DualOptim+ authors' judges and generation budget
+    eval_batch_size: int | None = None  # prompts per batch of the evaluation during training; None: max(batch_size, 8)
 
     @property
     def forget_loss(self) -> str:
@@ -582,8 +583,15 @@ def validate_loss_params(config: UnlearnConfig) -> None:
         parse_layer_list(config.rmu_update_layers)
 
 
+def eval_batch_size(config: UnlearnConfig) -> int:
+    """Prompts per batch of the TOFU evaluation during training (and of the bench's evaluation of final/)."""
+    return config.eval_batch_size or max(config.batch_size, 8)
+
+
 def validate_unlearn(config: UnlearnConfig) -> None:
     """The options of `doplus unlearn` on top of `validate_training`."""
+    if config.eval_batch_size is not None and config.eval_batch_size < 1:
+        raise UserError(f"--eval-batch-size must be at least 1, got {config.eval_batch_size}")
     parts = config.loss.split("+")
     if len(parts) > 2 or parts[0] not in FORGET_LOSS_NAMES or (len(parts) == 2 and parts[1] not in RETAIN_LOSS_NAMES):
         raise UserError(

@@ -51,6 +51,7 @@ from doplus_cli.config import (
     UnlearnConfig,
     _coerce,
     default_of,
+    eval_batch_size,
     field_names,
     load_recipe,
     parse_task_ids,
@@ -216,7 +217,7 @@ class UnlearnKind(Kind):
         options = [("--suite", c.eval_suite), ("--split", c.eval_split), ("--data-dir", c.eval_data_dir),
                    ("--max-samples", c.eval_max_samples), ("--max-new-tokens", c.eval_max_new_tokens),
                    ("--protocol", c.eval_protocol), ("--nli-model", c.eval_nli_model),
-                   ("--embedding-model", c.eval_embedding_model), ("--batch-size", max(c.batch_size, 8)),
+                   ("--embedding-model", c.eval_embedding_model), ("--batch-size", eval_batch_size(c)),
                    ("--seed", c.seed), ("--dtype", c.dtype), ("--task-id", c.task_id)]
         return _evaluate_command(run, options, c.trust_remote_code)
 
@@ -431,10 +432,12 @@ def plan_bench(recipe: str, schemes: str, seeds: str, out: str, set_options: lis
             raise UserError("--task-ids and --set/--sweep task_id: give the tasks once, with --task-ids")
     bench = Bench(path, kind, base, set_values, sweep_key, sweep_values, scheme_names, seed_list,
                   Path(out).expanduser().resolve(), log_update_similarity, task_ids=task_list)
-    for scheme in scheme_names:
-        for value in sweep_values:
-            for task in task_list:
-                for seed in seed_list:
+    # Forget task, then seed outermost: a bench stopped part-way has every scheme on the first tasks and seeds, and
+    # the schemes' runs alternate in time, so a change in the machine's speed falls on every scheme alike.
+    for task in task_list:
+        for seed in seed_list:
+            for scheme in scheme_names:
+                for value in sweep_values:
                     bench.runs.append(_plan_run(bench, scheme, value, seed, task))
     for run in bench.runs:
         kind.check_evaluation(given | ({sweep_key} if sweep_key else set()), run.config, path)

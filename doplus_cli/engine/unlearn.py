@@ -18,7 +18,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from doplus_cli.config import UnlearnConfig, parse_task_ids
+from doplus_cli.config import UnlearnConfig, eval_batch_size, parse_task_ids
 from doplus_cli.data.sources import Keys, Source, available_tasks, open_source, task_rows
 from doplus_cli.data.tofu import AUTHORS_RETAIN, authors_retain, describe_retain
 from doplus_cli.engine import outputs
@@ -172,7 +172,7 @@ def _evaluate_tofu(step, accelerator, model, tokenizer, config, out, progress, s
         eval_config = EvalConfig(
             model=config.model, suites=(config.eval_suite,), split=config.eval_split, data_dir=config.eval_data_dir,
             max_samples=config.eval_max_samples, max_new_tokens=config.eval_max_new_tokens,
-            batch_size=max(config.batch_size, 8), embedding_model=config.eval_embedding_model,
+            batch_size=eval_batch_size(config), embedding_model=config.eval_embedding_model,
             nli_model=config.eval_nli_model, seed=config.seed, prompt_template=config.prompt_template,
             protocol=config.eval_protocol, task_id=state.get("task_id"),
         )
