@@ -65,7 +65,9 @@ def _model_identity(model: str | None) -> str:
 
 def teaching_key(config) -> str:
     settings = {k: v for k, v in config.to_dict().items() if k not in _NOT_IN_KEY}
-    settings["tasks"] = [{**task, "data": _source_identity(task["data"])} for task in config.tasks]
+    # a file by its bytes, not by how its path is written (a bench hands the recipe over with absolute paths)
+    settings["tasks"] = [{**task, **{k: _source_identity(task[k]) for k in ("data", "eval") if task.get(k)}}
+                         for task in config.tasks]
     settings["model"] = _model_identity(config.model)
     settings["doplus"] = __version__
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
