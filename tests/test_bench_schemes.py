@@ -88,7 +88,9 @@ def test_killed_bench_resumes_and_reports_mean_and_std_over_seeds(tiny_llama, da
     assert run_cli(*arguments) == 0
     err = capsys.readouterr().err
     assert "[1/4] alternate-s0: skipped: finished and evaluated" in err
-    assert "[2/4] alternate-s1: resumed from step-" in err and "[4/4] doplus-s1: finished in" in err
+    # task, seed, then scheme: both schemes on seed 0 first
+    assert "[2/4] doplus-s0: skipped: finished and evaluated" in err
+    assert "[3/4] alternate-s1: resumed from step-" in err and "[4/4] doplus-s1: finished in" in err
     assert "resuming from" in (out / "runs" / "alternate-s1.log").read_text()
     assert [r["step"] for r in read_metrics(second)] == list(range(1, 25))
     # once evaluated, a run's checkpoints go (the disk stays about one run's checkpoints); final/ stays

@@ -233,14 +233,15 @@ def test_bench_schemes_pools_forget_tasks_and_the_statistics_match_the_runs(tiny
     recipe.write_text(yaml.safe_dump({
         "model": str(tiny_llama), "forget": str(authors_dir / "forget01.json"), "retain": "tofu-authors",
         "loss": "IDK+GD", "steps": 4, "lr": 1e-3, "batch_size": 2, "max_length": 48, "show_samples": 0,
-        "eval_every": 4, "eval_suite": "tofu", "eval_split": "forget01", "eval_data_dir": str(authors_dir),
+        "eval_every": 2, "eval_suite": "tofu", "eval_split": "forget01", "eval_data_dir": str(authors_dir),
         "eval_max_new_tokens": 2}))
     out = tmp_path / "bench"
-    assert run_cli("bench", "schemes", "--recipe", recipe, "--out", out, "--schemes", "doplus", "--seeds", "0",
-                   "--task-ids", "1,2") == 0
+    assert run_cli("bench", "schemes", "--recipe", recipe, "--out", out, "--schemes", "alternate,doplus", "--seeds",
+                   "0", "--task-ids", "1,2") == 0
     summary = json.loads((out / "SCHEMES.json").read_text())
-    assert set(summary["runs"]) == {"doplus-t1-s0", "doplus-t2-s0"}
-    (row,) = summary["rows"]
+    assert set(summary["runs"]) == {"alternate-t1-s0", "alternate-t2-s0", "doplus-t1-s0", "doplus-t2-s0"}
+    _, row = summary["rows"]
+    assert row["scheme"] == "doplus"
     assert sorted(row["tasks"]) == [1, 2] and summary["over"] == "forget tasks"
     for name, task in (("doplus-t1-s0", 1), ("doplus-t2-s0", 2)):
         report = json.loads((out / "runs" / name / "report.json").read_text())
@@ -254,6 +255,42 @@ def test_bench_schemes_pools_forget_tasks_and_the_statistics_match_the_runs(tiny
         assert row["metrics"][key]["std"] == pytest.approx(statistics.stdev(per_run))
     table = (out / "SCHEMES.md").read_text()
     assert "forget tasks 1, 2 (task_id)" in table and "over forget tasks" in table and "| 2 x 1 |" in table
+
+    # The trade-off at matched levels, from each run's curve: the task's starting model (evaluated once per task
+    # into start/task-T/), then the evaluations at steps 2 and 4.
+    tradeoff = summary["tradeoff"]
+    curves = {}
+    for name in summary["runs"]:
+        task = summary["runs"][name]["task_id"]
+        start = json.loads((out / "start" / f"task-{task}" / "eval.json").read_text())
+        assert start["sections"][0]["sets"][0]["task_id"] == task  # the start was scored on the task's rows
+        aggregates = {a["name"]: 100 * a["value"] for a in start["sections"][0]["aggregates"]}
+        evals = json.loads((out / "runs" / name / "report.json").read_text())["evals"]
+        assert [e["step"] for e in evals] == [2, 4]
+        curves[name] = [(aggregates["UFE"], aggregates["MU"])] + [(e["UFE"], e["MU"]) for e in evals]
+        assert tradeoff["curves"][name] == [pytest.approx(list(p)) for p in curves[name]]
+    starts = statistics.mean(c[0][0] for c in curves.values())
+    ends = statistics.median(c[-1][0] for c in curves.values())
+    # the rule for the levels (the values at each level are checked by hand in test_tradeoff.py; the tiny random
+    # model barely moves, so here the levels may be none, and the table says so)
+    rule = [] if abs(ends - starts) < 0.1 else [round(starts + f * (ends - starts), 1) for f in (0.25, 0.5, 0.75)]
+    assert tradeoff["ufe_levels"] == rule
+    def walk(points, level):  # MU where UFE first reaches the level, by a plain walk along the curve
+        if points[0][0] >= level:
+            return points[0][1] if points[0][0] == level else None
+        for (xa, ya), (xb, yb) in zip(points, points[1:]):
+            if xb >= level:
+                return ya + (level - xa) / (xb - xa) * (yb - ya)
+        return None
+
+    for row in tradeoff["rows"]:
+        for level, entry in zip(tradeoff["ufe_levels"], row["mu_at_ufe"]):
+            for name, value in zip(row["runs"], entry["values"]):
+                expected = walk(curves[name], level)
+                assert value == (None if expected is None else pytest.approx(expected)), (name, level)
+    assert ("MU (%) at matched UFE (higher is better)" if rule else "MU (%) at matched UFE: no levels") in table
+    assert "UFE (%) at matched MU" in table
+    assert (out / "tradeoff_curves.png").read_bytes()[:4] == b"\x89PNG"
     # a repeated task is one line, exit 2
     assert run_cli("bench", "schemes", "--recipe", recipe, "--out", out, "--schemes", "doplus", "--seeds", "0",
                    "--task-ids", "2,2") == 2

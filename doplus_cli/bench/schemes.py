@@ -42,6 +42,8 @@ from typing import Any
 
 import yaml
 
+from doplus_cli.bench.tradeoff import render as render_tradeoff
+from doplus_cli.bench.tradeoff import summarise_tradeoff
 from doplus_cli.config import (
     _PATH_KEYS,
     EXCLUSIVE_OPTIONS,
@@ -120,6 +122,9 @@ class Metric:
 UNLEARN_METRICS = (
     Metric("UFE", "UFE", True), Metric("TFE", "TFE", True), Metric("MU", "MU", True), Metric("OVR", "OVR", True),
     Metric("model_utility", "model_utility", True, ".3f"), Metric("forget_quality", "forget_quality", True, ".3g"),
+    # whether forgetting ran its course, and the taught retain answers were kept (ROUGE-L recall of greedy answers)
+    Metric("forget_Q_A_ROUGE", "forget ROUGE-L", False, ".3f"),
+    Metric("retain_Q_A_ROUGE", "retain ROUGE-L", True, ".3f"),
 )
 ANSWER_METRICS = (Metric("forget_rouge", "forget ROUGE-L", False, ".3f"),
                   Metric("retain_rouge", "retain ROUGE-L", True, ".3f"))
@@ -157,8 +162,12 @@ class Kind:
         """The folder of the evaluation of the finished run in `folder`, or None when it has none yet."""
         return folder
 
-    def evaluate_command(self, run: Run) -> list[str]:
+    def evaluate_command(self, run: Run, model: str | None = None, out: Path | None = None) -> list[str]:
         raise NotImplementedError
+
+    def has_start(self, config: TrainConfig) -> bool:
+        """Whether the bench evaluates the starting model too (the first point of every run's curve)."""
+        return False
 
     def scores(self, report: dict[str, Any], evaluation: Path) -> tuple[dict[str, Any], dict[str, str]]:
         """({metric key: value}, {metric key: what it covers, when partial}) of a run and its evaluation."""
@@ -210,16 +219,20 @@ class UnlearnKind(Kind):
         after = folder / "eval"
         return after if (after / "eval.json").is_file() else None
 
-    def evaluate_command(self, run: Run) -> list[str]:
-        """`doplus evaluate` of final/ with the recipe's eval_* values and what the run's own evaluation during
-        training would use (batch size, seed, dtype); the prompt template and OVR formula come from the run."""
+    def evaluate_command(self, run: Run, model: str | None = None, out: Path | None = None) -> list[str]:
+        """`doplus evaluate` of final/ (or of `model` into `out`: the starting model) with the recipe's eval_*
+        values and what the run's own evaluation during training would use (batch size, seed, dtype); the prompt
+        template and OVR formula come from the run."""
         c: UnlearnConfig = run.config
         options = [("--suite", c.eval_suite), ("--split", c.eval_split), ("--data-dir", c.eval_data_dir),
                    ("--max-samples", c.eval_max_samples), ("--max-new-tokens", c.eval_max_new_tokens),
                    ("--protocol", c.eval_protocol), ("--nli-model", c.eval_nli_model),
                    ("--embedding-model", c.eval_embedding_model), ("--batch-size", eval_batch_size(c)),
                    ("--seed", c.seed), ("--dtype", c.dtype), ("--task-id", c.task_id)]
-        return _evaluate_command(run, options, c.trust_remote_code)
+        return _evaluate_command(run, options, c.trust_remote_code, model, out)
+
+    def has_start(self, config: TrainConfig) -> bool:
+        return config.eval_suite == "tofu" and bool(config.eval_every)
 
     def scores(self, report: dict[str, Any], evaluation: Path) -> tuple[dict[str, Any], dict[str, str]]:
         if report["config"].get("eval_suite") == "answers":
@@ -281,7 +294,7 @@ class AlignKind(Kind):
             return folder
         return folder / "eval" if (folder / "eval" / "eval.json").is_file() else None
 
-    def evaluate_command(self, run: Run) -> list[str]:
+    def evaluate_command(self, run: Run, model: str | None = None, out: Path | None = None) -> list[str]:
         """What align's own evaluation runs (`engine/align.py`, evaluate_final), for a run stopped before it."""
         c: AlignConfig = run.config
         options = [("--suite", c.eval_suite), ("--max-samples", c.eval_max_samples),
@@ -647,6 +660,24 @@ def _record_runs(bench: Bench, index: dict[str, Any]) -> None:
         atomic_write_text(run.recipe_path, yaml.safe_dump(run.recipe, sort_keys=False))
 
 
+def start_folder(bench: Bench, task: int | None) -> Path:
+    """Where the evaluation of the model the runs of `task` start from goes."""
+    return bench.out / "start" / ("all" if task is None else f"task-{task}")
+
+
+def start_point(bench: Bench, task: int | None) -> dict[str, Any] | None:
+    """The starting model's aggregates (percent) as a curve point at step 0, or None when it was not evaluated."""
+    path = start_folder(bench, task) / "eval.json"
+    if not path.is_file():
+        return None
+    point: dict[str, Any] = {"step": 0, "folder": str(path.parent)}
+    for section in _read_json(path).get("sections", []):
+        for aggregate in section.get("aggregates", []):
+            if aggregate["name"] in ("MU", "UFE", "TFE") and aggregate["value"] is not None:
+                point[aggregate["name"]] = 100 * aggregate["value"]
+    return point
+
+
 def _completed_report(run_folder: Path) -> dict[str, Any] | None:
     path = run_folder / "report.json"
     if not path.is_file():
@@ -709,6 +740,32 @@ class Runner:
                 if self.signals.received:
                     raise Stopped(self.signals.received, None)
                 self.run_one(run, f"[{number}/{total}] {run.name}")
+            self.evaluate_starts()
+
+    def evaluate_starts(self) -> None:
+        """The model every run of a forget task starts from (the taught model), evaluated once per task into
+        OUT/start/task-T/ (OUT/start/all/ without --task-ids) with the runs' evaluation settings: the first point of
+        their curves. Its path is the one the task's first finished run reports."""
+        if not self.bench.kind.has_start(self.bench.runs[0].config):
+            return
+        for task in self.bench.task_ids:
+            folder = start_folder(self.bench, task)
+            if (folder / "eval.json").is_file():
+                continue
+            runs = [r for r in self.bench.runs if r.task_id == task and _completed_report(r.folder) is not None]
+            if not runs:
+                continue
+            if self.signals.received:
+                raise Stopped(self.signals.received, None)
+            model = _completed_report(runs[0].folder)["model"]
+            what = "the starting model" + ("" if task is None else f" of task {task}")
+            self._say("start", f"evaluating {what}: {model}")
+            log = folder.with_name(folder.name + ".log")
+            command = self.bench.kind.evaluate_command(runs[0], model, folder)
+            seconds = self._call(command, log, f"the evaluation of {what}")
+            if not (folder / "eval.json").is_file():
+                raise RunError(f"the evaluation of {what} wrote no eval.json; see its log {log}")
+            self._say("start", f"evaluated {what} in {_duration(seconds)}")
 
     def run_one(self, run: Run, label: str) -> None:
         """Skip, train (afresh, resumed or restarted) and/or evaluate one run, saying which in one line each."""
@@ -722,7 +779,7 @@ class Runner:
             report = self._train(run, label)
         if kind.evaluation(run.folder, report) is None:
             self._say(label, "evaluating")
-            seconds = self._call(kind.evaluate_command(run), run, f"the evaluation of {run.name}")
+            seconds = self._call(kind.evaluate_command(run), run.log, f"the evaluation of {run.name}")
             if kind.evaluation(run.folder, report) is None:
                 raise RunError(f"the evaluation of {run.name} wrote no eval.json; see its log {run.log}")
             self._say(label, f"evaluated in {_duration(seconds)}")
@@ -759,7 +816,7 @@ class Runner:
             command += ["--num-processes", str(self.num_processes)]
         if self.fsdp:
             command.append("--fsdp")
-        seconds = self._call(command, run, f"run {run.name}")
+        seconds = self._call(command, run.log, f"run {run.name}")
         report = _completed_report(run.folder)
         if report is None:
             raise RunError(f"run {run.name} ended without a completed report.json; see its log {run.log}")
@@ -769,12 +826,12 @@ class Runner:
     def _say(self, label: str, text: str) -> None:
         self.say(f"{time.strftime('%H:%M:%S')} {label}: {text}")
 
-    def _call(self, command: list[str], run: Run, what: str) -> float:
-        """Run `command` (`what`, in words), its output appended to the run's log; the seconds it took. A failure
-        stops the bench."""
+    def _call(self, command: list[str], log_path: Path, what: str) -> float:
+        """Run `command` (`what`, in words), its output appended to the log; the seconds it took. A failure stops
+        the bench."""
         started = time.perf_counter()
-        run.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(run.log, "a") as log:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "a") as log:
             offset = log.tell()  # where this attempt's output starts
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {what}: {shlex.join(command)}\n")
             log.flush()
@@ -789,8 +846,8 @@ class Runner:
             raise Stopped(self.signals.received, what)
         if code != 0:
             how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-            last = _last_error(run.log, offset)
-            raise RunError(f"{what} failed ({how}){': ' + last if last else ''}; see its log {run.log} (finished "
+            last = _last_error(log_path, offset)
+            raise RunError(f"{what} failed ({how}){': ' + last if last else ''}; see its log {log_path} (finished "
                            "runs are kept: the same command goes on from here)")
         return time.perf_counter() - started
 
@@ -829,6 +886,12 @@ class Result:
     update_cosines: list[tuple[int, float]]  # (step, update_cosine) where recorded
     facts: dict[str, Any]  # model, steps, device, world size, evaluation folder
     task_id: int | None = None  # --task-ids: the run's forget task
+    start: dict[str, Any] | None = None  # the starting model's evaluation as a step-0 curve point (unlearn, tofu)
+
+    @property
+    def curve(self) -> list[dict[str, Any]]:
+        """The evaluations in step order, the starting model's first when it was evaluated."""
+        return ([self.start] if self.start else []) + sorted(self.evals, key=lambda e: e["step"])
 
 
 def collect(bench: Bench, index: dict[str, Any]) -> tuple[list[Result], list[str]]:
@@ -852,7 +915,8 @@ def collect(bench: Bench, index: dict[str, Any]) -> tuple[list[Result], list[str
                  "evaluation": str(evaluation.relative_to(bench.out)), "wall_time_s": report.get("wall_time_s"),
                  "evaluated_during_training": evaluation.parent.name == "evals"}
         results.append(Result(name, entry["scheme"], entry["seed"], entry["sweep_value"], values, notes,
-                              report.get("evals") or [], cosines, facts, entry.get("task_id")))
+                              report.get("evals") or [], cosines, facts, entry.get("task_id"),
+                              start_point(bench, entry.get("task_id"))))
     return results, unfinished
 
 
@@ -914,6 +978,11 @@ def summarise(bench: Bench, results: list[Result], unfinished: list[str]) -> dic
                      "seeds": [r.seed for r in members], "runs": [r.name for r in members], "metrics": row_metrics,
                      "tasks": [r.task_id for r in members] if any(r.task_id is not None for r in members) else None})
     _mark_best(rows, columns)
+    sweep = {"key": bench.sweep_key, "values": _sweep_values_seen(bench, results)} if bench.sweep_key else None
+    tradeoff = None
+    if bench.kind.command == "unlearn":
+        by_name = {r.name: {"start": r.start, "evals": r.evals} for r in results}
+        tradeoff = summarise_tradeoff(by_name, [(_row_label(row, sweep), row["runs"]) for row in rows])
     partial: dict[str, list[dict[str, Any]]] = {}  # column -> each note on what it covers, with its run count
     for column in columns:
         counts: dict[str, int] = {}
@@ -928,7 +997,7 @@ def summarise(bench: Bench, results: list[Result], unfinished: list[str]) -> dic
         "kind": bench.kind.command,
         "recipe": str(bench.recipe),
         "set": _plain(bench.set_values),
-        "sweep": {"key": bench.sweep_key, "values": _sweep_values_seen(bench, results)} if bench.sweep_key else None,
+        "sweep": sweep,
         "columns": [{"key": c.key, "label": c.label, "role": roles[c.key], "format": c.spec,
                      "better": {True: "higher", False: "lower", None: None}[c.higher_is_better]} for c in columns],
         "rows": rows,
@@ -936,6 +1005,7 @@ def summarise(bench: Bench, results: list[Result], unfinished: list[str]) -> dic
         "runs_total": len(results),
         "unfinished": unfinished,
         "definitions": definitions(bench, results, UPDATE_COSINE in columns),
+        "tradeoff": tradeoff,
         "over": over(results),
         "runs": {r.name: {"scheme": r.scheme, "seed": r.seed, "sweep_value": r.sweep_value, "task_id": r.task_id,
                           **r.facts,
@@ -1089,6 +1159,8 @@ def render_markdown(summary: dict[str, Any], figures: list[str]) -> str:
                 lines.append(f"- {labels[key]}: {entry['note']} ({entry['runs']} of {summary['runs_total']} runs)")
         lines.append("")
     lines += [f"- {line}" for line in summary["definitions"]]
+    if summary.get("tradeoff"):
+        lines += [""] + render_tradeoff(summary["tradeoff"], summary.get("over", "seeds"))
     if summary["unfinished"]:
         lines += ["", f"Not included (not finished or not evaluated): {', '.join(summary['unfinished'])}."]
     if figures:
@@ -1177,6 +1249,35 @@ def plot_tradeoff(summary: dict[str, Any], out: Path) -> str | None:
     return _save(fig, out / "tradeoff.png")
 
 
+def plot_tradeoff_curves(summary: dict[str, Any], out: Path) -> str | None:
+    """Each run's path through (MU, UFE), from the starting model through its evaluations, one colour per
+    scheme; the dotted lines are the matched levels of the trade-off tables."""
+    tradeoff = summary.get("tradeoff")
+    if not tradeoff:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.8))
+    for i, row in enumerate(tradeoff["rows"]):
+        colour = f"C{i % 10}"
+        for j, name in enumerate(row["runs"]):
+            curve = tradeoff["curves"].get(name)
+            if not curve:
+                continue
+            ufe, mu = zip(*curve)
+            ax.plot(mu, ufe, color=colour, marker="o", markersize=3, alpha=0.8, label=row["label"] if j == 0 else None)
+            ax.plot(mu[-1], ufe[-1], color=colour, marker="s", markersize=6)
+    for level in tradeoff["ufe_levels"]:
+        ax.axhline(level, color="grey", linestyle=":", linewidth=0.8)
+    for level in tradeoff["mu_levels"]:
+        ax.axvline(level, color="grey", linestyle=":", linewidth=0.8)
+    ax.set_xlabel("MU (%)  (utility, higher is better)")
+    ax.set_ylabel("UFE (%)  (forget efficacy, higher is better)")
+    ax.set_title("each run from its starting model (small dots) to its end (square)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, out / "tradeoff_curves.png")
+
+
 def _mean_curve(series: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
     by_step: dict[int, list[float]] = {}
     for points in series:
@@ -1193,14 +1294,14 @@ def _groups(summary: dict[str, Any], results: list[Result]) -> Iterator[tuple[st
 
 def plot_curves(summary: dict[str, Any], results: list[Result], names: tuple[str, ...], out: Path) -> str | None:
     """The evaluations during training: one panel per aggregate (or task), a line per scheme, mean over seeds."""
-    names = tuple(n for n in names if any(e.get(n) is not None for r in results for e in r.evals))
-    if not names or not any(len(r.evals) > 1 for r in results):
+    names = tuple(n for n in names if any(e.get(n) is not None for r in results for e in r.curve))
+    if not names or not any(len(r.curve) > 1 for r in results):
         return None
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.6), squeeze=False)
     for ax, name in zip(axes[0], names):
         for label, members in _groups(summary, results):
-            curve = _mean_curve([[(e["step"], e[name]) for e in r.evals if e.get(name) is not None] for r in members])
+            curve = _mean_curve([[(e["step"], e[name]) for e in r.curve if e.get(name) is not None] for r in members])
             if curve:
                 ax.plot(*zip(*curve), marker="o", label=label)
         ax.set_title(f"{name} (%)")
@@ -1235,7 +1336,7 @@ def write_outputs(bench: Bench, index: dict[str, Any]) -> dict[str, Any]:
     """SCHEMES.json, SCHEMES.md and the figures, from every finished and evaluated run in OUT."""
     results, unfinished = collect(bench, index)
     summary = summarise(bench, results, unfinished)
-    figures = [f for f in (plot_tradeoff(summary, bench.out),
+    figures = [f for f in (plot_tradeoff(summary, bench.out), plot_tradeoff_curves(summary, bench.out),
                            plot_curves(summary, results, bench.kind.curve_names(bench.runs[0].config), bench.out),
                            plot_update_similarity(summary, results, bench.out)) if f]
     summary["figures"] = figures
@@ -1282,12 +1383,14 @@ def print_summary(summary: dict[str, Any], console) -> None:
     console.print(table)
 
 
-def _evaluate_command(run: Run, options: list[tuple[str, Any]], trust_remote_code: bool) -> list[str]:
-    """`doplus evaluate` of the run's final/ into its eval/ folder, with the options whose value is not None."""
-    command = [sys.executable, "-m", "doplus_cli", "evaluate", "--model", str(run.folder / "final")]
+def _evaluate_command(run: Run, options: list[tuple[str, Any]], trust_remote_code: bool, model: str | None = None,
+                      out: Path | None = None) -> list[str]:
+    """`doplus evaluate` of the run's final/ (or `model`) into its eval/ folder (or `out`), with the options whose
+    value is not None."""
+    command = [sys.executable, "-m", "doplus_cli", "evaluate", "--model", model or str(run.folder / "final")]
     for option, value in options:
         if value is not None:
             command += [option, str(value)]
     if trust_remote_code:
         command.append("--trust-remote-code")
-    return command + ["--out", str(run.folder / "eval"), "--overwrite"]
+    return command + ["--out", str(out or run.folder / "eval"), "--overwrite"]

@@ -1,0 +1,134 @@
+"""The forget/retain trade-off measured directly, from each unlearning run's evaluation curve.
+
+OVR folds forget efficacy and utility into one number at the run's last step, so a scheme that forgets more
+slowly and one that keeps more utility can tie or swap places. Here the two are compared at matched levels
+instead, along each run's curve: the taught (starting) model, then every evaluation during training, in step
+order, each a point (UFE, MU).
+
+- **MU at matched UFE**: for a UFE level, the MU where the run's UFE first reaches the level, interpolated
+  linearly between the two evaluations on either side of the crossing.
+- **UFE at matched MU**: for an MU level below the start, the UFE where the run's MU first falls to the level.
+
+A run whose curve never reaches a level has no value there: it is counted as not reached, never extrapolated.
+A run whose curve already starts past the level (its taught model is past it) is counted apart, as past at the
+start. Levels come from the runs themselves by a fixed rule (`levels`), so no one picks them after seeing the
+schemes' numbers.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+FRACTIONS = (0.25, 0.5, 0.75)  # where the levels sit between the start and the runs' typical end
+
+
+@dataclass(frozen=True)
+class Crossing:
+    """The value of y where x first reaches a level; `status` is "reached", "not reached" or "past at the start"."""
+
+    value: float | None
+    status: str
+
+
+def at_level(curve: Sequence[tuple[float, float]], level: float, falling: bool) -> Crossing:
+    """y where x first reaches `level` along `curve` ((x, y) points in step order): x rising to >= level, or
+    with `falling` x falling to <= level. Linear interpolation between the two points around the first
+    crossing; a point exactly at the level gives its own y."""
+    if not curve:
+        return Crossing(None, "not reached")
+
+    def past(x: float) -> bool:
+        return x <= level if falling else x >= level
+
+    x0, y0 = curve[0]
+    if past(x0):
+        return Crossing(y0, "reached") if x0 == level else Crossing(None, "past at the start")
+    for (xa, ya), (xb, yb) in zip(curve, curve[1:]):
+        if past(xb):
+            t = (level - xa) / (xb - xa)  # xb != xa: xa is not past the level and xb is
+            return Crossing(ya + t * (yb - ya), "reached")
+    return Crossing(None, "not reached")
+
+
+def levels(starts: Sequence[float], ends: Sequence[float]) -> list[float]:
+    """The rule for the common levels: 1/4, 1/2 and 3/4 of the way from the mean of the runs' starting values to
+    the median of their end values (final UFE; lowest MU on the curve), rounded to 0.1. None when the runs, at
+    the median, did not move away from the start."""
+    if not starts or not ends:
+        return []
+    start, end = statistics.mean(starts), statistics.median(ends)
+    if abs(end - start) < 0.1:
+        return []
+    return [round(start + f * (end - start), 1) for f in FRACTIONS]
+
+
+def curve_of(start: dict[str, Any] | None, evals: Sequence[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(UFE, MU) points in step order: the starting model (when evaluated), then each evaluation that has both."""
+    points = ([start] if start else []) + sorted(evals, key=lambda e: e["step"])
+    return [(p["UFE"], p["MU"]) for p in points if p.get("UFE") is not None and p.get("MU") is not None]
+
+
+def summarise_tradeoff(runs: dict[str, dict[str, Any]], groups: list[tuple[str, list[str]]]) -> dict[str, Any] | None:
+    """`runs`: name -> {"start": point or None, "evals": [points]}; `groups`: (row label, run names).
+    Levels by `levels`, then per row and level the mean and sample std of the runs that reached it, and how many
+    did not (or started past it). None when no run has a curve of two points."""
+    curves = {name: curve_of(r.get("start"), r.get("evals", [])) for name, r in runs.items()}
+    curves = {name: c for name, c in curves.items() if len(c) > 1}
+    if not curves:
+        return None
+    ufe_levels = levels([c[0][0] for c in curves.values()], [c[-1][0] for c in curves.values()])
+    mu_levels = levels([c[0][1] for c in curves.values()], [min(mu for _, mu in c) for c in curves.values()])
+    rows = []
+    for label, names in groups:
+        members = [n for n in names if n in curves]
+        row: dict[str, Any] = {"label": label, "runs": members, "mu_at_ufe": [], "ufe_at_mu": []}
+        for key, grid, falling in (("mu_at_ufe", ufe_levels, False), ("ufe_at_mu", mu_levels, True)):
+            # MU at UFE: x = UFE rising, y = MU; UFE at MU: x = MU falling, y = UFE
+            for level in grid:
+                crossings = [at_level(curves[n] if not falling else [(mu, ufe) for ufe, mu in curves[n]],
+                                      level, falling) for n in members]
+                values = [c.value for c in crossings if c.status == "reached"]
+                row[key].append({
+                    "level": level, "values": [c.value for c in crossings], "status": [c.status for c in crossings],
+                    "mean": statistics.mean(values) if values else None,
+                    "std": statistics.stdev(values) if len(values) > 1 else None,
+                    "reached": len(values), "runs": len(members),
+                    "past_at_start": sum(c.status == "past at the start" for c in crossings),
+                })
+        rows.append(row)
+    return {"ufe_levels": ufe_levels, "mu_levels": mu_levels, "rows": rows,
+            "curves": {name: [list(p) for p in c] for name, c in curves.items()},
+            "rule": "levels at 1/4, 1/2 and 3/4 of the way from the runs' mean starting value (the taught model) to "
+                    "the median over runs of the final UFE / the lowest MU on the curve; a run's value at a level is "
+                    "interpolated linearly between the evaluations around its first crossing, never extrapolated"}
+
+
+def cell(entry: dict[str, Any]) -> str:
+    """`mean ± std (reached/runs)`, or `not reached (0/runs)`; runs past the level at the start are named."""
+    count = f"{entry['reached']}/{entry['runs']}"
+    past = f", {entry['past_at_start']} past at the start" if entry["past_at_start"] else ""
+    if entry["mean"] is None:
+        return f"not reached ({count}{past})"
+    std = f" ± {entry['std']:.2f}" if entry["std"] is not None else ""
+    return f"{entry['mean']:.2f}{std} ({count}{past})"
+
+
+def render(tradeoff: dict[str, Any], over: str) -> list[str]:
+    """The trade-off tables, in Markdown lines."""
+    lines = [f"### Trade-off at matched levels (mean ± std over {over}; in brackets: runs that reach the level)",
+             "", f"Rule: {tradeoff['rule']}.", ""]
+    for key, grid, title, name in (("mu_at_ufe", tradeoff["ufe_levels"], "MU (%) at matched UFE", "UFE"),
+                                   ("ufe_at_mu", tradeoff["mu_levels"], "UFE (%) at matched MU", "MU")):
+        if not grid:
+            lines += [f"{title}: no levels (the runs did not move away from the starting model)", ""]
+            continue
+        lines += [f"{title} (higher is better)", "",
+                  "| scheme | " + " | ".join(f"{name} = {level:.1f}" for level in grid) + " |",
+                  "| --- |" + " ---: |" * len(grid)]
+        for row in tradeoff["rows"]:
+            lines.append(f"| {row['label']} | " + " | ".join(cell(e) for e in row[key]) + " |")
+        lines.append("")
+    return lines
