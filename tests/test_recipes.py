@@ -24,7 +24,7 @@ def test_the_paper_settings_are_shipped():
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(p.parents[1])))
 def test_recipe_resolves(path):
-    if path.name == "mini_tofu_teach.yaml":  # the teaching stage: one joint fine-tuning on two TOFU slices
+    if path.name.endswith("_teach.yaml"):  # a teaching stage: one joint fine-tuning on two TOFU slices
         config = resolve_config(str(path), {}, MultitaskConfig)
         assert [t["name"] for t in config.tasks] == ["forget_authors", "retain_authors"]
         assert all(Path(t["data"].partition("[")[0]).is_file() for t in config.tasks)  # ../shared beside us
@@ -80,3 +80,34 @@ def test_recipe_resolves(path):
     if path.name == "quickstart.yaml":
         assert config.model is None and config.answers_from_model  # the embedded model, its own answers
         assert Path(config.forget).is_file() and Path(config.retain).is_file()
+
+
+def _rows(spec: str) -> list[dict]:
+    """The rows of a JSON-lines FILE[START:STOP] spec, read here without doplus."""
+    import json
+
+    path, _, cut = spec.partition("[")
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    if cut:
+        start, _, stop = cut.rstrip("]").partition(":")
+        rows = rows[int(start or 0):int(stop) if stop else None]
+    return rows
+
+
+def test_the_tofu_protocol_bench_keeps_the_paper_protocol():
+    """The GD set holds every retain row that MU scores; the teaching stage taught the forget tasks 1-3 and those
+    retain rows; 1:5, the authors' warm-up rule, the paper protocol, 40 or more questions per set."""
+    root = Path(__file__).resolve().parents[1] / "recipes" / "bench"
+    config = resolve_config(str(root / "tofu_protocol.yaml"), {})
+    teach = resolve_config(str(root / "tofu_protocol_teach.yaml"), {}, MultitaskConfig)
+    assert (config.forget_freq, config.retain_freq, config.warmup_steps, config.loss) == (1, 5, None, "IDK+GD")
+    assert config.eval_protocol == "paper" and config.eval_max_samples >= 40 and config.eval_every < config.steps
+    scored = [r["question"] for r in _rows(str(Path(config.eval_data_dir) / "retain_perturbed.json"))]
+    scored = scored[:config.eval_max_samples]
+    retain = [r["question"] for r in _rows(config.retain)]
+    assert set(scored) <= set(retain)
+    forget_rows = _rows(config.forget)
+    taught = {t["name"]: [r["question"] for r in _rows(t["data"])] for t in teach.tasks}
+    for task in (1, 2, 3):  # every forget task the bench unlearns was taught
+        assert {r["question"] for r in forget_rows if str(r["task_id"]) == str(task)} <= set(taught["forget_authors"])
+    assert set(retain) <= set(taught["retain_authors"])
