@@ -28,6 +28,9 @@ app = typer.Typer(
 bench_app = typer.Typer(help="Measure optimizer speed and memory; compare the update schemes end to end.",
                         no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+recipes_app = typer.Typer(help="The shipped recipes: list them, copy one (with its data files) to edit and run.",
+                          no_args_is_help=True)
+app.add_typer(recipes_app, name="recipes")
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 _debug = {"on": False}
@@ -818,6 +821,60 @@ def _resume_defaults_to_latest(argv: list[str]) -> list[str]:
         if arg == "--resume" and (i + 1 == len(argv) or argv[i + 1].startswith("-")):
             result.append("latest")
     return result
+
+
+@recipes_app.command("list")
+def recipes_list() -> None:
+    """Every shipped recipe: its name (for `doplus recipes copy`), the command it is for, its description."""
+    from doplus_cli.recipes import list_recipes, recipes_root
+
+    recipes = list_recipes()
+    console = Console(highlight=False)
+    if console.is_terminal:
+        from rich.table import Table
+
+        table = Table(title=f"recipes in {recipes_root()}", title_justify="left")
+        table.add_column("name", no_wrap=True)
+        table.add_column("command", no_wrap=True)
+        table.add_column("description")
+        for recipe in recipes:
+            table.add_row(recipe.name, recipe.command, recipe.description)
+        console.print(table)
+        return
+    # no terminal (a batch log, a pipe): one plain line per recipe, nothing wrapped
+    name_width = max(len(r.name) for r in recipes)
+    command_width = max(len(r.command) for r in recipes)
+    print(f"recipes in {recipes_root()}")
+    print(f"{'name':<{name_width}}  {'command':<{command_width}}  description")
+    for recipe in recipes:
+        print(f"{recipe.name:<{name_width}}  {recipe.command:<{command_width}}  {recipe.description}")
+
+
+@recipes_app.command("copy")
+def recipes_copy(
+    name: str = typer.Argument(..., help="A recipe's name as `doplus recipes list` shows it (quickstart, "
+                               "tofu/phi-1.5/idk_gd, bench/mini_tofu)."),
+    dest: str = typer.Argument(..., help="A file to write, or an existing folder to copy the recipe into."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace files that exist at DEST."),
+) -> None:
+    """Copy a recipe with the data files and teaching recipe it names that ship with doplus; list the files it
+    names that do not ship (TOFU, the safety sets, TRACE), which you provide."""
+    from doplus_cli.recipes import copy_recipe
+
+    result = copy_recipe(name, dest, overwrite=overwrite)
+    for path in result.copied:
+        print(f"wrote {path}")
+    for line in result.missing:
+        print(f"not copied: {line}")
+    print(f"run it with: doplus {_recipe_command(result.recipe)} --recipe {result.recipe}")
+
+
+def _recipe_command(path) -> str:
+    from doplus_cli.config import read_recipe
+    from doplus_cli.recipes import _command_of
+
+    command = _command_of(read_recipe(path))
+    return command if command in ("unlearn", "multitask", "align") else "unlearn"
 
 
 def main(argv: list[str] | None = None) -> None:

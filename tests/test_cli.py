@@ -14,7 +14,7 @@ def test_help_lists_every_subcommand():
     result = subprocess.run([sys.executable, "-m", "doplus_cli", "--help"], capture_output=True, text=True)
     assert result.returncode == 0
     out = result.stdout
-    for name in ("unlearn", "align", "multitask", "evaluate", "bench"):
+    for name in ("unlearn", "align", "multitask", "evaluate", "bench", "recipes"):
         assert name in out
 
 

@@ -39,12 +39,16 @@ def test_wheel_installed_without_editable_mode_has_its_data_and_runs(tmp_path):
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, source / name)
     shutil.copytree(REPO / "doplus_cli", source / "doplus_cli", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "recipes", source / "recipes")  # shipped as doplus_cli._recipes (pyproject.toml)
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-index", "--no-build-isolation",
                     "--quiet", "-w", str(wheels), str(source)], check=True)
     (wheel,) = wheels.glob("doplus_cli-*.whl")
     members = set(zipfile.ZipFile(wheel).namelist())
     assert set(data_files()) <= members, set(data_files()) - members
+    recipes = {f"doplus_cli/_recipes/{p.relative_to(REPO / 'recipes').as_posix()}"
+               for p in [*(REPO / "recipes").rglob("*.yaml"), *(REPO / "recipes" / "data").glob("*.jsonl")]}
+    assert recipes <= members, recipes - members  # `doplus recipes list|copy` read them from the installed wheel
 
     fresh = tmp_path / "fresh"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(fresh)], check=True)
@@ -69,3 +73,7 @@ def test_wheel_installed_without_editable_mode_has_its_data_and_runs(tmp_path):
     installed = json.loads((tmp_path / "installed" / "XSTEST_SUMMARY.json").read_text())
     assert installed == json.loads((tmp_path / "editable" / "XSTEST_SUMMARY.json").read_text())
     assert installed["xstest_over_refusal"] == 0.5 and installed["xstest_unsafe_refusal"] == 1.0
+
+    listed = subprocess.run([str(fresh / "bin" / "doplus"), "recipes", "list"], cwd=tmp_path, capture_output=True,
+                            text=True)
+    assert listed.returncode == 0 and "quickstart" in listed.stdout and "_recipes" in listed.stdout, listed.stderr

@@ -1,0 +1,224 @@
+"""The shipped recipes: `doplus recipes list` and `doplus recipes copy NAME DEST`.
+
+The recipes live in the repository's `recipes/` folder. A wheel carries the same files as the package
+`doplus_cli._recipes` (pyproject.toml maps that package to `recipes/`), so they are found from a checkout, an
+editable install and an installed wheel alike. A recipe's name is its path under the recipes root without
+`.yaml` (`quickstart`, `tofu/phi-1.5/idk_gd`, `bench/mini_tofu`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from doplus_cli.config import read_recipe
+from doplus_cli.errors import UserError, writing
+
+# Recipe keys whose values may name a local file or folder (a multitask recipe's tasks add `data` and `eval`).
+PATH_KEYS = ("teach", "forget", "retain", "model", "eval_data_dir", "safety", "general", "eval_safety_data_dir")
+TASK_PATH_KEYS = ("data", "eval")
+
+
+def recipes_root() -> Path:
+    """The folder the recipes are read from: the checkout's `recipes/` when doplus runs from a checkout (or an
+    editable install of one), else the copy a wheel installs as `doplus_cli/_recipes/`."""
+    package = Path(__file__).resolve().parent
+    checkout = package.parent
+    if (checkout / "pyproject.toml").is_file() and (checkout / "recipes" / "quickstart.yaml").is_file():
+        return checkout / "recipes"
+    installed = package / "_recipes"
+    if installed.is_dir():
+        return installed
+    raise UserError(f"no recipes found: neither {checkout / 'recipes'} nor {installed} exists "
+                    "(reinstall doplus-cli, or run from a checkout)")
+
+
+@dataclass
+class Recipe:
+    name: str
+    path: Path
+    command: str
+    description: str
+
+
+def _command_of(data: dict[str, Any]) -> str:
+    if "tasks" in data:
+        return "multitask"
+    if "safety" in data:
+        return "align"
+    if "forget" in data:
+        return "unlearn"
+    if "distributed_type" in data or "compute_environment" in data:
+        return "accelerate config"
+    return "-"
+
+
+def _first_comment(path: Path) -> str:
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith("#"):
+            return line.lstrip("# ").strip()
+        if line.strip():
+            break
+    return ""
+
+
+def list_recipes(root: Path | None = None) -> list[Recipe]:
+    """Every `.yaml` file under the recipes root, sorted by name."""
+    root = recipes_root() if root is None else root
+    found = []
+    for path in sorted(root.rglob("*.yaml")):
+        data = read_recipe(path)
+        name = path.relative_to(root).with_suffix("").as_posix()
+        description = data.get("description")
+        description = str(description) if description is not None else _first_comment(path)
+        found.append(Recipe(name, path, _command_of(data), description))
+    return found
+
+
+def find_recipe(name: str, root: Path | None = None) -> Recipe:
+    """The recipe called `name` (`.yaml` and a leading `recipes/` are accepted), or one line with the closest."""
+    recipes = list_recipes(root)
+    wanted = name.strip().removeprefix("recipes/").removesuffix(".yaml").removesuffix(".yml")
+    for recipe in recipes:
+        if recipe.name == wanted:
+            return recipe
+    names = [r.name for r in recipes]
+    close = difflib.get_close_matches(wanted, names, n=3, cutoff=0.4)
+    close += [n for n in names if n.rsplit("/", 1)[-1] == wanted.rsplit("/", 1)[-1] and n not in close]
+    hint = f"; did you mean {', '.join(close[:3])}?" if close else ""
+    raise UserError(f"no recipe named '{name}'{hint} (`doplus recipes list` shows them all)")
+
+
+@dataclass
+class CopyResult:
+    recipe: Path  # where the recipe was written
+    copied: list[Path] = field(default_factory=list)  # every file written, the recipe included
+    missing: list[str] = field(default_factory=list)  # one line per file the recipe names that is not shipped
+
+
+def _local_paths(data: dict[str, Any]) -> list[tuple[str, str]]:
+    """(key, value) for every string value that may be a local path (row ranges `[START:STOP]` kept)."""
+    found = []
+    for key in PATH_KEYS:
+        value = data.get(key)
+        if isinstance(value, str):
+            found.append((key, value))
+    tasks = data.get("tasks")
+    if isinstance(tasks, list):
+        for number, task in enumerate(tasks, start=1):
+            if not isinstance(task, dict):
+                continue
+            for key in TASK_PATH_KEYS:
+                value = task.get(key)
+                if isinstance(value, str):
+                    found.append((f"tasks[{number}].{key}", value))
+    return found
+
+
+def _strip_rows(value: str) -> str:
+    base, bracket, _ = value.partition("[")
+    return base if bracket and value.endswith("]") else value
+
+
+def _not_a_file(key: str, value: str) -> bool:
+    """Values that name no local file: hub sets, the authors' retain set, a model given by hub id."""
+    if value.startswith("hf:") or value == "tofu-authors" or os.path.isabs(value):
+        return True
+    if key == "model":
+        return not value.startswith((".", "/"))
+    return False
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        path.relative_to(root)
+    except ValueError:
+        return False
+    return True
+
+
+def _new_value(value: str, relative: str) -> str:
+    _, bracket, rows = value.partition("[")
+    return relative + (bracket + rows if bracket and value.endswith("]") else "")
+
+
+def copy_recipe(name: str, dest: str | os.PathLike, overwrite: bool = False, root: Path | None = None) -> CopyResult:
+    """Copy recipe `name` to `dest` (a file, or an existing folder to copy it into), with the data files and the
+    teaching recipe it names that ship inside the recipes root, placed so that its relative paths resolve from
+    `dest`. Files it names outside the recipes root (TOFU, the safety sets, TRACE) are not shipped: they are
+    listed in `missing`, not copied."""
+    root = (recipes_root() if root is None else root).resolve()
+    recipe = find_recipe(name, root)
+    dest = Path(dest)
+    target = dest / recipe.path.name if dest.is_dir() else dest
+    if target.exists() and not overwrite:
+        raise UserError(f"{target}: exists; pass --overwrite to replace it")
+    if not target.parent.is_dir():
+        raise UserError(f"{target.parent}: no such folder")
+    result = CopyResult(recipe=target)
+    _copy(recipe.path.resolve(), target, root, overwrite, result, seen=set())
+    return result
+
+
+def _copy(source: Path, target: Path, root: Path, overwrite: bool, result: CopyResult, seen: set[Path]) -> None:
+    if source in seen:
+        return
+    seen.add(source)
+    data = read_recipe(source)
+    text = source.read_text()
+    label = source.relative_to(root).as_posix()
+    missing: dict[str, list[str]] = {}  # path as written -> the keys that name it
+    for key, value in _local_paths(data):
+        if _not_a_file(key, value):
+            continue
+        file = (source.parent / _strip_rows(value)).resolve()
+        if not _inside(file, root) or not file.exists():
+            missing.setdefault(_strip_rows(value), []).append(key)
+            continue
+        relative = file.relative_to(root).as_posix()
+        direct = (target.parent / _strip_rows(value)).resolve()
+        if _inside(direct, target.parent.resolve()):
+            placed = direct  # the path as written already resolves inside DEST's folder: keep it
+        else:
+            placed = target.parent / relative  # `../data/x.jsonl`: place it as data/x.jsonl and say so in the copy
+            text = _replace_value(text, value, _new_value(value, relative))
+        if file.suffix in (".yaml", ".yml") and key == "teach":
+            _copy(file, placed, root, overwrite, result, seen)
+        elif file.is_file():
+            _write_file(file, placed, overwrite, result)
+    for path, keys in missing.items():
+        result.missing.append(f"{path} ({label}, {', '.join(keys)}): not shipped with doplus; provide it and "
+                              f"set {' and '.join(keys)} in {target} to its path")
+    if target != result.recipe and target.exists() and not overwrite:
+        if target.read_text() == text:
+            return
+        raise UserError(f"{target}: exists and differs from the shipped {label}; pass --overwrite to replace it")
+    with writing(target):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+    result.copied.append(target)
+
+
+def _write_file(file: Path, placed: Path, overwrite: bool, result: CopyResult) -> None:
+    if placed.exists() and not overwrite:
+        if placed.read_bytes() == file.read_bytes():
+            return
+        raise UserError(f"{placed}: exists and differs from the shipped {file.name}; pass --overwrite to replace it")
+    with writing(placed):
+        placed.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(file, placed)
+    result.copied.append(placed)
+
+
+def _replace_value(text: str, old: str, new: str) -> str:
+    """The recipe's text with one path value changed, comments and layout kept (quoted or plain)."""
+    for quote in ('"', "'", ""):
+        for lead in (": ", ":"):
+            written = f"{lead}{quote}{old}{quote}"
+            if written in text:
+                return text.replace(written, f"{lead}{quote}{new}{quote}")
+    return text.replace(old, new)
