@@ -128,8 +128,10 @@ def test_killed_bench_resumes_and_reports_mean_and_std_over_seeds(tiny_llama, da
     markdown = (out / "SCHEMES.md").read_text()
     assert markdown.startswith("**Table.** Update schemes on tiny.yaml (doplus unlearn, IDK+GD")
     assert "24 steps, seeds 0, 1" in markdown
-    table = [[cell.strip() for cell in line.strip("|").split("|")] for line in markdown.splitlines()
-             if line.startswith("| ") and not line.startswith("| ---")]
+    lines = markdown.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("| "))
+    rows = lines[first:next(i for i in range(first, len(lines) + 1) if i == len(lines) or not lines[i].startswith("|"))]
+    table = [[cell.strip() for cell in line.strip("|").split("|")] for line in rows if not line.startswith("| ---")]
     headers, body = table[0], {cells[0]: cells for cells in table[1:]}
     labels = {column["key"]: column["label"] for column in summary["columns"]}
     marked = 0
