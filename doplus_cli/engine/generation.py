@@ -113,70 +113,11 @@ def _cache_argument(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def _preallocated_layer_class():
-    """A DynamicLayer whose keys and values live in buffers sized once for the whole answer: a decoding step
-    writes its token in place, where DynamicLayer's `torch.cat` copied the whole cache on every step (a fifth of
-    a decoding step's time at batch 128 with 100 cached tokens). Attention reads a view of the filled part."""
-    from transformers.cache_utils import DynamicLayer
-
-    class PreallocatedLayer(DynamicLayer):
-        def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
-            super().__init__()
-            batch, heads, length, _ = keys.shape
-            self._keys = keys.new_empty((batch, heads, max(capacity, length), keys.shape[-1]))
-            self._values = values.new_empty((batch, heads, max(capacity, length), values.shape[-1]))
-            self._keys[:, :, :length] = keys
-            self._values[:, :, :length] = values
-            self.length, self.device, self.is_initialized = length, keys.device, True
-            self._views()
-
-        def _views(self) -> None:
-            self.keys, self.values = self._keys[:, :, :self.length], self._values[:, :, :self.length]
-
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-            end = self.length + key_states.shape[-2]
-            if end > self._keys.shape[-2]:  # past the planned length (not in greedy_generate): grow by doubling
-                grow = max(end, 2 * self._keys.shape[-2]) - self._keys.shape[-2]
-                self._keys = torch.cat([self._keys, self._keys.new_empty((*self._keys.shape[:2], grow,
-                                                                          self._keys.shape[-1]))], dim=-2)
-                self._values = torch.cat([self._values, self._values.new_empty((*self._values.shape[:2], grow,
-                                                                                self._values.shape[-1]))], dim=-2)
-            self._keys[:, :, self.length:end] = key_states
-            self._values[:, :, self.length:end] = value_states
-            self.length = end
-            self._views()
-            return self.keys, self.values
-
-        def get_seq_length(self) -> int:
-            return self.length
-
-        def batch_select_indices(self, indices: torch.Tensor) -> None:
-            self._keys, self._values = self._keys[indices], self._values[indices]
-            self._views()
-
-    return PreallocatedLayer
-
-
-def _preallocate(cache, capacity: int) -> bool:
-    """Move every layer of the prefilled DynamicCache `cache` into a PreallocatedLayer of `capacity` tokens; False
-    (and the cache untouched) when a layer is not a plain DynamicLayer."""
-    from transformers.cache_utils import DynamicLayer
-
-    layers = getattr(cache, "layers", None)
-    if not layers or any(type(layer) is not DynamicLayer or not layer.is_initialized for layer in layers):
-        return False
-    cls = _preallocated_layer_class()
-    cache.layers = [cls(layer.keys, layer.values, capacity) for layer in layers]
-    return True
-
-
 def _decode_dropping(model, batch: dict[str, torch.Tensor], budgets: list[int], stop: set[int]
                      ) -> list[list[int]] | None:
     """Greedy decoding of left-padded prompts where each row leaves the batch once it produced a stop token or
     reached its budget; each row's tokens up to and including that token. None when the model's cache is not a
-    DynamicCache (then `generate` runs instead). The cache's buffers are sized once for the longest answer
-    (`_preallocate`) rather than grown by concatenation on every step."""
+    DynamicCache (then `generate` runs instead)."""
     from transformers import DynamicCache
 
     mask = batch["attention_mask"]
@@ -194,7 +135,6 @@ def _decode_dropping(model, batch: dict[str, torch.Tensor], budgets: list[int], 
     if type(cache) is not DynamicCache:
         return None
     cache_argument = _cache_argument(model)  # looked up once, not on every decoding step
-    _preallocate(cache, mask.shape[1] + max(budgets))
     selected = torch.tensor(alive, device=mask.device)
     if len(alive) < len(budgets):
         cache.batch_select_indices(selected)
