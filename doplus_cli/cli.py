@@ -866,15 +866,8 @@ def recipes_copy(
         print(f"wrote {path}")
     for line in result.missing:
         print(f"not copied: {line}")
-    print(f"run it with: doplus {_recipe_command(result.recipe)} --recipe {result.recipe}")
-
-
-def _recipe_command(path) -> str:
-    from doplus_cli.config import read_recipe
-    from doplus_cli.recipes import _command_of
-
-    command = _command_of(read_recipe(path))
-    return command if command in ("unlearn", "multitask", "align") else "unlearn"
+    if result.command in ("unlearn", "multitask", "align"):
+        print(f"run it with: doplus {result.command} --recipe {result.recipe}")
 
 
 def main(argv: list[str] | None = None) -> None:

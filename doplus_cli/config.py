@@ -32,7 +32,9 @@ STATE_BITS = (32, 8)
 FORGET_LOSS_NAMES = tuple(FORGET_LOSSES)  # GA, NPO, DPO, ME, IDK, SimNPO, WGA, SatImp, UNDIAL, CE-U, RMU
 RETAIN_LOSS_NAMES = tuple(RETAIN_LOSSES)  # GD, KL, AP, EMBED
 # Keys in a recipe whose relative paths are looked up next to the recipe file first.
-_PATH_KEYS = ("model", "teach", "forget", "retain", "eval_data_dir", "safety", "general", "eval_safety_data_dir")
+# Recipe keys whose value may be a local path, read next to the recipe; and the path keys of a `tasks:` entry.
+PATH_KEYS = ("model", "teach", "forget", "retain", "eval_data_dir", "safety", "general", "eval_safety_data_dir")
+TASK_PATH_KEYS = ("data", "eval")
 # Options of which a run takes one: given both on the same level (both flags, both in the recipe) is an error;
 # a flag for one replaces the recipe's other.
 EXCLUSIVE_OPTIONS = (("steps", "epochs"),)
@@ -324,7 +326,7 @@ def load_recipe(path: str | os.PathLike, cls: type[TrainConfig] = UnlearnConfig)
             hint = difflib.get_close_matches(key, names, n=1)
             suggestion = f" (did you mean '{hint[0]}'?)" if hint else ""
             raise UserError(f"{path}: unknown option '{raw_key}'{suggestion}")
-        if key in _PATH_KEYS and isinstance(value, str):
+        if key in PATH_KEYS and isinstance(value, str):
             value = _next_to_recipe(value, path.parent)
         if key == "tasks":
             value = _recipe_tasks(value, path)
@@ -339,7 +341,7 @@ def _recipe_tasks(tasks: Any, path: Path) -> list[dict[str, Any]]:
     checked = []
     for number, task in enumerate(tasks, start=1):
         task = _checked_task(task, f"{path}: task {number}")
-        for key in ("data", "eval"):
+        for key in TASK_PATH_KEYS:
             if isinstance(task[key], str):
                 task[key] = _next_to_recipe(task[key], path.parent)
         checked.append(task)

@@ -15,12 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from doplus_cli.config import read_recipe
+from doplus_cli.config import PATH_KEYS, TASK_PATH_KEYS, read_recipe
 from doplus_cli.errors import UserError, writing
-
-# Recipe keys whose values may name a local file or folder (a multitask recipe's tasks add `data` and `eval`).
-PATH_KEYS = ("teach", "forget", "retain", "model", "eval_data_dir", "safety", "general", "eval_safety_data_dir")
-TASK_PATH_KEYS = ("data", "eval")
 
 
 def recipes_root() -> Path:
@@ -96,6 +92,7 @@ def find_recipe(name: str, root: Path | None = None) -> Recipe:
 @dataclass
 class CopyResult:
     recipe: Path  # where the recipe was written
+    command: str  # the command it is for (as `doplus recipes list` shows it)
     copied: list[Path] = field(default_factory=list)  # every file written, the recipe included
     missing: list[str] = field(default_factory=list)  # one line per file the recipe names that is not shipped
 
@@ -159,7 +156,7 @@ def copy_recipe(name: str, dest: str | os.PathLike, overwrite: bool = False, roo
         raise UserError(f"{target}: exists; pass --overwrite to replace it")
     if not target.parent.is_dir():
         raise UserError(f"{target.parent}: no such folder")
-    result = CopyResult(recipe=target)
+    result = CopyResult(recipe=target, command=recipe.command)
     _copy(recipe.path.resolve(), target, root, overwrite, result, seen=set())
     return result
 

@@ -42,11 +42,11 @@ from typing import Any
 
 import yaml
 
+from doplus_cli.bench.tradeoff import ordered, summarise_tradeoff
 from doplus_cli.bench.tradeoff import render as render_tradeoff
-from doplus_cli.bench.tradeoff import summarise_tradeoff
 from doplus_cli.config import (
-    _PATH_KEYS,
     EXCLUSIVE_OPTIONS,
+    PATH_KEYS,
     AlignConfig,
     MultitaskConfig,
     TrainConfig,
@@ -584,7 +584,7 @@ def _absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
         return value
 
     result = dict(values)
-    for key in _PATH_KEYS:
+    for key in PATH_KEYS:
         if key in result:
             result[key] = absolute(result[key])
     if isinstance(result.get("tasks"), list):
@@ -752,16 +752,17 @@ class Runner:
             folder = start_folder(self.bench, task)
             if (folder / "eval.json").is_file():
                 continue
-            runs = [r for r in self.bench.runs if r.task_id == task and _completed_report(r.folder) is not None]
-            if not runs:
+            first = next(((r, report) for r in self.bench.runs if r.task_id == task
+                          and (report := _completed_report(r.folder)) is not None), None)
+            if first is None:
                 continue
             if self.signals.received:
                 raise Stopped(self.signals.received, None)
-            model = _completed_report(runs[0].folder)["model"]
+            run, model = first[0], first[1]["model"]
             what = "the starting model" + ("" if task is None else f" of task {task}")
             self._say("start", f"evaluating {what}: {model}")
             log = folder.with_name(folder.name + ".log")
-            command = self.bench.kind.evaluate_command(runs[0], model, folder)
+            command = self.bench.kind.evaluate_command(run, model, folder)
             seconds = self._call(command, log, f"the evaluation of {what}")
             if not (folder / "eval.json").is_file():
                 raise RunError(f"the evaluation of {what} wrote no eval.json; see its log {log}")
@@ -891,7 +892,7 @@ class Result:
     @property
     def curve(self) -> list[dict[str, Any]]:
         """The evaluations in step order, the starting model's first when it was evaluated."""
-        return ([self.start] if self.start else []) + sorted(self.evals, key=lambda e: e["step"])
+        return ordered(self.start, self.evals)
 
 
 def collect(bench: Bench, index: dict[str, Any]) -> tuple[list[Result], list[str]]:

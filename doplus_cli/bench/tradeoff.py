@@ -65,10 +65,14 @@ def levels(starts: Sequence[float], ends: Sequence[float]) -> list[float]:
     return [round(start + f * (end - start), 1) for f in FRACTIONS]
 
 
+def ordered(start: dict[str, Any] | None, evals: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A run's evaluations in step order, the starting model's first when it was evaluated."""
+    return ([start] if start else []) + sorted(evals, key=lambda e: e["step"])
+
+
 def curve_of(start: dict[str, Any] | None, evals: Sequence[dict[str, Any]]) -> list[tuple[float, float]]:
     """(UFE, MU) points in step order: the starting model (when evaluated), then each evaluation that has both."""
-    points = ([start] if start else []) + sorted(evals, key=lambda e: e["step"])
-    return [(p["UFE"], p["MU"]) for p in points if p.get("UFE") is not None and p.get("MU") is not None]
+    return [(p["UFE"], p["MU"]) for p in ordered(start, evals) if p.get("UFE") is not None and p.get("MU") is not None]
 
 
 def summarise_tradeoff(runs: dict[str, dict[str, Any]], groups: list[tuple[str, list[str]]]) -> dict[str, Any] | None:

@@ -23,6 +23,7 @@ from typing import Any
 from rich.console import Console
 
 from doplus_cli import __version__
+from doplus_cli.config import TASK_PATH_KEYS
 from doplus_cli.errors import UserError
 
 # Options of the teaching recipe that do not change the taught weights.
@@ -66,7 +67,7 @@ def _model_identity(model: str | None) -> str:
 def teaching_key(config) -> str:
     settings = {k: v for k, v in config.to_dict().items() if k not in _NOT_IN_KEY}
     # a file by its bytes, not by how its path is written (a bench hands the recipe over with absolute paths)
-    settings["tasks"] = [{**task, **{k: _source_identity(task[k]) for k in ("data", "eval") if task.get(k)}}
+    settings["tasks"] = [{**task, **{k: _source_identity(task[k]) for k in TASK_PATH_KEYS if task.get(k)}}
                          for task in config.tasks]
     settings["model"] = _model_identity(config.model)
     settings["doplus"] = __version__
