@@ -291,9 +291,10 @@ def _evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name:
     safety_judges = None
     if "safety" in config.suites or "xstest" in config.suites:
         from doplus_cli.evaluation import safety
+        from doplus_cli.evaluation.safety_judges import load_safety_judges
 
-        safety_judges = safety.load_safety_judges(config.guard_model, device, config.dtype, config.refusal_model,
-                                                  config.refusal_model_prompt, need_guard="safety" in config.suites)
+        safety_judges = load_safety_judges(config.guard_model, device, config.dtype, config.refusal_model,
+                                           config.refusal_model_prompt, need_guard="safety" in config.suites)
     summary: dict[str, Any] = {}
     sections: list[dict[str, Any]] = []
     timings: dict[str, float] = {}
