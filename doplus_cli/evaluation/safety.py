@@ -22,6 +22,7 @@ from typing import Any
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.refusal import LABELS, agreement, is_refusal, known_label, xstest_prefix_label
 from doplus_cli.evaluation.safety_judges import SafetyJudges
+from doplus_cli.evaluation.suite_api import Suite, SuiteContext, SuiteResult, write_json
 
 # (file stem in the release, the paper's short name)
 HARMFUL_SETS = (("I-MaliciousInstructions", "I-Mali"), ("I-CoNa", "I-CoNa"), ("I-Controversial", "I-Cont"),
@@ -29,7 +30,6 @@ HARMFUL_SETS = (("I-MaliciousInstructions", "I-Mali"), ("I-CoNa", "I-CoNa"), ("I
 RELEASE_URL = "https://raw.githubusercontent.com/vinid/safety-tuned-llamas/main/data/evaluation/{name}.json"
 XSTEST_FILE = "xstest_prompts.csv"
 XSTEST_URL = "https://raw.githubusercontent.com/paul-rottger/exaggerated-safety/main/xstest_prompts.csv"
-SUITE_FILES = ("SAFETY_EVAL.json", "SAFETY_SUMMARY.json", "XSTEST_EVAL.json", "XSTEST_SUMMARY.json")
 
 
 @dataclass
@@ -319,7 +319,7 @@ def agreement_section(prefix: str, records: list[dict[str, Any]], judges: Safety
     return summary, {"judge": judges.refusal_name, "rows": rows, "confusion": confusion}
 
 
-def run_safety(sets: list[PromptSet], model, formatter, config, judges: SafetyJudges, progress=None
+def score_safety(sets: list[PromptSet], model, formatter, config, judges: SafetyJudges, progress=None
                ) -> tuple[dict[str, Any], dict[str, Any], dict[str, list[dict[str, Any]]]]:
     """(summary, report section, per-response records) of the harmful sets."""
     records = {s.name: _records(s, _responses(s, model, formatter, config, progress), judges, progress, True)
@@ -365,7 +365,7 @@ def run_safety(sets: list[PromptSet], model, formatter, config, judges: SafetyJu
     return summary, section, records
 
 
-def run_xstest(sets: list[PromptSet], model, formatter, config, judges: SafetyJudges, progress=None
+def score_xstest(sets: list[PromptSet], model, formatter, config, judges: SafetyJudges, progress=None
                ) -> tuple[dict[str, Any], dict[str, Any], dict[str, list[dict[str, Any]]]]:
     """(summary, report section, records): over-refusal on the safe prompts, refusal on the unsafe ones."""
     records = {s.name: _records(s, _responses(s, model, formatter, config, progress), judges, progress, False)
@@ -443,24 +443,39 @@ def prompt_sets(suite: str, data_dir: str | None, max_samples: int | None, optio
     return xstest_sets(source, rows, max_samples)
 
 
-def run_suite(suite: str, model, formatter, config, judges: SafetyJudges, out: Path, model_name: str,
-              progress=None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Run `safety` or `xstest`, write its EVAL and SUMMARY files into `out`; (summary, report section)."""
-    from doplus_cli.engine.outputs import atomic_write_text
-
+def _run_prompt_suite(suite: str, context: SuiteContext) -> SuiteResult:
+    """Run `safety` or `xstest` on its prompts (or on `--responses`), write its EVAL and SUMMARY files."""
+    config = context.config
     if config.responses:
         rows = read_responses(config.responses)
         sets = sets_from_responses(suite, rows, config.suites, config.responses, config.safety_data_dir)
     else:
         sets = prompt_sets(suite, config.safety_data_dir, config.max_samples)
-    runner = run_safety if suite == "safety" else run_xstest
-    summary, section, records = runner(sets, model, formatter, config, judges, progress)
+    score = score_safety if suite == "safety" else score_xstest
+    summary, section, records = score(sets, context.model, context.formatter, config, context.safety_judges,
+                                      context.progress)
     stem = suite.upper()
-    atomic_write_text(out / f"{stem}_EVAL.json", json.dumps(
-        {"model": model_name, "suite": suite, "judge": section["judge"], "sets": records}, indent=2) + "\n")
-    atomic_write_text(out / f"{stem}_SUMMARY.json", json.dumps(summary, indent=2) + "\n")
-    return summary, section
+    write_json(context.out / f"{stem}_EVAL.json",
+               {"model": context.model_name, "suite": suite, "judge": section["judge"], "sets": records})
+    write_json(context.out / f"{stem}_SUMMARY.json", summary)
+    return SuiteResult(summary, section)
 
+
+def run_safety(context: SuiteContext) -> SuiteResult:
+    """The four harmful-instruction sets: safety and refusal rates, into SAFETY_EVAL.json and SAFETY_SUMMARY.json."""
+    return _run_prompt_suite("safety", context)
+
+
+def run_xstest(context: SuiteContext) -> SuiteResult:
+    """XSTest's safe and unsafe prompts: over-refusal and refusal rates, into XSTEST_EVAL.json and
+    XSTEST_SUMMARY.json."""
+    return _run_prompt_suite("xstest", context)
+
+
+SAFETY_SUITE = Suite("safety", run_safety, files=("SAFETY_EVAL.json", "SAFETY_SUMMARY.json"),
+                     needs_safety_judges=True, needs_guard=True)
+XSTEST_SUITE = Suite("xstest", run_xstest, files=("XSTEST_EVAL.json", "XSTEST_SUMMARY.json"),
+                     needs_safety_judges=True)
 
 # ---------------------------------------------------------------------------------------------- report
 
