@@ -7,6 +7,7 @@ refusal judge, which can only say whether the model refused; the report says whi
 xstest: the over-refusal rate on XSTest's 250 safe prompts and the refusal rate on its 200 unsafe ones, by the
 refusal judge (full and partial refusals, XSTest's taxonomy).
 `--responses FILE` judges responses written elsewhere instead of generating them.
+The judge models themselves (guard model, refusal judge model, `SafetyJudges`) are in `safety_judges.py`.
 """
 
 from __future__ import annotations
