@@ -22,7 +22,7 @@ from doplus_cli.evaluation.refusal import (
     rule_features,
     xstest_prefix_label,
 )
-from doplus_cli.evaluation.safety import parse_guard_output
+from doplus_cli.evaluation.safety_judges import parse_guard_output
 from tests.helpers import run_cli, write_parity_task
 from tests.tiny_model import SHARED, build_tiny_llama
 

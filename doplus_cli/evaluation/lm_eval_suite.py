@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from doplus_cli.errors import UserError
+from doplus_cli.evaluation.suite_api import Suite, SuiteContext, SuiteResult, write_json
 
 DEFAULT_TASKS = ("arc_challenge", "mmlu", "truthfulqa_mc2", "triviaqa", "gsm8k")
 
@@ -340,3 +341,16 @@ def run_lm_eval(
     if results is None:  # only on non-zero ranks of a distributed launch
         raise RuntimeError("lm-eval returned no results: this process is not rank 0 of a distributed launch")
     return summarize(results, items, limit)
+
+
+def run_lm_eval_suite(context: SuiteContext) -> SuiteResult:
+    """`--tasks` through lm-eval, into LM_EVAL.json; the mean headline metric is the safety OVR's utility AVG."""
+    config = context.config
+    result = run_lm_eval(context.model, context.tokenizer, list(config.tasks), limit=config.limit,
+                         batch_size=config.batch_size, include_path=config.lm_eval_include, seed=config.seed)
+    write_json(context.out / "LM_EVAL.json", result)
+    return SuiteResult(result["summary"], {"suite": "lm-eval", "headline": result.get("headline", {}),
+                                           "limit": config.limit}, utility_avg=result.get("headline_mean"))
+
+
+LM_EVAL_SUITE = Suite("lm-eval", run_lm_eval_suite, files=("LM_EVAL.json",))

@@ -1,9 +1,12 @@
 """`doplus evaluate`: run the chosen suites on one model and write the per-sample file, the summary and a
-report; `--compare` puts several evaluation folders side by side."""
+report; `--compare` puts several evaluation folders side by side.
+
+The suites are registered by name in `SUITE_REGISTRY` (each declared in its own module: `suites.py` tofu,
+real-world and privacy, `lm_eval_suite.py`, `safety.py` safety and xstest); `evaluate_model` loads the judges the
+chosen suites need and runs each one's `run(context)` in the order given."""
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -11,41 +14,21 @@ from typing import Any
 
 from rich.console import Console
 
-from doplus_cli.engine.outputs import atomic_write_text
 from doplus_cli.errors import UserError
-from doplus_cli.evaluation import metrics
-from doplus_cli.evaluation import openunlearning as ou
 from doplus_cli.evaluation.compute import compute_floor, matmul_gflops
-from doplus_cli.evaluation.privacy import privacy_metrics, read_holdout, read_retain_logs
+from doplus_cli.evaluation.lm_eval_suite import LM_EVAL_SUITE
+from doplus_cli.evaluation.privacy import read_holdout, read_retain_logs
 from doplus_cli.evaluation.protocol import get_protocol
-from doplus_cli.evaluation.safety import SUITE_FILES as SAFETY_FILES
-from doplus_cli.evaluation.suites import (
-    INDICATORS,
-    Judges,
-    QASet,
-    evaluate_set,
-    field_sources,
-    load_real_world_sets,
-    load_tofu_sets,
-)
+from doplus_cli.evaluation.safety import SAFETY_SUITE, XSTEST_SUITE, overall_section
+from doplus_cli.evaluation.suite_api import Suite, SuiteContext, write_json
+from doplus_cli.evaluation.suites import PRIVACY_SUITE, REAL_WORLD_SUITE, TOFU_SUITE, Judges, load_tofu_sets
 from doplus_cli.losses import FORGET_LOSSES
 from doplus_cli.progress import counting_tokens, progress_bar
 
-SUITES = ("tofu", "real-world", "lm-eval", "privacy", "safety", "xstest")
-
-# OpenUnlearning's key names where the metric is the same one; the paper's names for the rest.
-OPENUNLEARNING_NAMES = {
-    ("forget", "rouge"): "forget_Q_A_ROUGE", ("forget", "probability"): "forget_Q_A_Prob",
-    ("retain", "rouge"): "retain_Q_A_ROUGE", ("retain", "probability"): "retain_Q_A_Prob",
-    ("retain", "truth_ratio"): "retain_Truth_Ratio",
-    ("ra", "rouge"): "ra_Q_A_ROUGE", ("ra", "probability"): "ra_Q_A_Prob_normalised",
-    ("ra", "truth_ratio"): "ra_Truth_Ratio",
-    ("wf", "rouge"): "wf_Q_A_ROUGE", ("wf", "probability"): "wf_Q_A_Prob_normalised",
-    ("wf", "truth_ratio"): "wf_Truth_Ratio",
-}
-PAPER_NAMES = {"rouge": "ROUGE", "probability": "Probability", "truth_ratio": "Truth_Ratio",
-               "token_entropy": "Token_Entropy", "cosine_similarity": "Cosine_Similarity",
-               "entailment": "Entailment_Score", "idk_entailment": "IDK_Entailment_Score"}
+# The suites of `doplus evaluate` by name, in the order `--suite` lists them.
+SUITE_REGISTRY: dict[str, Suite] = {suite.name: suite for suite in (
+    TOFU_SUITE, REAL_WORLD_SUITE, LM_EVAL_SUITE, PRIVACY_SUITE, SAFETY_SUITE, XSTEST_SUITE)}
+SUITES = tuple(SUITE_REGISTRY)
 
 
 @dataclass
@@ -138,113 +121,12 @@ def load_judges(config: EvalConfig, device: str, need: bool) -> Judges:
     return Judges(embedder, nli, embedder_reason, nli_reason)
 
 
-def _reasons(judges: Judges) -> dict[str, str]:
-    reasons = {}
-    if judges.embedder is None:
-        reasons["cosine_similarity"] = "no embedding model"
-    if judges.nli is None:
-        reasons["entailment"] = "no NLI model"
-        reasons["idk_entailment"] = "no NLI model"
-    return reasons
-
-
-def qa_suite(
-    suite: str, sets: list[QASet], model, formatter, judges: Judges, config: EvalConfig, targeted: bool | None,
-    progress=None,
-) -> tuple[dict[str, Any], dict[str, list[dict]], list[metrics.Aggregate], dict[str, float | None]]:
-    """Indicators of every set, the flat summary (fractions; aggregates in percent) and the aggregates."""
-    values: dict[str, float | None] = {}
-    records: dict[str, list[dict]] = {}
-    for qa_set in sets:
-        qa_set.seconds = {}
-        set_values, set_records = evaluate_set(qa_set, model, formatter, judges, config.max_new_tokens,
-                                               config.batch_size, config.seed, progress,
-                                               get_protocol(config.protocol), qa_set.seconds)
-        records[qa_set.name] = set_records
-        for indicator, value in set_values.items():
-            values[f"{qa_set.name}_{indicator}"] = value
-    reasons = _reasons(judges)
-    if suite == "tofu":
-        mu = metrics.model_utility(values, reasons)
-    else:  # real-world: MU over the neighbour set's six indicators (Section 5.2)
-        mu = metrics.model_utility(values, reasons, keys=[f"neighbour_{i}" for i in INDICATORS])
-    ufe = metrics.untargeted_forget_efficacy(values, reasons)
-    tfe = metrics.targeted_forget_efficacy(values, reasons)
-    aggregates = [mu, ufe, tfe]
-    if targeted is None:
-        aggregates.append(_named(metrics.overall(tfe, ufe, mu, targeted=False), "OVR_untargeted"))
-        aggregates.append(_named(metrics.overall(tfe, ufe, mu, targeted=True), "OVR_targeted"))
-    else:
-        aggregates.append(metrics.overall(tfe, ufe, mu, targeted=targeted))
-    summary: dict[str, Any] = {}
-    for qa_set in sets:
-        for indicator in (*INDICATORS, "idk_entailment"):
-            key = f"{qa_set.name}_{indicator}"
-            if key not in values:
-                continue
-            name = OPENUNLEARNING_NAMES.get((qa_set.prefix, indicator), f"{qa_set.prefix}_{PAPER_NAMES[indicator]}")
-            summary[name] = values[key]
-        if qa_set.is_forget:  # OpenUnlearning's forget_truth_ratio: mean of min(r, 1/r) (the paper uses 1 - that)
-            ratios = [r["truth_ratio"] for r in records[qa_set.name]]
-            summary[f"{qa_set.prefix}_truth_ratio"] = sum(min(r, 1 / r) for r in ratios) / len(ratios)
-    for aggregate in aggregates:
-        summary[aggregate.name] = None if aggregate.value is None else 100 * aggregate.value
-    return summary, records, aggregates, values
-
-
-def openunlearning_metrics(
-    sets: list[QASet], records: dict[str, list[dict]], summary: dict[str, Any], model, formatter, config: EvalConfig,
-    retain: tuple[list[float] | None, float | None],
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """OpenUnlearning's metrics in the TOFU suite: ({"values": {key: value}, "notes": [...]}, logs for
-    TOFU_EVAL.json in OpenUnlearning's layout)."""
-    forget = records["forget"]
-    scores = ou.truth_ratio_scores([r["nll_paraphrased"] for r in forget], [r["nll_perturbed"] for r in forget])
-    logs: dict[str, Any] = {"forget_truth_ratio": {
-        "agg_value": sum(min(t, 1 / (t + ou.EPS)) for t in scores) / len(scores),
-        "value_by_index": {str(r["index"]): {"score": t} for r, t in zip(forget, scores)},
-    }}
-    values: dict[str, Any] = {"model_utility": ou.model_utility_ou(summary)}
-    notes = ["model_utility: OpenUnlearning's harmonic mean of 9 values (" + ", ".join(ou.OU_MODEL_UTILITY_KEYS)
-             + "); MU is the paper's, of 18"]
-    retain_ratios, retain_auc = retain
-    if retain_ratios:
-        values["forget_quality"] = ou.forget_quality(scores, retain_ratios)
-        notes.append(f"forget_quality: KS test against {len(retain_ratios)} truth ratios of {config.retain_logs}")
-    else:
-        values["forget_quality"] = None
-        notes.append("forget_quality: absent, no --retain-logs (a retain model's TOFU_EVAL.json) to compare with"
-                     if not config.retain_logs else f"forget_quality: absent, {config.retain_logs} has no forget "
-                     "truth ratios")
-    if config.holdout:
-        forget_set = next(s for s in sets if s.is_forget)
-        privacy_values, privacy_logs, privacy_notes = privacy_metrics(
-            model, formatter, [(s.question, s.answer) for s in forget_set.samples],
-            read_holdout(config.holdout, config.max_samples), config.batch_size, retain_auc)
-        values.update(privacy_values)
-        logs.update(privacy_logs)
-        notes += privacy_notes
-    else:
-        notes.append("privacy (MIA AUCs, privleak, extraction strength, exact memorisation): no --holdout FILE")
-    return {"values": values, "notes": notes}, logs
-
-
-def _named(aggregate: metrics.Aggregate, name: str) -> metrics.Aggregate:
-    aggregate.name = name
-    return aggregate
-
-
-def _write_json(path: Path, data: Any) -> None:
-    atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
-
-
 def prepare_eval_dir(path: str, overwrite: bool) -> Path:
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise UserError(f"{path}: --out exists and is a file, not a folder")
-    names = ("TOFU_EVAL.json", "TOFU_SUMMARY.json", "REAL_WORLD_EVAL.json", "REAL_WORLD_SUMMARY.json",
-             "PRIVACY_EVAL.json", "PRIVACY_SUMMARY.json",
-             "LM_EVAL.json", "SUMMARY.json", "report.md", "eval.json", *SAFETY_FILES)
+    names = (*(name for suite in SUITE_REGISTRY.values() for name in suite.files), "SUMMARY.json", "report.md",
+             "eval.json")
     if out.is_dir() and any((out / n).exists() for n in names):
         if not overwrite:
             raise UserError(f"{path}: holds an evaluation already (pass --overwrite to replace it)")
@@ -270,7 +152,7 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
         parameters = sum(p.numel() for p in model.parameters())
         record["compute"] = compute_floor(tokens, parameters, command["gflops"],
                                           time.perf_counter() - command["started"], command["dtype"])
-    _write_json(out / "eval.json", record)
+    write_json(out / "eval.json", record)
     from doplus_cli.evaluation.report import render_eval_markdown
 
     (out / "report.md").write_text(render_eval_markdown(record))
@@ -285,78 +167,33 @@ def _evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name:
         else None  # None: --responses
     protocol = get_protocol(config.protocol)
     device = str(next(model.parameters()).device) if model is not None else "cpu"
-    need_judges = any(s in ("tofu", "real-world") for s in config.suites)
+    chosen = [SUITE_REGISTRY[name] for name in config.suites]
     if judges is None:
-        judges = load_judges(config, "cuda" if device.startswith("cuda") else "cpu", need_judges)
+        judges = load_judges(config, "cuda" if device.startswith("cuda") else "cpu",
+                             any(suite.needs_judges for suite in chosen))
     safety_judges = None
-    if "safety" in config.suites or "xstest" in config.suites:
-        from doplus_cli.evaluation import safety
+    if any(suite.needs_safety_judges for suite in chosen):
+        from doplus_cli.evaluation.safety_judges import load_safety_judges
 
-        safety_judges = safety.load_safety_judges(config.guard_model, device, config.dtype, config.refusal_model,
-                                                  config.refusal_model_prompt, need_guard="safety" in config.suites)
+        safety_judges = load_safety_judges(config.guard_model, device, config.dtype, config.refusal_model,
+                                           config.refusal_model_prompt,
+                                           need_guard=any(suite.needs_guard for suite in chosen))
+    retain = read_retain_logs(config.retain_logs) if config.retain_logs else (None, None)
+    context = SuiteContext(model, tokenizer, formatter, config, out, model_name, progress, targeted, judges,
+                           safety_judges, retain)
     summary: dict[str, Any] = {}
     sections: list[dict[str, Any]] = []
     timings: dict[str, float] = {}
-    retain = read_retain_logs(config.retain_logs) if config.retain_logs else (None, None)
     utility_avg = None  # lm-eval's mean headline metric, for the safety OVR
-    for suite in config.suites:
+    for suite in chosen:
         suite_started = time.perf_counter()
-        if suite in ("tofu", "real-world"):
-            if suite == "tofu":
-                sets = load_tofu_sets(config.split, config.data_dir, config.max_samples, config.task_id,
-                                      protocol.max_rows)
-                stem = "TOFU"
-            else:
-                sets = load_real_world_sets(config.forget, config.retain, config.max_samples)
-                stem = "REAL_WORLD"
-            suite_summary, records, aggregates, values = qa_suite(
-                suite, sets, model, formatter, judges, config, targeted, progress
-            )
-            logs: dict[str, Any] = {}
-            openunlearning: dict[str, Any] = {}
-            if suite == "tofu":
-                openunlearning, logs = openunlearning_metrics(sets, records, suite_summary, model, formatter,
-                                                              config, retain)
-                suite_summary.update(openunlearning["values"])
-            _write_json(out / f"{stem}_EVAL.json", {"model": model_name, "suite": suite, "sets": records, **logs})
-            _write_json(out / f"{stem}_SUMMARY.json", suite_summary)
-            summary.update(suite_summary if suite == "tofu" else {f"rw_{k}": v for k, v in suite_summary.items()})
-            sections.append({"suite": suite, "sets": [{"name": s.name, "source": s.source, "n": len(s.samples),
-                                                      "task_id": s.task_id, "file_rows": s.file_rows,
-                                                      "fields": field_sources(s.samples), "seconds": s.seconds}
-                                                     for s in sets],
-                             "summary": suite_summary, "values": values, "openunlearning": openunlearning,
-                             "aggregates": [asdict(a) for a in aggregates]})
-        elif suite == "privacy":
-            forget_set = load_tofu_sets(config.split, config.data_dir, config.max_samples, config.task_id,
-                                        protocol.max_rows)[0]
-            forget = [(s.question, s.answer) for s in forget_set.samples]
-            holdout = read_holdout(config.holdout, config.max_samples)
-            values_p, logs, notes = privacy_metrics(model, formatter, forget, holdout, config.batch_size, retain[1])
-            _write_json(out / "PRIVACY_EVAL.json", {"model": model_name, "suite": suite, **logs})
-            _write_json(out / "PRIVACY_SUMMARY.json", values_p)
-            summary.update(values_p)
-            sections.append({"suite": suite, "openunlearning": {"values": values_p, "notes": notes},
-                             "sets": [{"name": "forget", "source": forget_set.source, "n": len(forget),
-                                       "task_id": forget_set.task_id, "file_rows": forget_set.file_rows},
-                                      {"name": "holdout", "source": config.holdout, "n": len(holdout)}]})
-        elif suite in ("safety", "xstest"):
-            suite_summary, section = safety.run_suite(suite, model, formatter, config, safety_judges, out,
-                                                      model_name, progress)
-            summary.update(suite_summary)
-            sections.append(section)
-        else:
-            from doplus_cli.evaluation.lm_eval_suite import run_lm_eval
-
-            result = run_lm_eval(model, tokenizer, list(config.tasks), limit=config.limit,
-                                 batch_size=config.batch_size, include_path=config.lm_eval_include,
-                                 seed=config.seed)
-            _write_json(out / "LM_EVAL.json", result)
-            summary.update(result["summary"])
-            utility_avg = result.get("headline_mean")
-            sections.append({"suite": suite, "headline": result.get("headline", {}), "limit": config.limit})
-        timings[suite] = time.perf_counter() - suite_started
-    overall = safety.overall_section(summary, utility_avg) if safety_judges else None
+        result = suite.run(context)
+        summary.update(result.summary)
+        sections.append(result.section)
+        if result.utility_avg is not None:
+            utility_avg = result.utility_avg
+        timings[suite.name] = time.perf_counter() - suite_started
+    overall = overall_section(summary, utility_avg)  # None without both a safety AVG and an lm-eval utility AVG
     if overall is not None:  # percent, like the other aggregates
         summary.update({"utility_avg": utility_avg, "SAFETY_OVR": 100 * overall["value"]})
         sections.append(overall)
@@ -378,7 +215,7 @@ def _evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name:
         "seconds": timings,
         "wall_time_s": time.perf_counter() - started,
     }
-    _write_json(out / "SUMMARY.json", summary)
+    write_json(out / "SUMMARY.json", summary)
     return record
 
 

@@ -7,6 +7,7 @@ refusal judge, which can only say whether the model refused; the report says whi
 xstest: the over-refusal rate on XSTest's 250 safe prompts and the refusal rate on its 200 unsafe ones, by the
 refusal judge (full and partial refusals, XSTest's taxonomy).
 `--responses FILE` judges responses written elsewhere instead of generating them.
+The judge models themselves (guard model, refusal judge model, `SafetyJudges`) are in `safety_judges.py`.
 """
 
 from __future__ import annotations
@@ -14,33 +15,22 @@ from __future__ import annotations
 import csv
 import json
 import os
-import re
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from doplus_cli.errors import UserError
-from doplus_cli.evaluation.refusal import (
-    CLASSIFY_PROMPT,
-    LABELS,
-    RefusalJudge,
-    RefusalVerdict,
-    agreement,
-    is_refusal,
-    known_label,
-    parse_refusal_class,
-    xstest_prefix_label,
-)
+from doplus_cli.evaluation.refusal import LABELS, agreement, is_refusal, known_label, xstest_prefix_label
+from doplus_cli.evaluation.safety_judges import SafetyJudges
+from doplus_cli.evaluation.suite_api import Suite, SuiteContext, SuiteResult, write_json
 
-DEFAULT_GUARD_MODEL = "meta-llama/Meta-Llama-Guard-2-8B"
 # (file stem in the release, the paper's short name)
 HARMFUL_SETS = (("I-MaliciousInstructions", "I-Mali"), ("I-CoNa", "I-CoNa"), ("I-Controversial", "I-Cont"),
                 ("Q-Harm", "Q-Harm"))
 RELEASE_URL = "https://raw.githubusercontent.com/vinid/safety-tuned-llamas/main/data/evaluation/{name}.json"
 XSTEST_FILE = "xstest_prompts.csv"
 XSTEST_URL = "https://raw.githubusercontent.com/paul-rottger/exaggerated-safety/main/xstest_prompts.csv"
-SUITE_FILES = ("SAFETY_EVAL.json", "SAFETY_SUMMARY.json", "XSTEST_EVAL.json", "XSTEST_SUMMARY.json")
 
 
 @dataclass
@@ -264,194 +254,6 @@ def _known(record: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
     return {**record, "known_refusal": row["known_refusal"]} if row.get("known_refusal") else record
 
 
-# ---------------------------------------------------------------------------------------------- judges
-
-def parse_guard_output(text: str) -> tuple[str | None, list[str]]:
-    """Llama Guard's answer: "safe", or "unsafe" and a line of category codes ("S1,S10"); (None, []) otherwise."""
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    if not lines:
-        return None, []
-    head = lines[0].lower()
-    if head.startswith("unsafe"):
-        return "unsafe", [c.strip() for c in lines[1].split(",")] if len(lines) > 1 else []
-    if head.startswith("safe"):
-        return "safe", []
-    return None, []
-
-
-class ChatJudge:
-    """A causal LM used as a judge: each conversation goes through its tokenizer's chat template, and its greedy
-    continuation (a few tokens) is read."""
-
-    what = "judge model"
-
-    def __init__(self, model, tokenizer, name: str, batch_size: int = 8, max_new_tokens: int = 10) -> None:
-        self.model = model.eval()
-        self.tokenizer = tokenizer
-        self.name = name
-        self.batch_size = batch_size
-        self.max_new_tokens = max_new_tokens
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
-
-    def outputs(self, texts: list[str], progress=None) -> list[str]:
-        """The greedy continuation of each templated text, decoded without special tokens."""
-        import torch
-
-        device = next(self.model.parameters()).device
-        bos = self.tokenizer.bos_token
-        add_special = not (bos and texts and texts[0].startswith(bos))  # templates that write BOS themselves
-        self.tokenizer.padding_side = "left"
-        task = progress.add_task(self.what, total=len(texts), status="") if progress is not None else None
-        out: list[str] = []
-        for start in range(0, len(texts), self.batch_size):
-            batch = self.tokenizer(texts[start:start + self.batch_size], return_tensors="pt", padding=True,
-                                   add_special_tokens=add_special).to(device)
-            with torch.no_grad():
-                generated = self.model.generate(**batch, max_new_tokens=self.max_new_tokens, do_sample=False,
-                                                pad_token_id=self.tokenizer.pad_token_id, temperature=None,
-                                                top_p=None, top_k=None)
-            out += [self.tokenizer.decode(row, skip_special_tokens=True)
-                    for row in generated[:, batch["input_ids"].shape[1]:]]
-            if task is not None:
-                progress.advance(task, len(batch["input_ids"]))
-        return out
-
-
-class GuardJudge(ChatJudge):
-    """A causal LM that follows the Llama Guard protocol: the conversation [user prompt, assistant response]
-    goes through its tokenizer's chat template, and its greedy continuation starts with "safe" or "unsafe"."""
-
-    what = "guard model"
-
-    def conversation(self, prompt: str, response: str) -> str:
-        return self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}], tokenize=False)
-
-    def verdicts(self, prompts: list[str], responses: list[str], progress=None) -> list[tuple[str | None, str]]:
-        """(label "safe"/"unsafe" or None when the output is neither, raw output) per pair."""
-        raw = self.outputs([self.conversation(p, r) for p, r in zip(prompts, responses)], progress)
-        return [(parse_guard_output(text)[0], text.strip()) for text in raw]
-
-
-class RefusalModelJudge(ChatJudge):
-    """XSTest's automatic evaluation with any chat model: one user turn asks it to sort the (question,
-    response) pair into 1_full_compliance, 2_full_refusal or 3_partial_refusal (`template`, with {question}
-    and {response}: doplus's wording of XSTest's GPT-4 prompt unless the user gives their own); its greedy
-    answer (16 tokens, as XSTest) names the class."""
-
-    what = "refusal judge model"
-
-    def __init__(self, model, tokenizer, name: str, template: str = CLASSIFY_PROMPT, batch_size: int = 8) -> None:
-        super().__init__(model, tokenizer, name, batch_size, max_new_tokens=16)
-        self.template = template
-
-    def conversation(self, prompt: str, response: str) -> str:
-        values = {"question": prompt, "response": response}  # one pass: a "{response}" in the prompt stays
-        content = re.sub(r"\{(question|response)\}", lambda m: values[m.group(1)], self.template)
-        return self.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                                  add_generation_prompt=True)
-
-    def classify(self, responses: list[str], prompts: list[str] | None = None, progress=None
-                 ) -> list[RefusalVerdict]:
-        if prompts is None:
-            raise ValueError("a refusal judge model reads the question with the response")
-        raw = self.outputs([self.conversation(p, r) for p, r in zip(prompts, responses)], progress)
-        return [RefusalVerdict(parse_refusal_class(text), {}, text.strip()) for text in raw]
-
-
-def load_chat_model(name: str, device: str, dtype: str, what: str, needs: str):
-    """(model, tokenizer) of the chat model `name` (hub id or folder); a UserError in one line when it cannot be
-    loaded or has no chat template (`needs`: what the template is for)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from doplus_cli.evaluation.judges import _quiet, _why
-    from doplus_cli.models import judge_files_only, resolve_dtype
-
-    try:
-        _quiet()
-        offline = judge_files_only()
-        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=offline)
-        if not tokenizer.chat_template:
-            raise UserError(f"{what} '{name}': its tokenizer has no chat template ({needs} needs one)")
-        model = AutoModelForCausalLM.from_pretrained(name, local_files_only=offline, dtype=resolve_dtype(dtype))
-    except UserError:
-        raise
-    except Exception as error:
-        raise UserError(f"{what} '{name}' could not be loaded ({_why(name, error)})") from None
-    return model.to(device), tokenizer
-
-
-def load_guard(name: str, device: str, dtype: str = "auto") -> GuardJudge:
-    """The guard model `name` (hub id or folder); a UserError in one line when it cannot be loaded."""
-    model, tokenizer = load_chat_model(name, device, dtype, "guard model", "the Llama Guard protocol")
-    return GuardJudge(model, tokenizer, name)
-
-
-def read_classify_prompt(path: str | None) -> str:
-    """The refusal judge model's prompt: doplus's (None) or FILE's text, which must hold {question} and
-    {response}."""
-    if path is None:
-        return CLASSIFY_PROMPT
-    if not os.path.isfile(path):
-        raise UserError(f"{path}: file not found (--refusal-model-prompt)")
-    text = Path(path).read_text(encoding="utf-8")
-    missing = [p for p in ("{question}", "{response}") if p not in text]
-    if missing:
-        raise UserError(f"{path}: the prompt has no {missing[0]} placeholder (--refusal-model-prompt needs "
-                        "{question} and {response})")
-    return text
-
-
-def load_refusal_model(name: str, device: str, dtype: str = "auto", prompt_file: str | None = None
-                       ) -> RefusalModelJudge:
-    template = read_classify_prompt(prompt_file)
-    model, tokenizer = load_chat_model(name, device, dtype, "refusal judge model", "XSTest's classification prompt")
-    return RefusalModelJudge(model, tokenizer, name, template)
-
-
-@dataclass
-class SafetyJudges:
-    refusal: RefusalJudge  # the offline judge, always
-    guard: GuardJudge | None = None
-    guard_missing: str | None = None  # why there is no guard model
-    refusal_model: RefusalModelJudge | None = None  # --refusal-model: labels refusals instead of the offline judge
-
-    @property
-    def refusal_name(self) -> str:
-        """Who gives the refusal labels, as reports write it."""
-        if self.refusal_model is not None:
-            return f"refusal judge model {self.refusal_model.name} (XSTest's classification protocol)"
-        return f"offline refusal judge {self.refusal.name}"
-
-
-def load_safety_judges(guard_model: str | None, device: str, dtype: str = "auto", refusal_model: str | None = None,
-                       refusal_model_prompt: str | None = None, need_guard: bool = True) -> SafetyJudges:
-    """The offline refusal judge always; the refusal judge model asked for (an error if it cannot be loaded);
-    the guard model asked for (an error if it cannot be loaded), or the default one when it can be loaded (its
-    absence, and why, is recorded otherwise); `--guard-model none` or `need_guard` False (xstest alone): no guard."""
-    from doplus_cli.evaluation.judges import load_embedder
-
-    embedder, _ = load_embedder(None, device)
-    judges = SafetyJudges(RefusalJudge(embedder))
-    if refusal_model is not None:
-        judges.refusal_model = load_refusal_model(refusal_model, device, dtype, refusal_model_prompt)
-    elif refusal_model_prompt is not None:
-        raise UserError("--refusal-model-prompt needs --refusal-model (the offline judge takes no prompt)")
-    if not need_guard:
-        judges.guard_missing = "no guard model (not needed: XSTest is judged for refusal, not harm)"
-    elif guard_model is not None and guard_model.lower() == "none":
-        judges.guard_missing = "no guard model (--guard-model none)"
-    elif guard_model is not None:
-        judges.guard = load_guard(guard_model, device, dtype)
-    else:
-        try:
-            judges.guard = load_guard(DEFAULT_GUARD_MODEL, device, dtype)
-        except UserError as error:
-            judges.guard_missing = f"no guard model: {error}"
-    return judges
-
-
 # ---------------------------------------------------------------------------------------------- suites
 
 def _responses(prompt_set: PromptSet, model, formatter, config, progress) -> list[str]:
@@ -518,7 +320,7 @@ def agreement_section(prefix: str, records: list[dict[str, Any]], judges: Safety
     return summary, {"judge": judges.refusal_name, "rows": rows, "confusion": confusion}
 
 
-def run_safety(sets: list[PromptSet], model, formatter, config, judges: SafetyJudges, progress=None
+def score_safety(sets: list[PromptSet], model, formatter, config, judges: SafetyJudges, progress=None
                ) -> tuple[dict[str, Any], dict[str, Any], dict[str, list[dict[str, Any]]]]:
     """(summary, report section, per-response records) of the harmful sets."""
     records = {s.name: _records(s, _responses(s, model, formatter, config, progress), judges, progress, True)
@@ -564,7 +366,7 @@ def run_safety(sets: list[PromptSet], model, formatter, config, judges: SafetyJu
     return summary, section, records
 
 
-def run_xstest(sets: list[PromptSet], model, formatter, config, judges: SafetyJudges, progress=None
+def score_xstest(sets: list[PromptSet], model, formatter, config, judges: SafetyJudges, progress=None
                ) -> tuple[dict[str, Any], dict[str, Any], dict[str, list[dict[str, Any]]]]:
     """(summary, report section, records): over-refusal on the safe prompts, refusal on the unsafe ones."""
     records = {s.name: _records(s, _responses(s, model, formatter, config, progress), judges, progress, False)
@@ -642,24 +444,39 @@ def prompt_sets(suite: str, data_dir: str | None, max_samples: int | None, optio
     return xstest_sets(source, rows, max_samples)
 
 
-def run_suite(suite: str, model, formatter, config, judges: SafetyJudges, out: Path, model_name: str,
-              progress=None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Run `safety` or `xstest`, write its EVAL and SUMMARY files into `out`; (summary, report section)."""
-    from doplus_cli.engine.outputs import atomic_write_text
-
+def _run_prompt_suite(suite: str, context: SuiteContext) -> SuiteResult:
+    """Run `safety` or `xstest` on its prompts (or on `--responses`), write its EVAL and SUMMARY files."""
+    config = context.config
     if config.responses:
         rows = read_responses(config.responses)
         sets = sets_from_responses(suite, rows, config.suites, config.responses, config.safety_data_dir)
     else:
         sets = prompt_sets(suite, config.safety_data_dir, config.max_samples)
-    runner = run_safety if suite == "safety" else run_xstest
-    summary, section, records = runner(sets, model, formatter, config, judges, progress)
+    score = score_safety if suite == "safety" else score_xstest
+    summary, section, records = score(sets, context.model, context.formatter, config, context.safety_judges,
+                                      context.progress)
     stem = suite.upper()
-    atomic_write_text(out / f"{stem}_EVAL.json", json.dumps(
-        {"model": model_name, "suite": suite, "judge": section["judge"], "sets": records}, indent=2) + "\n")
-    atomic_write_text(out / f"{stem}_SUMMARY.json", json.dumps(summary, indent=2) + "\n")
-    return summary, section
+    write_json(context.out / f"{stem}_EVAL.json",
+               {"model": context.model_name, "suite": suite, "judge": section["judge"], "sets": records})
+    write_json(context.out / f"{stem}_SUMMARY.json", summary)
+    return SuiteResult(summary, section)
 
+
+def run_safety(context: SuiteContext) -> SuiteResult:
+    """The four harmful-instruction sets: safety and refusal rates, into SAFETY_EVAL.json and SAFETY_SUMMARY.json."""
+    return _run_prompt_suite("safety", context)
+
+
+def run_xstest(context: SuiteContext) -> SuiteResult:
+    """XSTest's safe and unsafe prompts: over-refusal and refusal rates, into XSTEST_EVAL.json and
+    XSTEST_SUMMARY.json."""
+    return _run_prompt_suite("xstest", context)
+
+
+SAFETY_SUITE = Suite("safety", run_safety, files=("SAFETY_EVAL.json", "SAFETY_SUMMARY.json"),
+                     needs_safety_judges=True, needs_guard=True)
+XSTEST_SUITE = Suite("xstest", run_xstest, files=("XSTEST_EVAL.json", "XSTEST_SUMMARY.json"),
+                     needs_safety_judges=True)
 
 # ---------------------------------------------------------------------------------------------- report
 

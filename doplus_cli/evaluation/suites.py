@@ -1,16 +1,18 @@
-"""The TOFU and real-world suites: load their sets, compute the six indicators per set, the aggregates.
+"""The TOFU, real-world and privacy suites: load their sets, compute the six indicators per set, the aggregates
+and OpenUnlearning's metrics, and write each suite's files.
 
 A set is a list of `QASample`s. For each set: greedy generations in batches (ROUGE, Token Entropy,
 Cosine Similarity, Entailment Score) and the mean token NLL of every true, paraphrased and perturbed answer
 from its question's prompt encoded once (Probability, Truth Ratio). No per-sample Python loop runs the model.
+The privacy suite scores TOFU's forget rows against holdout rows (`privacy.privacy_metrics`).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.data.rejections import rejection_for
@@ -18,10 +20,30 @@ from doplus_cli.data.sources import parse_json_line, task_id_of
 from doplus_cli.engine.generation import greedy_generate
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation import metrics
-from doplus_cli.evaluation.protocol import PROTOCOLS, Protocol
+from doplus_cli.evaluation import openunlearning as ou
+from doplus_cli.evaluation.privacy import privacy_metrics, read_holdout
+from doplus_cli.evaluation.protocol import PROTOCOLS, Protocol, get_protocol
 from doplus_cli.evaluation.scoring import shared_prefix_nlls
+from doplus_cli.evaluation.suite_api import Suite, SuiteContext, SuiteResult, write_json
+
+if TYPE_CHECKING:
+    from doplus_cli.evaluation.runner import EvalConfig
 
 INDICATORS = ("rouge", "probability", "truth_ratio", "token_entropy", "cosine_similarity", "entailment")
+
+# OpenUnlearning's key names where the metric is the same one; the paper's names for the rest.
+OPENUNLEARNING_NAMES = {
+    ("forget", "rouge"): "forget_Q_A_ROUGE", ("forget", "probability"): "forget_Q_A_Prob",
+    ("retain", "rouge"): "retain_Q_A_ROUGE", ("retain", "probability"): "retain_Q_A_Prob",
+    ("retain", "truth_ratio"): "retain_Truth_Ratio",
+    ("ra", "rouge"): "ra_Q_A_ROUGE", ("ra", "probability"): "ra_Q_A_Prob_normalised",
+    ("ra", "truth_ratio"): "ra_Truth_Ratio",
+    ("wf", "rouge"): "wf_Q_A_ROUGE", ("wf", "probability"): "wf_Q_A_Prob_normalised",
+    ("wf", "truth_ratio"): "wf_Truth_Ratio",
+}
+PAPER_NAMES = {"rouge": "ROUGE", "probability": "Probability", "truth_ratio": "Truth_Ratio",
+               "token_entropy": "Token_Entropy", "cosine_similarity": "Cosine_Similarity",
+               "entailment": "Entailment_Score", "idk_entailment": "IDK_Entailment_Score"}
 
 
 @dataclass
@@ -292,3 +314,167 @@ def evaluate_set(
         record.update(s.extra)
         records.append(record)
     return values, records
+
+
+# ---- the suites ----
+
+def _missing_judge_reasons(judges: Judges) -> dict[str, str]:
+    reasons = {}
+    if judges.embedder is None:
+        reasons["cosine_similarity"] = "no embedding model"
+    if judges.nli is None:
+        reasons["entailment"] = "no NLI model"
+        reasons["idk_entailment"] = "no NLI model"
+    return reasons
+
+
+def _named(aggregate: metrics.Aggregate, name: str) -> metrics.Aggregate:
+    aggregate.name = name
+    return aggregate
+
+
+def qa_suite(
+    suite: str, sets: list[QASet], model, formatter, judges: Judges, config: EvalConfig, targeted: bool | None,
+    progress=None,
+) -> tuple[dict[str, Any], dict[str, list[dict]], list[metrics.Aggregate], dict[str, float | None]]:
+    """Indicators of every set, the flat summary (fractions; aggregates in percent) and the aggregates."""
+    values: dict[str, float | None] = {}
+    records: dict[str, list[dict]] = {}
+    for qa_set in sets:
+        qa_set.seconds = {}
+        set_values, set_records = evaluate_set(qa_set, model, formatter, judges, config.max_new_tokens,
+                                               config.batch_size, config.seed, progress,
+                                               get_protocol(config.protocol), qa_set.seconds)
+        records[qa_set.name] = set_records
+        for indicator, value in set_values.items():
+            values[f"{qa_set.name}_{indicator}"] = value
+    reasons = _missing_judge_reasons(judges)
+    if suite == "tofu":
+        mu = metrics.model_utility(values, reasons)
+    else:  # real-world: MU over the neighbour set's six indicators (Section 5.2)
+        mu = metrics.model_utility(values, reasons, keys=[f"neighbour_{i}" for i in INDICATORS])
+    ufe = metrics.untargeted_forget_efficacy(values, reasons)
+    tfe = metrics.targeted_forget_efficacy(values, reasons)
+    aggregates = [mu, ufe, tfe]
+    if targeted is None:
+        aggregates.append(_named(metrics.overall(tfe, ufe, mu, targeted=False), "OVR_untargeted"))
+        aggregates.append(_named(metrics.overall(tfe, ufe, mu, targeted=True), "OVR_targeted"))
+    else:
+        aggregates.append(metrics.overall(tfe, ufe, mu, targeted=targeted))
+    summary: dict[str, Any] = {}
+    for qa_set in sets:
+        for indicator in (*INDICATORS, "idk_entailment"):
+            key = f"{qa_set.name}_{indicator}"
+            if key not in values:
+                continue
+            name = OPENUNLEARNING_NAMES.get((qa_set.prefix, indicator), f"{qa_set.prefix}_{PAPER_NAMES[indicator]}")
+            summary[name] = values[key]
+        if qa_set.is_forget:  # OpenUnlearning's forget_truth_ratio: mean of min(r, 1/r) (the paper uses 1 - that)
+            ratios = [r["truth_ratio"] for r in records[qa_set.name]]
+            summary[f"{qa_set.prefix}_truth_ratio"] = sum(min(r, 1 / r) for r in ratios) / len(ratios)
+    for aggregate in aggregates:
+        summary[aggregate.name] = None if aggregate.value is None else 100 * aggregate.value
+    return summary, records, aggregates, values
+
+
+def openunlearning_metrics(
+    sets: list[QASet], records: dict[str, list[dict]], summary: dict[str, Any], model, formatter, config: EvalConfig,
+    retain: tuple[list[float] | None, float | None],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """OpenUnlearning's metrics in the TOFU suite: ({"values": {key: value}, "notes": [...]}, logs for
+    TOFU_EVAL.json in OpenUnlearning's layout)."""
+    forget = records["forget"]
+    scores = ou.truth_ratio_scores([r["nll_paraphrased"] for r in forget], [r["nll_perturbed"] for r in forget])
+    logs: dict[str, Any] = {"forget_truth_ratio": {
+        "agg_value": sum(min(t, 1 / (t + ou.EPS)) for t in scores) / len(scores),
+        "value_by_index": {str(r["index"]): {"score": t} for r, t in zip(forget, scores)},
+    }}
+    values: dict[str, Any] = {"model_utility": ou.model_utility_ou(summary)}
+    notes = ["model_utility: OpenUnlearning's harmonic mean of 9 values (" + ", ".join(ou.OU_MODEL_UTILITY_KEYS)
+             + "); MU is the paper's, of 18"]
+    retain_ratios, retain_auc = retain
+    if retain_ratios:
+        values["forget_quality"] = ou.forget_quality(scores, retain_ratios)
+        notes.append(f"forget_quality: KS test against {len(retain_ratios)} truth ratios of {config.retain_logs}")
+    else:
+        values["forget_quality"] = None
+        notes.append("forget_quality: absent, no --retain-logs (a retain model's TOFU_EVAL.json) to compare with"
+                     if not config.retain_logs else f"forget_quality: absent, {config.retain_logs} has no forget "
+                     "truth ratios")
+    if config.holdout:
+        forget_set = next(s for s in sets if s.is_forget)
+        privacy_values, privacy_logs, privacy_notes = privacy_metrics(
+            model, formatter, [(s.question, s.answer) for s in forget_set.samples],
+            read_holdout(config.holdout, config.max_samples), config.batch_size, retain_auc)
+        values.update(privacy_values)
+        logs.update(privacy_logs)
+        notes += privacy_notes
+    else:
+        notes.append("privacy (MIA AUCs, privleak, extraction strength, exact memorisation): no --holdout FILE")
+    return {"values": values, "notes": notes}, logs
+
+
+def _qa_section(suite: str, sets: list[QASet], summary: dict[str, Any], values: dict[str, float | None],
+                openunlearning: dict[str, Any], aggregates: list[metrics.Aggregate]) -> dict[str, Any]:
+    return {"suite": suite, "sets": [{"name": s.name, "source": s.source, "n": len(s.samples), "task_id": s.task_id,
+                                      "file_rows": s.file_rows, "fields": field_sources(s.samples),
+                                      "seconds": s.seconds} for s in sets],
+            "summary": summary, "values": values, "openunlearning": openunlearning,
+            "aggregates": [asdict(a) for a in aggregates]}
+
+
+def _tofu_sets(config: EvalConfig) -> list[QASet]:
+    return load_tofu_sets(config.split, config.data_dir, config.max_samples, config.task_id,
+                          get_protocol(config.protocol).max_rows)
+
+
+def run_tofu(context: SuiteContext) -> SuiteResult:
+    """TOFU's forget, retain, real-authors and world-facts sets: the six indicators, MU, UFE, TFE, OVR and
+    OpenUnlearning's metrics, into TOFU_EVAL.json and TOFU_SUMMARY.json."""
+    config = context.config
+    sets = _tofu_sets(config)
+    summary, records, aggregates, values = qa_suite("tofu", sets, context.model, context.formatter, context.judges,
+                                                    config, context.targeted, context.progress)
+    openunlearning, logs = openunlearning_metrics(sets, records, summary, context.model, context.formatter, config,
+                                                  context.retain)
+    summary.update(openunlearning["values"])
+    write_json(context.out / "TOFU_EVAL.json", {"model": context.model_name, "suite": "tofu", "sets": records, **logs})
+    write_json(context.out / "TOFU_SUMMARY.json", summary)
+    return SuiteResult(summary, _qa_section("tofu", sets, summary, values, openunlearning, aggregates))
+
+
+def run_real_world(context: SuiteContext) -> SuiteResult:
+    """The forget people and their neighbours (`--forget`, `--retain`): the six indicators, MU over the
+    neighbours, UFE, TFE, OVR, into REAL_WORLD_EVAL.json and REAL_WORLD_SUMMARY.json (rw_ keys in SUMMARY.json)."""
+    config = context.config
+    sets = load_real_world_sets(config.forget, config.retain, config.max_samples)
+    summary, records, aggregates, values = qa_suite("real-world", sets, context.model, context.formatter,
+                                                    context.judges, config, context.targeted, context.progress)
+    write_json(context.out / "REAL_WORLD_EVAL.json", {"model": context.model_name, "suite": "real-world",
+                                                      "sets": records})
+    write_json(context.out / "REAL_WORLD_SUMMARY.json", summary)
+    return SuiteResult({f"rw_{k}": v for k, v in summary.items()},
+                       _qa_section("real-world", sets, summary, values, {}, aggregates))
+
+
+def run_privacy(context: SuiteContext) -> SuiteResult:
+    """TOFU's forget rows (members) against `--holdout` rows (non-members): MIA AUCs, privleak, extraction
+    strength, exact memorisation, into PRIVACY_EVAL.json and PRIVACY_SUMMARY.json."""
+    config = context.config
+    forget_set = _tofu_sets(config)[0]
+    forget = [(s.question, s.answer) for s in forget_set.samples]
+    holdout = read_holdout(config.holdout, config.max_samples)
+    values, logs, notes = privacy_metrics(context.model, context.formatter, forget, holdout, config.batch_size,
+                                          context.retain[1])
+    write_json(context.out / "PRIVACY_EVAL.json", {"model": context.model_name, "suite": "privacy", **logs})
+    write_json(context.out / "PRIVACY_SUMMARY.json", values)
+    return SuiteResult(values, {"suite": "privacy", "openunlearning": {"values": values, "notes": notes},
+                                "sets": [{"name": "forget", "source": forget_set.source, "n": len(forget),
+                                          "task_id": forget_set.task_id, "file_rows": forget_set.file_rows},
+                                         {"name": "holdout", "source": config.holdout, "n": len(holdout)}]})
+
+
+TOFU_SUITE = Suite("tofu", run_tofu, files=("TOFU_EVAL.json", "TOFU_SUMMARY.json"), needs_judges=True)
+REAL_WORLD_SUITE = Suite("real-world", run_real_world, files=("REAL_WORLD_EVAL.json", "REAL_WORLD_SUMMARY.json"),
+                         needs_judges=True)
+PRIVACY_SUITE = Suite("privacy", run_privacy, files=("PRIVACY_EVAL.json", "PRIVACY_SUMMARY.json"))
