@@ -61,8 +61,8 @@ from doplus_cli.config import (
     validate,
 )
 from doplus_cli.engine.checkpoint import list_checkpoints
-from doplus_cli.engine.outputs import atomic_write_text
 from doplus_cli.errors import RunError, UserError, writing
+from doplus_cli.files import atomic_write_text
 
 # ---- schemes ------------------------------------------------------------------------------------------------
 

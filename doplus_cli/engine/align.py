@@ -26,11 +26,11 @@ from rich.text import Text
 from doplus_cli.config import AlignConfig, parse_cycle
 from doplus_cli.data.sources import Keys, MixtureSource, RowRange, Source, open_source
 from doplus_cli.engine import outputs
-from doplus_cli.engine.generation import greedy_generate
 from doplus_cli.engine.loop import run_training
 from doplus_cli.engine.objectives import Objective, Plan
 from doplus_cli.engine.schedule import JOINT
 from doplus_cli.errors import UserError
+from doplus_cli.generation import greedy_generate
 from doplus_cli.losses import TASK_LOSSES
 
 SETS = ("safety", "general")

@@ -22,12 +22,12 @@ from doplus_cli.config import UnlearnConfig, eval_batch_size, parse_task_ids
 from doplus_cli.data.sources import Keys, Source, available_tasks, open_source, task_rows
 from doplus_cli.data.tofu import AUTHORS_RETAIN, authors_retain, describe_retain
 from doplus_cli.engine import outputs
-from doplus_cli.engine.generation import greedy_generate, write_self_answered
 from doplus_cli.engine.loop import run_training
 from doplus_cli.engine.objectives import Objective, Plan
 from doplus_cli.engine.schedule import authors_epoch_steps, authors_warmup
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.metrics import rouge_l_recall
+from doplus_cli.generation import greedy_generate, write_self_answered
 from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossParams, LossSpec, checked_rmu_layer, prepare_rmu
 
 

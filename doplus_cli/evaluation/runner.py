@@ -11,7 +11,6 @@ from typing import Any
 
 from rich.console import Console
 
-from doplus_cli.engine.outputs import atomic_write_text
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation import metrics
 from doplus_cli.evaluation import openunlearning as ou
@@ -28,6 +27,7 @@ from doplus_cli.evaluation.suites import (
     load_real_world_sets,
     load_tofu_sets,
 )
+from doplus_cli.files import atomic_write_text
 from doplus_cli.losses import FORGET_LOSSES
 from doplus_cli.progress import counting_tokens, progress_bar
 

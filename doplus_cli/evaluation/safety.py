@@ -457,7 +457,7 @@ def load_safety_judges(guard_model: str | None, device: str, dtype: str = "auto"
 def _responses(prompt_set: PromptSet, model, formatter, config, progress) -> list[str]:
     if prompt_set.responses is not None:
         return prompt_set.responses
-    from doplus_cli.engine.generation import greedy_generate
+    from doplus_cli.generation import greedy_generate
 
     texts, _ = greedy_generate(model, formatter, prompt_set.prompts, config.max_new_tokens, config.batch_size,
                                progress, f"generating ({prompt_set.name})")
@@ -645,7 +645,7 @@ def prompt_sets(suite: str, data_dir: str | None, max_samples: int | None, optio
 def run_suite(suite: str, model, formatter, config, judges: SafetyJudges, out: Path, model_name: str,
               progress=None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run `safety` or `xstest`, write its EVAL and SUMMARY files into `out`; (summary, report section)."""
-    from doplus_cli.engine.outputs import atomic_write_text
+    from doplus_cli.files import atomic_write_text
 
     if config.responses:
         rows = read_responses(config.responses)

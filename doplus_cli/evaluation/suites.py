@@ -15,11 +15,11 @@ from typing import Any
 from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.data.rejections import rejection_for
 from doplus_cli.data.sources import parse_json_line, task_id_of
-from doplus_cli.engine.generation import greedy_generate
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation import metrics
 from doplus_cli.evaluation.protocol import PROTOCOLS, Protocol
 from doplus_cli.evaluation.scoring import shared_prefix_nlls
+from doplus_cli.generation import greedy_generate
 
 INDICATORS = ("rouge", "probability", "truth_ratio", "token_entropy", "cosine_similarity", "entailment")
 
