@@ -526,10 +526,3 @@ def _accumulate_gradients(
         sums.update(context.tally.terms())
         context.tally = None
     return sums
-
-
-def run_unlearn(config, console: Console | None = None) -> dict[str, Any]:
-    """`doplus unlearn` (kept here for callers of the two-objective engine; see engine/unlearn.py)."""
-    from doplus_cli.engine.unlearn import run_unlearn as run
-
-    return run(config, console)
