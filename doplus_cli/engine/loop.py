@@ -103,7 +103,7 @@ def _reference_report(reference, config: TrainConfig, fsdp: bool) -> dict[str, A
     """Where the reference model was and what its weights took on this process."""
     if reference is None:
         return {}
-    from doplus_cli.optim.dualoptim_plus import local_shard
+    from doplus_cli.optim.distributed import local_shard
 
     tensors = [local_shard(t) for t in (*reference.parameters(), *reference.buffers())]
     placement = {"cpu": "CPU", "8bit": "LLM.int8 on the device"}.get(config.ref_offload or "",

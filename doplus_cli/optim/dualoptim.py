@@ -20,13 +20,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from doplus_cli.optim import quant
+from doplus_cli.optim.checks import check_common, check_lr_multipliers, check_objectives, unknown_objective
 from doplus_cli.optim.diagnostics import adamw_step_stats, reduce_step_stats
-from doplus_cli.optim.dualoptim_plus import (
-    check_common,
-    check_lr_multipliers,
-    check_objectives,
-    unknown_objective,
-)
 
 _SYNCED_KEYS = ("lr", "betas", "eps", "weight_decay")
 
