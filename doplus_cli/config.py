@@ -388,11 +388,11 @@ def _resolve(recipe: str | None, overrides: dict[str, Any], cls: type[TrainConfi
             del values[dropped], sources[dropped]
     config = cls()
     for key, value in values.items():
-        setattr(config, key, _coerce(key, value, sources[key], cls))
+        setattr(config, key, coerce_option(key, value, sources[key], cls))
     return config
 
 
-def _coerce(key: str, value: Any, source: str, cls: type[TrainConfig] = UnlearnConfig) -> Any:
+def coerce_option(key: str, value: Any, source: str, cls: type[TrainConfig] = UnlearnConfig) -> Any:
     """Turn a recipe or flag value into the field's type, or say which option and where it came from."""
     kind = {f.name: f.type for f in dataclasses.fields(cls)}[key]
     where = f"{source}: option '{key}'"
