@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from doplus_cli.data.sources import read_json_lines
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.refusal import (
     CLASSIFY_PROMPT,
@@ -189,10 +190,7 @@ def read_responses(path: str) -> list[dict[str, Any]]:
                     raise UserError(f"{path}:1: no '{what}' column (the header has: {', '.join(columns) or 'nothing'})")
             rows = [(reader.line_num, row) for row in reader]
     else:
-        from doplus_cli.data.sources import parse_json_line
-
-        with open(path, "rb") as handle:
-            rows = [(n, parse_json_line(raw, path, n)) for n, raw in enumerate(handle, start=1) if raw.strip()]
+        rows = [(line.number, line.record) for line in read_json_lines(path)]
     out = []
     for line, row in rows:
         where = f"{path}:{line}"
