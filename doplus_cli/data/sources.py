@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from doplus_cli.errors import UserError
+from doplus_cli.models import hub_offline
 
 
 @dataclass(frozen=True)
@@ -271,8 +272,6 @@ class HubSource:
         try:
             self._data = datasets.load_dataset(name, config, split=split)
         except Exception as error:  # datasets raises many types for "not reachable" / "no such config"
-            from doplus_cli.models import hub_offline
-
             why = "offline mode is set" if hub_offline("HF_DATASETS_OFFLINE") else str(error).splitlines()[0][:200]
             raise UserError(
                 f"{spec}: cannot load the hub dataset ({why}); export it to JSON lines where the hub is "

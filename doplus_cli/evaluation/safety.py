@@ -33,6 +33,8 @@ from doplus_cli.evaluation.refusal import (
     parse_refusal_class,
     xstest_prefix_label,
 )
+from doplus_cli.files import atomic_write_text
+from doplus_cli.generation import greedy_generate
 
 DEFAULT_GUARD_MODEL = "meta-llama/Meta-Llama-Guard-2-8B"
 # (file stem in the release, the paper's short name)
@@ -455,8 +457,6 @@ def load_safety_judges(guard_model: str | None, device: str, dtype: str = "auto"
 def _responses(prompt_set: PromptSet, model, formatter, config, progress) -> list[str]:
     if prompt_set.responses is not None:
         return prompt_set.responses
-    from doplus_cli.generation import greedy_generate
-
     texts, _ = greedy_generate(model, formatter, prompt_set.prompts, config.max_new_tokens, config.batch_size,
                                progress, f"generating ({prompt_set.name})")
     return texts
@@ -643,8 +643,6 @@ def prompt_sets(suite: str, data_dir: str | None, max_samples: int | None, optio
 def run_suite(suite: str, model, formatter, config, judges: SafetyJudges, out: Path, model_name: str,
               progress=None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run `safety` or `xstest`, write its EVAL and SUMMARY files into `out`; (summary, report section)."""
-    from doplus_cli.files import atomic_write_text
-
     if config.responses:
         rows = read_responses(config.responses)
         sets = sets_from_responses(suite, rows, config.suites, config.responses, config.safety_data_dir)
