@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from doplus_cli.errors import UserError
-from doplus_cli.models import hub_offline
 
 
 @dataclass(frozen=True)
@@ -84,8 +83,8 @@ class JsonLine(NamedTuple):
 
 def read_json_lines(path: str, first_line_hint: bool = True) -> Iterator[JsonLine]:
     """Each non-blank line of a JSON-lines file, parsed as it is reached (`parse_json_line`: a malformed line is
-    one error naming the file and line). The one reader of JSON-lines files: the forget, retain and evaluation
-    sets, holdout files and judged responses."""
+    one error naming the file and line). The forget, retain and evaluation sets, holdout files and judged
+    responses are all read here."""
     with open(path, "rb") as handle:
         offset = 0
         for number, raw in enumerate(handle, start=1):
@@ -272,6 +271,8 @@ class HubSource:
         try:
             self._data = datasets.load_dataset(name, config, split=split)
         except Exception as error:  # datasets raises many types for "not reachable" / "no such config"
+            from doplus_cli.models import hub_offline  # models imports torch; reading a local file does not need it
+
             why = "offline mode is set" if hub_offline("HF_DATASETS_OFFLINE") else str(error).splitlines()[0][:200]
             raise UserError(
                 f"{spec}: cannot load the hub dataset ({why}); export it to JSON lines where the hub is "
