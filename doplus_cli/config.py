@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import os
 import re
 from dataclasses import dataclass, field
@@ -18,9 +19,7 @@ from typing import Any
 import yaml
 
 from doplus_cli.data.formatting import check_prompt_template
-from doplus_cli.engine.tracking import parse_report_to
 from doplus_cli.errors import UserError
-from doplus_cli.evaluation.protocol import get_protocol
 from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossParams, parse_layer_list
 
 SCHEMES = ("joint", "alternate", "dualoptim", "doplus")
@@ -389,11 +388,11 @@ def _resolve(recipe: str | None, overrides: dict[str, Any], cls: type[TrainConfi
             del values[dropped], sources[dropped]
     config = cls()
     for key, value in values.items():
-        setattr(config, key, _coerce(key, value, sources[key], cls))
+        setattr(config, key, coerce_option(key, value, sources[key], cls))
     return config
 
 
-def _coerce(key: str, value: Any, source: str, cls: type[TrainConfig] = UnlearnConfig) -> Any:
+def coerce_option(key: str, value: Any, source: str, cls: type[TrainConfig] = UnlearnConfig) -> Any:
     """Turn a recipe or flag value into the field's type, or say which option and where it came from."""
     kind = {f.name: f.type for f in dataclasses.fields(cls)}[key]
     where = f"{source}: option '{key}'"
@@ -446,6 +445,56 @@ def _choice(name: str, value: Any, choices: tuple) -> None:
 
 REF_OFFLOADS = (None, "cpu", "8bit")
 DOPLUS_RULES = ("safeguarded", "paper")
+
+# `--eval-protocol` / `doplus evaluate --protocol`: the protocols' settings are evaluation/protocol.py's PROTOCOLS
+PROTOCOL_NAMES = ("doplus", "paper")
+
+
+def check_protocol(name: str) -> str:
+    """`name`, or a one-line error for a protocol that evaluation/protocol.py does not define."""
+    if name not in PROTOCOL_NAMES:
+        raise UserError(f"unknown --protocol '{name}': choose {', '.join(PROTOCOL_NAMES)}")
+    return name
+
+
+# `--report-to`: the trackers engine/tracking.py hands to accelerate
+TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
+# the module each tracker needs, and the package that provides it
+_TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
+_TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
+
+
+def _tracker_installed(name: str) -> bool:
+    """Whether the tracker's package can be imported (found, not imported: trackio reads TRACKIO_DIR on import)."""
+    try:
+        return importlib.util.find_spec(_TRACKER_MODULES[name]) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def parse_report_to(text: str | None) -> list[str]:
+    """`none` -> []; `tensorboard,mlflow` -> both; `all` -> every installed tracker. Unknown names and trackers
+    whose package is missing are one line each (exit 2), before any model is loaded."""
+    items = [item.strip().lower() for item in str(text or "none").split(",") if item.strip()]
+    if not items or items == ["none"]:
+        return []
+    unknown = [item for item in items if item not in (*TRACKERS, "all")]
+    if unknown or ("none" in items):
+        bad = unknown[0] if unknown else "none"
+        raise UserError(f"--report-to {text}: unknown tracker '{bad}': choose none, or one or more of "
+                        f"{', '.join(TRACKERS)}, all (comma-separated)")
+    if "all" in items:
+        names = [name for name in TRACKERS if _tracker_installed(name)]
+        if not names:
+            raise UserError(f"--report-to all: no tracker is installed; pip install 'doplus-cli[tracking]' "
+                            f"(or one of: {', '.join(_TRACKER_PACKAGES.values())})")
+        return names
+    names = list(dict.fromkeys(items))
+    for name in names:
+        if not _tracker_installed(name):
+            raise UserError(f"--report-to {name}: the {_TRACKER_PACKAGES[name]} package is not installed; "
+                            f"pip install {_TRACKER_PACKAGES[name]} (or pip install 'doplus-cli[tracking]')")
+    return names
 
 
 def validate_training(config: TrainConfig) -> None:
@@ -614,7 +663,7 @@ def validate_unlearn(config: UnlearnConfig) -> None:
     validate_loss_params(config)
     if config.forget_lr is not None and not config.forget_lr >= 0:
         raise UserError(f"--forget-lr must be a number >= 0, got {config.forget_lr}")
-    get_protocol(config.eval_protocol)
+    check_protocol(config.eval_protocol)
     if config.eval_every and config.eval_suite != "tofu":
         raise UserError(f"unknown --eval-suite '{config.eval_suite}' for evaluation during training: only tofu "
                         "(run `doplus evaluate --suite ...` on final/ afterwards for the others)")

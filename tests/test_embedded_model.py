@@ -11,7 +11,7 @@ import torch
 
 from doplus_cli.cli import main
 from doplus_cli.data.formatting import PromptFormatter
-from doplus_cli.engine.generation import greedy_generate
+from doplus_cli.generation import greedy_generate
 from doplus_cli.models import embedded_gguf_path, load_model_and_tokenizer, model_folder
 
 pytestmark = pytest.mark.slow

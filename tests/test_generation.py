@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from doplus_cli import generation
 from doplus_cli.data.formatting import PromptFormatter
-from doplus_cli.engine import generation
-from doplus_cli.engine.generation import greedy_generate
+from doplus_cli.generation import greedy_generate
 from doplus_cli.progress import counting_tokens
 
 QUESTIONS = ["Who is the author?", "Where was the author born, and in which year did the author write the first "

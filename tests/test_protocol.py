@@ -13,10 +13,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from doplus_cli.data.formatting import IGNORE_INDEX, PromptFormatter
-from doplus_cli.engine.generation import greedy_generate
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation import suites
 from doplus_cli.evaluation.scoring import mean_token_nlls
+from doplus_cli.generation import greedy_generate
 from tests.helpers import run_cli
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -244,7 +244,7 @@ def test_a_missing_tracker_package_names_it_before_any_model_loads(data, tmp_pat
 
 
 def test_all_means_every_installed_tracker(monkeypatch):
-    from doplus_cli.engine.tracking import parse_report_to
+    from doplus_cli.config import parse_report_to
 
     monkeypatch.setitem(sys.modules, "wandb", None)
     monkeypatch.setitem(sys.modules, "trackio", None)

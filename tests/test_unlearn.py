@@ -376,7 +376,7 @@ def test_answers_from_model_trains_on_the_models_own_answers_and_they_are_the_an
     """The real-world setting: the targets are the starting model's greedy answers (out/data/*.jsonl), and the
     before/after table's "before" is exactly those targets (not generated a second time)."""
     from doplus_cli.data.formatting import PromptFormatter
-    from doplus_cli.engine.generation import greedy_generate
+    from doplus_cli.generation import greedy_generate
     from doplus_cli.models import load_model_and_tokenizer
 
     out = tmp_path / "own"

@@ -110,8 +110,8 @@ def test_a_full_disk_at_the_final_weights_leaves_no_final_folder(tiny_llama, dat
 
 
 def test_an_atomic_write_that_fails_keeps_the_previous_file(tmp_path):
-    from doplus_cli.engine.outputs import atomic_write_text
     from doplus_cli.errors import WriteError
+    from doplus_cli.files import atomic_write_text
 
     path = tmp_path / "report.md"
     atomic_write_text(path, "before\n")

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from doplus_cli import optim
 from doplus_cli.errors import UserError
 from doplus_cli.optim import quant
 
@@ -111,8 +112,6 @@ def _dual(name: str, **options: Any) -> Callable[[list[Tensor]], torch.optim.Opt
     """Builder for `doplus_cli.optim.<name>` (DualOptim or DualOptimPlus) with the bench's shared settings."""
 
     def build(params: list[Tensor]) -> torch.optim.Optimizer:
-        from doplus_cli import optim
-
         return getattr(optim, name)(
             params, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY, objectives=OBJECTIVES, **options
         )

@@ -33,6 +33,9 @@ from typing import Any
 
 import torch
 
+from doplus_cli.config import resolve_config
+from doplus_cli.models import load_model_and_tokenizer
+
 MODES = ("fp32", "bf16-mixed", "bf16", "bf16-uncompensated")
 _NAMES = ("Ada", "Bram", "Cleo", "Dov", "Eira", "Finn", "Gala", "Hugo", "Ines", "Jory", "Kaia", "Lior", "Mira",
           "Nils", "Oona", "Pax", "Quin", "Rhea", "Sami", "Tove", "Uma", "Vito", "Wren", "Xeno", "Yara", "Zeb",
@@ -53,8 +56,6 @@ def write_data(folder: Path) -> tuple[Path, Path]:
 
 
 def _config(model: str | None, forget: Path, retain: Path, out: Path, mode: str, steps: int, lr: float):
-    from doplus_cli.config import resolve_config
-
     overrides = dict(model=model, forget=str(forget), retain=str(retain), loss="IDK+GD", scheme="doplus",
                      forget_freq=1, retain_freq=1, steps=steps, lr=lr, warmup_steps=0, batch_size=4, max_length=64,
                      show_samples=0, out=str(out), overwrite=True, seed=0, save_dtype="float32",
@@ -72,8 +73,6 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _start_weights(model: str | None) -> dict[str, torch.Tensor]:
-    from doplus_cli.models import load_model_and_tokenizer
-
     loaded, _, _ = load_model_and_tokenizer(model, "float32")
     return {k: v.detach().float().clone() for k, v in loaded.state_dict().items()}
 

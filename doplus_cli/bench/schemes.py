@@ -51,7 +51,7 @@ from doplus_cli.config import (
     MultitaskConfig,
     TrainConfig,
     UnlearnConfig,
-    _coerce,
+    coerce_option,
     default_of,
     eval_batch_size,
     field_names,
@@ -61,8 +61,8 @@ from doplus_cli.config import (
     validate,
 )
 from doplus_cli.engine.checkpoint import list_checkpoints
-from doplus_cli.engine.outputs import atomic_write_text
 from doplus_cli.errors import RunError, UserError, writing
+from doplus_cli.files import atomic_write_text
 
 # ---- schemes ------------------------------------------------------------------------------------------------
 
@@ -424,7 +424,7 @@ def plan_bench(recipe: str, schemes: str, seeds: str, out: str, set_options: lis
     set_values: dict[str, Any] = {}
     for key, text in set_pairs:
         key = _option_key(key, "--set", names)
-        set_values[key] = _absolute_paths({key: _coerce(key, _null(text), f"--set {key}", kind.config)})[key]
+        set_values[key] = _absolute_paths({key: coerce_option(key, _null(text), f"--set {key}", kind.config)})[key]
     sweep_key, sweep_values = None, [None]
     if sweep_pair is not None:
         sweep_key = _option_key(sweep_pair[0], "--sweep", names)
@@ -433,7 +433,7 @@ def plan_bench(recipe: str, schemes: str, seeds: str, out: str, set_options: lis
         items = [item.strip() for item in sweep_pair[1].split(",")]
         if not all(items):
             raise UserError(f"--sweep {sweep_pair[0]}={sweep_pair[1]}: write KEY=V1,V2,... with no empty value")
-        sweep_values = [_absolute_paths({sweep_key: _coerce(sweep_key, _null(v), f"--sweep {sweep_key}",
+        sweep_values = [_absolute_paths({sweep_key: coerce_option(sweep_key, _null(v), f"--sweep {sweep_key}",
                                                             kind.config)})[sweep_key] for v in items]
         if len({json.dumps(_plain(v)) for v in sweep_values}) < len(sweep_values):
             raise UserError(f"--sweep {sweep_key}: a value is given twice ({sweep_pair[1]})")
@@ -549,7 +549,7 @@ def _plan_run(bench: Bench, scheme: str, sweep_value: Any, seed: int, task: int 
 def _config(kind: Kind, values: dict[str, Any], sources: dict[str, str]) -> TrainConfig:
     config = kind.config()
     for key, value in copy.deepcopy(values).items():
-        setattr(config, key, _coerce(key, value, sources.get(key, "bench schemes"), kind.config))
+        setattr(config, key, coerce_option(key, value, sources.get(key, "bench schemes"), kind.config))
     return config
 
 

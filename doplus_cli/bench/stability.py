@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from doplus_cli.optim import DualOptim, DualOptimPlus, quant
+
 SHAPES = ((400, 250), (300, 200), (40_000,))
 STEPS = 120
 LR = 1e-3
@@ -98,15 +100,11 @@ class _Shared:
 
 
 def doplus_builder(rule: str, state_bits: int = 32, quantize: str = "all"):
-    from doplus_cli.optim import DualOptimPlus
-
     return lambda params: DualOptimPlus(params, lr=LR, betas=BETAS, rule=rule, state_bits=state_bits,
                                         quantize=quantize)
 
 
 def _dualoptim(state_bits: int):
-    from doplus_cli.optim import DualOptim
-
     return lambda params: DualOptim(params, lr=LR, betas=BETAS, state_bits=state_bits)
 
 
@@ -114,8 +112,6 @@ def _adamw(state_bits: int):
     def build(params):
         if state_bits == 8:
             import bitsandbytes as bnb
-
-            from doplus_cli.optim import quant
 
             return _Shared(bnb.optim.AdamW8bit(params, lr=LR, betas=BETAS, weight_decay=0.0,
                                                min_8bit_size=quant.MIN_8BIT_SIZE))

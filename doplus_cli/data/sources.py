@@ -13,9 +13,9 @@ import json
 import os
 import re
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from doplus_cli.errors import UserError
 
@@ -62,13 +62,35 @@ def alpaca_prompt(instruction: str, input_text: str) -> str:
     return f"{instruction}\n\n{input_text}" if input_text else instruction
 
 
-def parse_json_line(raw: bytes, path: str, line_number: int) -> object:
-    """One line of a JSON-lines file, or a one-line error naming the file and line."""
+def parse_json_line(raw: bytes, path: str, line_number: int, first_line_hint: bool = True) -> object:
+    """One line of a JSON-lines file, or a one-line error naming the file and line (on line 1, with
+    `first_line_hint`, saying that doplus reads one object per line)."""
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        hint = " (doplus reads JSON lines: one object per line)" if line_number == 1 else ""
+        hint = " (doplus reads JSON lines: one object per line)" if line_number == 1 and first_line_hint else ""
         raise UserError(f"{path}:{line_number}: malformed JSON ({getattr(error, 'msg', error)}){hint}") from None
+
+
+class JsonLine(NamedTuple):
+    """A parsed line of a JSON-lines file and where it is: its line number and its bytes in the file."""
+
+    number: int
+    start: int
+    size: int
+    record: object
+
+
+def read_json_lines(path: str, first_line_hint: bool = True) -> Iterator[JsonLine]:
+    """Each non-blank line of a JSON-lines file, parsed as it is reached (`parse_json_line`: a malformed line is
+    one error naming the file and line). The forget, retain and evaluation sets, holdout files and judged
+    responses are all read here."""
+    with open(path, "rb") as handle:
+        offset = 0
+        for number, raw in enumerate(handle, start=1):
+            start, offset = offset, offset + len(raw)
+            if raw.strip():
+                yield JsonLine(number, start, len(raw), parse_json_line(raw, path, number, first_line_hint))
 
 
 def task_id_of(record: object, where: str) -> int | None:
@@ -150,21 +172,15 @@ class JsonlSource:
         self._scan()
 
     def _scan(self) -> None:
-        with open(self.path, "rb") as handle:
-            offset = 0
-            for line_number, raw in enumerate(handle, start=1):
-                start, offset = offset, offset + len(raw)
-                if not raw.strip():
-                    continue
-                record = parse_json_line(raw, self.path, line_number)
-                where = f"{self.path}:{line_number}"
-                row = _row_from(record, self.keys, where)
-                task = task_id_of(record, where)
-                self.text_rows += row.is_text
-                self._offsets.append(start)
-                self._lengths.append(len(raw))
-                self._line_numbers.append(line_number)
-                self._task_ids.append(-1 if task is None else task)
+        for line in read_json_lines(self.path):
+            where = f"{self.path}:{line.number}"
+            row = _row_from(line.record, self.keys, where)
+            task = task_id_of(line.record, where)
+            self.text_rows += row.is_text
+            self._offsets.append(line.start)
+            self._lengths.append(line.size)
+            self._line_numbers.append(line.number)
+            self._task_ids.append(-1 if task is None else task)
 
     @property
     def task_ids(self) -> list[int | None] | None:
@@ -255,7 +271,7 @@ class HubSource:
         try:
             self._data = datasets.load_dataset(name, config, split=split)
         except Exception as error:  # datasets raises many types for "not reachable" / "no such config"
-            from doplus_cli.models import hub_offline
+            from doplus_cli.models import hub_offline  # models imports torch; reading a local file does not need it
 
             why = "offline mode is set" if hub_offline("HF_DATASETS_OFFLINE") else str(error).splitlines()[0][:200]
             raise UserError(

@@ -26,11 +26,14 @@ from rich.text import Text
 from doplus_cli.config import AlignConfig, parse_cycle
 from doplus_cli.data.sources import Keys, MixtureSource, RowRange, Source, open_source
 from doplus_cli.engine import outputs
-from doplus_cli.engine.generation import greedy_generate
 from doplus_cli.engine.loop import run_training
 from doplus_cli.engine.objectives import Objective, Plan
 from doplus_cli.engine.schedule import JOINT
 from doplus_cli.errors import UserError
+from doplus_cli.evaluation.refusal import RefusalJudge, is_refusal
+from doplus_cli.evaluation.runner import parse_suites
+from doplus_cli.evaluation.safety import prompt_sets
+from doplus_cli.generation import greedy_generate
 from doplus_cli.losses import TASK_LOSSES
 
 SETS = ("safety", "general")
@@ -149,8 +152,6 @@ class AlignPlan(Plan):
 
     def after(self, model, formatter, progress, accelerator, before: Any) -> dict[str, Any]:
         after = self._responses(model, formatter, progress, "after")
-        from doplus_cli.evaluation.refusal import RefusalJudge, is_refusal
-
         judge = RefusalJudge(None)  # rules only: no model to load
         labels = {when: [v.label for v in judge.classify(responses)] for when, responses in
                   (("before", before), ("after", after))}
@@ -187,9 +188,6 @@ class AlignPlan(Plan):
 def check_eval_prompts(config: AlignConfig) -> None:
     """Read the evaluation suites' prompt files (downloading them once when online) before training, so that a
     missing, unreachable or malformed file is one error line now rather than after the run."""
-    from doplus_cli.evaluation.runner import parse_suites
-    from doplus_cli.evaluation.safety import prompt_sets
-
     try:
         for suite in parse_suites(config.eval_suite):
             prompt_sets(suite, config.eval_safety_data_dir, config.eval_max_samples, "--eval-safety-data-dir")

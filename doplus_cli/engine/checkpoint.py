@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from doplus_cli.errors import UserError
 from doplus_cli.losses import LossParams
-from doplus_cli.optim.dualoptim_plus import local_shard
+from doplus_cli.optim.distributed import local_shard
 
 # Options that may change between a run and its resumption: they do not change what is computed.
 RESUMABLE_CHANGES = {"resume", "overwrite", "save_every", "keep_last", "show_samples", "description", "out",

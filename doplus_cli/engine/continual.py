@@ -28,6 +28,7 @@ from doplus_cli.engine.checkpoint import list_checkpoints
 from doplus_cli.engine.loop import default_out_dir
 from doplus_cli.engine.unlearn import run_unlearn
 from doplus_cli.errors import UserError
+from doplus_cli.files import atomic_write_text
 
 AGGREGATES = ("MU", "UFE", "TFE", "OVR")
 
@@ -111,8 +112,8 @@ def run_continual(config: UnlearnConfig, console: Console | None = None) -> dict
     summary = {"status": "completed", "out": str(out), "task_ids": order, "rows": rows,
                "running_mean": _running_mean(rows), "final": str(task_folder(out, order[-1]) / "final"),
                "config": config.to_dict()}
-    outputs.atomic_write_text(out / "report.md", render_markdown(summary))
-    outputs.atomic_write_text(out / "continual.json", json.dumps(summary, indent=2) + "\n")
+    atomic_write_text(out / "report.md", render_markdown(summary))
+    atomic_write_text(out / "continual.json", json.dumps(summary, indent=2) + "\n")
     return summary
 
 

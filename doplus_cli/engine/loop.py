@@ -38,9 +38,12 @@ from doplus_cli.engine.optimizers import build_optimizer
 from doplus_cli.engine.schedule import JOINT, objective_at, steps_per_objective
 from doplus_cli.engine.similarity import UpdateSimilarity
 from doplus_cli.errors import RunError, UserError, worker_exit_code, write_failure
+from doplus_cli.lora import LoraSettings, adapter_norms, apply_lora, final_model
 from doplus_cli.losses import LossContext, PartTally, local_token_count
-from doplus_cli.models import load_model_and_tokenizer
+from doplus_cli.models import load_model_8bit, load_model_and_tokenizer
 from doplus_cli.optim import quant
+from doplus_cli.optim.adamw import compensation_buffers
+from doplus_cli.optim.distributed import local_shard
 from doplus_cli.progress import LoggedProgress
 
 
@@ -78,8 +81,6 @@ def _reference_model(config: TrainConfig, model: torch.nn.Module, accelerator, f
     """The frozen starting model that NPO, DPO and KL compare against: a copy on the device (sharded like the
     model under FSDP), on the CPU (`--ref-offload cpu`), or reloaded with LLM.int8 weights (`8bit`)."""
     if config.ref_offload == "8bit":
-        from doplus_cli.models import load_model_8bit
-
         return load_model_8bit(config.model, config.dtype, config.trust_remote_code, accelerator.device)
     reference = copy.deepcopy(model).eval().requires_grad_(False).to(precision.reference_dtype(config))
     if config.ref_offload == "cpu":
@@ -91,8 +92,6 @@ def _reference_model(config: TrainConfig, model: torch.nn.Module, accelerator, f
 
 def _unsharded_lora_model(config: TrainConfig, lora, full_weights: dict[str, torch.Tensor]) -> torch.nn.Module:
     """The starting model with the same adapters, holding the gathered weights of a sharded LoRA run."""
-    from doplus_cli.lora import apply_lora
-
     base, _, _ = load_model_and_tokenizer(config.model, precision.weights_dtype(config), config.trust_remote_code)
     model = apply_lora(base, lora)
     model.load_state_dict(full_weights)
@@ -103,8 +102,6 @@ def _reference_report(reference, config: TrainConfig, fsdp: bool) -> dict[str, A
     """Where the reference model was and what its weights took on this process."""
     if reference is None:
         return {}
-    from doplus_cli.optim.dualoptim_plus import local_shard
-
     tensors = [local_shard(t) for t in (*reference.parameters(), *reference.buffers())]
     placement = {"cpu": "CPU", "8bit": "LLM.int8 on the device"}.get(config.ref_offload or "",
                                                                    "sharded" if fsdp else "device")
@@ -115,8 +112,6 @@ def _reference_report(reference, config: TrainConfig, fsdp: bool) -> dict[str, A
 def _lora_settings(config: TrainConfig):
     if config.lora_rank <= 0:
         return None
-    from doplus_cli.lora import LoraSettings
-
     targets = tuple(t.strip() for t in config.lora_targets.split(",") if t.strip()) if config.lora_targets else None
     return LoraSettings(rank=config.lora_rank, alpha=config.lora_alpha, targets=targets,
                         dropout=config.lora_dropout, gradient_checkpointing=config.gradient_checkpointing)
@@ -178,8 +173,6 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
             reference = _reference_model(config, model, accelerator, fsdp)
         lora = _lora_settings(config)
         if lora is not None:  # after the reference copy, so the reference stays the plain starting model
-            from doplus_cli.lora import apply_lora
-
             model = apply_lora(model, lora)
         elif config.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -298,8 +291,6 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
         return {}
     lora_report = {}
     if lora is not None:
-        from doplus_cli.lora import adapter_norms, final_model
-
         if full_weights is not None:  # FSDP: the adapters' full weights on an unsharded copy of the model
             unwrapped, full_weights = _unsharded_lora_model(config, lora, full_weights), None
 
@@ -357,8 +348,6 @@ def _in_save_dtype(model: torch.nn.Module, full_weights: dict[str, torch.Tensor]
 def _add_compensation(model: torch.nn.Module, optimizer) -> None:
     """A float32 final/ of a `bf16` run holds each weight as the run carried it, θ_bf16 + c (the buffers of
     `optim/kernels.py`). `model.to(float32)` keeps the parameter objects, which key the optimizer's buffers."""
-    from doplus_cli.optim.adamw import compensation_buffers
-
     buffers = compensation_buffers(optimizer)
     with torch.no_grad():
         for param in model.parameters():
@@ -526,10 +515,3 @@ def _accumulate_gradients(
         sums.update(context.tally.terms())
         context.tally = None
     return sums
-
-
-def run_unlearn(config, console: Console | None = None) -> dict[str, Any]:
-    """`doplus unlearn` (kept here for callers of the two-objective engine; see engine/unlearn.py)."""
-    from doplus_cli.engine.unlearn import run_unlearn as run
-
-    return run(config, console)

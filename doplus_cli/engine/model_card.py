@@ -19,8 +19,9 @@ from typing import Any
 import yaml
 
 from doplus_cli import __version__
-from doplus_cli.engine.outputs import atomic_write_text, cell
+from doplus_cli.engine.outputs import cell
 from doplus_cli.engine.tracking import numbers
+from doplus_cli.files import atomic_write_text
 
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded default's weights (models.EMBEDDED_NAME)
 # config.yaml keys that change nothing the run computes, or that a fresh run must not repeat

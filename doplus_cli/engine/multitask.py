@@ -18,11 +18,11 @@ from rich.table import Table
 from doplus_cli.config import MultitaskConfig
 from doplus_cli.data.sources import Keys, RowRange, Source, open_source
 from doplus_cli.engine import outputs
-from doplus_cli.engine.generation import greedy_generate
 from doplus_cli.engine.loop import run_training
 from doplus_cli.engine.objectives import Objective, Plan
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.task_metrics import TASK_METRICS, task_score
+from doplus_cli.generation import greedy_generate
 from doplus_cli.losses import TASK_LOSSES
 
 SHOWN_PREDICTIONS = 3  # held-out rows per task whose answers the report shows before and after

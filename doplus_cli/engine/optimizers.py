@@ -26,7 +26,7 @@ from doplus_cli.config import TrainConfig
 from doplus_cli.optim import DualOptim, DualOptimPlus, muon_param_groups, quant
 from doplus_cli.optim.adamw import AdamW
 from doplus_cli.optim.diagnostics import adamw_step_stats, reduce_step_stats
-from doplus_cli.optim.dualoptim_plus import local_shard
+from doplus_cli.optim.distributed import local_shard
 
 
 class SharedState:

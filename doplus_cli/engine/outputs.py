@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from doplus_cli.errors import UserError, writing
+from doplus_cli.files import atomic_write_text
 from doplus_cli.optim.kernels import fallbacks
 
 # Everything a run writes; `--overwrite` removes these and nothing else.
@@ -78,18 +79,6 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._handle.close()
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write `path` aside and rename it into place: a failed write (one line, `errors.WriteError`) leaves the
-    previous file, or none, never a partial one."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with writing(path):
-            tmp.write_text(text)
-            os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def save_final(model: torch.nn.Module, tokenizer, out: Path, state_dict: dict | None = None) -> Path:

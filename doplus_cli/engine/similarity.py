@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from doplus_cli.engine.schedule import JOINT
-from doplus_cli.optim.dualoptim_plus import local_shard
+from doplus_cli.optim.distributed import local_shard
 
 
 class UpdateSimilarity:

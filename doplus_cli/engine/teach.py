@@ -23,8 +23,9 @@ from typing import Any
 from rich.console import Console
 
 from doplus_cli import __version__
-from doplus_cli.config import TASK_PATH_KEYS
+from doplus_cli.config import TASK_PATH_KEYS, MultitaskConfig, resolve_config
 from doplus_cli.errors import UserError
+from doplus_cli.models import cache_root, embedded_gguf_path
 
 # Options of the teaching recipe that do not change the taught weights.
 _NOT_IN_KEY = ("out", "overwrite", "resume", "description", "save_every", "keep_last", "log_update_similarity",
@@ -53,8 +54,6 @@ def _source_identity(spec: str | None) -> str | None:
 
 def _model_identity(model: str | None) -> str:
     if model is None:
-        from doplus_cli.models import embedded_gguf_path
-
         path = embedded_gguf_path()
         return f"embedded:{path.name}:{path.stat().st_size}"
     if os.path.isdir(model):
@@ -77,9 +76,6 @@ def teaching_key(config) -> str:
 def taught_model(teach_recipe: str, console: Console, allow_teaching: bool = True) -> tuple[str, dict[str, Any]]:
     """(the taught model's folder, a report entry) for the teaching recipe, teaching it once if needed."""
     from filelock import FileLock
-
-    from doplus_cli.config import MultitaskConfig, resolve_config
-    from doplus_cli.models import cache_root
 
     if not os.path.isfile(teach_recipe):
         raise UserError(f"{teach_recipe}: teaching recipe not found (option 'teach')")

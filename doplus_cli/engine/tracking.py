@@ -11,55 +11,17 @@ are kept in each checkpoint, and no step is logged twice.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import uuid
 from pathlib import Path
 from typing import Any
 
-from doplus_cli.errors import UserError
+from doplus_cli.config import parse_report_to
 
-TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
-# the module each tracker needs, and the package that provides it
-_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
-_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
 # report.json's sections that are not metrics (configuration, text, per-row tables)
 _NOT_METRICS = ("config", "environment", "evals", "eval_curves", "samples", "final", "model", "status", "data",
                 "steps_per_objective", "precision", "teach", "lora", "reference")
-
-
-def _installed(name: str) -> bool:
-    """Whether the tracker's package can be imported (found, not imported: trackio reads TRACKIO_DIR on import)."""
-    try:
-        return importlib.util.find_spec(_MODULES[name]) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def parse_report_to(text: str | None) -> list[str]:
-    """`none` -> []; `tensorboard,mlflow` -> both; `all` -> every installed tracker. Unknown names and trackers
-    whose package is missing are one line each (exit 2), before any model is loaded."""
-    items = [item.strip().lower() for item in str(text or "none").split(",") if item.strip()]
-    if not items or items == ["none"]:
-        return []
-    unknown = [item for item in items if item not in (*TRACKERS, "all")]
-    if unknown or ("none" in items):
-        bad = unknown[0] if unknown else "none"
-        raise UserError(f"--report-to {text}: unknown tracker '{bad}': choose none, or one or more of "
-                        f"{', '.join(TRACKERS)}, all (comma-separated)")
-    if "all" in items:
-        names = [name for name in TRACKERS if _installed(name)]
-        if not names:
-            raise UserError(f"--report-to all: no tracker is installed; pip install 'doplus-cli[tracking]' "
-                            f"(or one of: {', '.join(_PACKAGES.values())})")
-        return names
-    names = list(dict.fromkeys(items))
-    for name in names:
-        if not _installed(name):
-            raise UserError(f"--report-to {name}: the {_PACKAGES[name]} package is not installed; "
-                            f"pip install {_PACKAGES[name]} (or pip install 'doplus-cli[tracking]')")
-    return names
 
 
 def accelerator_options(config) -> dict[str, Any]:

@@ -22,12 +22,15 @@ from doplus_cli.config import UnlearnConfig, eval_batch_size, parse_task_ids
 from doplus_cli.data.sources import Keys, Source, available_tasks, open_source, task_rows
 from doplus_cli.data.tofu import AUTHORS_RETAIN, authors_retain, describe_retain
 from doplus_cli.engine import outputs
-from doplus_cli.engine.generation import greedy_generate, write_self_answered
 from doplus_cli.engine.loop import run_training
 from doplus_cli.engine.objectives import Objective, Plan
 from doplus_cli.engine.schedule import authors_epoch_steps, authors_warmup
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.metrics import rouge_l_recall
+from doplus_cli.evaluation.protocol import get_protocol
+from doplus_cli.evaluation.runner import EvalConfig, evaluate_model, load_judges
+from doplus_cli.evaluation.suites import load_tofu_sets
+from doplus_cli.generation import greedy_generate, write_self_answered
 from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossParams, LossSpec, checked_rmu_layer, prepare_rmu
 
 
@@ -80,9 +83,6 @@ class UnlearnPlan(Plan):
             else:
                 self.retain_source = open_source(config.retain, "retain", keys)
         if config.eval_every and config.eval_suite == "tofu":  # a missing file or task stops the run here
-            from doplus_cli.evaluation.protocol import get_protocol
-            from doplus_cli.evaluation.suites import load_tofu_sets
-
             load_tofu_sets(config.eval_split, config.eval_data_dir, config.eval_max_samples, self.task.get("task_id"),
                            get_protocol(config.eval_protocol).max_rows)
 
@@ -164,8 +164,6 @@ def _evaluate_tofu(step, accelerator, model, tokenizer, config, out, progress, s
     aggregates for the curves in the run report. The main process evaluates; under FSDP every process runs
     the same evaluation in step with it (each forward pass gathers every process's shards) and throws its
     copy of the files away."""
-    from doplus_cli.evaluation.runner import EvalConfig, evaluate_model, load_judges
-
     row: dict[str, Any] = {"step": step}
     in_step = accelerator.is_main_process or (config.fsdp and accelerator.num_processes > 1)
     if in_step:

@@ -11,6 +11,7 @@ import json
 import os
 from typing import Any
 
+from doplus_cli.data.sources import read_json_lines
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation import openunlearning as ou
 from doplus_cli.evaluation.scoring import answer_token_stats
@@ -69,20 +70,14 @@ def read_holdout(path: str, max_samples: int | None) -> list[tuple[str, str]]:
     if not os.path.isfile(path):
         raise UserError(f"{path}: --holdout file not found")
     rows = []
-    with open(path, "rb") as handle:
-        for line_number, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            try:
-                row = json.loads(raw)
-            except json.JSONDecodeError as error:
-                raise UserError(f"{path}:{line_number}: malformed JSON ({error.msg})") from None
-            for key in ("question", "answer"):
-                if not isinstance(row, dict) or not isinstance(row.get(key), str):
-                    raise UserError(f"{path}:{line_number}: missing field '{key}' (a string)")
-            rows.append((row["question"], row["answer"]))
-            if max_samples is not None and len(rows) >= max_samples:
-                break
+    for line in read_json_lines(path, first_line_hint=False):
+        row = line.record
+        for key in ("question", "answer"):
+            if not isinstance(row, dict) or not isinstance(row.get(key), str):
+                raise UserError(f"{path}:{line.number}: missing field '{key}' (a string)")
+        rows.append((row["question"], row["answer"]))
+        if max_samples is not None and len(rows) >= max_samples:
+            break
     if not rows:
         raise UserError(f"{path}: the holdout set is empty")
     return rows

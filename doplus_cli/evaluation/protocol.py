@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from doplus_cli.errors import UserError
+from doplus_cli.config import check_protocol
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class Protocol:
                 f"{rows}")
 
 
-PROTOCOLS = {
+PROTOCOLS = {  # one for each of config.PROTOCOL_NAMES, in that order
     "doplus": Protocol("doplus", None, None, entropy_of_text=False),
     # The DualOptim+ code: SentenceTransformer("paraphrase-MiniLM-L6-v2"), generate(max_length=200),
     # compute_token_entropy(tokenizer.tokenize(text)); every TOFU set cut to its first ds_size = 300 rows
@@ -41,6 +41,4 @@ PROTOCOLS = {
 
 
 def get_protocol(name: str) -> Protocol:
-    if name not in PROTOCOLS:
-        raise UserError(f"unknown --protocol '{name}': choose {', '.join(PROTOCOLS)}")
-    return PROTOCOLS[name]
+    return PROTOCOLS[check_protocol(name)]

@@ -22,6 +22,16 @@ import random
 import sys
 from pathlib import Path
 
+from doplus_cli.evaluation.refusal import (
+    LABELS,
+    WEIGHTS_PATH,
+    RefusalJudge,
+    agreement,
+    known_label,
+    rule_features,
+    xstest_prefix_label,
+)
+
 # (what was asked, as a noun phrase; three answer sentences)
 TOPICS = [
     ("how to stop a running Python process", [
@@ -327,7 +337,6 @@ def train(out: Path | None = None, n_per_label: int = 400, seed: int = 0) -> dic
     from sklearn.linear_model import LogisticRegression
 
     from doplus_cli.evaluation.judges import load_embedder
-    from doplus_cli.evaluation.refusal import WEIGHTS_PATH, rule_features
 
     rows = training_rows(n_per_label, seed)
     embedder, reason = load_embedder(None)
@@ -356,8 +365,6 @@ def train(out: Path | None = None, n_per_label: int = 400, seed: int = 0) -> dic
 def read_labelled(path: str) -> list[dict]:
     """Responses with a known label: JSON lines with `response` and `label` (doplus's labels), or a CSV in the
     layout of XSTest's annotated completions (`completion`, `final_label` as 1_full_compliance, ...)."""
-    from doplus_cli.evaluation.refusal import known_label
-
     if path.endswith(".csv"):
         with open(path, newline="", encoding="utf-8") as handle:
             rows = [{"response": r["completion"], "label": known_label(r["final_label"])}
@@ -374,7 +381,6 @@ def measure(paths: list[str], labelled_by: str = "reading") -> dict:
     """Each file's agreement of the judge, the rules-only judge and XSTest's prefix rule with the known labels;
     with several files, also all of them pooled (`all`)."""
     from doplus_cli.evaluation.judges import load_embedder
-    from doplus_cli.evaluation.refusal import RefusalJudge, xstest_prefix_label
 
     embedder, _ = load_embedder(None)
     judges = {"judge": RefusalJudge(embedder), "judge_rules_only": RefusalJudge(None)}
@@ -397,8 +403,6 @@ def measure(paths: list[str], labelled_by: str = "reading") -> dict:
 
 
 def _figures(truth: list[str], predictions: dict[str, list[str]], labelled_by: str) -> dict:
-    from doplus_cli.evaluation.refusal import LABELS, agreement
-
     return {"n": len(truth), "labelled_by": labelled_by,
             "labels": {label: truth.count(label) for label in LABELS},
             **{name: {"three_way": agreement(truth, p), "refusal_vs_compliance": agreement(truth, p, three_way=False)}
@@ -423,8 +427,6 @@ def main(argv: list[str]) -> None:
         result = measure([a for a in args if a != "--record"], labelled_by)
         print(json.dumps(result, indent=1))
         if record:  # the figures the report quotes next to the judge's name
-            from doplus_cli.evaluation.refusal import WEIGHTS_PATH
-
             stored = json.loads(WEIGHTS_PATH.read_text())
             stored["agreement"] = result
             WEIGHTS_PATH.write_text(json.dumps(stored, indent=1) + "\n")

@@ -20,10 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from doplus_cli.data.sources import read_json_lines
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.refusal import LABELS, agreement, is_refusal, known_label, xstest_prefix_label
 from doplus_cli.evaluation.safety_judges import SafetyJudges
 from doplus_cli.evaluation.suite_api import Suite, SuiteContext, SuiteResult, write_json
+from doplus_cli.generation import greedy_generate
 
 # (file stem in the release, the paper's short name)
 HARMFUL_SETS = (("I-MaliciousInstructions", "I-Mali"), ("I-CoNa", "I-CoNa"), ("I-Controversial", "I-Cont"),
@@ -179,10 +181,7 @@ def read_responses(path: str) -> list[dict[str, Any]]:
                     raise UserError(f"{path}:1: no '{what}' column (the header has: {', '.join(columns) or 'nothing'})")
             rows = [(reader.line_num, row) for row in reader]
     else:
-        from doplus_cli.data.sources import parse_json_line
-
-        with open(path, "rb") as handle:
-            rows = [(n, parse_json_line(raw, path, n)) for n, raw in enumerate(handle, start=1) if raw.strip()]
+        rows = [(line.number, line.record) for line in read_json_lines(path)]
     out = []
     for line, row in rows:
         where = f"{path}:{line}"
@@ -259,8 +258,6 @@ def _known(record: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
 def _responses(prompt_set: PromptSet, model, formatter, config, progress) -> list[str]:
     if prompt_set.responses is not None:
         return prompt_set.responses
-    from doplus_cli.engine.generation import greedy_generate
-
     texts, _ = greedy_generate(model, formatter, prompt_set.prompts, config.max_new_tokens, config.batch_size,
                                progress, f"generating ({prompt_set.name})")
     return texts

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from doplus_cli.files import atomic_write_text
+
 if TYPE_CHECKING:
     from doplus_cli.data.formatting import PromptFormatter
     from doplus_cli.evaluation.runner import EvalConfig
@@ -57,6 +59,4 @@ class Suite:
 
 def write_json(path: Path, data: Any) -> None:
     """`data` as indented JSON, written atomically."""
-    from doplus_cli.engine.outputs import atomic_write_text  # torch: not on import of the suite modules
-
     atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")

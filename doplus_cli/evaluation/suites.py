@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.data.rejections import rejection_for
-from doplus_cli.data.sources import parse_json_line, task_id_of
-from doplus_cli.engine.generation import greedy_generate
+from doplus_cli.data.sources import read_json_lines, task_id_of
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation import metrics
 from doplus_cli.evaluation import openunlearning as ou
@@ -25,6 +24,7 @@ from doplus_cli.evaluation.privacy import privacy_metrics, read_holdout
 from doplus_cli.evaluation.protocol import PROTOCOLS, Protocol, get_protocol
 from doplus_cli.evaluation.scoring import shared_prefix_nlls
 from doplus_cli.evaluation.suite_api import Suite, SuiteContext, SuiteResult, write_json
+from doplus_cli.generation import greedy_generate
 
 if TYPE_CHECKING:
     from doplus_cli.evaluation.runner import EvalConfig
@@ -100,14 +100,10 @@ def _read_file(path: str, need_paraphrase: bool, max_samples: int | None, task_i
     if not os.path.isfile(path):
         raise UserError(f"{path}: file not found")
     samples, task_ids = [], []
-    with open(path, "rb") as handle:
-        for line_number, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{line_number}"
-            row = parse_json_line(raw, path, line_number)
-            samples.append(_sample(row, where, need_paraphrase))
-            task_ids.append(task_id_of(row, where))
+    for line in read_json_lines(path):
+        where = f"{path}:{line.number}"
+        samples.append(_sample(line.record, where, need_paraphrase))
+        task_ids.append(task_id_of(line.record, where))
     read = {"file_rows": len(samples), "task_id": None,
             "tasks": sorted({t for t in task_ids if t is not None}) if by_task else []}
     if read["tasks"]:

@@ -21,8 +21,9 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from doplus_cli.optim.checks import check_common
 from doplus_cli.optim.diagnostics import reduce_step_stats
-from doplus_cli.optim.kernels import AdamWScalars, adamw_fused, adamw_reference
+from doplus_cli.optim.kernels import FUSED_MIN_NUMEL, AdamWScalars, adamw_fused, adamw_reference
 
 LOW_PRECISION = (torch.bfloat16,)  # weights whose updates get a compensation buffer
 
@@ -50,8 +51,6 @@ class AdamW(Optimizer):
         eps: float = 1e-8, weight_decay: float = 0.0, *, compensated: bool = True,
         compensation: dict[Tensor, Tensor] | None = None, fused: bool | None = None,
     ) -> None:
-        from doplus_cli.optim.dualoptim_plus import check_common
-
         check_common(lr, betas, eps, weight_decay, 32)
         self.compensated = compensated
         self.shared_compensation = compensation
@@ -69,8 +68,6 @@ class AdamW(Optimizer):
         return store[key]
 
     def _use_fused(self, param: Tensor, grad: Tensor) -> bool:
-        from doplus_cli.optim.dualoptim_plus import FUSED_MIN_NUMEL
-
         if self.fused is False or not (param.is_contiguous() and grad.is_contiguous()):
             return False
         return self.fused is True or param.numel() >= FUSED_MIN_NUMEL
@@ -113,12 +110,21 @@ class AdamW(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As `torch.optim.Optimizer`, but every state tensor keeps its saved dtype (torch casts states to the
         parameter's dtype: float32 moments of a bf16 weight would become bf16)."""
-        from doplus_cli.optim.dualoptim_plus import _clone_to
-
         super().load_state_dict(state_dict)
         params = [p for group in self.param_groups for p in group["params"]]
         for index, saved in state_dict["state"].items():
-            self.state[params[index]] = _clone_to(saved, params[index].device)
+            self.state[params[index]] = clone_state(saved, params[index].device)
+
+
+def clone_state(value: Any, device: torch.device) -> Any:
+    """A saved optimizer state (tensors, nested dicts) copied onto `device`, every tensor in its saved dtype."""
+    if isinstance(value, Tensor):
+        if value.ndim == 0 and value.dtype == torch.float32:  # step counters stay on the host, as in torch
+            return value.detach().clone()
+        return value.detach().to(device=device, copy=True)
+    if isinstance(value, dict):
+        return {k: clone_state(v, device) for k, v in value.items()}
+    return value
 
 
 def compensation_buffers(optimizer) -> dict[Tensor, Tensor]:

@@ -20,13 +20,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from doplus_cli.optim import quant
+from doplus_cli.optim.adamw import AdamW
+from doplus_cli.optim.checks import check_common, check_lr_multipliers, check_objectives, unknown_objective
 from doplus_cli.optim.diagnostics import adamw_step_stats, reduce_step_stats
-from doplus_cli.optim.dualoptim_plus import (
-    check_common,
-    check_lr_multipliers,
-    check_objectives,
-    unknown_objective,
-)
 
 _SYNCED_KEYS = ("lr", "betas", "eps", "weight_decay")
 
@@ -83,8 +79,6 @@ class DualOptim(Optimizer):
         groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": group["params"]}
                   for group in self.param_groups]
         if self.compensated:
-            from doplus_cli.optim.adamw import AdamW
-
             return AdamW(groups, compensation=self.compensation)
         if self.state_bits == 8:
             import bitsandbytes as bnb

@@ -34,9 +34,12 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from doplus_cli.optim import quant
-from doplus_cli.optim.adamw import new_compensation
+from doplus_cli.optim.adamw import clone_state, new_compensation
+from doplus_cli.optim.checks import check_common, check_lr_multipliers, check_objectives, unknown_objective
 from doplus_cli.optim.diagnostics import reduce_step_stats
+from doplus_cli.optim.distributed import local_shard
 from doplus_cli.optim.kernels import (
+    FUSED_MIN_NUMEL,
     AdamWPlusScalars,
     MuonPlusScalars,
     adamw_plus_fused,
@@ -47,57 +50,11 @@ from doplus_cli.optim.kernels import (
 
 INNER_OPTIMIZERS = ("adamw", "muon")
 RULES = ("safeguarded", "paper")
-STATE_BITS = (8, 32)
 QUANTIZE_CHOICES = ("all", "base", "delta")
-# Below this many elements the compiled kernel's call overhead outweighs its single pass over memory.
-FUSED_MIN_NUMEL = 1 << 16
 FUSED_8BIT_CHUNK_ROWS = 512  # 128k elements per call of the 8-bit kernel
 
 _ADAMW_STATES = ("exp_avg", "exp_avg_sq")
 _MUON_STATES = ("momentum_buffer",)
-
-
-def check_objectives(objectives: Sequence[str]) -> tuple[str, ...]:
-    if isinstance(objectives, str):
-        objectives = (objectives,)
-    objectives = tuple(objectives)
-    if not objectives:
-        raise ValueError("objectives must name at least one objective, e.g. ('forget', 'retain')")
-    for name in objectives:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"objective names must be non-empty strings, got {name!r}")
-    if len(set(objectives)) != len(objectives):
-        raise ValueError(f"objective names must be unique, got {list(objectives)}")
-    return objectives
-
-
-def check_lr_multipliers(multipliers: Mapping[str, float] | None, objectives: tuple[str, ...]) -> dict:
-    multipliers = dict(multipliers or {})
-    for name, value in multipliers.items():
-        if name not in objectives:
-            raise ValueError(f"lr_multipliers names unknown objective {name!r}; objectives are {list(objectives)}")
-        if not value >= 0.0:
-            raise ValueError(f"lr multiplier for {name!r} must be >= 0, got {value}")
-    return multipliers
-
-
-def check_common(lr: float, betas: Sequence[float], eps: float, weight_decay: float, state_bits: int) -> None:
-    if not lr >= 0.0:
-        raise ValueError(f"invalid learning rate: {lr}")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"betas must be two numbers in [0, 1), got {tuple(betas)}")
-    if not eps >= 0.0:
-        raise ValueError(f"invalid eps: {eps}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"invalid weight_decay: {weight_decay}")
-    if state_bits not in STATE_BITS:
-        raise ValueError(f"state_bits must be 8 or 32, got {state_bits!r}")
-
-
-def unknown_objective(objective: Any, objectives: tuple[str, ...]) -> ValueError:
-    return ValueError(
-        f"unknown objective {objective!r}: this optimizer was built with objectives={list(objectives)}"
-    )
 
 
 class DualOptimPlus(Optimizer):
@@ -347,13 +304,7 @@ class DualOptimPlus(Optimizer):
         params = [p for group in self.param_groups for p in group["params"]]
         for index, saved in state_dict["state"].items():
             param = params[index]
-            self.state[param] = _clone_to(saved, param.device)
-
-
-def local_shard(tensor: Tensor) -> Tensor:
-    """This process's part of a DTensor (a view: updating it updates the parameter); a tensor unchanged."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
+            self.state[param] = clone_state(saved, param.device)
 
 
 def _sharded_orthogonalize(param: Tensor, s: MuonPlusScalars):
@@ -370,16 +321,6 @@ def _sharded_orthogonalize(param: Tensor, s: MuonPlusScalars):
         return distribute_tensor(update, param.device_mesh, param.placements, src_data_rank=None).to_local()
 
     return orthogonalize
-
-
-def _clone_to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, Tensor):
-        if value.ndim == 0 and value.dtype == torch.float32:  # step counters stay on the host, as in torch
-            return value.detach().clone()
-        return value.detach().to(device=device, copy=True)
-    if isinstance(value, dict):
-        return {k: _clone_to(v, device) for k, v in value.items()}
-    return value
 
 
 # -- state slots: a float32 tensor or 8-bit codes with their block absmax ------------------------------

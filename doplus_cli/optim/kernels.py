@@ -56,6 +56,8 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
+# Below this many elements the compiled kernel's call overhead outweighs its single pass over memory.
+FUSED_MIN_NUMEL = 1 << 16
 BIG_UPDATE = 10.0  # diagnostics count the elements whose step exceeds this many learning rates
 
 

@@ -1,4 +1,5 @@
-"""Greedy answers from the model: targets for `answers_from_model` and the before/after sample table."""
+"""Greedy answers from the model: targets for `answers_from_model`, the before/after sample table and the answers
+the evaluation suites score (below both `engine/` and `evaluation/`, which use it)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,52 @@
+"""Argument checks shared by the optimizers (DualOptimPlus, DualOptim, AdamW): one ValueError each, as torch's
+optimizers raise."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+STATE_BITS = (8, 32)
+
+
+def check_objectives(objectives: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(objectives, str):
+        objectives = (objectives,)
+    objectives = tuple(objectives)
+    if not objectives:
+        raise ValueError("objectives must name at least one objective, e.g. ('forget', 'retain')")
+    for name in objectives:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"objective names must be non-empty strings, got {name!r}")
+    if len(set(objectives)) != len(objectives):
+        raise ValueError(f"objective names must be unique, got {list(objectives)}")
+    return objectives
+
+
+def check_lr_multipliers(multipliers: Mapping[str, float] | None, objectives: tuple[str, ...]) -> dict:
+    multipliers = dict(multipliers or {})
+    for name, value in multipliers.items():
+        if name not in objectives:
+            raise ValueError(f"lr_multipliers names unknown objective {name!r}; objectives are {list(objectives)}")
+        if not value >= 0.0:
+            raise ValueError(f"lr multiplier for {name!r} must be >= 0, got {value}")
+    return multipliers
+
+
+def check_common(lr: float, betas: Sequence[float], eps: float, weight_decay: float, state_bits: int) -> None:
+    if not lr >= 0.0:
+        raise ValueError(f"invalid learning rate: {lr}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {tuple(betas)}")
+    if not eps >= 0.0:
+        raise ValueError(f"invalid eps: {eps}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"invalid weight_decay: {weight_decay}")
+    if state_bits not in STATE_BITS:
+        raise ValueError(f"state_bits must be 8 or 32, got {state_bits!r}")
+
+
+def unknown_objective(objective: Any, objectives: tuple[str, ...]) -> ValueError:
+    return ValueError(
+        f"unknown objective {objective!r}: this optimizer was built with objectives={list(objectives)}"
+    )

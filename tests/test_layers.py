@@ -1,0 +1,207 @@
+"""Imports run one way: every module of doplus_cli sits in a layer, imports only modules of its own layer or of lower
+ones, and no modules import each other in a circle (docs/architecture.md, "Layers").
+
+Every import counts: at the top of a module, inside a function, absolute or relative. The package a module sits in
+is not counted as imported by it (Python runs a package's __init__ first, but doplus's __init__ files import only
+what sits below them)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import doplus_cli
+
+PACKAGE = "doplus_cli"
+ROOT = Path(doplus_cli.__file__).parent
+
+# Top to bottom. An entry names a module, or a package and every module in it; the top package itself
+# (`doplus_cli`, its __init__) names only its own module. Entries for modules that do not exist yet are fine.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("command line", ("doplus_cli.cli", "doplus_cli.__main__")),
+    ("benchmarks and recipes", ("doplus_cli.bench", "doplus_cli.recipes")),
+    ("commands", ("doplus_cli.kinds",)),
+    ("engine", ("doplus_cli.engine",)),
+    ("evaluation", ("doplus_cli.evaluation",)),
+    ("configuration", ("doplus_cli.config", "doplus_cli.options")),
+    ("components", ("doplus_cli.data", "doplus_cli.losses", "doplus_cli.models", "doplus_cli.lora",
+                    "doplus_cli.generation", "doplus_cli.files")),
+    ("optimizers", ("doplus_cli.optim",)),
+    ("foundations", ("doplus_cli.errors", "doplus_cli.progress", "doplus_cli")),
+]
+
+Graph = dict[str, set[str]]
+
+
+def module_name(path: Path, root: Path, package: str = PACKAGE) -> str:
+    """`root/engine/loop.py` -> `doplus_cli.engine.loop`; a package's __init__.py is the package."""
+    parts = [package, *path.relative_to(root).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(source: str, module: str, is_package: bool, modules: set[str], package: str = PACKAGE
+                     ) -> set[str]:
+    """The modules of `package` that `source` (the text of `module`) imports anywhere in it. `from a.b import c`
+    imports the module a.b.c when there is one, else a.b; relative imports are resolved from `module`."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            found.update(f"{origin}.{alias.name}" if f"{origin}.{alias.name}" in modules else origin
+                         for alias in node.names)
+    return {name for name in found if name == package or name.startswith(package + ".")} - {module}
+
+
+def import_graph(root: Path = ROOT, package: str = PACKAGE) -> Graph:
+    """{module: the modules of the package it imports} for every module under `root`."""
+    paths = {module_name(path, root, package): path for path in sorted(root.rglob("*.py"))}
+    return {module: imported_modules(path.read_text(), module, path.name == "__init__.py", set(paths), package)
+            for module, path in paths.items()}
+
+
+def layer_of(module: str, layers: list[tuple[str, tuple[str, ...]]] = LAYERS, package: str = PACKAGE
+             ) -> int | None:
+    """The index of `module`'s layer (0 is the top), by the longest entry that names it; None when none does."""
+    best: tuple[int, int] | None = None
+    for index, (_, entries) in enumerate(layers):
+        for entry in entries:
+            if module == entry or (entry != package and module.startswith(entry + ".")):
+                if best is None or len(entry) > best[1]:
+                    best = (index, len(entry))
+    return None if best is None else best[0]
+
+
+def modules_without_layer(graph: Graph, layers: list[tuple[str, tuple[str, ...]]] = LAYERS,
+                          package: str = PACKAGE) -> list[str]:
+    return sorted(module for module in graph if layer_of(module, layers, package) is None)
+
+
+def upward_imports(graph: Graph, layers: list[tuple[str, tuple[str, ...]]] = LAYERS, package: str = PACKAGE
+                   ) -> list[str]:
+    """Every import of a module in a higher layer than the importer's, as 'importer (layer) -> imported (layer)'."""
+    found = []
+    for module, imported in sorted(graph.items()):
+        own = layer_of(module, layers, package)
+        for target in sorted(imported):
+            other = layer_of(target, layers, package)
+            if own is not None and other is not None and other < own:
+                found.append(f"{module} ({layers[own][0]}) -> {target} ({layers[other][0]})")
+    return found
+
+
+def import_cycles(graph: Graph) -> list[list[str]]:
+    """The groups of modules that import each other in a circle (strongly connected components of more than one
+    module), each sorted; Tarjan's algorithm, iterative."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph.get(start, ()))))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, targets = work[-1]
+            target = next(targets, None)
+            if target is not None:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph.get(target, ())))))
+                elif target in on_stack:
+                    low[node] = min(low[node], index[target])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    cycles.append(sorted(group))
+    return sorted(cycles)
+
+
+GRAPH = import_graph()
+
+
+def test_the_graph_holds_the_package_and_its_imports():
+    assert {"doplus_cli", "doplus_cli.cli", "doplus_cli.config", "doplus_cli.optim.kernels"} <= set(GRAPH)
+    assert "doplus_cli.errors" in GRAPH["doplus_cli.config"]
+
+
+def test_every_module_has_a_layer():
+    assert modules_without_layer(GRAPH) == []
+
+
+def test_no_module_imports_a_higher_layer():
+    assert upward_imports(GRAPH) == []
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    assert import_cycles(GRAPH) == []
+
+
+def test_optim_imports_nothing_else_from_doplus():
+    """optim/ is the library part, usable on its own (`from doplus_cli.optim import DualOptimPlus`)."""
+    outside = {f"{module} -> {target}" for module, imported in GRAPH.items() if module.startswith("doplus_cli.optim")
+               for target in imported if not target.startswith("doplus_cli.optim")}
+    assert outside == set()
+
+
+# ---- the checks themselves, on made-up packages that break each rule ----
+
+TOY_LAYERS = [("top", ("toy.app",)), ("middle", ("toy.engine",)), ("bottom", ("toy.util", "toy"))]
+
+
+def test_a_module_outside_every_layer_is_reported():
+    graph = {"toy": set(), "toy.app": set(), "toy.engine.loop": set(), "toy.util": set(), "toy.extra": set()}
+    assert modules_without_layer(graph, TOY_LAYERS, "toy") == ["toy.extra"]
+    assert layer_of("toy.engine.loop", TOY_LAYERS, "toy") == 1 and layer_of("toy", TOY_LAYERS, "toy") == 2
+
+
+def test_an_import_of_a_higher_layer_is_reported():
+    graph = {"toy.app": {"toy.engine.loop"}, "toy.engine.loop": {"toy.util", "toy.app"}, "toy.util": set()}
+    assert upward_imports(graph, TOY_LAYERS, "toy") == ["toy.engine.loop (middle) -> toy.app (top)"]
+    del graph["toy.engine.loop"]
+    assert upward_imports(graph, TOY_LAYERS, "toy") == []
+
+
+def test_a_circle_of_imports_is_reported():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"d"}, "f": {"g"}, "g": {"f"}}
+    assert import_cycles(graph) == [["a", "b", "c"], ["f", "g"]]
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_imports_inside_functions_and_relative_imports_are_read(tmp_path):
+    package = tmp_path / "toy"
+    (package / "engine").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "app.py").write_text("from toy.engine import loop\n")
+    (package / "util.py").write_text("def f():\n    from .engine.loop import run\n    import toy.app\n")
+    (package / "engine" / "__init__.py").write_text("")
+    (package / "engine" / "loop.py").write_text("from .. import util\n\n\ndef run():\n    from ..app import x\n")
+    graph = import_graph(package, "toy")
+    assert graph == {"toy": set(), "toy.app": {"toy.engine.loop"}, "toy.util": {"toy.engine.loop", "toy.app"},
+                     "toy.engine": set(), "toy.engine.loop": {"toy.util", "toy.app"}}
+    assert upward_imports(graph, TOY_LAYERS, "toy") == ["toy.engine.loop (middle) -> toy.app (top)",
+                                                        "toy.util (bottom) -> toy.app (top)",
+                                                        "toy.util (bottom) -> toy.engine.loop (middle)"]
+    assert import_cycles(graph) == [["toy.app", "toy.engine.loop", "toy.util"]]
