@@ -1,10 +1,11 @@
-"""The one training loop, for any list of objectives, top to bottom.
+"""The one training loop, for any list of objectives, in three parts read top to bottom as a torchtune recipe:
 
-load model -> the command's objectives (`Plan`) -> build the scheme's optimizer -> for each step: pick the
-objective, draw its batch, compute its loss, backward, clip, `optimizer.step(objective=...)`, log -> save
-final/ and the report. `doplus unlearn` and `doplus multitask` only build the objective list and say what
-to measure (engine/unlearn.py, engine/multitask.py). Accelerate holds the device and process details, so
-the same loop runs on one CPU or many GPUs.
+setup: the accelerator, the run's folder, the model, the command's objectives (`Plan`), the reference model,
+LoRA, the shards, the scheme's optimizer and its LR schedule, a resumed run's state, the trackers: one `Run`;
+train: for each step pick the objective, draw its batch, compute its loss, backward, clip,
+`optimizer.step(objective=...)`, log; finish: final/, the report, the model card. `doplus unlearn` and `doplus
+multitask` only build the objective list and say what to measure (engine/unlearn.py, engine/multitask.py).
+Accelerate holds the device and process details, so the same loop runs on one CPU or many GPUs.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
     return finish(run, config, plan, measured_after, full_weights, started)
 
 
-def _open(config: TrainConfig, plan: Plan) -> tuple[Accelerator, Path, Path | None, dict[str, Any] | None]:
+def _open_run(config: TrainConfig, plan: Plan) -> tuple[Accelerator, Path, Path | None, dict[str, Any] | None]:
     """(the accelerator, the run's folder, the checkpoint to resume from and its saved state, or None, None), with
     `config`'s derived values resolved (FSDP, precision, steps, warm-up, out) and the folder prepared."""
     from accelerate import Accelerator
@@ -167,7 +168,7 @@ def setup(config: TrainConfig, plan: Plan, console: Console) -> Iterator[Run]:
     the optimizer and its LR schedule, a resumed run's state, the trackers and metrics.jsonl."""
     from transformers import get_linear_schedule_with_warmup
 
-    accelerator, out, resume_from, saved = _open(config, plan)
+    accelerator, out, resume_from, saved = _open_run(config, plan)
     main_process, world = accelerator.is_main_process, accelerator.num_processes
     sharded = config.fsdp and world > 1
     lora = _lora_settings(config)
