@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from doplus_cli.config import TrainConfig
+from doplus_cli.engine.loop import optimizer_settings
 from doplus_cli.engine.optimizers import build_optimizer
 from doplus_cli.engine.schedule import JOINT
 from doplus_cli.engine.similarity import UpdateSimilarity
@@ -63,7 +64,7 @@ def test_three_objectives_average_the_three_pairs():
 def _run(scheme, gradient_of, steps=12):
     model = torch.nn.Linear(4, 4, bias=False)
     config = TrainConfig(scheme=scheme, lr=1e-2, weight_decay=0.0)
-    optimizer, _ = build_optimizer(config, model, ("forget", "retain"), {})
+    optimizer, _ = build_optimizer(model, ("forget", "retain"), {}, optimizer_settings(config))
     tracker = UpdateSimilarity(model.parameters(), ("forget", "retain"))
     records = []
     for step in range(steps):

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from doplus_cli.errors import UserError
+from doplus_cli.errors import UserError, write_failure
 from doplus_cli.losses import LossParams
 from doplus_cli.optim.distributed import local_shard
 
@@ -178,6 +178,41 @@ def save_checkpoint(
     return final
 
 
+class CheckpointWriter:
+    """A run's checkpoints under OUT/checkpoints: built once from what every checkpoint holds (the trained model,
+    the optimizer, the LR scheduler, each objective's data stream, the resolved configuration); `save` adds the
+    step's records and the command's own state."""
+
+    def __init__(self, out: Path, model: torch.nn.Module, optimizer, scheduler, streams: dict[str, Any],
+                 config: dict[str, Any], keep_last: int, processes: Processes) -> None:
+        self.folder = out / "checkpoints"
+        self.model, self.optimizer, self.scheduler, self.streams = model, optimizer, scheduler, streams
+        self.config, self.keep_last, self.processes = config, keep_last, processes
+
+    def save(self, step: int, records: list[dict[str, Any]], extra: dict[str, Any]) -> Path:
+        """Write `step-{step}` (every process takes part). A failed write (disk full, no permission) is one line
+        saying how to go on, and the half-written step is removed."""
+        try:
+            return save_checkpoint(self.folder, step, self.model, self.optimizer, self.scheduler, self.streams,
+                                   self.config, records, extra, self.keep_last, self.processes)
+        except Exception as error:
+            failure = write_failure(self.folder / f"step-{step}", error, _how_to_go_on(self.folder))
+            if failure is None:
+                raise
+            for partial in self.folder.glob(f".step-{step}.tmp"):
+                shutil.rmtree(partial, ignore_errors=True)
+            raise failure from error
+
+
+def _how_to_go_on(folder: Path) -> str:
+    """What a run whose checkpoint write failed says next: how to go on, from which checkpoint."""
+    found = list_checkpoints(folder)
+    if not found:
+        return "; the run stopped before its first checkpoint: free space (or fix the permission) and start it again"
+    return (f"; the run stopped, its newest complete checkpoint is {found[-1]}: free space (or fix the permission), "
+            "then run the same command with --resume")
+
+
 def _set_aside(checkpoint: Path) -> Path:
     aside = checkpoint.with_name(f".{checkpoint.name}.deleting")
     os.replace(checkpoint, aside)
@@ -207,6 +242,19 @@ def find_checkpoint(resume: str, out: Path) -> Path:
 
 def read_state(path: Path) -> dict[str, Any]:
     return json.loads((path / "state.json").read_text())
+
+
+def open_resume(resume: str, out: Path, config: dict[str, Any], processes: Processes) -> tuple[Path, dict[str, Any]]:
+    """(the checkpoint `--resume` names, its saved state), refused when it was written by another process layout
+    or with a configuration that changes what is computed (`config`: this run's, resolved)."""
+    path = find_checkpoint(resume, out)
+    saved = read_state(path)
+    check_processes(path, saved, processes)
+    keys = differing_keys(saved["config"], config)
+    if keys:
+        changes = ", ".join(f"{k} ({saved['config'].get(k)!r} -> {config.get(k)!r})" for k in keys)
+        raise UserError(f"{path}: cannot resume with a different configuration: {changes}")
+    return path, saved
 
 
 def check_processes(path: Path, state: dict[str, Any], processes: Processes) -> None:

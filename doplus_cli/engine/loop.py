@@ -1,10 +1,11 @@
-"""The one training loop, for any list of objectives, top to bottom.
+"""The one training loop, for any list of objectives, in three parts read top to bottom as a torchtune recipe:
 
-load model -> the command's objectives (`Plan`) -> build the scheme's optimizer -> for each step: pick the
-objective, draw its batch, compute its loss, backward, clip, `optimizer.step(objective=...)`, log -> save
-final/ and the report. `doplus unlearn` and `doplus multitask` only build the objective list and say what
-to measure (engine/unlearn.py, engine/multitask.py). Accelerate holds the device and process details, so
-the same loop runs on one CPU or many GPUs.
+setup: the accelerator, the run's folder, the model, the command's objectives (`Plan`), the reference model,
+LoRA, the shards, the scheme's optimizer and its LR schedule, a resumed run's state, the trackers: one `Run`;
+train: for each step pick the objective, draw its batch, compute its loss, backward, clip,
+`optimizer.step(objective=...)`, log; finish: final/, the report, the model card. `doplus unlearn` and `doplus
+multitask` only build the objective list and say what to measure (engine/unlearn.py, engine/multitask.py).
+Accelerate holds the device and process details, so the same loop runs on one CPU or many GPUs.
 """
 
 from __future__ import annotations
@@ -13,20 +14,22 @@ import copy
 import math
 import os
 import shlex
-import shutil
 import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from contextlib import nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
 
 from doplus_cli.config import TrainConfig
 from doplus_cli.data.batches import IndexStream
@@ -34,17 +37,20 @@ from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.data.sources import MixtureSource
 from doplus_cli.engine import checkpoint, model_card, outputs, precision, sharding, tracking
 from doplus_cli.engine.objectives import Objective, Plan, frequencies, lr_multipliers
-from doplus_cli.engine.optimizers import build_optimizer
+from doplus_cli.engine.optimizers import OptimizerSettings, build_optimizer
 from doplus_cli.engine.schedule import JOINT, objective_at, steps_per_objective
 from doplus_cli.engine.similarity import UpdateSimilarity
-from doplus_cli.errors import RunError, UserError, worker_exit_code, write_failure
+from doplus_cli.errors import RunError, UserError, worker_exit_code
 from doplus_cli.lora import LoraSettings, adapter_norms, apply_lora, final_model
 from doplus_cli.losses import LossContext, PartTally, local_token_count
-from doplus_cli.models import load_model_8bit, load_model_and_tokenizer
+from doplus_cli.models import load_model_8bit, load_model_and_tokenizer, resolve_dtype
 from doplus_cli.optim import quant
 from doplus_cli.optim.adamw import compensation_buffers
 from doplus_cli.optim.distributed import local_shard
 from doplus_cli.progress import LoggedProgress
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 
 def default_out_dir(command: str = "unlearn") -> str:
@@ -77,66 +83,71 @@ def _progress(console: Console, enabled: bool) -> Progress:
     )
 
 
-def _reference_model(config: TrainConfig, model: torch.nn.Module, accelerator, fsdp: bool) -> torch.nn.Module:
-    """The frozen starting model that NPO, DPO and KL compare against: a copy on the device (sharded like the
-    model under FSDP), on the CPU (`--ref-offload cpu`), or reloaded with LLM.int8 weights (`8bit`)."""
-    if config.ref_offload == "8bit":
-        return load_model_8bit(config.model, config.dtype, config.trust_remote_code, accelerator.device)
-    reference = copy.deepcopy(model).eval().requires_grad_(False).to(precision.reference_dtype(config))
-    if config.ref_offload == "cpu":
-        return reference.to("cpu")
-    if fsdp:
-        return sharding.shard_model(accelerator, reference, config.precision == "bf16-mixed")
-    return reference
+@dataclass
+class Run:
+    """What `setup` builds and `train` and `finish` read."""
 
+    accelerator: Accelerator
+    out: Path
+    model: torch.nn.Module  # as trained: wrapped by accelerate, or holding this process's FSDP shards
+    tokenizer: Any
+    model_name: str  # the model `--model` named, as the report says it
+    formatter: PromptFormatter
+    progress: Progress
+    objectives: list[Objective]
+    before: Any  # the plan's measurements of the starting model
+    reference: torch.nn.Module | None  # the frozen starting model of NPO, DPO and KL
+    lora: LoraSettings | None
+    optimizer: Any  # stepped with an objective: `optimizer.step(objective=...)`
+    scheduled: Optimizer  # the torch Optimizer the LR scheduler drives
+    scheduler: LRScheduler
+    context: LossContext  # what every loss reads besides its batch
+    checkpoints: checkpoint.CheckpointWriter
+    tracker: tracking.RunTracker  # --report-to
+    metrics: outputs.MetricsWriter | None  # metrics.jsonl, on the main process
+    similarity: UpdateSimilarity | None  # --log-update-similarity
+    sharded: bool  # FSDP across several processes
+    effective_batch: int  # rows per optimizer step over every process
+    start_step: int = 0  # a resumed run's checkpoint step
+    evals: list[dict[str, Any]] = field(default_factory=list)  # the evaluations during training so far
 
-def _unsharded_lora_model(config: TrainConfig, lora, full_weights: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """The starting model with the same adapters, holding the gathered weights of a sharded LoRA run."""
-    base, _, _ = load_model_and_tokenizer(config.model, precision.weights_dtype(config), config.trust_remote_code)
-    model = apply_lora(base, lora)
-    model.load_state_dict(full_weights)
-    return model
-
-
-def _reference_report(reference, config: TrainConfig, fsdp: bool) -> dict[str, Any]:
-    """Where the reference model was and what its weights took on this process."""
-    if reference is None:
-        return {}
-    tensors = [local_shard(t) for t in (*reference.parameters(), *reference.buffers())]
-    placement = {"cpu": "CPU", "8bit": "LLM.int8 on the device"}.get(config.ref_offload or "",
-                                                                   "sharded" if fsdp else "device")
-    return {"reference": {"placement": placement,
-                          "memory_gb": sum(t.numel() * t.element_size() for t in tensors) / 1e9}}
-
-
-def _lora_settings(config: TrainConfig):
-    if config.lora_rank <= 0:
-        return None
-    targets = tuple(t.strip() for t in config.lora_targets.split(",") if t.strip()) if config.lora_targets else None
-    return LoraSettings(rank=config.lora_rank, alpha=config.lora_alpha, targets=targets,
-                        dropout=config.lora_dropout, gradient_checkpointing=config.gradient_checkpointing)
+    def save_checkpoint(self, step: int) -> Path:
+        """checkpoints/step-{step}: every process takes part."""
+        return self.checkpoints.save(step, self.metrics.records if self.metrics else [],
+                                     {"before": self.before, "evals": self.evals, "trackers": self.tracker.ids})
 
 
 def run_training(config: TrainConfig, plan: Plan, console: Console | None = None) -> dict[str, Any]:
     """Train on `plan`'s objectives as configured; return the report (also written to `config.out`)."""
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
-    from transformers import get_linear_schedule_with_warmup
-
     console = console or Console(stderr=True)
     started = time.perf_counter()
+    with setup(config, plan, console) as run:  # the progress display is live inside the block
+        train(run, config, plan, console)
+        unwrapped = run.accelerator.unwrap_model(run.model)
+        measured_after = plan.after(unwrapped, run.formatter, run.progress, run.accelerator, run.before)
+        full_weights = sharding.full_state_dict(run.model) if run.sharded else None  # every process takes part
+    run.accelerator.wait_for_everyone()
+    if not run.accelerator.is_main_process:
+        return {}
+    return finish(run, config, plan, measured_after, full_weights, started)
+
+
+def _open_run(config: TrainConfig, plan: Plan) -> tuple[Accelerator, Path, Path | None, dict[str, Any] | None]:
+    """(the accelerator, the run's folder, the checkpoint to resume from and its saved state, or None, None), with
+    `config`'s derived values resolved (FSDP, precision, steps, warm-up, out) and the folder prepared."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
     # cpu=True without CUDA: several processes started by `accelerate launch --multi_gpu` or torchrun then
     # form a gloo group on CPU (accelerate's own `--cpu` launcher needs MPI for more than one process).
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), **tracking.accelerator_options(config))
-    main_process = accelerator.is_main_process
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), **tracking.accelerator_options(config.report_to))
     set_seed(config.seed)
-
     plan.open()  # every data file is checked before anything is written
     world = accelerator.num_processes
     config.fsdp = bool(config.fsdp or sharding.launched_with_fsdp(accelerator))
-    fsdp = config.fsdp and world > 1
-    precision.resolve(config)  # before the resume check: a checkpoint's config names the precision it used
-    processes = checkpoint.Processes(accelerator, sharded=fsdp)
+    # before the resume check: a checkpoint's config names the precision it used
+    config.precision, config.save_dtype = precision.resolve(config.precision, config.dtype, config.save_dtype)
+    processes = checkpoint.Processes(accelerator, sharded=config.fsdp and world > 1)
     effective_batch = config.batch_size * config.grad_accum * world
     derived_steps = plan.total_steps(effective_batch)
     if derived_steps is not None:
@@ -145,197 +156,315 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
         config.warmup_steps = plan.default_warmup(effective_batch)
     config.warmup_steps = min(config.warmup_steps, config.steps)
     config.out = config.out or _shared_default_out(accelerator, plan.command)
-    resume_from, saved = None, None
     if config.resume:
-        resume_from = checkpoint.find_checkpoint(config.resume, Path(config.out))
-        saved = checkpoint.read_state(resume_from)
-        checkpoint.check_processes(resume_from, saved, processes)
-        _refuse_changed_config(resume_from, saved["config"], config.to_dict())
-        out = Path(config.out)
-    else:
-        out = outputs.prepare_out_dir(config.out, config.overwrite) if main_process else Path(config.out)
+        resume_from, saved = checkpoint.open_resume(config.resume, Path(config.out), config.to_dict(), processes)
+        return accelerator, Path(config.out), resume_from, saved
+    out = outputs.prepare_out_dir(config.out, config.overwrite) if accelerator.is_main_process else Path(config.out)
+    return accelerator, out, None, None
 
-    model, tokenizer, model_name = load_model_and_tokenizer(config.model, precision.weights_dtype(config),
-                                                            config.trust_remote_code)
+
+@contextmanager
+def setup(config: TrainConfig, plan: Plan, console: Console) -> Iterator[Run]:
+    """Build everything the loop steps with: the accelerator and the run's folder, the model, then (with the
+    progress display live until the block ends) the plan's objectives, the reference model, LoRA, the shards,
+    the optimizer and its LR schedule, a resumed run's state, the trackers and metrics.jsonl."""
+    from transformers import get_linear_schedule_with_warmup
+
+    accelerator, out, resume_from, saved = _open_run(config, plan)
+    main_process, world = accelerator.is_main_process, accelerator.num_processes
+    sharded = config.fsdp and world > 1
+    lora = _lora_settings(config)
+    weights_dtype = precision.weights_dtype(config.precision, config.dtype, lora=lora is not None)
+    model, tokenizer, model_name = load_model_and_tokenizer(config.model, weights_dtype, config.trust_remote_code)
     formatter = PromptFormatter(tokenizer, config.max_length, config.prompt_template)
     if main_process:
         outputs.write_config(out, {**config.to_dict(), "out": str(out)})
     model.to(accelerator.device)
-    progress = _progress(console, main_process)
-
-    with progress:
+    with _progress(console, main_process) as progress:
         objectives = plan.objectives(model, formatter, out, progress, accelerator, resumed=resume_from is not None)
         before = plan.before(model, formatter, progress, accelerator,
                              saved["extra"].get("before", []) if saved is not None else None)
-
         reference = None
         if any(o.loss.needs_reference for o in objectives):
-            reference = _reference_model(config, model, accelerator, fsdp)
-        lora = _lora_settings(config)
-        if lora is not None:  # after the reference copy, so the reference stays the plain starting model
-            model = apply_lora(model, lora)
-        elif config.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            model.config.use_cache = False
+            reference = _reference_model(config, model, accelerator, sharded)
+        model = _trainable_model(model, lora, config.gradient_checkpointing)  # after the reference copy
         plan.prepare_model(model)  # e.g. RMU: only its chosen modules stay trainable
-
         for index, objective in enumerate(objectives):
             objective.stream = IndexStream(len(objective.source), config.batch_size, config.seed + index,
                                            accelerator.process_index, world)
-
         model.train()
-        if fsdp:  # before the optimizer, which then keeps states for this process's shards only
-            model = sharding.shard_model(accelerator, model, config.precision == "bf16-mixed")
+        if sharded:  # before the optimizer, which then keeps states for this process's shards only
+            model = sharding.shard_model(accelerator, model, mixed_precision=config.precision == "bf16-mixed")
         names = tuple(o.name for o in objectives)
-        optimizer, scheduled = build_optimizer(config, model, names, lr_multipliers(objectives), sharded=fsdp)
+        optimizer, scheduled = build_optimizer(model, names, lr_multipliers(objectives), optimizer_settings(config),
+                                               sharded=sharded)
         scheduler = get_linear_schedule_with_warmup(scheduled, config.warmup_steps, config.steps)
         streams = {o.name: o.stream for o in objectives}
-        cycle = frequencies(objectives)
+        processes = checkpoint.Processes(accelerator, sharded=sharded)
         start_step, records, evals = 0, [], []
         if resume_from is not None:
             state = checkpoint.load_checkpoint(resume_from, model, optimizer, scheduler, streams, processes)
             start_step, records = state["step"], checkpoint.saved_records(resume_from)
             evals = state["extra"].get("evals", [])
             console.print(f"resuming from {resume_from} at step {start_step}", highlight=False)
-        if not fsdp:
+        if not sharded:
             model = accelerator.prepare(model)
-        context = LossContext(model, reference, plan.beta, _token_count(accelerator), params=plan.loss_params)
-        tracker = tracking.RunTracker(accelerator, config, out, plan.command, saved, start_step)  # --report-to
-        metrics = outputs.MetricsWriter(out / "metrics.jsonl", records) if main_process else None
-        task = progress.add_task(plan.activity, total=config.steps, completed=start_step, status="", log=False)
-        # In a batch job's log (no terminal) a live bar draws nothing; print a plain line now and then.
-        log_lines, log_every = not console.is_terminal, max(1, config.steps // 20)
-        last_losses = {f"{o.name}_loss": float("nan") for o in objectives}  # latest value of each term
-        width = max(len(name) for name in (*names, JOINT))
-        stop = StopRequest()
-        similarity = (UpdateSimilarity(model.parameters(), names, _sum_over_shards if fsdp else None)
-                      if config.log_update_similarity else None)
+        yield Run(
+            accelerator=accelerator, out=out, model=model, tokenizer=tokenizer, model_name=model_name,
+            formatter=formatter, progress=progress, objectives=objectives, before=before, reference=reference,
+            lora=lora, optimizer=optimizer, scheduled=scheduled, scheduler=scheduler,
+            context=LossContext(model, reference, plan.beta, _token_count(accelerator), params=plan.loss_params),
+            checkpoints=checkpoint.CheckpointWriter(out, accelerator.unwrap_model(model), optimizer, scheduler,
+                                                    streams, config.to_dict(), config.keep_last, processes),
+            tracker=tracking.RunTracker(accelerator, out, tracker_settings(config, out, plan.command),
+                                        saved.get("extra", {}).get("trackers", {}) if saved is not None else None,
+                                        start_step),
+            metrics=outputs.MetricsWriter(out / "metrics.jsonl", records) if main_process else None,
+            similarity=(UpdateSimilarity(model.parameters(), names, _sum_over_shards if sharded else None)
+                        if config.log_update_similarity else None),
+            sharded=sharded, effective_batch=config.batch_size * config.grad_accum * world, start_step=start_step,
+            evals=evals,
+        )
 
-        def save(step_done: int) -> Path:  # every process takes part
-            try:
-                return checkpoint.save_checkpoint(
-                    out / "checkpoints", step_done, accelerator.unwrap_model(model), optimizer, scheduler, streams,
-                    config.to_dict(), metrics.records if metrics else [],
-                    {"before": before, "evals": evals, "trackers": tracker.ids},
-                    config.keep_last, processes,
-                )
-            except Exception as error:  # disk full, no permission: one line, the half-written step removed
-                failure = write_failure(out / "checkpoints" / f"step-{step_done}", error, _newest(out))
-                if failure is None:
-                    raise
-                for partial in (out / "checkpoints").glob(f".step-{step_done}.tmp"):
-                    shutil.rmtree(partial, ignore_errors=True)
-                raise failure from error
 
-        try:
-            stop.install()
-            for step in range(start_step, config.steps):
-                step_started = time.perf_counter()
-                objective = objective_at(step, config.scheme, cycle)
-                terms = _accumulate_gradients(objective, objectives, context, formatter, config, accelerator)
-                max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
-                if fsdp:
-                    grad_norm = sharding.clip_grad_norm(model, max_norm)
-                else:
-                    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
-                _stop_if_not_finite(step + 1, terms, grad_norm, out, plan.lr_options)
-                lr = scheduler.get_last_lr()[0] * getattr(optimizer, "lr_multipliers", {}).get(objective, 1.0)
-                if similarity is not None:
-                    similarity.before_step(objective)
-                optimizer.step(objective=objective)
-                update = optimizer.step_diagnostics()  # largest |Δθ|/η, elements above 10η
-                if similarity is not None:  # cosine of the objectives' latest updates and gradients
-                    update.update(similarity.after_step(objective))
-                if fsdp:
-                    update = sharding.gather_step_diagnostics(update, accelerator.device)
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                peak, _ = outputs.peak_memory_gb(accelerator.device)
-                record = {"step": step + 1, "objective": objective, **terms, "lr": lr, "grad_norm": grad_norm,
-                          **update, "seconds": time.perf_counter() - step_started, "peak_memory_gb": peak}
-                if metrics is not None:
-                    metrics.write(record)
-                tracker.step(record)
-                last_losses.update({k: v for k, v in terms.items()
-                                    if k.endswith("_loss") and k != "total_loss" and v is not None})
-                shown = " ".join(f"{k.removesuffix('_loss')} {v:.4f}" for k, v in last_losses.items())
-                status = f"{objective:<{width}} {shown}"
-                progress.update(task, advance=1, status=status + f"  {1 / max(record['seconds'], 1e-9):.2f} step/s")
-                if config.eval_every and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps):
-                    evals.append(plan.evaluate(step + 1, model, tokenizer, formatter, out, progress, accelerator))
-                    tracker.evaluation(evals[-1])
-                if log_lines and main_process and ((step + 1) % log_every == 0 or step + 1 == config.steps):
-                    console.print(f"step {step + 1}/{config.steps} {status} lr {lr:.3g} grad_norm {grad_norm:.3g} "
-                                  f"{record['seconds']:.2f} s/step", highlight=False)
-                if config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
-                    save(step + 1)
-                if stop.requested(accelerator) and step + 1 < config.steps:
-                    path = save(step + 1)
-                    if not main_process:  # the main process says what happened and how to resume
-                        raise SystemExit(worker_exit_code(128 + stop.signal_number))
-                    raise RunInterrupted(stop, step + 1, path, world)
-        except BaseException:
-            tracker.close()  # flushed; the checkpoint keeps the tracker run ids for --resume
-            raise
-        finally:
-            stop.restore()
-            if metrics is not None:
-                metrics.close()
+def train(run: Run, config: TrainConfig, plan: Plan, console: Console) -> None:
+    """Steps `run.start_step` to `config.steps`: pick the step's objective, backward its loss over `grad_accum`
+    micro-batches, clip, `optimizer.step(objective=...)`, log; evaluate and checkpoint every N steps; SIGTERM or
+    Ctrl-C ends the run after the current step, with a checkpoint."""
+    cycle = frequencies(run.objectives)
+    log = StepLog(run, plan.activity, config.steps, console)
+    stop = StopRequest()
+    try:
+        stop.install()
+        for step in range(run.start_step, config.steps):
+            step_started = time.perf_counter()
+            objective = objective_at(step, config.scheme, cycle)
+            terms = _accumulate_gradients(objective, run, config)
+            grad_norm = _clip_gradients(run, config.max_grad_norm)
+            _stop_if_not_finite(step + 1, terms, grad_norm, run.out, plan.lr_options)
+            lr = run.scheduler.get_last_lr()[0] * getattr(run.optimizer, "lr_multipliers", {}).get(objective, 1.0)
+            if run.similarity is not None:
+                run.similarity.before_step(objective)
+            run.optimizer.step(objective=objective)
+            update = _step_diagnostics(run, objective)
+            run.scheduler.step()
+            run.optimizer.zero_grad(set_to_none=True)
+            peak, _ = outputs.peak_memory_gb(run.accelerator.device)
+            record = {"step": step + 1, "objective": objective, **terms, "lr": lr, "grad_norm": grad_norm,
+                      **update, "seconds": time.perf_counter() - step_started, "peak_memory_gb": peak}
+            log.step(record)
+            if config.eval_every and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps):
+                run.evals.append(plan.evaluate(step + 1, run.model, run.tokenizer, run.formatter, run.out,
+                                               run.progress, run.accelerator))
+                run.tracker.evaluation(run.evals[-1])
+            log.line(record)
+            if config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
+                run.save_checkpoint(step + 1)
+            if stop.requested(run.accelerator) and step + 1 < config.steps:
+                path = run.save_checkpoint(step + 1)
+                if not run.accelerator.is_main_process:  # the main process says what happened and how to resume
+                    raise SystemExit(worker_exit_code(128 + stop.signal_number))
+                raise RunInterrupted(stop, step + 1, path, run.accelerator.num_processes)
+    except BaseException:
+        run.tracker.close()  # flushed; the checkpoint keeps the tracker run ids for --resume
+        raise
+    finally:
+        stop.restore()
+        if run.metrics is not None:
+            run.metrics.close()
 
-        unwrapped = accelerator.unwrap_model(model)
-        measured_after = plan.after(unwrapped, formatter, progress, accelerator, before)
-        full_weights = sharding.full_state_dict(model) if fsdp else None  # every process takes part
 
-    accelerator.wait_for_everyone()
-    if not main_process:
-        return {}
-    lora_report = {}
-    if lora is not None:
-        if full_weights is not None:  # FSDP: the adapters' full weights on an unsharded copy of the model
-            unwrapped, full_weights = _unsharded_lora_model(config, lora, full_weights), None
-
-        lora_report = {"lora": {"rank": config.lora_rank, "alpha": config.lora_alpha, "targets": config.lora_targets,
-                                "adapter_norms": adapter_norms(unwrapped),
-                                "final": "adapter only" if config.save_adapter_only else "merged model"}}
-        unwrapped = final_model(unwrapped, config.save_adapter_only)
-    trained_dtype = str(unwrapped.dtype).removeprefix("torch.")
-    unwrapped, full_weights = _in_save_dtype(unwrapped, full_weights, precision.save_dtype(config))
-    if config.precision == "bf16" and precision.save_dtype(config) == torch.float32 and full_weights is None:
-        _add_compensation(unwrapped, optimizer)
-    final = outputs.save_final(unwrapped, tokenizer, out, full_weights)
-    peak, peak_kind = outputs.peak_memory_gb(accelerator.device)
+def finish(run: Run, config: TrainConfig, plan: Plan, measured_after: dict[str, Any],
+           full_weights: dict[str, torch.Tensor] | None, started: float) -> dict[str, Any]:
+    """On the main process: final/, report.json and report.md, the model card and the trackers' final values."""
+    final, trained_dtype, lora_report = _save_final(run, config, full_weights)
+    cycle = frequencies(run.objectives)
+    records = run.metrics.records
+    peak, peak_kind = outputs.peak_memory_gb(run.accelerator.device)
+    world = run.accelerator.num_processes
     report = {
         "status": "completed",
-        "model": model_name,
+        "model": run.model_name,
         "final": str(final),
-        "config": {**config.to_dict(), "out": str(out)},
+        "config": {**config.to_dict(), "out": str(run.out)},
         "data": plan.data_report(),
         "steps": config.steps,
         "warmup_steps": config.warmup_steps,
         "steps_per_objective": steps_per_objective(config.steps, config.scheme, cycle),
-        "losses": outputs.loss_summary(metrics.records),
-        "update_sizes": outputs.update_summary(metrics.records),
+        "losses": outputs.loss_summary(records),
+        "update_sizes": outputs.update_summary(records),
         "wall_time_s": time.perf_counter() - started,
         "peak_memory_gb": peak,
         "peak_memory_kind": peak_kind,
         # this process's (its shards under FSDP): numel x element size of every state tensor, 8-bit codes and
         # block scales included (paper, Table 8)
-        "optimizer_state_bytes": quant.optimizer_state_bytes(scheduled),
-        "precision": precision.describe(config),
-        "environment": {**outputs.environment(accelerator.device, world, effective_batch, config.seed, trained_dtype),
-                        "precision": config.precision},
+        "optimizer_state_bytes": quant.optimizer_state_bytes(run.scheduled),
+        "precision": precision.describe(config.precision, config.save_dtype),
+        "environment": {**outputs.environment(run.accelerator.device, world, run.effective_batch, config.seed,
+                                              trained_dtype), "precision": config.precision},
         **({"teach": config.extra["taught"]} if config.extra.get("taught") else {}),
         **measured_after,
         **lora_report,
-        **_reference_report(reference, config, fsdp),
+        **_reference_report(run.reference, config.ref_offload, run.sharded),
     }
-    if evals:
-        report["evals"] = evals
-        report["eval_curves"] = _plot_curves(evals, out, plan.curve_names)
-    outputs.write_report(out, report, plan.render_markdown)
-    model_card.write_model_card(final, report, objectives, plan.command)
-    tracker.finish(report, config.steps)
+    if run.evals:
+        report["evals"] = run.evals
+        report["eval_curves"] = _plot_curves(run.evals, run.out, plan.curve_names)
+    outputs.write_report(run.out, report, plan.render_markdown)
+    model_card.write_model_card(final, report, run.objectives, plan.command)
+    run.tracker.finish(report, config.steps)
     return report
+
+
+def _save_final(run: Run, config: TrainConfig, full_weights: dict[str, torch.Tensor] | None
+                ) -> tuple[Path, str, dict[str, Any]]:
+    """final/ in --save-dtype (with LoRA: the adapters alone or merged); return (its path, the dtype the model
+    trained in, the report's `lora` entry)."""
+    model = run.accelerator.unwrap_model(run.model)
+    lora_report = {}
+    if run.lora is not None:
+        if full_weights is not None:  # FSDP: the adapters' full weights on an unsharded copy of the model
+            model, full_weights = _unsharded_lora_model(config, run.lora, full_weights), None
+        lora_report = {"lora": {"rank": config.lora_rank, "alpha": config.lora_alpha, "targets": config.lora_targets,
+                                "adapter_norms": adapter_norms(model),
+                                "final": "adapter only" if config.save_adapter_only else "merged model"}}
+        model = final_model(model, config.save_adapter_only)
+    trained_dtype = str(model.dtype).removeprefix("torch.")
+    save_dtype = resolve_dtype(config.save_dtype)
+    model, full_weights = _in_save_dtype(model, full_weights, save_dtype)
+    if config.precision == "bf16" and save_dtype == torch.float32 and full_weights is None:
+        _add_compensation(model, run.optimizer)
+    return outputs.save_final(model, run.tokenizer, run.out, full_weights), trained_dtype, lora_report
+
+
+class StepLog:
+    """Where each step's record goes: metrics.jsonl, the trackers, the progress bar's status and, in a batch job's
+    log (no terminal, where a live bar draws nothing), a plain line now and then."""
+
+    def __init__(self, run: Run, activity: str, steps: int, console: Console) -> None:
+        self.metrics, self.tracker, self.progress, self.console, self.steps = (
+            run.metrics, run.tracker, run.progress, console, steps)
+        self.task = run.progress.add_task(activity, total=steps, completed=run.start_step, status="", log=False)
+        self.lines = not console.is_terminal and run.accelerator.is_main_process
+        self.every = max(1, steps // 20)
+        self.last_losses = {f"{o.name}_loss": float("nan") for o in run.objectives}  # latest value of each term
+        self.width = max(len(name) for name in (*(o.name for o in run.objectives), JOINT))
+        self.status = ""
+
+    def step(self, record: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            self.metrics.write(record)
+        self.tracker.step(record)
+        self.last_losses.update({k: v for k, v in record.items()
+                                 if k.endswith("_loss") and k != "total_loss" and v is not None})
+        shown = " ".join(f"{k.removesuffix('_loss')} {v:.4f}" for k, v in self.last_losses.items())
+        self.status = f"{record['objective']:<{self.width}} {shown}"
+        self.progress.update(self.task, advance=1,
+                             status=self.status + f"  {1 / max(record['seconds'], 1e-9):.2f} step/s")
+
+    def line(self, record: dict[str, Any]) -> None:
+        step = record["step"]
+        if self.lines and (step % self.every == 0 or step == self.steps):
+            self.console.print(f"step {step}/{self.steps} {self.status} lr {record['lr']:.3g} "
+                               f"grad_norm {record['grad_norm']:.3g} {record['seconds']:.2f} s/step", highlight=False)
+
+
+def optimizer_settings(config: TrainConfig) -> OptimizerSettings:
+    """The optimizer's values from the resolved configuration; compensation buffers under --precision bf16,
+    unless `doplus bench precision` switched them off to show what bf16 weights updated in place lose."""
+    return OptimizerSettings(
+        scheme=config.scheme, optimizer=config.optimizer, lr=config.lr, betas=tuple(config.betas),
+        weight_decay=config.weight_decay, state_bits=config.state_bits, rule=config.doplus_rule,
+        compensated=config.precision == "bf16" and config.extra.get("compensation", True),
+    )
+
+
+def tracker_settings(config: TrainConfig, out: Path, command: str) -> tracking.TrackerSettings:
+    """The trackers' folder, project, run name, group, tags and hyper-parameters from the resolved configuration."""
+    task_id = getattr(config, "task_id", None)  # unlearn's TOFU task
+    tags = {"command": command, "scheme": config.scheme, "seed": str(config.seed),
+            **({"group": config.tracker_group} if config.tracker_group else {}),
+            **({"task_id": str(task_id)} if task_id is not None else {})}
+    return tracking.TrackerSettings(
+        folder=Path(config.tracker_dir or out / "trackers").resolve(),
+        project=config.tracker_project or f"doplus-{command}",
+        run_name=config.tracker_run_name or Path(out).resolve().name,
+        group=config.tracker_group,
+        tags=tags,
+        resolved_config={**config.to_dict(), "out": str(out), "command": command},
+    )
+
+
+def _lora_settings(config: TrainConfig) -> LoraSettings | None:
+    if config.lora_rank <= 0:
+        return None
+    targets = tuple(t.strip() for t in config.lora_targets.split(",") if t.strip()) if config.lora_targets else None
+    return LoraSettings(rank=config.lora_rank, alpha=config.lora_alpha, targets=targets,
+                        dropout=config.lora_dropout, gradient_checkpointing=config.gradient_checkpointing)
+
+
+def _trainable_model(model: torch.nn.Module, lora: LoraSettings | None, gradient_checkpointing: bool
+                     ) -> torch.nn.Module:
+    """The model with LoRA adapters (only they train), or with activation checkpointing where asked."""
+    if lora is not None:
+        return apply_lora(model, lora)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+def _reference_model(config: TrainConfig, model: torch.nn.Module, accelerator, sharded: bool) -> torch.nn.Module:
+    """The frozen starting model that NPO, DPO and KL compare against: a copy on the device (sharded like the
+    model under FSDP), on the CPU (`--ref-offload cpu`), or reloaded with LLM.int8 weights (`8bit`)."""
+    if config.ref_offload == "8bit":
+        return load_model_8bit(config.model, config.dtype, config.trust_remote_code, accelerator.device)
+    reference = copy.deepcopy(model).eval().requires_grad_(False)
+    reference = reference.to(precision.reference_dtype(config.precision, config.dtype))
+    if config.ref_offload == "cpu":
+        return reference.to("cpu")
+    if sharded:
+        return sharding.shard_model(accelerator, reference, mixed_precision=config.precision == "bf16-mixed")
+    return reference
+
+
+def _unsharded_lora_model(config: TrainConfig, lora: LoraSettings, full_weights: dict[str, torch.Tensor]
+                          ) -> torch.nn.Module:
+    """The starting model with the same adapters, holding the gathered weights of a sharded LoRA run."""
+    weights_dtype = precision.weights_dtype(config.precision, config.dtype, lora=True)
+    base, _, _ = load_model_and_tokenizer(config.model, weights_dtype, config.trust_remote_code)
+    model = apply_lora(base, lora)
+    model.load_state_dict(full_weights)
+    return model
+
+
+def _reference_report(reference: torch.nn.Module | None, offload: str | None, sharded: bool) -> dict[str, Any]:
+    """Where the reference model was and what its weights took on this process."""
+    if reference is None:
+        return {}
+    tensors = [local_shard(t) for t in (*reference.parameters(), *reference.buffers())]
+    placement = {"cpu": "CPU", "8bit": "LLM.int8 on the device"}.get(offload or "", "sharded" if sharded else "device")
+    return {"reference": {"placement": placement,
+                          "memory_gb": sum(t.numel() * t.element_size() for t in tensors) / 1e9}}
+
+
+def _clip_gradients(run: Run, max_grad_norm: float) -> float:
+    """Clip the gradients to `max_grad_norm` in total (none: 0); return their total norm before clipping."""
+    max_norm = max_grad_norm if max_grad_norm > 0 else float("inf")
+    if run.sharded:
+        return sharding.clip_grad_norm(run.model, max_norm)
+    return float(run.accelerator.clip_grad_norm_(run.model.parameters(), max_norm))
+
+
+def _step_diagnostics(run: Run, objective: str) -> dict[str, float | None]:
+    """The step just taken: its largest |Δθ|/η and elements above 10η, with --log-update-similarity the cosine of
+    the objectives' latest updates and gradients; over every process's shards under FSDP."""
+    update = run.optimizer.step_diagnostics()
+    if run.similarity is not None:
+        update.update(run.similarity.after_step(objective))
+    if run.sharded:
+        update = sharding.gather_step_diagnostics(update, run.accelerator.device)
+    return update
 
 
 def _in_save_dtype(model: torch.nn.Module, full_weights: dict[str, torch.Tensor] | None, dtype: torch.dtype):
@@ -418,22 +547,6 @@ def _stop_if_not_finite(step: int, terms: dict[str, float | None], grad_norm: fl
                        f"try a lower {lr_options}, or --precision fp32")
 
 
-def _newest(out: Path) -> str:
-    """What a run whose checkpoint write failed says next: how to go on, from which checkpoint."""
-    found = checkpoint.list_checkpoints(out / "checkpoints")
-    if not found:
-        return "; the run stopped before its first checkpoint: free space (or fix the permission) and start it again"
-    return (f"; the run stopped, its newest complete checkpoint is {found[-1]}: free space (or fix the permission), "
-            "then run the same command with --resume")
-
-
-def _refuse_changed_config(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
-    keys = checkpoint.differing_keys(saved, current)
-    if keys:
-        changes = ", ".join(f"{k} ({saved.get(k)!r} -> {current.get(k)!r})" for k in keys)
-        raise UserError(f"{path}: cannot resume with a different configuration: {changes}")
-
-
 def _plot_curves(evals: list[dict[str, Any]], out: Path, names: Sequence[str]) -> str | None:
     """evals/curves.png: the evaluation values `names` against the step (None when matplotlib is missing)."""
     try:
@@ -480,13 +593,11 @@ def _token_count(accelerator):
     return global_count
 
 
-def _accumulate_gradients(
-    objective: str, objectives: Sequence[Objective], context: LossContext, formatter: PromptFormatter,
-    config: TrainConfig, accelerator,
-) -> dict[str, float | None]:
+def _accumulate_gradients(objective: str, run: Run, config: TrainConfig) -> dict[str, float | None]:
     """Backward `grad_accum` micro-batches of this step's objective (gradients averaged); return the mean
     of each loss term. A joint step sums every objective's weighted loss on one batch of each. An objective
     over a `MixtureSource` also logs each part's loss and rows (`PartTally`)."""
+    objectives, context, formatter, accelerator = run.objectives, run.context, run.formatter, run.accelerator
     parts = list(objectives) if objective == JOINT else [o for o in objectives if o.name == objective]
     sums = {f"{part.name}_loss": 0.0 for part in parts}
     model = context.model
@@ -498,7 +609,7 @@ def _accumulate_gradients(
             total = 0.0
             for part in parts:
                 batch = part.next_batch(formatter, accelerator.device, config.seed)
-                with precision.autocast(config, accelerator.device):  # bf16 forward under bf16-mixed
+                with precision.autocast(config.precision, accelerator.device):  # bf16 forward under bf16-mixed
                     value = part.loss.fn(context, batch)
                 sums[f"{part.name}_loss"] += value.item() / config.grad_accum
                 total = total + part.weight * value

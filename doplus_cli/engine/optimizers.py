@@ -19,10 +19,11 @@ parameter of its own (`OnLocalShards`), which also lets bitsandbytes' 8-bit stat
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.optim import Optimizer
 
-from doplus_cli.config import TrainConfig
 from doplus_cli.optim import DualOptim, DualOptimPlus, muon_param_groups, quant
 from doplus_cli.optim.adamw import AdamW
 from doplus_cli.optim.diagnostics import adamw_step_stats, reduce_step_stats
@@ -74,10 +75,19 @@ class SharedState:
         self.inner.load_state_dict(state)
 
 
-def compensated(config: TrainConfig) -> bool:
-    """Whether the optimizer keeps compensation buffers: under --precision bf16, unless `doplus bench
-    precision` switched them off to show what bf16 weights updated in place lose."""
-    return config.precision == "bf16" and config.extra.get("compensation", True)
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """What a run's optimizer is built from: `--scheme`, `--optimizer`, `--lr`, `--betas`, `--weight-decay`,
+    `--state-bits`, `--doplus-rule`, and whether it keeps bf16 compensation buffers."""
+
+    scheme: str  # joint, alternate, dualoptim or doplus
+    optimizer: str  # DualOptim+'s inner rule: adamw or muon
+    lr: float
+    betas: tuple[float, float]
+    weight_decay: float
+    state_bits: int  # 32, or 8: 8-bit states
+    rule: str  # DualOptim+'s AdamW rule: safeguarded or paper
+    compensated: bool  # a bf16 compensation buffer per weight (--precision bf16)
 
 
 def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -141,40 +151,40 @@ def local_views(groups: list[dict]) -> tuple[list[dict], list[tuple[torch.Tensor
 
 
 def build_optimizer(
-    config: TrainConfig, model: torch.nn.Module, objectives: tuple[str, ...], multipliers: dict[str, float],
+    model: torch.nn.Module, objectives: tuple[str, ...], multipliers: dict[str, float], settings: OptimizerSettings,
     sharded: bool = False,
 ) -> tuple[object, Optimizer]:
     """(the optimizer the loop steps with an objective, the torch Optimizer the LR scheduler drives).
 
     `objectives`: the objective names (dualoptim and doplus keep a state for each); `multipliers`: the
     per-objective learning-rate factors; `sharded`: the model's parameters are FSDP shards (DTensors)."""
-    if sharded and config.scheme != "doplus":
-        groups, pairs = local_views(decay_groups(model, config.weight_decay))
-        stepped, scheduled = _build_unsharded(config, groups, objectives, multipliers)
+    if sharded and settings.scheme != "doplus":
+        groups, pairs = local_views(decay_groups(model, settings.weight_decay))
+        stepped, scheduled = _build_unsharded(settings, groups, objectives, multipliers)
         return OnLocalShards(stepped, pairs), scheduled
-    if config.scheme != "doplus":
-        return _build_unsharded(config, decay_groups(model, config.weight_decay), objectives, multipliers)
-    if config.optimizer == "muon":
+    if settings.scheme != "doplus":
+        return _build_unsharded(settings, decay_groups(model, settings.weight_decay), objectives, multipliers)
+    if settings.optimizer == "muon":
         groups = muon_param_groups(model)
     else:
-        groups = decay_groups(model, config.weight_decay)
+        groups = decay_groups(model, settings.weight_decay)
     optimizer = DualOptimPlus(
-        groups, objectives=objectives, inner=config.optimizer, state_bits=config.state_bits, rule=config.doplus_rule,
-        lr_multipliers=multipliers, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay,
-        compensated=compensated(config),
+        groups, objectives=objectives, inner=settings.optimizer, state_bits=settings.state_bits, rule=settings.rule,
+        lr_multipliers=multipliers, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay,
+        compensated=settings.compensated,
     )
     return optimizer, optimizer
 
 
 def _build_unsharded(
-    config: TrainConfig, groups: list[dict], objectives: tuple[str, ...], multipliers: dict[str, float]
+    settings: OptimizerSettings, groups: list[dict], objectives: tuple[str, ...], multipliers: dict[str, float]
 ) -> tuple[object, Optimizer]:
     """joint / alternate (one shared state) and dualoptim (one state per objective) over `groups`."""
-    common = dict(lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
-    if config.scheme in ("joint", "alternate"):
-        if compensated(config):  # config.py refuses bf16 with these schemes' 8-bit states
+    common = dict(lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay)
+    if settings.scheme in ("joint", "alternate"):
+        if settings.compensated:  # config.py refuses bf16 with these schemes' 8-bit states
             inner = AdamW(groups, compensated=True, **common)
-        elif config.state_bits == 8:
+        elif settings.state_bits == 8:
             import bitsandbytes as bnb
 
             inner = bnb.optim.AdamW8bit(groups, min_8bit_size=quant.MIN_8BIT_SIZE, **common)
@@ -184,6 +194,6 @@ def _build_unsharded(
             inner = torch.optim.AdamW(groups, fused=fused, **common)
         shared = SharedState(inner, multipliers)
         return shared, inner
-    optimizer = DualOptim(groups, objectives=objectives, state_bits=config.state_bits, lr_multipliers=multipliers,
-                          compensated=compensated(config), **common)
+    optimizer = DualOptim(groups, objectives=objectives, state_bits=settings.state_bits, lr_multipliers=multipliers,
+                          compensated=settings.compensated, **common)
     return optimizer, optimizer

@@ -20,50 +20,46 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from doplus_cli.config import TrainConfig
 from doplus_cli.models import resolve_dtype
 
 WEIGHT_DTYPES = {"fp32": "float32", "bf16-mixed": "float32", "bf16": "bfloat16"}
 
 
-def resolve(config: TrainConfig) -> None:
-    """Turn `auto` into the precision and save dtype this run uses (written to config.yaml and the report)."""
-    if config.precision == "auto":
-        config.precision = "bf16-mixed" if resolve_dtype(config.dtype) == torch.bfloat16 else "fp32"
-    if config.save_dtype == "auto":
-        config.save_dtype = "float32" if config.precision == "fp32" else "bfloat16"
+def resolve(precision: str, dtype: str, save_dtype: str) -> tuple[str, str]:
+    """(precision, save dtype) with `auto` turned into what this run uses (written to config.yaml and the report)."""
+    if precision == "auto":
+        precision = "bf16-mixed" if resolve_dtype(dtype) == torch.bfloat16 else "fp32"
+    if save_dtype == "auto":
+        save_dtype = "float32" if precision == "fp32" else "bfloat16"
+    return precision, save_dtype
 
 
-def weights_dtype(config: TrainConfig) -> str:
+def weights_dtype(precision: str, dtype: str, lora: bool) -> str:
     """The dtype the trained model is loaded in: its weights' dtype (float32 master weights under bf16-mixed;
     with LoRA the frozen base loads at --dtype instead, the adapters being float32 anyway)."""
-    if config.precision == "bf16-mixed" and config.lora_rank > 0:
-        return config.dtype
-    return WEIGHT_DTYPES[config.precision]
+    if precision == "bf16-mixed" and lora:
+        return dtype
+    return WEIGHT_DTYPES[precision]
 
 
-def reference_dtype(config: TrainConfig) -> torch.dtype:
+def reference_dtype(precision: str, dtype: str) -> torch.dtype:
     """The frozen reference model's dtype: --dtype under bf16-mixed (bf16 on CUDA: it is never updated),
     else the trained weights' dtype."""
-    if config.precision == "bf16-mixed":
-        return resolve_dtype(config.dtype)
-    return resolve_dtype(WEIGHT_DTYPES[config.precision])
+    if precision == "bf16-mixed":
+        return resolve_dtype(dtype)
+    return resolve_dtype(WEIGHT_DTYPES[precision])
 
 
-def autocast(config: TrainConfig, device: torch.device) -> AbstractContextManager:
+def autocast(precision: str, device: torch.device) -> AbstractContextManager:
     """The context the forward pass and the losses run in: bf16 autocast under bf16-mixed, else nothing."""
-    if config.precision != "bf16-mixed":
+    if precision != "bf16-mixed":
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
-def save_dtype(config: TrainConfig) -> torch.dtype:
-    return resolve_dtype(config.save_dtype)
-
-
-def describe(config: TrainConfig) -> dict[str, str]:
+def describe(precision: str, save_dtype: str) -> dict[str, str]:
     """The report's `precision` entry: what each part of the run was stored and computed in."""
-    compute = "float32" if config.precision == "fp32" else "bfloat16"
-    return {"mode": config.precision, "weights": WEIGHT_DTYPES[config.precision], "compute": compute,
-            "compensation": "bfloat16 per weight" if config.precision == "bf16" else "none",
-            "saved": config.save_dtype}
+    compute = "float32" if precision == "fp32" else "bfloat16"
+    return {"mode": precision, "weights": WEIGHT_DTYPES[precision], "compute": compute,
+            "compensation": "bfloat16 per weight" if precision == "bf16" else "none",
+            "saved": save_dtype}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,10 @@ _NOT_METRICS = ("config", "environment", "evals", "eval_curves", "samples", "fin
                 "steps_per_objective", "precision", "teach", "lora", "reference")
 
 
-def accelerator_options(config) -> dict[str, Any]:
-    """`Accelerator(**...)`'s tracker options; the logging folder is set when the run's folder is known."""
-    names = parse_report_to(config.report_to)
+def accelerator_options(report_to: str | None) -> dict[str, Any]:
+    """`Accelerator(**...)`'s tracker options for `--report-to`; the logging folder is set when the run's folder
+    is known."""
+    names = parse_report_to(report_to)
     return {"log_with": names, "project_dir": "."} if names else {}
 
 
@@ -81,42 +83,53 @@ def _mlflow_last_step(run_id: str) -> int:
     return max((m.step for m in MlflowClient().get_metric_history(run_id, "train/lr")), default=0)
 
 
+@dataclass(frozen=True)
+class TrackerSettings:
+    """Where and under which names a run is tracked (`--tracker-*`), made from the resolved configuration."""
+
+    folder: Path  # --tracker-dir, else OUT/trackers (absolute)
+    project: str  # --tracker-project, else doplus-COMMAND
+    run_name: str  # --tracker-run-name, else the --out folder's name
+    group: str | None  # --tracker-group
+    tags: dict[str, str]  # command, scheme, seed, and the group and task_id where set
+    resolved_config: dict[str, Any]  # the hyper-parameters a new tracker run is given
+
+
 class RunTracker:
     """One tracker run per training run: built once, then `step`, `evaluation` and `finish`; a no-op without
-    `--report-to`. Only the main process holds trackers (accelerate's `init_trackers` runs there alone)."""
+    `--report-to`. Only the main process holds trackers (accelerate's `init_trackers` runs there alone).
 
-    def __init__(self, accelerator, config, out: Path, command: str, saved: dict[str, Any] | None,
+    `resumed_ids`: the tracker run ids a resumed run's checkpoint kept (None: a new run); `start_step`: the step
+    the run starts from."""
+
+    def __init__(self, accelerator, out: Path, settings: TrackerSettings, resumed_ids: dict[str, str] | None,
                  start_step: int) -> None:
         self.accelerator = accelerator
+        resumed = resumed_ids is not None
         # accelerate's LoggerType, as names; none on the other processes (trackers live on the main process only)
         self.names = [str(name) for name in getattr(accelerator, "log_with", None) or []
                       if accelerator.is_main_process]
-        self.ids: dict[str, str] = dict((saved or {}).get("extra", {}).get("trackers", {}))
+        self.ids: dict[str, str] = dict(resumed_ids or {})
         # per tracker, the last step the interrupted run sent: W&B, MLflow and trackio keep what they got, so it is
         # not sent again (MLflow says what it holds; for the others metrics.jsonl does); TensorBoard drops its
         # events from the checkpoint's step on (purge_step) and takes them again
         self.logged_until: dict[str, int] = {}
-        if saved is not None:
+        if resumed:
             self.logged_until = {name: _last_logged_step(out) for name in self.names} | {"tensorboard": start_step}
         self.finished = False
         self._own_mlflow_uri = False  # set here for this run; unset at the end (mlflow puts it in the environment)
         if not self.names:
             return
-        folder = Path(config.tracker_dir or out / "trackers").resolve()
+        folder, run_name, tags = settings.folder, settings.run_name, settings.tags
         accelerator.project_configuration.project_dir = str(out)
-        run_name = config.tracker_run_name or Path(out).resolve().name
         # TensorBoard's events in trackers/tensorboard/RUN/PROJECT/ (accelerate names the last folder after the project)
         accelerator.project_configuration.logging_dir = str(folder / "tensorboard" / run_name)
-        project = config.tracker_project or f"doplus-{command}"
-        tags = {"command": command, "scheme": config.scheme, "seed": str(config.seed),
-                **({"group": config.tracker_group} if config.tracker_group else {}),
-                **({"task_id": str(config.task_id)} if getattr(config, "task_id", None) is not None else {})}
         init_kwargs: dict[str, dict[str, Any]] = {}
         if "tensorboard" in self.names:
-            init_kwargs["tensorboard"] = {"purge_step": start_step + 1} if saved is not None else {}
+            init_kwargs["tensorboard"] = {"purge_step": start_step + 1} if resumed else {}
         if "wandb" in self.names:
             self.ids.setdefault("wandb", uuid.uuid4().hex[:16])
-            options = {"id": self.ids["wandb"], "resume": "allow", "name": run_name, "group": config.tracker_group,
+            options = {"id": self.ids["wandb"], "resume": "allow", "name": run_name, "group": settings.group,
                        "mode": os.environ.get("WANDB_MODE") or "offline",
                        "tags": [f"{k}:{v}" for k, v in tags.items()]}
             if not os.environ.get("WANDB_DIR"):
@@ -135,16 +148,16 @@ class RunTracker:
         own_trackio_dir = "trackio" in self.names and not os.environ.get("TRACKIO_DIR")
         if "trackio" in self.names:
             os.environ.setdefault("TRACKIO_DIR", str(folder / "trackio"))  # read once, when trackio is imported
-            init_kwargs["trackio"] = {"name": run_name, "group": config.tracker_group, "resume": "allow"}
-        resolved = {**config.to_dict(), "out": str(out), "command": command}
+            init_kwargs["trackio"] = {"name": run_name, "group": settings.group, "resume": "allow"}
         # hyper-parameters once per tracker run: a resumed run's tracker run already holds them
-        accelerator.init_trackers(project, config=None if saved is not None else hyper_parameters(resolved),
+        accelerator.init_trackers(settings.project,
+                                  config=None if resumed else hyper_parameters(settings.resolved_config),
                                   init_kwargs=init_kwargs)
         if own_trackio_dir:
             os.environ.pop("TRACKIO_DIR")
         if "mlflow" in self.names:
             self.ids["mlflow"] = accelerator.get_tracker("mlflow").active_run.info.run_id
-            if saved is not None:
+            if resumed:
                 self.logged_until["mlflow"] = _mlflow_last_step(self.ids["mlflow"])
 
     def _log(self, values: dict[str, float], step: int) -> None:
