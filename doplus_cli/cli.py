@@ -13,9 +13,9 @@ from rich.text import Text
 
 from doplus_cli.bench.schemes import DEFAULT_SCHEMES, DEFAULT_SEEDS, SCHEMES
 from doplus_cli.config import default_of
-from doplus_cli.data.formatting import TEMPLATE_HELP, check_prompt_template
+from doplus_cli.data.formatting import TEMPLATE_HELP
 from doplus_cli.errors import EXIT_FILE_VARIABLE, UserError, quiet_worker, worker_exit_code
-from doplus_cli.evaluation.protocol import get_protocol
+from doplus_cli.evaluation.runner import EvalConfig, resolve_eval_config, run_evaluate
 
 app = typer.Typer(
     name="doplus",
@@ -491,9 +491,10 @@ def evaluate(
         None, "--model", help="Hub id, model folder (e.g. a run's final/) or .gguf [default: embedded SmolLM2]"
     ),
     suite: str = typer.Option(
-        "tofu", "--suite", help="tofu, real-world, lm-eval, privacy, safety, xstest, or several comma-separated."
+        ",".join(EvalConfig.suites), "--suite",
+        help="tofu, real-world, lm-eval, privacy, safety, xstest, or several comma-separated.",
     ),
-    split: str = typer.Option("forget10", "--split", help="TOFU forget split: forget01, forget05, forget10."),
+    split: str = typer.Option(EvalConfig.split, "--split", help="TOFU forget split: forget01, forget05, forget10."),
     task_id: int | None = typer.Option(None, "--task-id", help="TOFU files whose rows carry task_id (the DualOptim+ "
                                        "authors'): the forget task scored [default: 1]"),
     data_dir: str | None = typer.Option(
@@ -503,9 +504,10 @@ def evaluate(
     retain: str | None = typer.Option(None, "--retain", help="real-world: neighbour-people JSON lines."),
     out: str | None = typer.Option(None, "--out", help="Output folder [default: evals/DATE-TIME]"),
     max_samples: int | None = typer.Option(None, "--max-samples", help="At most N questions per set (quick looks)."),
-    batch_size: int = typer.Option(64, "--batch-size", min=1, help="Prompts per generation batch; NLL batches hold "
-                                   "about 48 tokens per unit."),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Greedy tokens per answer."),
+    batch_size: int = typer.Option(EvalConfig.batch_size, "--batch-size", min=1, help="Prompts per generation batch; "
+                                   "NLL batches hold about 48 tokens per unit."),
+    max_new_tokens: int = typer.Option(EvalConfig.max_new_tokens, "--max-new-tokens", min=1,
+                                       help="Greedy tokens per answer."),
     embedding_model: str | None = typer.Option(
         None, "--embedding-model",
         help="Sentence-transformers model for Cosine Similarity [default: the protocol's: doplus all-MiniLM-L6-v2, "
@@ -518,19 +520,18 @@ def evaluate(
         None, "--targeted/--untargeted",
         help="OVR formula (IDK/DPO are targeted) [default: from the run's loss, else both]",
     ),
-    tasks: str = typer.Option(
-        "arc_challenge,mmlu,truthfulqa_mc2,triviaqa,gsm8k", "--tasks", help="lm-eval tasks, comma-separated."
-    ),
+    tasks: str = typer.Option(",".join(EvalConfig.tasks), "--tasks", help="lm-eval tasks, comma-separated."),
     limit: float | None = typer.Option(None, "--limit", help="lm-eval: samples per task (or a fraction < 1)."),
     lm_eval_include: str | None = typer.Option(None, "--lm-eval-include", help="Folder of extra lm-eval task YAMLs."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16."),
-    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the model's own code to run."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an evaluation already in --out."),
-    seed: int = typer.Option(0, "--seed", help="Seed (rejection answers drawn for TFE)."),
+    dtype: str = typer.Option(EvalConfig.dtype, "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16."),
+    trust_remote_code: bool = typer.Option(EvalConfig.trust_remote_code, "--trust-remote-code",
+                                           help="Allow the model's own code to run."),
+    overwrite: bool = typer.Option(EvalConfig.overwrite, "--overwrite", help="Replace an evaluation already in --out."),
+    seed: int = typer.Option(EvalConfig.seed, "--seed", help="Seed (rejection answers drawn for TFE)."),
     prompt_template: str | None = typer.Option(
         None, "--prompt-template", help=TEMPLATE_HELP.replace("[default: ", "[default: a run's own template; else ")
     ),
-    protocol: str = typer.Option("doplus", "--protocol", help=PROTOCOL_HELP),
+    protocol: str = typer.Option(EvalConfig.protocol, "--protocol", help=PROTOCOL_HELP),
     retain_logs: str | None = typer.Option(
         None, "--retain-logs", help="A retain model's TOFU_EVAL.json (doplus's or OpenUnlearning's): forget_quality "
         "and privleak's reference AUC.",
@@ -570,71 +571,20 @@ def evaluate(
         return
     if folders:
         raise UserError(f"unexpected argument '{folders[0]}' (folders are only taken with --compare)")
-    from doplus_cli.evaluation.runner import EvalConfig, parse_suites, run_evaluate
+    from doplus_cli.evaluation.summary import print_summary
 
-    if dtype not in ("auto", "float32", "bfloat16"):
-        raise UserError(f"unknown dtype '{dtype}': choose one of auto, float32, bfloat16")
-    config = EvalConfig(
-        model=model, suites=parse_suites(suite), split=split, data_dir=data_dir, task_id=task_id, forget=forget,
-        retain=retain,
+    values = dict(
+        model=model, suite=suite, split=split, task_id=task_id, data_dir=data_dir, forget=forget, retain=retain,
         out=out, max_samples=max_samples, batch_size=batch_size, max_new_tokens=max_new_tokens,
-        embedding_model=embedding_model, nli_model=nli_model, targeted=targeted,
-        tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), limit=limit, lm_eval_include=lm_eval_include,
-        dtype=dtype, trust_remote_code=trust_remote_code, overwrite=overwrite, seed=seed,
-        prompt_template=prompt_template, protocol=protocol, retain_logs=retain_logs, holdout=holdout,
-        guard_model=guard_model, safety_data_dir=safety_data_dir, responses=responses, refusal_model=refusal_model,
-        refusal_model_prompt=refusal_model_prompt,
+        embedding_model=embedding_model, nli_model=nli_model, targeted=targeted, tasks=tasks, limit=limit,
+        lm_eval_include=lm_eval_include, dtype=dtype, trust_remote_code=trust_remote_code, overwrite=overwrite,
+        seed=seed, prompt_template=prompt_template, protocol=protocol, retain_logs=retain_logs, holdout=holdout,
+        guard_model=guard_model, refusal_model=refusal_model, refusal_model_prompt=refusal_model_prompt,
+        safety_data_dir=safety_data_dir, responses=responses,
     )
-    check_prompt_template(prompt_template)
-    get_protocol(protocol)
+    config = resolve_eval_config(values)
     record = run_evaluate(config, err_console)
-    _print_eval(record)
-
-
-def _print_eval(record: dict) -> None:
-    from rich.table import Table
-
-    console = Console(highlight=False)
-    for section in record["sections"]:
-        if section["suite"] in ("safety", "xstest", "safety-overall"):
-            from doplus_cli.evaluation.safety import console_lines
-
-            console.print("\n".join(console_lines(section)), markup=False)
-            continue
-        if section["suite"] == "lm-eval":
-            table = Table(title=f"lm-eval (limit {section['limit']})")
-            table.add_column("task")
-            table.add_column("metric")
-            table.add_column("value", justify="right")
-            for task, (metric, value) in section["headline"].items():
-                table.add_row(task, metric, "n/a" if value is None else f"{100 * value:.2f}")
-            console.print(table)
-            continue
-        if section["suite"] != "privacy":
-            _print_indicators(console, section)
-        block = section.get("openunlearning") or {}
-        for key, value in block.get("values", {}).items():
-            console.print(f"{key}: {'n/a' if value is None else f'{value:.4g}'}", markup=False)
-    console.print(f"report: {record['out']}/report.md  ({record['wall_time_s']:.0f} s)", markup=False)
-
-
-def _print_indicators(console, section: dict) -> None:
-    from rich.table import Table
-
-    table = Table(title=f"{section['suite']}: indicators (%)")
-    sets = [s["name"] for s in section["sets"]]
-    table.add_column("indicator")
-    for name in sets:
-        table.add_column(name, justify="right")
-    from doplus_cli.evaluation.suites import INDICATORS
-
-    for indicator in INDICATORS:
-        cells = [section["values"].get(f"{s}_{indicator}") for s in sets]
-        table.add_row(indicator, *["n/a" if v is None else f"{100 * v:.2f}" for v in cells])
-    console.print(table)
-    for agg in section["aggregates"]:
-        value = "n/a" if agg["value"] is None else f"{100 * agg['value']:.2f}"
-        console.print(f"{agg['name']}: {value}" + (f"  ({agg['note']})" if agg["note"] else ""), markup=False)
+    print_summary(record, Console(highlight=False))
 
 
 @bench_app.command("optimizer")
