@@ -25,7 +25,7 @@ def shown_default(name: str, config_class: type[TrainConfig] = TrainConfig) -> s
 
 REPORT_TO_HELP = ("Experiment trackers through accelerate: none, or one or more of tensorboard, wandb, mlflow, "
                   "trackio, all (comma-separated; files under OUT/trackers/, W&B offline unless WANDB_MODE says "
-                  "otherwise) [default: none]")
+                  "otherwise)" + shown_default("report_to"))
 SIMILARITY_HELP = ("Record in metrics.jsonl the cosine similarity of the objectives' latest updates and gradients "
                    "(update_cosine, grad_cosine; the paper's Figure 2). Costs a copy of the weights per objective.")
 PROTOCOL_HELP = ("Judges and generation budget: doplus (all-MiniLM-L6-v2, --max-new-tokens new tokens, Token "
@@ -84,7 +84,8 @@ DoplusRule = Annotated[str | None, typer.Option(
     + shown_default("doplus_rule"))]
 Overwrite = Annotated[bool | None, typer.Option("--overwrite/--no-overwrite",
                                                 help="Replace the run in a non-empty --out folder.")]
-LoraRank = Annotated[int | None, typer.Option("--lora-rank", help="Train LoRA adapters of rank R [default: 0]")]
+LoraRank = Annotated[int | None, typer.Option("--lora-rank", help="Train LoRA adapters of rank R" + shown_default(
+    "lora_rank"))]
 LoraTargets = Annotated[str | None, typer.Option("--lora-targets", help="Modules to adapt, comma-separated.")]
 GradientCheckpointing = Annotated[bool | None, typer.Option(
     "--gradient-checkpointing/--no-gradient-checkpointing", help="Recompute activations in backward.")]
@@ -355,7 +356,8 @@ def flags_of(option: Any) -> tuple[list[str], list[str]]:
     (`--fsdp/--no-fsdp` -> ["--fsdp"], ["--no-fsdp"]), split as click splits its declarations."""
     info = get_args(option)[1]
     on, off = [], []
-    for declaration in (info.default, *(info.param_decls or ())):  # in Annotated, typer's first declaration
+    # Inside Annotated, typer.Option's first argument is the first declaration (typer keeps it in `.default`).
+    for declaration in (info.default, *(info.param_decls or ())):
         first, _, second = declaration.partition("/")
         on.append(first.strip())
         if second.strip():
