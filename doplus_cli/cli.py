@@ -6,16 +6,18 @@ import contextlib
 import os
 import sys
 import tempfile
+from typing import Any
 
 import typer
 from rich.console import Console
 from rich.text import Text
 
+from doplus_cli import options
 from doplus_cli.bench.schemes import DEFAULT_SCHEMES, DEFAULT_SEEDS, SCHEMES
-from doplus_cli.config import default_of
-from doplus_cli.data.formatting import TEMPLATE_HELP, check_prompt_template
+from doplus_cli.config import AlignConfig, MultitaskConfig, TrainConfig, UnlearnConfig, resolve_config, task_from_option
+from doplus_cli.data.formatting import TEMPLATE_HELP
 from doplus_cli.errors import EXIT_FILE_VARIABLE, UserError, quiet_worker, worker_exit_code
-from doplus_cli.evaluation.protocol import get_protocol
+from doplus_cli.evaluation.runner import EvalConfig, resolve_eval_config, run_evaluate
 
 app = typer.Typer(
     name="doplus",
@@ -44,198 +46,118 @@ def _root(
     _debug["on"] = debug
 
 
-REPORT_TO_HELP = ("Experiment trackers through accelerate: none, or one or more of tensorboard, wandb, mlflow, "
-                  "trackio, all (comma-separated; files under OUT/trackers/, W&B offline unless WANDB_MODE says "
-                  "otherwise) [default: none]")
-SIMILARITY_HELP = ("Record in metrics.jsonl the cosine similarity of the objectives' latest updates and gradients "
-                   "(update_cosine, grad_cosine; the paper's Figure 2). Costs a copy of the weights per objective.")
-PROTOCOL_HELP = ("Judges and generation budget: doplus (all-MiniLM-L6-v2, --max-new-tokens new tokens, Token "
-                 "Entropy over the generated ids) or paper (the DualOptim+ code: paraphrase-MiniLM-L6-v2, 200 tokens "
-                 "in total, Token Entropy over the re-tokenised text).")
+def _prepare_training(recipe: str | None, overrides: dict[str, Any], config_class: type[TrainConfig],
+                      num_processes: int | None) -> TrainConfig:
+    """A training command's config (defaults, then the recipe, then the flags given), its teaching recipe run; with
+    --num-processes N, this process relaunches the command on N processes instead of returning."""
+    from doplus_cli.engine.teach import apply_teaching
 
-PRECISION_HELP = ("Training precision: fp32 (float32 weights and compute), bf16-mixed (float32 master weights and "
-                  "optimizer states, bf16 autocast compute) or bf16 (bf16 weights with a compensated update in every "
-                  "optimizer); auto: bf16-mixed where the model loads in bf16 (CUDA), fp32 otherwise.")
-SAVE_DTYPE_HELP = "final/'s dtype: float32 or bfloat16; auto: float32 under fp32, bfloat16 under the bf16 precisions."
-DTYPE_HELP = ("Load dtype (the reference model of NPO/DPO/KL, LoRA's frozen base under bf16-mixed): auto (bf16 on "
-              "CUDA, fp32 on CPU), float32, bfloat16.")
-
-
-def _default(name: str) -> str:
-    return f" [default: {default_of(name)}]"
+    config = resolve_config(recipe, overrides, config_class)
+    apply_teaching(config, err_console)  # before a launch of N processes, so that it runs once
+    if num_processes is not None and num_processes > 1 and "LOCAL_RANK" not in os.environ:
+        _relaunch_with_accelerate(num_processes)
+    return config
 
 
 @app.command()
 def unlearn(
-    recipe: str | None = typer.Option(None, "--recipe", help="YAML recipe; flags given here override its values."),
-    model: str | None = typer.Option(
-        None, "--model", help="Hub id, local model folder or .gguf file [default: embedded SmolLM2-135M-Instruct]"
-    ),
-    dtype: str | None = typer.Option(None, "--dtype", help=DTYPE_HELP + _default("dtype")),
-    precision: str | None = typer.Option(None, "--precision", help=PRECISION_HELP + _default("precision")),
-    save_dtype: str | None = typer.Option(None, "--save-dtype", help=SAVE_DTYPE_HELP + _default("save_dtype")),
-    trust_remote_code: bool | None = typer.Option(
-        None, "--trust-remote-code/--no-trust-remote-code", help="Allow the model's own code to run." + _default(
-            "trust_remote_code")
-    ),
-    forget: str | None = typer.Option(None, "--forget", help="Forget set: FILE.jsonl or hf:NAME[:CONFIG][@SPLIT]."),
-    retain: str | None = typer.Option(
-        None, "--retain", help="Retain set: FILE.jsonl, hf:NAME[:CONFIG][@SPLIT], or tofu-authors (the DualOptim+ "
-        "authors' retain set for --forget's file and task)."),
-    task_id: int | None = typer.Option(None, "--task-id", help="Forget files whose rows carry task_id (the authors' "
-                                       "TOFU files): the task to unlearn [default: 1]"),
-    task_ids: str | None = typer.Option(None, "--task-ids", help="With --continual: the tasks, in order (1,2,3)."),
-    continual: bool | None = typer.Option(None, "--continual/--no-continual", help="Unlearn --task-ids one after "
-                                          "another, each from the previous task's final model." + _default(
-                                              "continual")),
-    question_key: str | None = typer.Option(None, "--question-key", help="Question field." + _default("question_key")),
-    answer_key: str | None = typer.Option(None, "--answer-key", help="Answer field." + _default("answer_key")),
-    max_length: int | None = typer.Option(None, "--max-length", help="Tokens per example." + _default("max_length")),
-    prompt_template: str | None = typer.Option(None, "--prompt-template", help=TEMPLATE_HELP),
-    answers_from_model: bool | None = typer.Option(
-        None, "--answers-from-model/--no-answers-from-model",
-        help="Use the starting model's own greedy answers as targets (real-world setting)." + _default(
-            "answers_from_model"),
-    ),
-    max_new_tokens: int | None = typer.Option(
-        None, "--max-new-tokens", help="Tokens generated per answer (targets, sample table)." + _default(
-            "max_new_tokens")
-    ),
-    loss: str | None = typer.Option(
-        None, "--loss", help="FORGET[+RETAIN]: FORGET in GA, NPO, DPO, ME, IDK, SimNPO, RMU, UNDIAL, WGA, SatImp, "
-        "CE-U; RETAIN in GD, KL, AP, EMBED (RMU's activation term)." + _default("loss")
-    ),
-    beta: float | None = typer.Option(None, "--beta", help="Temperature of NPO, DPO and AP." + _default("beta")),
-    simnpo_beta: float | None = typer.Option(None, "--simnpo-beta", help="SimNPO's beta." + _default("simnpo_beta")),
-    simnpo_gamma: float | None = typer.Option(
-        None, "--simnpo-gamma", help="SimNPO's reward margin gamma." + _default("simnpo_gamma")),
-    undial_beta: float | None = typer.Option(
-        None, "--undial-beta", help="UNDIAL's reduction of the true token's reference logit." + _default(
-            "undial_beta")),
-    wga_beta: float | None = typer.Option(None, "--wga-beta", help="WGA's exponent on p_t." + _default("wga_beta")),
-    satimp_beta1: float | None = typer.Option(
-        None, "--satimp-beta1", help="SatImp's exponent on p_t." + _default("satimp_beta1")),
-    satimp_beta2: float | None = typer.Option(
-        None, "--satimp-beta2", help="SatImp's exponent on 1 - p_t." + _default("satimp_beta2")),
-    rmu_layer: int | None = typer.Option(
-        None, "--rmu-layer", help="RMU/EMBED: the decoder layer whose output is steered or held [default: 7; "
-        "7/32 of the depth of a model with 7 layers or fewer]"),
-    rmu_coeff: float | None = typer.Option(
-        None, "--rmu-coeff", help="RMU's steering coefficient c." + _default("rmu_coeff")),
-    rmu_update_layers: str | None = typer.Option(
-        None, "--rmu-update-layers", help="RMU: layers whose modules train, e.g. 5,6,7 [default: the RMU layer "
-        "and the two before it]"),
-    rmu_modules: str | None = typer.Option(
-        None, "--rmu-modules", help="RMU: the modules of those layers that train, e.g. mlp.down_proj [default: "
-        "the MLP's output projection]"),
-    forget_coeff: float | None = typer.Option(None, "--forget-coeff", help="Weight of the forget loss." + _default(
-        "forget_coeff")),
-    retain_coeff: float | None = typer.Option(None, "--retain-coeff", help="Weight of the retain loss." + _default(
-        "retain_coeff")),
-    scheme: str | None = typer.Option(None, "--scheme", help="joint, alternate, dualoptim or doplus." + _default(
-        "scheme")),
-    optimizer: str | None = typer.Option(None, "--optimizer", help="adamw or muon (doplus)." + _default("optimizer")),
-    state_bits: int | None = typer.Option(None, "--state-bits", help="32 or 8 (blockwise 8-bit states)." + _default(
-        "state_bits")),
-    doplus_rule: str | None = typer.Option(
-        None, "--doplus-rule", help="DualOptim+'s AdamW rule: safeguarded (floor on the denominator, steps at most "
-        "10 lr) or paper (exactly as published)." + _default("doplus_rule"),
-    ),
-    forget_freq: int | None = typer.Option(None, "--forget-freq", help="F_f: forget steps per cycle." + _default(
-        "forget_freq")),
-    retain_freq: int | None = typer.Option(None, "--retain-freq", help="F_r: retain steps per cycle." + _default(
-        "retain_freq")),
-    betas: str | None = typer.Option(None, "--betas", help="AdamW betas as B1,B2 [default: 0.9,0.95]"),
-    steps: int | None = typer.Option(None, "--steps", help="Optimizer steps." + _default("steps")),
-    lr: float | None = typer.Option(None, "--lr", help="Peak learning rate." + _default("lr")),
-    forget_lr: float | None = typer.Option(None, "--forget-lr", help="Learning rate of forget steps [default: --lr]"),
-    batch_size: int | None = typer.Option(None, "--batch-size", help="Examples per device per micro-step." + _default(
-        "batch_size")),
-    grad_accum: int | None = typer.Option(None, "--grad-accum", help="Micro-steps per optimizer step (averaged)."
-                                          + _default("grad_accum")),
-    warmup_steps: int | None = typer.Option(
-        None, "--warmup-steps", help="Linear warmup, then linear decay to 0 [default: one pass over the forget set]"
-    ),
-    weight_decay: float | None = typer.Option(None, "--weight-decay", help="AdamW weight decay." + _default(
-        "weight_decay")),
-    max_grad_norm: float | None = typer.Option(None, "--max-grad-norm", help="Gradient clipping (0: off)." + _default(
-        "max_grad_norm")),
-    seed: int | None = typer.Option(None, "--seed", help="Seed for weights' RNG and data order." + _default("seed")),
-    out: str | None = typer.Option(None, "--out", help="Output folder [default: runs/unlearn-DATE-TIME]"),
-    overwrite: bool | None = typer.Option(None, "--overwrite/--no-overwrite", help="Replace the run in a non-empty"
-                                          " --out folder." + _default("overwrite")),
-    show_samples: int | None = typer.Option(
-        None, "--show-samples", help="Questions per set shown before/after (0: none)." + _default("show_samples")
-    ),
-    lora_rank: int | None = typer.Option(None, "--lora-rank", help="Train LoRA adapters of rank R (peft) [default: "
-                                         "0, every weight]"),
-    lora_alpha: float | None = typer.Option(None, "--lora-alpha", help="LoRA alpha." + _default("lora_alpha")),
-    lora_targets: str | None = typer.Option(
-        None, "--lora-targets", help="Modules to adapt, comma-separated [default: peft's for the architecture]"
-    ),
-    lora_dropout: float | None = typer.Option(None, "--lora-dropout", help="LoRA dropout." + _default(
-        "lora_dropout")),
-    gradient_checkpointing: bool | None = typer.Option(
-        None, "--gradient-checkpointing/--no-gradient-checkpointing",
-        help="Recompute activations in backward (less memory)." + _default("gradient_checkpointing"),
-    ),
-    save_adapter_only: bool | None = typer.Option(
-        None, "--save-adapter-only/--save-merged", help="final/ holds the LoRA adapter only [default: merged model]"
-    ),
-    ref_offload: str | None = typer.Option(
-        None, "--ref-offload", help="cpu: keep the reference model (NPO, DPO, KL) on the CPU; 8bit: load it with "
-        "LLM.int8 weights (bitsandbytes) on the device [default: a full copy on the device; its shards under FSDP]"
-    ),
-    fsdp: bool | None = typer.Option(
-        None, "--fsdp/--no-fsdp", help="Shard weights, gradients and optimizer states across processes (FSDP2)."
-    ),
-    num_processes: int | None = typer.Option(
-        None, "--num-processes", min=1,
-        help="Run on N processes through `accelerate launch` (N GPUs, or N CPU processes over gloo).",
-    ),
-    save_every: int | None = typer.Option(
-        None, "--save-every", help="Write checkpoints/step-N/ every N steps [default: never]"
-    ),
-    keep_last: int | None = typer.Option(None, "--keep-last", help="Keep the newest K checkpoints [default: all]"),
-    resume: str | None = typer.Option(
-        None, "--resume", help="Continue the run in --out: `--resume` alone takes its latest checkpoint, "
-        "`--resume PATH` the checkpoint folder given.",
-    ),
-    eval_every: int | None = typer.Option(
-        None, "--eval-every", help="Evaluate every N steps (and at the end) into OUT/evals/step-N/ [default: never]"
-    ),
-    eval_suite: str | None = typer.Option(None, "--eval-suite", help="Suite run during training." + _default(
-        "eval_suite")),
-    eval_split: str | None = typer.Option(None, "--eval-split", help="TOFU forget split." + _default("eval_split")),
-    eval_data_dir: str | None = typer.Option(
-        None, "--eval-data-dir", help="Folder of TOFU JSON-lines files [default: hf:locuslab/TOFU]"
-    ),
-    eval_max_samples: int | None = typer.Option(None, "--eval-max-samples", help="Questions per set [default: all]"),
-    eval_max_new_tokens: int | None = typer.Option(
-        None, "--eval-max-new-tokens", help="Greedy tokens per answer." + _default("eval_max_new_tokens")
-    ),
-    eval_batch_size: int | None = typer.Option(
-        None, "--eval-batch-size", help="Prompts per batch of the evaluation during training [default: the larger of "
-        "--batch-size and 8]"),
-    eval_nli_model: str | None = typer.Option(
-        None, "--eval-nli-model", help="NLI model [default: sileod/deberta-v3-base-tasksource-nli]"
-    ),
-    eval_embedding_model: str | None = typer.Option(
-        None, "--eval-embedding-model", help="Embedding model [default: the protocol's]"
-    ),
-    eval_protocol: str | None = typer.Option(None, "--eval-protocol", help=PROTOCOL_HELP + _default("eval_protocol")),
-    log_update_similarity: bool | None = typer.Option(None, "--log-update-similarity", help=SIMILARITY_HELP),
-    report_to: str | None = typer.Option(None, "--report-to", help=REPORT_TO_HELP),
+    recipe: options.Recipe = None,
+    model: options.Model = None,
+    dtype: options.Dtype = None,
+    precision: options.Precision = None,
+    save_dtype: options.SaveDtype = None,
+    trust_remote_code: options.UnlearnTrustRemoteCode = None,
+    forget: options.Forget = None,
+    retain: options.Retain = None,
+    task_id: options.TaskId = None,
+    task_ids: options.TaskIds = None,
+    continual: options.Continual = None,
+    question_key: options.QuestionKey = None,
+    answer_key: options.UnlearnAnswerKey = None,
+    max_length: options.MaxLength = None,
+    prompt_template: options.PromptTemplate = None,
+    answers_from_model: options.AnswersFromModel = None,
+    max_new_tokens: options.UnlearnMaxNewTokens = None,
+    loss: options.Loss = None,
+    beta: options.Beta = None,
+    simnpo_beta: options.SimnpoBeta = None,
+    simnpo_gamma: options.SimnpoGamma = None,
+    undial_beta: options.UndialBeta = None,
+    wga_beta: options.WgaBeta = None,
+    satimp_beta1: options.SatimpBeta1 = None,
+    satimp_beta2: options.SatimpBeta2 = None,
+    rmu_layer: options.RmuLayer = None,
+    rmu_coeff: options.RmuCoeff = None,
+    rmu_update_layers: options.RmuUpdateLayers = None,
+    rmu_modules: options.RmuModules = None,
+    forget_coeff: options.ForgetCoeff = None,
+    retain_coeff: options.RetainCoeff = None,
+    scheme: options.Scheme = None,
+    optimizer: options.Optimizer = None,
+    state_bits: options.StateBits = None,
+    doplus_rule: options.UnlearnDoplusRule = None,
+    forget_freq: options.ForgetFreq = None,
+    retain_freq: options.RetainFreq = None,
+    betas: options.Betas = None,
+    steps: options.Steps = None,
+    lr: options.Lr = None,
+    forget_lr: options.ForgetLr = None,
+    batch_size: options.BatchSize = None,
+    grad_accum: options.GradAccum = None,
+    warmup_steps: options.UnlearnWarmupSteps = None,
+    weight_decay: options.WeightDecay = None,
+    max_grad_norm: options.MaxGradNorm = None,
+    seed: options.Seed = None,
+    out: options.UnlearnOut = None,
+    overwrite: options.UnlearnOverwrite = None,
+    show_samples: options.ShowSamples = None,
+    lora_rank: options.UnlearnLoraRank = None,
+    lora_alpha: options.LoraAlpha = None,
+    lora_targets: options.UnlearnLoraTargets = None,
+    lora_dropout: options.LoraDropout = None,
+    gradient_checkpointing: options.UnlearnGradientCheckpointing = None,
+    save_adapter_only: options.SaveAdapterOnly = None,
+    ref_offload: options.RefOffload = None,
+    fsdp: options.Fsdp = None,
+    num_processes: options.UnlearnNumProcesses = None,
+    save_every: options.UnlearnSaveEvery = None,
+    keep_last: options.KeepLast = None,
+    resume: options.UnlearnResume = None,
+    eval_every: options.UnlearnEvalEvery = None,
+    eval_suite: options.UnlearnEvalSuite = None,
+    eval_split: options.EvalSplit = None,
+    eval_data_dir: options.EvalDataDir = None,
+    eval_max_samples: options.UnlearnEvalMaxSamples = None,
+    eval_max_new_tokens: options.UnlearnEvalMaxNewTokens = None,
+    eval_batch_size: options.UnlearnEvalBatchSize = None,
+    eval_nli_model: options.EvalNliModel = None,
+    eval_embedding_model: options.EvalEmbeddingModel = None,
+    eval_protocol: options.EvalProtocol = None,
+    log_update_similarity: options.LogUpdateSimilarity = None,
+    report_to: options.ReportTo = None,
 ) -> None:
     """Unlearn a forget set while keeping a retain set; writes final/, metrics.jsonl and a report."""
-    overrides = {name: value for name, value in locals().items() if name not in ("recipe", "num_processes")}
-    from doplus_cli.config import resolve_config
-    from doplus_cli.engine.teach import apply_teaching
-
-    config = resolve_config(recipe, overrides)
-    apply_teaching(config, err_console)  # before a launch of N processes, so that it runs once
-    if num_processes is not None and num_processes > 1 and "LOCAL_RANK" not in os.environ:
-        _relaunch_with_accelerate(num_processes)
+    overrides = dict(
+        model=model, dtype=dtype, precision=precision, save_dtype=save_dtype, trust_remote_code=trust_remote_code,
+        forget=forget, retain=retain, task_id=task_id, task_ids=task_ids, continual=continual,
+        question_key=question_key, answer_key=answer_key, max_length=max_length, prompt_template=prompt_template,
+        answers_from_model=answers_from_model, max_new_tokens=max_new_tokens, loss=loss, beta=beta,
+        simnpo_beta=simnpo_beta, simnpo_gamma=simnpo_gamma, undial_beta=undial_beta, wga_beta=wga_beta,
+        satimp_beta1=satimp_beta1, satimp_beta2=satimp_beta2, rmu_layer=rmu_layer, rmu_coeff=rmu_coeff,
+        rmu_update_layers=rmu_update_layers, rmu_modules=rmu_modules, forget_coeff=forget_coeff,
+        retain_coeff=retain_coeff, scheme=scheme, optimizer=optimizer, state_bits=state_bits,
+        doplus_rule=doplus_rule, forget_freq=forget_freq, retain_freq=retain_freq, betas=betas, steps=steps, lr=lr,
+        forget_lr=forget_lr, batch_size=batch_size, grad_accum=grad_accum, warmup_steps=warmup_steps,
+        weight_decay=weight_decay, max_grad_norm=max_grad_norm, seed=seed, out=out, overwrite=overwrite,
+        show_samples=show_samples, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets,
+        lora_dropout=lora_dropout, gradient_checkpointing=gradient_checkpointing,
+        save_adapter_only=save_adapter_only, ref_offload=ref_offload, fsdp=fsdp, save_every=save_every,
+        keep_last=keep_last, resume=resume, eval_every=eval_every, eval_suite=eval_suite, eval_split=eval_split,
+        eval_data_dir=eval_data_dir, eval_max_samples=eval_max_samples, eval_max_new_tokens=eval_max_new_tokens,
+        eval_batch_size=eval_batch_size, eval_nli_model=eval_nli_model, eval_embedding_model=eval_embedding_model,
+        eval_protocol=eval_protocol, log_update_similarity=log_update_similarity, report_to=report_to,
+    )
+    config = _prepare_training(recipe, overrides, UnlearnConfig, num_processes)
     from doplus_cli.engine.unlearn import print_summary, run_unlearn
 
     if config.continual:
@@ -250,107 +172,69 @@ def unlearn(
         print_summary(report, Console(highlight=False))
 
 
-def _mt_default(name: str) -> str:
-    from doplus_cli.config import MultitaskConfig
-
-    return f" [default: {default_of(name, MultitaskConfig)}]"
-
-
 @app.command()
 def multitask(
-    recipe: str | None = typer.Option(None, "--recipe", help="YAML recipe (a tasks: list); flags override it."),
-    task: list[str] | None = typer.Option(
-        None, "--task", help="NAME=SOURCE[,metric=exact|choice|edit_sim|rouge_l][,freq=F][,weight=W][,eval=FILE]"
-        "[,lr_multiplier=X], SOURCE a JSON-lines file or hf:NAME[:CONFIG][@SPLIT]; once per task (replaces the "
-        "recipe's tasks)",
-    ),
-    freq: str | None = typer.Option(None, "--freq", help="Each task's steps per cycle, in order: 1,2,1 [default: "
-                                    "each task's freq, 1]"),
-    prompt_key: str | None = typer.Option(None, "--prompt-key", help="Prompt field." + _mt_default("prompt_key")),
-    answer_key: str | None = typer.Option(None, "--answer-key", help="Answer field." + _mt_default("answer_key")),
-    eval_rows: int | None = typer.Option(
-        None, "--eval-rows", help="Rows kept out of training for evaluation, per task without an eval file (0: none)."
-        + _mt_default("eval_rows")),
-    eval_every: int | None = typer.Option(
-        None, "--eval-every", help="Score every task every N steps (and at the end) [default: never]"
-    ),
-    eval_batch_size: int | None = typer.Option(None, "--eval-batch-size", help="Prompts per generation batch."
-                                               + _mt_default("eval_batch_size")),
-    model: str | None = typer.Option(
-        None, "--model", help="Hub id, local model folder or .gguf file [default: embedded SmolLM2-135M-Instruct]"
-    ),
-    dtype: str | None = typer.Option(None, "--dtype", help=DTYPE_HELP + _mt_default("dtype")),
-    precision: str | None = typer.Option(None, "--precision", help=PRECISION_HELP + _mt_default("precision")),
-    save_dtype: str | None = typer.Option(None, "--save-dtype", help=SAVE_DTYPE_HELP + _mt_default("save_dtype")),
-    trust_remote_code: bool | None = typer.Option(
-        None, "--trust-remote-code/--no-trust-remote-code", help="Allow the model's own code to run."
-    ),
-    max_length: int | None = typer.Option(None, "--max-length", help="Tokens per example." + _mt_default(
-        "max_length")),
-    max_new_tokens: int | None = typer.Option(None, "--max-new-tokens", help="Greedy tokens per evaluated answer."
-                                              + _mt_default("max_new_tokens")),
-    scheme: str | None = typer.Option(None, "--scheme", help="joint, alternate, dualoptim or doplus." + _mt_default(
-        "scheme")),
-    optimizer: str | None = typer.Option(None, "--optimizer", help="adamw or muon (doplus)." + _mt_default(
-        "optimizer")),
-    state_bits: int | None = typer.Option(None, "--state-bits", help="32 or 8 (blockwise 8-bit states)."
-                                          + _mt_default("state_bits")),
-    doplus_rule: str | None = typer.Option(
-        None, "--doplus-rule", help="DualOptim+'s AdamW rule: safeguarded or paper (exactly as published)."
-        + _mt_default("doplus_rule"),
-    ),
-    prompt_template: str | None = typer.Option(None, "--prompt-template", help=TEMPLATE_HELP),
-    betas: str | None = typer.Option(None, "--betas", help="AdamW betas as B1,B2 [default: 0.9,0.95]"),
-    steps: int | None = typer.Option(None, "--steps", help="Optimizer steps." + _mt_default("steps")),
-    lr: float | None = typer.Option(None, "--lr", help="Peak learning rate." + _mt_default("lr")),
-    batch_size: int | None = typer.Option(None, "--batch-size", help="Examples per device per micro-step."
-                                          + _mt_default("batch_size")),
-    grad_accum: int | None = typer.Option(None, "--grad-accum", help="Micro-steps per optimizer step (averaged)."
-                                          + _mt_default("grad_accum")),
-    warmup_steps: int | None = typer.Option(None, "--warmup-steps", help="Linear warmup, then linear decay to 0 "
-                                            "[default: a tenth of the steps]"),
-    weight_decay: float | None = typer.Option(None, "--weight-decay", help="AdamW weight decay." + _mt_default(
-        "weight_decay")),
-    max_grad_norm: float | None = typer.Option(None, "--max-grad-norm", help="Gradient clipping (0: off)."
-                                               + _mt_default("max_grad_norm")),
-    seed: int | None = typer.Option(None, "--seed", help="Seed for weights' RNG and data order." + _mt_default(
-        "seed")),
-    out: str | None = typer.Option(None, "--out", help="Output folder [default: runs/multitask-DATE-TIME]"),
-    overwrite: bool | None = typer.Option(None, "--overwrite/--no-overwrite", help="Replace the run in a non-empty"
-                                          " --out folder."),
-    lora_rank: int | None = typer.Option(None, "--lora-rank", help="Train LoRA adapters of rank R [default: 0]"),
-    lora_alpha: float | None = typer.Option(None, "--lora-alpha", help="LoRA alpha." + _mt_default("lora_alpha")),
-    lora_targets: str | None = typer.Option(None, "--lora-targets", help="Modules to adapt, comma-separated."),
-    gradient_checkpointing: bool | None = typer.Option(
-        None, "--gradient-checkpointing/--no-gradient-checkpointing", help="Recompute activations in backward."
-    ),
-    save_adapter_only: bool | None = typer.Option(
-        None, "--save-adapter-only/--save-merged", help="final/ holds the LoRA adapter only [default: merged model]"
-    ),
-    fsdp: bool | None = typer.Option(None, "--fsdp/--no-fsdp", help="Shard weights, gradients and optimizer states "
-                                     "across processes (FSDP2)."),
-    num_processes: int | None = typer.Option(
-        None, "--num-processes", min=1, help="Run on N processes through `accelerate launch`.",
-    ),
-    save_every: int | None = typer.Option(None, "--save-every", help="Write checkpoints/step-N/ every N steps."),
-    keep_last: int | None = typer.Option(None, "--keep-last", help="Keep the newest K checkpoints [default: all]"),
-    resume: str | None = typer.Option(None, "--resume", help="Continue the run in --out (latest checkpoint, or "
-                                      "the checkpoint folder given)."),
-    log_update_similarity: bool | None = typer.Option(None, "--log-update-similarity", help=SIMILARITY_HELP),
-    report_to: str | None = typer.Option(None, "--report-to", help=REPORT_TO_HELP),
+    recipe: options.MultitaskRecipe = None,
+    task: options.Task = None,
+    freq: options.MultitaskFreq = None,
+    prompt_key: options.PromptKey = None,
+    answer_key: options.MultitaskAnswerKey = None,
+    eval_rows: options.EvalRows = None,
+    eval_every: options.MultitaskEvalEvery = None,
+    eval_batch_size: options.MultitaskEvalBatchSize = None,
+    model: options.Model = None,
+    dtype: options.Dtype = None,
+    precision: options.Precision = None,
+    save_dtype: options.SaveDtype = None,
+    trust_remote_code: options.TrustRemoteCode = None,
+    max_length: options.MaxLength = None,
+    max_new_tokens: options.MultitaskMaxNewTokens = None,
+    scheme: options.Scheme = None,
+    optimizer: options.Optimizer = None,
+    state_bits: options.StateBits = None,
+    doplus_rule: options.DoplusRule = None,
+    prompt_template: options.PromptTemplate = None,
+    betas: options.Betas = None,
+    steps: options.Steps = None,
+    lr: options.Lr = None,
+    batch_size: options.BatchSize = None,
+    grad_accum: options.GradAccum = None,
+    warmup_steps: options.MultitaskWarmupSteps = None,
+    weight_decay: options.WeightDecay = None,
+    max_grad_norm: options.MaxGradNorm = None,
+    seed: options.Seed = None,
+    out: options.MultitaskOut = None,
+    overwrite: options.Overwrite = None,
+    lora_rank: options.LoraRank = None,
+    lora_alpha: options.LoraAlpha = None,
+    lora_targets: options.LoraTargets = None,
+    lora_dropout: options.LoraDropout = None,
+    gradient_checkpointing: options.GradientCheckpointing = None,
+    save_adapter_only: options.SaveAdapterOnly = None,
+    fsdp: options.Fsdp = None,
+    num_processes: options.NumProcesses = None,
+    save_every: options.SaveEvery = None,
+    keep_last: options.KeepLast = None,
+    resume: options.Resume = None,
+    log_update_similarity: options.LogUpdateSimilarity = None,
+    report_to: options.ReportTo = None,
 ) -> None:
     """Train on several tasks at once, one DualOptim+ delta state per task; scores each task before and after."""
-    overrides = {name: value for name, value in locals().items()
-                 if name not in ("recipe", "num_processes", "task")}
-    from doplus_cli.config import MultitaskConfig, resolve_config, task_from_option
-    from doplus_cli.engine.teach import apply_teaching
-
+    overrides = dict(
+        freq=freq, prompt_key=prompt_key, answer_key=answer_key, eval_rows=eval_rows, eval_every=eval_every,
+        eval_batch_size=eval_batch_size, model=model, dtype=dtype, precision=precision, save_dtype=save_dtype,
+        trust_remote_code=trust_remote_code, max_length=max_length, max_new_tokens=max_new_tokens, scheme=scheme,
+        optimizer=optimizer, state_bits=state_bits, doplus_rule=doplus_rule, prompt_template=prompt_template,
+        betas=betas, steps=steps, lr=lr, batch_size=batch_size, grad_accum=grad_accum, warmup_steps=warmup_steps,
+        weight_decay=weight_decay, max_grad_norm=max_grad_norm, seed=seed, out=out, overwrite=overwrite,
+        lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets, lora_dropout=lora_dropout,
+        gradient_checkpointing=gradient_checkpointing, save_adapter_only=save_adapter_only, fsdp=fsdp,
+        save_every=save_every, keep_last=keep_last, resume=resume, log_update_similarity=log_update_similarity,
+        report_to=report_to,
+    )
     if task:
         overrides["tasks"] = [task_from_option(text) for text in task]
-    config = resolve_config(recipe, overrides, MultitaskConfig)
-    apply_teaching(config, err_console)
-    if num_processes is not None and num_processes > 1 and "LOCAL_RANK" not in os.environ:
-        _relaunch_with_accelerate(num_processes)
+    config = _prepare_training(recipe, overrides, MultitaskConfig, num_processes)
     from doplus_cli.engine.multitask import print_summary, run_multitask
 
     report = run_multitask(config, err_console)
@@ -358,124 +242,78 @@ def multitask(
         print_summary(report, Console(highlight=False))
 
 
-def _al_default(name: str) -> str:
-    from doplus_cli.config import AlignConfig
-
-    return f" [default: {default_of(name, AlignConfig)}]"
-
-
-SOURCE_HELP = "FILE.jsonl, FILE.json (one JSON array) or hf:NAME[:CONFIG][@SPLIT]; FILE[START:STOP] takes those rows."
-
-
 @app.command()
 def align(
-    recipe: str | None = typer.Option(None, "--recipe", help="YAML recipe; flags given here override its values."),
-    safety: str | None = typer.Option(None, "--safety", help="Harmful instructions with the safe response to learn: "
-                                      + SOURCE_HELP),
-    general: str | None = typer.Option(None, "--general", help="Benign instructions with their responses (Alpaca): "
-                                       + SOURCE_HELP),
-    instruction_key: str | None = typer.Option(None, "--instruction-key", help="Instruction field."
-                                               + _al_default("instruction_key")),
-    input_key: str | None = typer.Option(None, "--input-key", help="Optional input field, after the instruction and "
-                                         "a blank line when not empty." + _al_default("input_key")),
-    output_key: str | None = typer.Option(None, "--output-key", help="Response field." + _al_default("output_key")),
-    freq: str | None = typer.Option(None, "--freq", help="F_s:F_g, safety steps then general steps per cycle."
-                                    + _al_default("freq")),
-    epochs: float | None = typer.Option(None, "--epochs", help="Passes over the general set, instead of --steps "
-                                        "(warmup: the first epoch)."),
-    held_out: int | None = typer.Option(None, "--held-out", help="Each set's last N rows, kept out of training and "
-                                        "answered before and after (0: none)." + _al_default("held_out")),
-    model: str | None = typer.Option(
-        None, "--model", help="Hub id, local model folder or .gguf file [default: embedded SmolLM2-135M-Instruct]"
-    ),
-    dtype: str | None = typer.Option(None, "--dtype", help=DTYPE_HELP + _al_default("dtype")),
-    precision: str | None = typer.Option(None, "--precision", help=PRECISION_HELP + _al_default("precision")),
-    save_dtype: str | None = typer.Option(None, "--save-dtype", help=SAVE_DTYPE_HELP + _al_default("save_dtype")),
-    trust_remote_code: bool | None = typer.Option(
-        None, "--trust-remote-code/--no-trust-remote-code", help="Allow the model's own code to run."
-    ),
-    max_length: int | None = typer.Option(None, "--max-length", help="Tokens per example." + _al_default(
-        "max_length")),
-    max_new_tokens: int | None = typer.Option(None, "--max-new-tokens", help="Greedy tokens per held-out response."
-                                              + _al_default("max_new_tokens")),
-    prompt_template: str | None = typer.Option(None, "--prompt-template", help=TEMPLATE_HELP),
-    scheme: str | None = typer.Option(None, "--scheme", help="joint (batches from the mixture of both sets), "
-                                      "alternate, dualoptim or doplus." + _al_default("scheme")),
-    optimizer: str | None = typer.Option(None, "--optimizer", help="adamw or muon (doplus)." + _al_default(
-        "optimizer")),
-    state_bits: int | None = typer.Option(None, "--state-bits", help="32 or 8 (blockwise 8-bit states)."
-                                          + _al_default("state_bits")),
-    doplus_rule: str | None = typer.Option(
-        None, "--doplus-rule", help="DualOptim+'s AdamW rule: safeguarded or paper (exactly as published)."
-        + _al_default("doplus_rule"),
-    ),
-    betas: str | None = typer.Option(None, "--betas", help="AdamW betas as B1,B2 [default: 0.9,0.95]"),
-    steps: int | None = typer.Option(None, "--steps", help="Optimizer steps (or --epochs)." + _al_default("steps")),
-    lr: float | None = typer.Option(None, "--lr", help="Peak learning rate." + _al_default("lr")),
-    batch_size: int | None = typer.Option(None, "--batch-size", help="Examples per device per micro-step."
-                                          + _al_default("batch_size")),
-    grad_accum: int | None = typer.Option(None, "--grad-accum", help="Micro-steps per optimizer step (averaged)."
-                                          + _al_default("grad_accum")),
-    warmup_steps: int | None = typer.Option(None, "--warmup-steps", help="Linear warmup, then linear decay to 0 "
-                                            "[default: the first epoch with --epochs, else a tenth of the steps]"),
-    weight_decay: float | None = typer.Option(None, "--weight-decay", help="AdamW weight decay." + _al_default(
-        "weight_decay")),
-    max_grad_norm: float | None = typer.Option(None, "--max-grad-norm", help="Gradient clipping (0: off)."
-                                               + _al_default("max_grad_norm")),
-    seed: int | None = typer.Option(None, "--seed", help="Seed for weights' RNG and data order." + _al_default(
-        "seed")),
-    out: str | None = typer.Option(None, "--out", help="Output folder [default: runs/align-DATE-TIME]"),
-    overwrite: bool | None = typer.Option(None, "--overwrite/--no-overwrite", help="Replace the run in a non-empty"
-                                          " --out folder."),
-    lora_rank: int | None = typer.Option(None, "--lora-rank", help="Train LoRA adapters of rank R [default: 0]"),
-    lora_alpha: float | None = typer.Option(None, "--lora-alpha", help="LoRA alpha." + _al_default("lora_alpha")),
-    lora_targets: str | None = typer.Option(None, "--lora-targets", help="Modules to adapt, comma-separated."),
-    lora_dropout: float | None = typer.Option(None, "--lora-dropout", help="LoRA dropout." + _al_default(
-        "lora_dropout")),
-    gradient_checkpointing: bool | None = typer.Option(
-        None, "--gradient-checkpointing/--no-gradient-checkpointing", help="Recompute activations in backward."
-    ),
-    save_adapter_only: bool | None = typer.Option(
-        None, "--save-adapter-only/--save-merged", help="final/ holds the LoRA adapter only [default: merged model]"
-    ),
-    fsdp: bool | None = typer.Option(None, "--fsdp/--no-fsdp", help="Shard weights, gradients and optimizer states "
-                                     "across processes (FSDP2)."),
-    num_processes: int | None = typer.Option(
-        None, "--num-processes", min=1, help="Run on N processes through `accelerate launch`.",
-    ),
-    save_every: int | None = typer.Option(None, "--save-every", help="Write checkpoints/step-N/ every N steps."),
-    keep_last: int | None = typer.Option(None, "--keep-last", help="Keep the newest K checkpoints [default: all]"),
-    resume: str | None = typer.Option(None, "--resume", help="Continue the run in --out (latest checkpoint, or "
-                                      "the checkpoint folder given)."),
-    log_update_similarity: bool | None = typer.Option(None, "--log-update-similarity", help=SIMILARITY_HELP),
-    report_to: str | None = typer.Option(None, "--report-to", help=REPORT_TO_HELP),
-    eval_batch_size: int | None = typer.Option(None, "--eval-batch-size", help="Prompts per generation batch."
-                                               + _al_default("eval_batch_size")),
-    eval_suite: str | None = typer.Option(None, "--eval-suite", help="After training, `doplus evaluate` final/ into "
-                                          "OUT/eval/: safety, xstest or safety,xstest [default: none]"),
-    eval_max_samples: int | None = typer.Option(None, "--eval-max-samples", help="The first N prompts of each set "
-                                                "[default: all]"),
-    eval_max_new_tokens: int | None = typer.Option(None, "--eval-max-new-tokens", help="Greedy tokens per answer."
-                                                   + _al_default("eval_max_new_tokens")),
-    eval_guard_model: str | None = typer.Option(
-        None, "--eval-guard-model", help="A Llama Guard-protocol model, or none [default: "
-        "meta-llama/Meta-Llama-Guard-2-8B if it loads, else the offline refusal judge]"),
-    eval_refusal_model: str | None = typer.Option(
-        None, "--eval-refusal-model", help="A chat model labelling refusals by XSTest's protocol [default: the "
-        "offline refusal judge]"),
-    eval_safety_data_dir: str | None = typer.Option(
-        None, "--eval-safety-data-dir", help="Folder with I-*.json, Q-Harm.json, xstest_prompts.csv [default: "
-        "download the releases' files]"),
+    recipe: options.Recipe = None,
+    safety: options.Safety = None,
+    general: options.General = None,
+    instruction_key: options.InstructionKey = None,
+    input_key: options.InputKey = None,
+    output_key: options.OutputKey = None,
+    freq: options.AlignFreq = None,
+    epochs: options.Epochs = None,
+    held_out: options.HeldOut = None,
+    model: options.Model = None,
+    dtype: options.Dtype = None,
+    precision: options.Precision = None,
+    save_dtype: options.SaveDtype = None,
+    trust_remote_code: options.TrustRemoteCode = None,
+    max_length: options.MaxLength = None,
+    max_new_tokens: options.AlignMaxNewTokens = None,
+    prompt_template: options.PromptTemplate = None,
+    scheme: options.AlignScheme = None,
+    optimizer: options.Optimizer = None,
+    state_bits: options.StateBits = None,
+    doplus_rule: options.DoplusRule = None,
+    betas: options.Betas = None,
+    steps: options.AlignSteps = None,
+    lr: options.Lr = None,
+    batch_size: options.BatchSize = None,
+    grad_accum: options.GradAccum = None,
+    warmup_steps: options.AlignWarmupSteps = None,
+    weight_decay: options.WeightDecay = None,
+    max_grad_norm: options.MaxGradNorm = None,
+    seed: options.Seed = None,
+    out: options.AlignOut = None,
+    overwrite: options.Overwrite = None,
+    lora_rank: options.LoraRank = None,
+    lora_alpha: options.LoraAlpha = None,
+    lora_targets: options.LoraTargets = None,
+    lora_dropout: options.LoraDropout = None,
+    gradient_checkpointing: options.GradientCheckpointing = None,
+    save_adapter_only: options.SaveAdapterOnly = None,
+    fsdp: options.Fsdp = None,
+    num_processes: options.NumProcesses = None,
+    save_every: options.SaveEvery = None,
+    keep_last: options.KeepLast = None,
+    resume: options.Resume = None,
+    log_update_similarity: options.LogUpdateSimilarity = None,
+    report_to: options.ReportTo = None,
+    eval_batch_size: options.AlignEvalBatchSize = None,
+    eval_suite: options.AlignEvalSuite = None,
+    eval_max_samples: options.AlignEvalMaxSamples = None,
+    eval_max_new_tokens: options.AlignEvalMaxNewTokens = None,
+    eval_guard_model: options.EvalGuardModel = None,
+    eval_refusal_model: options.EvalRefusalModel = None,
+    eval_safety_data_dir: options.EvalSafetyDataDir = None,
 ) -> None:
     """Safety alignment as targeted unlearning: learn the safe responses, keep the general ones."""
-    overrides = {name: value for name, value in locals().items() if name not in ("recipe", "num_processes")}
-    from doplus_cli.config import AlignConfig, resolve_config
-    from doplus_cli.engine.teach import apply_teaching
-
-    config = resolve_config(recipe, overrides, AlignConfig)
-    apply_teaching(config, err_console)
-    if num_processes is not None and num_processes > 1 and "LOCAL_RANK" not in os.environ:
-        _relaunch_with_accelerate(num_processes)
+    overrides = dict(
+        safety=safety, general=general, instruction_key=instruction_key, input_key=input_key, output_key=output_key,
+        freq=freq, epochs=epochs, held_out=held_out, model=model, dtype=dtype, precision=precision,
+        save_dtype=save_dtype, trust_remote_code=trust_remote_code, max_length=max_length,
+        max_new_tokens=max_new_tokens, prompt_template=prompt_template, scheme=scheme, optimizer=optimizer,
+        state_bits=state_bits, doplus_rule=doplus_rule, betas=betas, steps=steps, lr=lr, batch_size=batch_size,
+        grad_accum=grad_accum, warmup_steps=warmup_steps, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+        seed=seed, out=out, overwrite=overwrite, lora_rank=lora_rank, lora_alpha=lora_alpha,
+        lora_targets=lora_targets, lora_dropout=lora_dropout, gradient_checkpointing=gradient_checkpointing,
+        save_adapter_only=save_adapter_only, fsdp=fsdp, save_every=save_every, keep_last=keep_last, resume=resume,
+        log_update_similarity=log_update_similarity, report_to=report_to, eval_batch_size=eval_batch_size,
+        eval_suite=eval_suite, eval_max_samples=eval_max_samples, eval_max_new_tokens=eval_max_new_tokens,
+        eval_guard_model=eval_guard_model, eval_refusal_model=eval_refusal_model,
+        eval_safety_data_dir=eval_safety_data_dir,
+    )
+    config = _prepare_training(recipe, overrides, AlignConfig, num_processes)
     from doplus_cli.engine.align import print_summary, run_align
 
     report = run_align(config, err_console)
@@ -491,9 +329,10 @@ def evaluate(
         None, "--model", help="Hub id, model folder (e.g. a run's final/) or .gguf [default: embedded SmolLM2]"
     ),
     suite: str = typer.Option(
-        "tofu", "--suite", help="tofu, real-world, lm-eval, privacy, safety, xstest, or several comma-separated."
+        ",".join(EvalConfig.suites), "--suite",
+        help="tofu, real-world, lm-eval, privacy, safety, xstest, or several comma-separated.",
     ),
-    split: str = typer.Option("forget10", "--split", help="TOFU forget split: forget01, forget05, forget10."),
+    split: str = typer.Option(EvalConfig.split, "--split", help="TOFU forget split: forget01, forget05, forget10."),
     task_id: int | None = typer.Option(None, "--task-id", help="TOFU files whose rows carry task_id (the DualOptim+ "
                                        "authors'): the forget task scored [default: 1]"),
     data_dir: str | None = typer.Option(
@@ -503,9 +342,10 @@ def evaluate(
     retain: str | None = typer.Option(None, "--retain", help="real-world: neighbour-people JSON lines."),
     out: str | None = typer.Option(None, "--out", help="Output folder [default: evals/DATE-TIME]"),
     max_samples: int | None = typer.Option(None, "--max-samples", help="At most N questions per set (quick looks)."),
-    batch_size: int = typer.Option(64, "--batch-size", min=1, help="Prompts per generation batch; NLL batches hold "
-                                   "about 48 tokens per unit."),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Greedy tokens per answer."),
+    batch_size: int = typer.Option(EvalConfig.batch_size, "--batch-size", min=1, help="Prompts per generation batch; "
+                                   "NLL batches hold about 48 tokens per unit."),
+    max_new_tokens: int = typer.Option(EvalConfig.max_new_tokens, "--max-new-tokens", min=1,
+                                       help="Greedy tokens per answer."),
     embedding_model: str | None = typer.Option(
         None, "--embedding-model",
         help="Sentence-transformers model for Cosine Similarity [default: the protocol's: doplus all-MiniLM-L6-v2, "
@@ -518,19 +358,18 @@ def evaluate(
         None, "--targeted/--untargeted",
         help="OVR formula (IDK/DPO are targeted) [default: from the run's loss, else both]",
     ),
-    tasks: str = typer.Option(
-        "arc_challenge,mmlu,truthfulqa_mc2,triviaqa,gsm8k", "--tasks", help="lm-eval tasks, comma-separated."
-    ),
+    tasks: str = typer.Option(",".join(EvalConfig.tasks), "--tasks", help="lm-eval tasks, comma-separated."),
     limit: float | None = typer.Option(None, "--limit", help="lm-eval: samples per task (or a fraction < 1)."),
     lm_eval_include: str | None = typer.Option(None, "--lm-eval-include", help="Folder of extra lm-eval task YAMLs."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16."),
-    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the model's own code to run."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an evaluation already in --out."),
-    seed: int = typer.Option(0, "--seed", help="Seed (rejection answers drawn for TFE)."),
+    dtype: str = typer.Option(EvalConfig.dtype, "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16."),
+    trust_remote_code: bool = typer.Option(EvalConfig.trust_remote_code, "--trust-remote-code",
+                                           help="Allow the model's own code to run."),
+    overwrite: bool = typer.Option(EvalConfig.overwrite, "--overwrite", help="Replace an evaluation already in --out."),
+    seed: int = typer.Option(EvalConfig.seed, "--seed", help="Seed (rejection answers drawn for TFE)."),
     prompt_template: str | None = typer.Option(
         None, "--prompt-template", help=TEMPLATE_HELP.replace("[default: ", "[default: a run's own template; else ")
     ),
-    protocol: str = typer.Option("doplus", "--protocol", help=PROTOCOL_HELP),
+    protocol: str = typer.Option(EvalConfig.protocol, "--protocol", help=options.PROTOCOL_HELP),
     retain_logs: str | None = typer.Option(
         None, "--retain-logs", help="A retain model's TOFU_EVAL.json (doplus's or OpenUnlearning's): forget_quality "
         "and privleak's reference AUC.",
@@ -570,71 +409,20 @@ def evaluate(
         return
     if folders:
         raise UserError(f"unexpected argument '{folders[0]}' (folders are only taken with --compare)")
-    from doplus_cli.evaluation.runner import EvalConfig, parse_suites, run_evaluate
+    from doplus_cli.evaluation.summary import print_summary
 
-    if dtype not in ("auto", "float32", "bfloat16"):
-        raise UserError(f"unknown dtype '{dtype}': choose one of auto, float32, bfloat16")
-    config = EvalConfig(
-        model=model, suites=parse_suites(suite), split=split, data_dir=data_dir, task_id=task_id, forget=forget,
-        retain=retain,
+    values = dict(
+        model=model, suite=suite, split=split, task_id=task_id, data_dir=data_dir, forget=forget, retain=retain,
         out=out, max_samples=max_samples, batch_size=batch_size, max_new_tokens=max_new_tokens,
-        embedding_model=embedding_model, nli_model=nli_model, targeted=targeted,
-        tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), limit=limit, lm_eval_include=lm_eval_include,
-        dtype=dtype, trust_remote_code=trust_remote_code, overwrite=overwrite, seed=seed,
-        prompt_template=prompt_template, protocol=protocol, retain_logs=retain_logs, holdout=holdout,
-        guard_model=guard_model, safety_data_dir=safety_data_dir, responses=responses, refusal_model=refusal_model,
-        refusal_model_prompt=refusal_model_prompt,
+        embedding_model=embedding_model, nli_model=nli_model, targeted=targeted, tasks=tasks, limit=limit,
+        lm_eval_include=lm_eval_include, dtype=dtype, trust_remote_code=trust_remote_code, overwrite=overwrite,
+        seed=seed, prompt_template=prompt_template, protocol=protocol, retain_logs=retain_logs, holdout=holdout,
+        guard_model=guard_model, refusal_model=refusal_model, refusal_model_prompt=refusal_model_prompt,
+        safety_data_dir=safety_data_dir, responses=responses,
     )
-    check_prompt_template(prompt_template)
-    get_protocol(protocol)
+    config = resolve_eval_config(values)
     record = run_evaluate(config, err_console)
-    _print_eval(record)
-
-
-def _print_eval(record: dict) -> None:
-    from rich.table import Table
-
-    console = Console(highlight=False)
-    for section in record["sections"]:
-        if section["suite"] in ("safety", "xstest", "safety-overall"):
-            from doplus_cli.evaluation.safety import console_lines
-
-            console.print("\n".join(console_lines(section)), markup=False)
-            continue
-        if section["suite"] == "lm-eval":
-            table = Table(title=f"lm-eval (limit {section['limit']})")
-            table.add_column("task")
-            table.add_column("metric")
-            table.add_column("value", justify="right")
-            for task, (metric, value) in section["headline"].items():
-                table.add_row(task, metric, "n/a" if value is None else f"{100 * value:.2f}")
-            console.print(table)
-            continue
-        if section["suite"] != "privacy":
-            _print_indicators(console, section)
-        block = section.get("openunlearning") or {}
-        for key, value in block.get("values", {}).items():
-            console.print(f"{key}: {'n/a' if value is None else f'{value:.4g}'}", markup=False)
-    console.print(f"report: {record['out']}/report.md  ({record['wall_time_s']:.0f} s)", markup=False)
-
-
-def _print_indicators(console, section: dict) -> None:
-    from rich.table import Table
-
-    table = Table(title=f"{section['suite']}: indicators (%)")
-    sets = [s["name"] for s in section["sets"]]
-    table.add_column("indicator")
-    for name in sets:
-        table.add_column(name, justify="right")
-    from doplus_cli.evaluation.suites import INDICATORS
-
-    for indicator in INDICATORS:
-        cells = [section["values"].get(f"{s}_{indicator}") for s in sets]
-        table.add_row(indicator, *["n/a" if v is None else f"{100 * v:.2f}" for v in cells])
-    console.print(table)
-    for agg in section["aggregates"]:
-        value = "n/a" if agg["value"] is None else f"{100 * agg['value']:.2f}"
-        console.print(f"{agg['name']}: {value}" + (f"  ({agg['note']})" if agg["note"] else ""), markup=False)
+    print_summary(record, Console(highlight=False))
 
 
 @bench_app.command("optimizer")

@@ -32,3 +32,16 @@ def test_console_script_entry_point_runs_as_a_module():
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().startswith("error:")
+
+
+def test_each_training_command_takes_the_options_its_table_lists():
+    """options.COMMAND_OPTIONS, from which the model card writes its command line, names each training command's
+    options with the flags the command parses, in the order of its help."""
+    import typer.main
+
+    from doplus_cli.cli import app
+    from doplus_cli.options import command_flags
+
+    for command in ("unlearn", "multitask", "align"):
+        parsed = {p.name: (p.opts, p.secondary_opts) for p in typer.main.get_command(app).commands[command].params}
+        assert list(parsed.items()) == list(command_flags(command).items())

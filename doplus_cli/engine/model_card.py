@@ -19,9 +19,11 @@ from typing import Any
 import yaml
 
 from doplus_cli import __version__
+from doplus_cli.config import AlignConfig, MultitaskConfig, UnlearnConfig, default_of
 from doplus_cli.engine.outputs import cell
 from doplus_cli.engine.tracking import numbers
 from doplus_cli.files import atomic_write_text
+from doplus_cli.options import command_flags
 
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded default's weights (models.EMBEDDED_NAME)
 # config.yaml keys that change nothing the run computes, or that a fresh run must not repeat
@@ -95,15 +97,10 @@ def base_model(report: dict[str, Any]) -> str | None:
 def command_line(command: str, config: dict[str, Any], world_size: int = 1) -> tuple[str, dict[str, Any]]:
     """`doplus COMMAND --flag value ...`: every option of config.yaml that differs from its default, as the flag
     that sets it; and the options that have no flag (recipe keys only), with their values."""
-    import typer.main
-
-    from doplus_cli.cli import app
-    from doplus_cli.config import AlignConfig, MultitaskConfig, UnlearnConfig, default_of
-
     cls = {"unlearn": UnlearnConfig, "multitask": MultitaskConfig, "align": AlignConfig}.get(command)
     if cls is None:  # an engine caller with a Plan of its own: no command to write
         return "", dict(config)
-    params = {p.name: p for p in typer.main.get_command(app).commands[command].params}
+    flag_table = command_flags(command)  # option name -> (its flags, a boolean's flags for false)
     words, recipe_only = ["doplus", command], {}
     for key, value in config.items():
         if key in _NOT_IN_COMMAND or key == "steps" and config.get("epochs") is not None:
@@ -121,19 +118,19 @@ def command_line(command: str, config: dict[str, Any], world_size: int = 1) -> t
             default = list(default)
         if value == default:
             continue
-        param = params.get(key)
-        if param is None:
+        if key not in flag_table:
             recipe_only[key] = value
             continue
+        setting, unsetting = flag_table[key]
         if isinstance(value, bool):
-            flags = param.opts if value else param.secondary_opts
+            flags = setting if value else unsetting
             if not flags:
                 recipe_only[key] = value
                 continue
             words.append(flags[0])
         else:
             text = ",".join(str(v) for v in value) if isinstance(value, list) else str(value)
-            words += [param.opts[0], text]
+            words += [setting[0], text]
     if world_size > 1:
         words += ["--num-processes", str(world_size)]
     return " ".join(shlex.quote(w) for w in words), recipe_only

@@ -14,6 +14,7 @@ from typing import Any
 
 from rich.console import Console
 
+from doplus_cli.data.formatting import check_prompt_template
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.compute import compute_floor, matmul_gflops
 from doplus_cli.evaluation.lm_eval_suite import LM_EVAL_SUITE
@@ -76,6 +77,20 @@ def parse_suites(text: str) -> tuple[str, ...]:
     if not suites:
         raise UserError("--suite is empty: choose from " + ", ".join(SUITES))
     return suites
+
+
+def resolve_eval_config(options: dict[str, Any]) -> EvalConfig:
+    """`doplus evaluate`'s options by name (`suite` and `tasks` comma-separated, as typed) -> a checked EvalConfig;
+    every problem with a value is one line naming the option."""
+    if options["dtype"] not in ("auto", "float32", "bfloat16"):
+        raise UserError(f"unknown dtype '{options['dtype']}': choose one of auto, float32, bfloat16")
+    values = dict(options)
+    values["suites"] = parse_suites(values.pop("suite"))
+    values["tasks"] = tuple(task.strip() for task in values["tasks"].split(",") if task.strip())
+    config = EvalConfig(**values)
+    check_prompt_template(config.prompt_template)
+    get_protocol(config.protocol)
+    return config
 
 
 def run_config(model: str | None) -> dict[str, Any]:
