@@ -110,6 +110,11 @@ class TrainConfig:
         data["betas"] = list(self.betas)
         return data
 
+    def validate(self) -> None:
+        """Check option values and combinations; every message is one line naming the option. A command's config
+        extends it with its own checks."""
+        validate_training(self)
+
 
 @dataclass
 class UnlearnConfig(TrainConfig):
@@ -166,6 +171,10 @@ class UnlearnConfig(TrainConfig):
         parts = self.loss.split("+")
         return parts[1] if len(parts) > 1 else None
 
+    def validate(self) -> None:
+        super().validate()
+        validate_unlearn(self)
+
 
 TASK_METRIC_NAMES = ("exact", "choice", "edit_sim", "rouge_l")  # doplus_cli/evaluation/task_metrics.py
 # A task's keys (recipe `tasks:` entries, `--task NAME=SOURCE,key=value,...`) and their defaults.
@@ -185,6 +194,10 @@ class MultitaskConfig(TrainConfig):
     answer_key: str = "answer"
     eval_rows: int = 200  # rows kept out of training for a task without an eval file (0: not evaluated)
     eval_batch_size: int = 16  # prompts per greedy generation batch
+
+    def validate(self) -> None:
+        super().validate()
+        validate_multitask(self)
 
 
 ALIGN_EVAL_SUITES = ("safety", "xstest")  # `doplus evaluate`'s suites an align run can end with
@@ -210,6 +223,10 @@ class AlignConfig(TrainConfig):
     eval_guard_model: str | None = None  # None: Llama-Guard-2-8B when it loads, else the refusal judge; "none"
     eval_refusal_model: str | None = None  # a chat model labelling refusals (XSTest's protocol); None: offline judge
     eval_safety_data_dir: str | None = None  # None: the releases' files, downloaded once
+
+    def validate(self) -> None:
+        super().validate()
+        validate_align(self)
 
 
 def parse_task_ids(text: Any, flag: str = "--task-ids") -> list[int]:
@@ -364,7 +381,7 @@ def _next_to_recipe(value: str, folder: Path) -> str:
 def resolve_config(recipe: str | None, overrides: dict[str, Any], cls: type[TrainConfig] = UnlearnConfig):
     """Defaults, then the recipe, then command-line overrides (None means "not given"); validated."""
     config = _resolve(recipe, overrides, cls)
-    validate(config)
+    config.validate()
     return config
 
 
@@ -499,17 +516,6 @@ def check_precision(config: TrainConfig) -> None:
         raise UserError(f"--precision bf16 with --state-bits 8 needs --scheme doplus: the {config.scheme} scheme's "
                         "8-bit AdamW (bitsandbytes) has no compensated update for bf16 weights; use 32-bit states "
                         "or --precision bf16-mixed")
-
-
-def validate(config: TrainConfig) -> None:
-    """Check option values and combinations; every message is one line naming the option."""
-    validate_training(config)
-    if isinstance(config, UnlearnConfig):
-        validate_unlearn(config)
-    elif isinstance(config, MultitaskConfig):
-        validate_multitask(config)
-    elif isinstance(config, AlignConfig):
-        validate_align(config)
 
 
 def validate_align(config: AlignConfig) -> None:

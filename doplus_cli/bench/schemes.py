@@ -58,7 +58,6 @@ from doplus_cli.config import (
     load_recipe,
     parse_task_ids,
     read_recipe,
-    validate,
 )
 from doplus_cli.engine.checkpoint import list_checkpoints
 from doplus_cli.engine.outputs import atomic_write_text
@@ -542,7 +541,7 @@ def _plan_run(bench: Bench, scheme: str, sweep_value: Any, seed: int, task: int 
         values.update({"tracker_project": f"doplus-bench-{bench.out.name}", "tracker_run_name": name,
                        "tracker_group": group, "tracker_dir": str(bench.out / "trackers")})
     config = _config(bench.kind, values, sources)
-    validate(copy.deepcopy(config))
+    copy.deepcopy(config).validate()
     return Run(name, scheme, seed, sweep_value, _plain(values), config, bench.out / "runs" / name, task)
 
 
