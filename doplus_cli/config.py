@@ -23,7 +23,35 @@ from doplus_cli.errors import UserError
 from doplus_cli.evaluation.protocol import get_protocol
 from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossParams, parse_layer_list
 
-SCHEMES = ("joint", "alternate", "dualoptim", "doplus")
+
+@dataclass(frozen=True)
+class Scheme:
+    """A named way of updating: the paper's name for it (the bench's tables) and the recipe values it sets; the
+    other SCHEME_KEYS take their defaults."""
+
+    label: str
+    values: dict[str, Any]
+
+
+# The one table of schemes: `doplus bench schemes --schemes` takes every name, `--scheme` the update schemes they
+# are built on (UPDATE_SCHEMES).
+SCHEMES: dict[str, Scheme] = {
+    "joint": Scheme("Joint", {"scheme": "joint"}),
+    "joint-8bit": Scheme("Joint 8bit", {"scheme": "joint", "state_bits": 8}),  # bitsandbytes AdamW8bit
+    "alternate": Scheme("Alternate", {"scheme": "alternate"}),
+    "alternate-8bit": Scheme("Alternate 8bit", {"scheme": "alternate", "state_bits": 8}),
+    "dualoptim": Scheme("DO", {"scheme": "dualoptim"}),
+    "dualoptim-8bit": Scheme("DO 8bit", {"scheme": "dualoptim", "state_bits": 8}),
+    "doplus": Scheme("DO+", {"scheme": "doplus"}),
+    "doplus-8bit": Scheme("DO+ 8bit", {"scheme": "doplus", "state_bits": 8}),
+    "doplus-paper": Scheme("DO+ (paper rule)", {"scheme": "doplus", "doplus_rule": "paper"}),
+    "doplus-muon": Scheme("DO+ Muon", {"scheme": "doplus", "optimizer": "muon"}),
+}
+# What a scheme name fixes, whatever the recipe says: `doplus` is 32-bit AdamW-rule DualOptim+ even on a recipe
+# that sets state_bits: 8. The bench's --set and --sweep may not change these (choose other scheme names instead).
+SCHEME_KEYS = ("scheme", "state_bits", "optimizer", "doplus_rule")
+UPDATE_SCHEMES = tuple(dict.fromkeys(scheme.values["scheme"] for scheme in SCHEMES.values()))  # joint ... doplus
+
 OPTIMIZERS = ("adamw", "muon")
 DTYPES = ("auto", "float32", "bfloat16")
 PRECISIONS = ("auto", "fp32", "bf16-mixed", "bf16")  # engine/precision.py
@@ -467,7 +495,7 @@ DOPLUS_RULES = ("safeguarded", "paper")
 
 def validate_training(config: TrainConfig) -> None:
     """Check the options every training command shares; every message is one line naming the option."""
-    _choice("scheme", config.scheme, SCHEMES)
+    _choice("scheme", config.scheme, UPDATE_SCHEMES)
     _choice("optimizer", config.optimizer, OPTIMIZERS)
     _choice("dtype", config.dtype, DTYPES)
     _choice("precision", config.precision, PRECISIONS)

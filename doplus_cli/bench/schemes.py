@@ -47,6 +47,8 @@ from doplus_cli.bench.tradeoff import render as render_tradeoff
 from doplus_cli.config import (
     EXCLUSIVE_OPTIONS,
     PATH_KEYS,
+    SCHEME_KEYS,
+    SCHEMES,
     AlignConfig,
     MultitaskConfig,
     TrainConfig,
@@ -66,27 +68,6 @@ from doplus_cli.errors import RunError, UserError, writing
 # ---- schemes ------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Scheme:
-    label: str  # the paper's name for it, used in the tables
-    values: dict[str, Any]  # the recipe values it sets; the other SCHEME_KEYS take their defaults
-
-
-SCHEMES: dict[str, Scheme] = {
-    "joint": Scheme("Joint", {"scheme": "joint"}),
-    "joint-8bit": Scheme("Joint 8bit", {"scheme": "joint", "state_bits": 8}),  # bitsandbytes AdamW8bit
-    "alternate": Scheme("Alternate", {"scheme": "alternate"}),
-    "alternate-8bit": Scheme("Alternate 8bit", {"scheme": "alternate", "state_bits": 8}),
-    "dualoptim": Scheme("DO", {"scheme": "dualoptim"}),
-    "dualoptim-8bit": Scheme("DO 8bit", {"scheme": "dualoptim", "state_bits": 8}),
-    "doplus": Scheme("DO+", {"scheme": "doplus"}),
-    "doplus-8bit": Scheme("DO+ 8bit", {"scheme": "doplus", "state_bits": 8}),
-    "doplus-paper": Scheme("DO+ (paper rule)", {"scheme": "doplus", "doplus_rule": "paper"}),
-    "doplus-muon": Scheme("DO+ Muon", {"scheme": "doplus", "optimizer": "muon"}),
-}
-# What a scheme name fixes, whatever the recipe says: `doplus` is 32-bit AdamW-rule DualOptim+ even on a recipe
-# that sets state_bits: 8. --set and --sweep may not change these (choose other scheme names instead).
-SCHEME_KEYS = ("scheme", "state_bits", "optimizer", "doplus_rule")
 BENCH_KEYS = ("seed", "out", "overwrite", "resume")  # the bench sets these for every run
 DEFAULT_SCHEMES = "joint,alternate,dualoptim,doplus"
 DEFAULT_SEEDS = "0,1,2"
