@@ -50,7 +50,7 @@ class AlignKind(Kind):
         length = f"{config.epochs:g} epoch(s)" if config.epochs is not None else f"{config.steps} steps"
         return ("" if swept == "freq" else f"F_s:F_g = {config.freq}, ") + length
 
-    def definitions(self, config: AlignConfig, facts: list[dict[str, Any]]) -> list[str]:
+    def score_definitions(self, config: AlignConfig, facts: list[dict[str, Any]]) -> list[str]:
         lines = []
         if config.eval_suite:
             lines.append(f"safety AVG, XSTest: `doplus evaluate --suite {config.eval_suite}` on final/ ("
@@ -79,13 +79,12 @@ class AlignKind(Kind):
     def evaluate_command(self, config: AlignConfig, folder: Path, model: str | None = None,
                          out: Path | None = None) -> list[str]:
         """What align's own evaluation runs (`engine/align.py`, evaluate_final), for a run stopped before it."""
-        c = config
-        options = [("--suite", c.eval_suite), ("--max-samples", c.eval_max_samples),
-                   ("--max-new-tokens", c.eval_max_new_tokens), ("--batch-size", c.eval_batch_size),
-                   ("--guard-model", c.eval_guard_model), ("--refusal-model", c.eval_refusal_model),
-                   ("--safety-data-dir", c.eval_safety_data_dir),
-                   ("--seed", c.seed), ("--dtype", c.dtype)]
-        return doplus_evaluate(folder, options, c.trust_remote_code)
+        options = [("--suite", config.eval_suite), ("--max-samples", config.eval_max_samples),
+                   ("--max-new-tokens", config.eval_max_new_tokens), ("--batch-size", config.eval_batch_size),
+                   ("--guard-model", config.eval_guard_model), ("--refusal-model", config.eval_refusal_model),
+                   ("--safety-data-dir", config.eval_safety_data_dir),
+                   ("--seed", config.seed), ("--dtype", config.dtype)]
+        return doplus_evaluate(folder, options, config.trust_remote_code)
 
     def scores(self, report: dict[str, Any], evaluation: Path) -> tuple[dict[str, Any], dict[str, str]]:
         rates = (report.get("held_out") or {}).get("refusal_rate", {})

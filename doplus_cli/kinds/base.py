@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterable
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,7 +80,7 @@ class Kind:
         """What the recipe trains, in a few words for the caption (leaving out what `swept` changes)."""
         return ""
 
-    def definitions(self, config: TrainConfig, facts: list[dict[str, Any]]) -> list[str]:
+    def score_definitions(self, config: TrainConfig, facts: list[dict[str, Any]]) -> list[str]:
         """What the score columns are, for the lines under the table; `facts` are the runs' (`evaluated_during_
         training`, ...)."""
         return []
@@ -150,7 +150,7 @@ def kind_of_config(config_class: type[TrainConfig]) -> Kind:
     return next(kind for kind in KINDS.values() if kind.config is config_class)
 
 
-def kind_marked(keys: Iterable[str]) -> Kind | None:
+def kind_marked(keys: Collection[str]) -> Kind | None:
     """The kind of a recipe with these keys: the first registered kind whose marker it sets; None when none."""
     return next((kind for kind in KINDS.values() if kind.marker in keys), None)
 

@@ -38,7 +38,7 @@ class MultitaskKind(Kind):
     def describe(self, config: MultitaskConfig, swept: str | None) -> str:
         return "tasks " + ", ".join(f"{t['name']} ({t['metric']})" for t in config.tasks)
 
-    def definitions(self, config: MultitaskConfig, facts: list[dict[str, Any]]) -> list[str]:
+    def score_definitions(self, config: MultitaskConfig, facts: list[dict[str, Any]]) -> list[str]:
         return ["Task scores: % on each task's held-out rows after training (its metric); average: their mean."]
 
     def scores(self, report: dict[str, Any], evaluation: Path) -> tuple[dict[str, Any], dict[str, str]]:

@@ -72,7 +72,7 @@ class UnlearnKind(Kind):
             parts.append(f"F_f:F_r = {config.forget_freq}:{config.retain_freq}")
         return ", ".join(parts)
 
-    def definitions(self, config: UnlearnConfig, facts: list[dict[str, Any]]) -> list[str]:
+    def score_definitions(self, config: UnlearnConfig, facts: list[dict[str, Any]]) -> list[str]:
         if config.eval_suite == "answers":
             return [f"forget/retain ROUGE-L: ROUGE-L recall of each run's greedy answers after unlearning against "
                     f"the starting model's, on {config.show_samples} questions of each set spread evenly through it "
@@ -112,13 +112,12 @@ class UnlearnKind(Kind):
         """`doplus evaluate` of final/ (or of `model` into `out`: the starting model) with the recipe's eval_*
         values and what the run's own evaluation during training would use (batch size, seed, dtype); the prompt
         template and OVR formula come from the run."""
-        c = config
-        options = [("--suite", c.eval_suite), ("--split", c.eval_split), ("--data-dir", c.eval_data_dir),
-                   ("--max-samples", c.eval_max_samples), ("--max-new-tokens", c.eval_max_new_tokens),
-                   ("--protocol", c.eval_protocol), ("--nli-model", c.eval_nli_model),
-                   ("--embedding-model", c.eval_embedding_model), ("--batch-size", eval_batch_size(c)),
-                   ("--seed", c.seed), ("--dtype", c.dtype), ("--task-id", c.task_id)]
-        return doplus_evaluate(folder, options, c.trust_remote_code, model, out)
+        options = [("--suite", config.eval_suite), ("--split", config.eval_split), ("--data-dir", config.eval_data_dir),
+                   ("--max-samples", config.eval_max_samples), ("--max-new-tokens", config.eval_max_new_tokens),
+                   ("--protocol", config.eval_protocol), ("--nli-model", config.eval_nli_model),
+                   ("--embedding-model", config.eval_embedding_model), ("--batch-size", eval_batch_size(config)),
+                   ("--seed", config.seed), ("--dtype", config.dtype), ("--task-id", config.task_id)]
+        return doplus_evaluate(folder, options, config.trust_remote_code, model, out)
 
     def has_start(self, config: UnlearnConfig) -> bool:
         return config.eval_suite == "tofu" and bool(config.eval_every)

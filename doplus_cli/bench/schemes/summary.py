@@ -234,12 +234,12 @@ def caption(bench: Bench, results: list[Result]) -> str:
 def definitions(bench: Bench, results: list[Result], update_cosine: bool) -> list[str]:
     """What each column is, for the lines under the table."""
     config = bench.runs[0].config
-    kinds = _distinct([r.facts["peak_memory_kind"] for r in results])
-    lines = bench.kind.definitions(config, [r.facts for r in results])
+    memory_kinds = _distinct([r.facts["peak_memory_kind"] for r in results])
+    lines = bench.kind.score_definitions(config, [r.facts for r in results])
     lines += [
         "train time: the sum of the optimizer steps' seconds in metrics.jsonl (a resumed run counts each step "
         "once; loading and evaluation left out).",
-        f"peak memory: the largest peak_memory_gb of the steps ({kinds}).",
+        f"peak memory: the largest peak_memory_gb of the steps ({memory_kinds}).",
         "optimizer states: bytes of every optimizer-state tensor (numel x element size; 8-bit states: codes and "
         "block scales), on one process.",
     ]
