@@ -210,6 +210,7 @@ TASK_DEFAULTS: dict[str, Any] = {"name": None, "data": None, "metric": "exact", 
                                  "eval": None, "lr_multiplier": 1.0}
 _TASK_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
 RESERVED_TASK_NAMES = ("joint", "total")  # a joint step's name and its summed loss term
+AVERAGE = "average"  # the mean of the tasks' scores, reported beside each task's (engine/multitask.py)
 
 
 @dataclass

@@ -12,7 +12,6 @@ from typing import Any
 from rich.console import Console
 
 from doplus_cli.config import AlignConfig
-from doplus_cli.engine import align
 from doplus_cli.errors import UserError
 from doplus_cli.kinds.base import Kind, Metric, TradeoffAxes, doplus_evaluate, read_json
 
@@ -30,10 +29,14 @@ class AlignKind(Kind):
     command, marker, config = "align", "safety", AlignConfig
 
     def run(self, config: AlignConfig, console: Console | None = None) -> dict[str, Any]:
-        return align.run_align(config, console)
+        from doplus_cli.engine.align import run_align
+
+        return run_align(config, console)
 
     def print_summary(self, report: dict[str, Any], console: Console) -> None:
-        align.print_summary(report, console)
+        from doplus_cli.engine.align import print_summary
+
+        print_summary(report, console)
 
     def check_evaluation(self, given: set[str], config: AlignConfig, recipe: Path) -> None:
         if config.held_out == 0 and config.eval_suite is None:
@@ -112,7 +115,9 @@ class AlignKind(Kind):
         """--epochs: the steps on one process (`epoch_steps`; more processes take fewer)."""
         if config.epochs is None or not (config.safety and config.general):  # validation says what is missing
             return config.steps
-        plan = align.AlignPlan(config)
+        from doplus_cli.engine.align import AlignPlan
+
+        plan = AlignPlan(config)
         plan.open()
         return plan.total_steps(config.batch_size * config.grad_accum)
 

@@ -4,6 +4,9 @@ A kind is one training command (`doplus unlearn`, `doplus multitask`, `doplus al
 engine entry point and report renderer, and what `doplus bench schemes` needs to compare runs of it (the key that
 marks a recipe as this kind, its metrics, how a run is evaluated and scored, its caption and column definitions,
 its trade-off plot). Adding a command is one module with its `Kind` and one `register` line in kinds/__init__.py.
+
+A kind imports its engine module where it runs the command (`run`, `print_summary`), as the CLI did: looking a kind
+up (for a recipe's command, a help text, the bench's tables) loads no training code.
 """
 
 from __future__ import annotations

@@ -10,9 +10,7 @@ from typing import Any
 
 from rich.console import Console
 
-from doplus_cli.config import MultitaskConfig
-from doplus_cli.engine import multitask
-from doplus_cli.engine.multitask import AVERAGE
+from doplus_cli.config import AVERAGE, MultitaskConfig
 from doplus_cli.errors import UserError
 from doplus_cli.kinds.base import Kind, Metric
 
@@ -22,10 +20,14 @@ class MultitaskKind(Kind):
     tradeoff_bars = True
 
     def run(self, config: MultitaskConfig, console: Console | None = None) -> dict[str, Any]:
-        return multitask.run_multitask(config, console)
+        from doplus_cli.engine.multitask import run_multitask
+
+        return run_multitask(config, console)
 
     def print_summary(self, report: dict[str, Any], console: Console) -> None:
-        multitask.print_summary(report, console)
+        from doplus_cli.engine.multitask import print_summary
+
+        print_summary(report, console)
 
     def check_evaluation(self, given: set[str], config: MultitaskConfig, recipe: Path) -> None:
         if config.eval_rows == 0 and not any(task["eval"] for task in config.tasks):

@@ -12,7 +12,6 @@ from typing import Any
 from rich.console import Console
 
 from doplus_cli.config import UnlearnConfig, eval_batch_size
-from doplus_cli.engine import continual, unlearn
 from doplus_cli.errors import UserError
 from doplus_cli.kinds.base import Kind, Metric, TradeoffAxes, doplus_evaluate, read_json
 
@@ -39,12 +38,16 @@ class UnlearnKind(Kind):
 
     def run(self, config: UnlearnConfig, console: Console | None = None) -> dict[str, Any]:
         """One run, or with `continual` the forget tasks one after another, each from the previous final model."""
+        from doplus_cli.engine import continual, unlearn
+
         if config.continual:
             return continual.run_continual(config, console)
         return unlearn.run_unlearn(config, console)
 
     def print_summary(self, report: dict[str, Any], console: Console) -> None:
         """The answers before and after and the losses; for `continual`, each task's evaluation."""
+        from doplus_cli.engine import continual, unlearn
+
         if "running_mean" in report:  # run_continual's report
             continual.print_continual(report, console)
         else:
