@@ -22,7 +22,35 @@ from doplus_cli.data.formatting import check_prompt_template
 from doplus_cli.errors import UserError
 from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossParams, parse_layer_list
 
-SCHEMES = ("joint", "alternate", "dualoptim", "doplus")
+
+@dataclass(frozen=True)
+class Scheme:
+    """A named way of updating: the paper's name for it (the bench's tables) and the recipe values it sets; the
+    other SCHEME_KEYS take their defaults."""
+
+    label: str
+    values: dict[str, Any]
+
+
+# The one table of schemes: `doplus bench schemes --schemes` takes every name, `--scheme` the update schemes they
+# are built on (UPDATE_SCHEMES).
+SCHEMES: dict[str, Scheme] = {
+    "joint": Scheme("Joint", {"scheme": "joint"}),
+    "joint-8bit": Scheme("Joint 8bit", {"scheme": "joint", "state_bits": 8}),  # bitsandbytes AdamW8bit
+    "alternate": Scheme("Alternate", {"scheme": "alternate"}),
+    "alternate-8bit": Scheme("Alternate 8bit", {"scheme": "alternate", "state_bits": 8}),
+    "dualoptim": Scheme("DO", {"scheme": "dualoptim"}),
+    "dualoptim-8bit": Scheme("DO 8bit", {"scheme": "dualoptim", "state_bits": 8}),
+    "doplus": Scheme("DO+", {"scheme": "doplus"}),
+    "doplus-8bit": Scheme("DO+ 8bit", {"scheme": "doplus", "state_bits": 8}),
+    "doplus-paper": Scheme("DO+ (paper rule)", {"scheme": "doplus", "doplus_rule": "paper"}),
+    "doplus-muon": Scheme("DO+ Muon", {"scheme": "doplus", "optimizer": "muon"}),
+}
+# What a scheme name fixes, whatever the recipe says: `doplus` is 32-bit AdamW-rule DualOptim+ even on a recipe
+# that sets state_bits: 8. The bench's --set and --sweep may not change these (choose other scheme names instead).
+SCHEME_KEYS = ("scheme", "state_bits", "optimizer", "doplus_rule")
+UPDATE_SCHEMES = tuple(dict.fromkeys(scheme.values["scheme"] for scheme in SCHEMES.values()))  # joint ... doplus
+
 OPTIMIZERS = ("adamw", "muon")
 DTYPES = ("auto", "float32", "bfloat16")
 PRECISIONS = ("auto", "fp32", "bf16-mixed", "bf16")  # engine/precision.py
@@ -109,6 +137,11 @@ class TrainConfig:
         data["betas"] = list(self.betas)
         return data
 
+    def validate(self) -> None:
+        """Check option values and combinations; every message is one line naming the option. A command's config
+        extends it with its own checks."""
+        validate_training(self)
+
 
 @dataclass
 class UnlearnConfig(TrainConfig):
@@ -165,6 +198,10 @@ class UnlearnConfig(TrainConfig):
         parts = self.loss.split("+")
         return parts[1] if len(parts) > 1 else None
 
+    def validate(self) -> None:
+        super().validate()
+        validate_unlearn(self)
+
 
 TASK_METRIC_NAMES = ("exact", "choice", "edit_sim", "rouge_l")  # doplus_cli/evaluation/task_metrics.py
 # A task's keys (recipe `tasks:` entries, `--task NAME=SOURCE,key=value,...`) and their defaults.
@@ -172,6 +209,7 @@ TASK_DEFAULTS: dict[str, Any] = {"name": None, "data": None, "metric": "exact", 
                                  "eval": None, "lr_multiplier": 1.0}
 _TASK_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
 RESERVED_TASK_NAMES = ("joint", "total")  # a joint step's name and its summed loss term
+AVERAGE = "average"  # the mean of the tasks' scores, reported beside each task's (engine/multitask.py)
 
 
 @dataclass
@@ -184,6 +222,10 @@ class MultitaskConfig(TrainConfig):
     answer_key: str = "answer"
     eval_rows: int = 200  # rows kept out of training for a task without an eval file (0: not evaluated)
     eval_batch_size: int = 16  # prompts per greedy generation batch
+
+    def validate(self) -> None:
+        super().validate()
+        validate_multitask(self)
 
 
 ALIGN_EVAL_SUITES = ("safety", "xstest")  # `doplus evaluate`'s suites an align run can end with
@@ -209,6 +251,10 @@ class AlignConfig(TrainConfig):
     eval_guard_model: str | None = None  # None: Llama-Guard-2-8B when it loads, else the refusal judge; "none"
     eval_refusal_model: str | None = None  # a chat model labelling refusals (XSTest's protocol); None: offline judge
     eval_safety_data_dir: str | None = None  # None: the releases' files, downloaded once
+
+    def validate(self) -> None:
+        super().validate()
+        validate_align(self)
 
 
 def parse_task_ids(text: Any, flag: str = "--task-ids") -> list[int]:
@@ -363,7 +409,7 @@ def _next_to_recipe(value: str, folder: Path) -> str:
 def resolve_config(recipe: str | None, overrides: dict[str, Any], cls: type[TrainConfig] = UnlearnConfig):
     """Defaults, then the recipe, then command-line overrides (None means "not given"); validated."""
     config = _resolve(recipe, overrides, cls)
-    validate(config)
+    config.validate()
     return config
 
 
@@ -499,7 +545,7 @@ def parse_report_to(text: str | None) -> list[str]:
 
 def validate_training(config: TrainConfig) -> None:
     """Check the options every training command shares; every message is one line naming the option."""
-    _choice("scheme", config.scheme, SCHEMES)
+    _choice("scheme", config.scheme, UPDATE_SCHEMES)
     _choice("optimizer", config.optimizer, OPTIMIZERS)
     _choice("dtype", config.dtype, DTYPES)
     _choice("precision", config.precision, PRECISIONS)
@@ -548,17 +594,6 @@ def check_precision(config: TrainConfig) -> None:
         raise UserError(f"--precision bf16 with --state-bits 8 needs --scheme doplus: the {config.scheme} scheme's "
                         "8-bit AdamW (bitsandbytes) has no compensated update for bf16 weights; use 32-bit states "
                         "or --precision bf16-mixed")
-
-
-def validate(config: TrainConfig) -> None:
-    """Check option values and combinations; every message is one line naming the option."""
-    validate_training(config)
-    if isinstance(config, UnlearnConfig):
-        validate_unlearn(config)
-    elif isinstance(config, MultitaskConfig):
-        validate_multitask(config)
-    elif isinstance(config, AlignConfig):
-        validate_align(config)
 
 
 def validate_align(config: AlignConfig) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from doplus_cli.config import PATH_KEYS, TASK_PATH_KEYS, read_recipe
 from doplus_cli.errors import UserError, writing
+from doplus_cli.kinds import kind_marked
 
 
 def recipes_root() -> Path:
@@ -42,12 +43,10 @@ class Recipe:
 
 
 def _command_of(data: dict[str, Any]) -> str:
-    if "tasks" in data:
-        return "multitask"
-    if "safety" in data:
-        return "align"
-    if "forget" in data:
-        return "unlearn"
+    """The command a recipe is for (its kind's), or `accelerate config` for an accelerate config file."""
+    kind = kind_marked(data)
+    if kind is not None:
+        return kind.command
     if "distributed_type" in data or "compute_environment" in data:
         return "accelerate config"
     return "-"

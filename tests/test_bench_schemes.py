@@ -14,9 +14,7 @@ import pytest
 import yaml
 
 from doplus_cli.bench.schemes import (
-    KINDS,
     Result,
-    kind_of,
     mean_std,
     plan_bench,
     plot_update_similarity,
@@ -25,6 +23,7 @@ from doplus_cli.bench.schemes import (
     summarise,
 )
 from doplus_cli.engine.checkpoint import list_checkpoints
+from doplus_cli.kinds import KINDS, kind_of
 from tests.helpers import run_cli, write_jsonl, write_sets
 
 PNG = b"\x89PNG"

@@ -15,7 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from doplus_cli.config import MultitaskConfig
+from doplus_cli.config import AVERAGE, MultitaskConfig
 from doplus_cli.data.sources import Keys, RowRange, Source, open_source
 from doplus_cli.engine import outputs
 from doplus_cli.engine.loop import run_training
@@ -26,7 +26,6 @@ from doplus_cli.generation import greedy_generate
 from doplus_cli.losses import TASK_LOSSES
 
 SHOWN_PREDICTIONS = 3  # held-out rows per task whose answers the report shows before and after
-AVERAGE = "average"
 
 
 @dataclass

@@ -1,0 +1,202 @@
+"""Running the runs: each an ordinary `doplus COMMAND` subprocess, its output appended to its log, one at a time;
+then the starting model's evaluation; SIGTERM and Ctrl-C checkpoint the current run and stop the bench."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from doplus_cli.bench.schemes.planning import Bench, Run, completed_report, start_folder
+from doplus_cli.engine.checkpoint import list_checkpoints
+from doplus_cli.errors import RunError, UserError, writing
+
+
+class Stopped(UserError):
+    """SIGTERM or Ctrl-C: the current run checkpointed and stopped; the same command continues."""
+
+    def __init__(self, number: int, what: str | None) -> None:
+        during = f" during {what}" if what else ""
+        super().__init__(f"stopped by {signal.Signals(number).name}{during}; run the same command again to continue "
+                         "(finished runs and checkpoints are kept)")
+        self.exit_code = 128 + number
+
+
+class _Signals:
+    """While the bench runs, SIGTERM and SIGINT go to the current run (which finishes its step, writes a
+    checkpoint and exits); the bench then stops instead of starting the next run."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen | None = None
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for number in (signal.SIGTERM, signal.SIGINT):
+                self._previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+
+    def _handle(self, number: int, frame) -> None:
+        self.received = number
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(number)
+
+
+class Runner:
+    """Runs each command as a subprocess with its output appended to the run's log, one at a time."""
+
+    def __init__(self, bench: Bench, say: Callable[[str], None], num_processes: int | None, fsdp: bool,
+                 keep_checkpoints: bool = False) -> None:
+        self.bench, self.say, self.num_processes, self.fsdp = bench, say, num_processes, fsdp
+        self.keep_checkpoints = keep_checkpoints
+        self.signals = _Signals()
+
+    def run_all(self) -> None:
+        with self.signals:
+            total = len(self.bench.runs)
+            for number, run in enumerate(self.bench.runs, start=1):
+                if self.signals.received:
+                    raise Stopped(self.signals.received, None)
+                self.run_one(run, f"[{number}/{total}] {run.name}")
+            self.evaluate_starts()
+
+    def evaluate_starts(self) -> None:
+        """The model every run of a forget task starts from (the taught model), evaluated once per task into
+        OUT/start/task-T/ (OUT/start/all/ without --task-ids) with the runs' evaluation settings: the first point of
+        their curves. Its path is the one the task's first finished run reports."""
+        if not self.bench.kind.has_start(self.bench.runs[0].config):
+            return
+        for task in self.bench.task_ids:
+            folder = start_folder(self.bench, task)
+            if (folder / "eval.json").is_file():
+                continue
+            first = next(((r, report) for r in self.bench.runs if r.task_id == task
+                          and (report := completed_report(r.folder)) is not None), None)
+            if first is None:
+                continue
+            if self.signals.received:
+                raise Stopped(self.signals.received, None)
+            run, model = first[0], first[1]["model"]
+            what = "the starting model" + ("" if task is None else f" of task {task}")
+            self._say("start", f"evaluating {what}: {model}")
+            log = folder.with_name(folder.name + ".log")
+            command = self.bench.kind.evaluate_command(run.config, run.folder, model, folder)
+            seconds = self._call(command, log, f"the evaluation of {what}")
+            if not (folder / "eval.json").is_file():
+                raise RunError(f"the evaluation of {what} wrote no eval.json; see its log {log}")
+            self._say("start", f"evaluated {what} in {_duration(seconds)}")
+
+    def run_one(self, run: Run, label: str) -> None:
+        """Skip, train (afresh, resumed or restarted) and/or evaluate one run, saying which in one line each."""
+        kind = self.bench.kind
+        report = completed_report(run.folder)
+        if report is not None and kind.evaluation(run.folder, report) is not None:
+            self._say(label, "skipped: finished and evaluated")
+            self._remove_checkpoints(run, label)
+            return
+        if report is None:
+            report = self._train(run, label)
+        if kind.evaluation(run.folder, report) is None:
+            self._say(label, "evaluating")
+            command = kind.evaluate_command(run.config, run.folder)
+            seconds = self._call(command, run.log, f"the evaluation of {run.name}")
+            if kind.evaluation(run.folder, report) is None:
+                raise RunError(f"the evaluation of {run.name} wrote no eval.json; see its log {run.log}")
+            self._say(label, f"evaluated in {_duration(seconds)}")
+        self._remove_checkpoints(run, label)
+
+    def _remove_checkpoints(self, run: Run, label: str) -> None:
+        """A finished and evaluated run's checkpoints go (only an unfinished run resumes from one), so the disk a
+        bench needs stays about one run's checkpoints; `--keep-checkpoints` keeps them. The folder is renamed
+        out of sight first: a kill mid-removal leaves nothing that looks like a checkpoint."""
+        folder = run.folder / "checkpoints"
+        if self.keep_checkpoints or not folder.is_dir():
+            return
+        size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+        aside = run.folder / ".checkpoints.removing"
+        shutil.rmtree(aside, ignore_errors=True)
+        with writing(folder):
+            os.replace(folder, aside)
+            shutil.rmtree(aside)
+        self._say(label, f"removed its checkpoints ({size / 1e9:.2f} GB; --keep-checkpoints keeps them)")
+
+    def _train(self, run: Run, label: str) -> dict[str, Any]:
+        command = [sys.executable, "-m", "doplus_cli", self.bench.kind.command, "--recipe", str(run.recipe_path),
+                   "--out", str(run.folder)]
+        checkpoints = list_checkpoints(run.folder / "checkpoints")
+        if checkpoints:
+            command.append("--resume")
+            self._say(label, f"resumed from {checkpoints[-1].name} (log: {run.log})")
+        elif run.folder.exists() and any(run.folder.iterdir()):
+            command.append("--overwrite")
+            self._say(label, f"started again: its folder held no checkpoint (log: {run.log})")
+        else:
+            self._say(label, f"started (log: {run.log})")
+        if self.num_processes and self.num_processes > 1:
+            command += ["--num-processes", str(self.num_processes)]
+        if self.fsdp:
+            command.append("--fsdp")
+        seconds = self._call(command, run.log, f"run {run.name}")
+        report = completed_report(run.folder)
+        if report is None:
+            raise RunError(f"run {run.name} ended without a completed report.json; see its log {run.log}")
+        self._say(label, f"finished in {_duration(seconds)}")
+        return report
+
+    def _say(self, label: str, text: str) -> None:
+        self.say(f"{time.strftime('%H:%M:%S')} {label}: {text}")
+
+    def _call(self, command: list[str], log_path: Path, what: str) -> float:
+        """Run `command` (`what`, in words), its output appended to the log; the seconds it took. A failure stops
+        the bench."""
+        started = time.perf_counter()
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "a") as log:
+            offset = log.tell()  # where this attempt's output starts
+            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {what}: {shlex.join(command)}\n")
+            log.flush()
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            self.signals.process = process
+            try:
+                code = process.wait()
+            finally:
+                self.signals.process = None
+        if self.signals.received:
+            raise Stopped(self.signals.received, what)
+        if code != 0:
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            last = _last_error(log_path, offset)
+            raise RunError(f"{what} failed ({how}){': ' + last if last else ''}; see its log {log_path} (finished "
+                           "runs are kept: the same command goes on from here)")
+        return time.perf_counter() - started
+
+
+def _last_error(log: Path, offset: int) -> str:
+    """The last `error: ...` line (the CLI's one-line errors) the log got from `offset` on, else its last line."""
+    with open(log, "rb") as handle:
+        handle.seek(offset)
+        text = handle.read().decode(errors="replace")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    line = errors[-1] if errors else (lines[-1] if lines else "")
+    return line[:300]
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    return f"{int(seconds // 60)} min {seconds % 60:02.0f} s"

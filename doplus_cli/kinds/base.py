@@ -1,0 +1,167 @@
+"""What every kind of command answers, and the registry the CLI and the bench look kinds up in.
+
+A kind is one training command (`doplus unlearn`, `doplus multitask`, `doplus align`): its config class, its
+engine entry point and report renderer, and what `doplus bench schemes` needs to compare runs of it (the key that
+marks a recipe as this kind, its metrics, how a run is evaluated and scored, its caption and column definitions,
+its trade-off plot). Adding a command is one module with its `Kind` and one `register` line in kinds/__init__.py.
+
+A kind imports its engine module where it runs the command (`run`, `print_summary`), as the CLI did: looking a kind
+up (for a recipe's command, a help text, the bench's tables) loads no training code.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from doplus_cli.config import TrainConfig
+from doplus_cli.errors import UserError
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A column of the bench's tables: the key of its value, its label, which way is better, its format."""
+
+    key: str
+    label: str
+    higher_is_better: bool | None  # None: no best is marked (a description, not a goal)
+    spec: str = ".2f"  # format of the mean and the standard deviation
+
+    @property
+    def header(self) -> str:
+        arrow = {True: " ↑", False: " ↓", None: ""}[self.higher_is_better]
+        return self.label + arrow
+
+
+@dataclass(frozen=True)
+class TradeoffAxes:
+    """The bench's trade-off scatter (tradeoff.png): one metric per axis, a point per scheme."""
+
+    x: str  # metric key on the x axis
+    y: str  # metric key on the y axis
+    x_label: str
+    y_label: str
+    y_complement: bool = False  # plot 1 - y: a fraction where lower is better, shown so that up is better
+
+
+class Kind:
+    """One training command: what the CLI runs and prints, and what the bench needs to know about its recipes."""
+
+    command = ""
+    marker = ""  # a recipe (or --set) key that only this kind has
+    config: type[TrainConfig] = TrainConfig
+    metrics: tuple[Metric, ...] = ()
+    takes_task_ids = False  # `bench schemes --task-ids`: its recipes have forget tasks to pick
+    matched_tradeoff = False  # its runs' (MU, UFE) curves give the trade-off at matched levels (bench/tradeoff.py)
+    tradeoff_bars = False  # tradeoff.png: each task's score as grouped bars instead of a scatter on two axes
+
+    # ---- the command
+
+    def run(self, config: TrainConfig, console: Console | None = None) -> dict[str, Any]:
+        """Train (and evaluate) as configured; return the report (also written to `config.out`)."""
+        raise NotImplementedError
+
+    def print_summary(self, report: dict[str, Any], console: Console) -> None:
+        """The report's summary on the console, and where the outputs are."""
+        raise NotImplementedError
+
+    # ---- doplus bench schemes
+
+    def check_evaluation(self, given: set[str], config: TrainConfig, recipe: Path) -> None:
+        raise NotImplementedError
+
+    def metric_list(self, config: TrainConfig) -> tuple[Metric, ...]:
+        return self.metrics
+
+    def describe(self, config: TrainConfig, swept: str | None) -> str:
+        """What the recipe trains, in a few words for the caption (leaving out what `swept` changes)."""
+        return ""
+
+    def score_definitions(self, config: TrainConfig, facts: list[dict[str, Any]]) -> list[str]:
+        """What the score columns are, for the lines under the table; `facts` are the runs' (`evaluated_during_
+        training`, ...)."""
+        return []
+
+    def tradeoff_axes(self, keys: set[str]) -> TradeoffAxes | None:
+        """The axes of tradeoff.png given the metric keys the table has; None: no trade-off figure."""
+        return None
+
+    def evaluation(self, folder: Path, report: dict[str, Any]) -> Path | None:
+        """The folder of the evaluation of the finished run in `folder`, or None when it has none yet."""
+        return folder
+
+    def evaluate_command(self, config: TrainConfig, folder: Path, model: str | None = None,
+                         out: Path | None = None) -> list[str]:
+        """The command that evaluates the run in `folder` (or `model` into `out`: the starting model)."""
+        raise NotImplementedError
+
+    def has_start(self, config: TrainConfig) -> bool:
+        """Whether the bench evaluates the starting model too (the first point of every run's curve)."""
+        return False
+
+    def scores(self, report: dict[str, Any], evaluation: Path) -> tuple[dict[str, Any], dict[str, str]]:
+        """({metric key: value}, {metric key: what it covers, when partial}) of a run and its evaluation."""
+        raise NotImplementedError
+
+    def curve_names(self, config: TrainConfig) -> tuple[str, ...]:
+        return tuple(m.key for m in self.metric_list(config))
+
+    def planned_steps(self, config: TrainConfig) -> int:
+        """The run's optimizer steps, as far as the bench can tell before it runs (for `save_every`)."""
+        return config.steps
+
+
+def doplus_evaluate(folder: Path, options: list[tuple[str, Any]], trust_remote_code: bool, model: str | None = None,
+                    out: Path | None = None) -> list[str]:
+    """`doplus evaluate` of the run's final/ (or `model`) into its eval/ folder (or `out`), with the options whose
+    value is not None."""
+    command = [sys.executable, "-m", "doplus_cli", "evaluate", "--model", model or str(folder / "final")]
+    for option, value in options:
+        if value is not None:
+            command += [option, str(value)]
+    if trust_remote_code:
+        command.append("--trust-remote-code")
+    return command + ["--out", str(out or folder / "eval"), "--overwrite"]
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+# ---- the registry -------------------------------------------------------------------------------------------
+
+KINDS: dict[str, Kind] = {}  # by command, in the order they were registered
+
+
+def register(kind: Kind) -> Kind:
+    KINDS[kind.command] = kind
+    return kind
+
+
+def kind_named(command: str) -> Kind:
+    return KINDS[command]
+
+
+def kind_of_config(config_class: type[TrainConfig]) -> Kind:
+    """The kind whose config class is `config_class` (`UnlearnConfig`: unlearn)."""
+    return next(kind for kind in KINDS.values() if kind.config is config_class)
+
+
+def kind_marked(keys: Collection[str]) -> Kind | None:
+    """The kind of a recipe with these keys: the first registered kind whose marker it sets; None when none."""
+    return next((kind for kind in KINDS.values() if kind.marker in keys), None)
+
+
+def kind_of(recipe: Path, keys: set[str]) -> Kind:
+    """The kind of a recipe (or of --set/--sweep) with these keys, or one line saying it is of none."""
+    kind = kind_marked(keys)
+    if kind is not None:
+        return kind
+    markers = ", ".join(f"{k.marker} ({name})" for name, k in KINDS.items())
+    raise UserError(f"{recipe}: not a recipe bench schemes can run: it sets none of {markers}")

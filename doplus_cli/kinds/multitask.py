@@ -1,0 +1,51 @@
+"""`doplus multitask`: several supervised tasks, one objective each (engine/multitask.py).
+
+The bench compares its runs by each task's held-out score after training (report.json, like the paper's Table 4).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from doplus_cli.config import AVERAGE, MultitaskConfig
+from doplus_cli.errors import UserError
+from doplus_cli.kinds.base import Kind, Metric
+
+
+class MultitaskKind(Kind):
+    command, marker, config = "multitask", "tasks", MultitaskConfig
+    tradeoff_bars = True
+
+    def run(self, config: MultitaskConfig, console: Console | None = None) -> dict[str, Any]:
+        from doplus_cli.engine.multitask import run_multitask
+
+        return run_multitask(config, console)
+
+    def print_summary(self, report: dict[str, Any], console: Console) -> None:
+        from doplus_cli.engine.multitask import print_summary
+
+        print_summary(report, console)
+
+    def check_evaluation(self, given: set[str], config: MultitaskConfig, recipe: Path) -> None:
+        if config.eval_rows == 0 and not any(task["eval"] for task in config.tasks):
+            raise UserError(f"{recipe}: no evaluation suite: eval_rows is 0 and no task has an eval file, so no "
+                            "task is scored; set eval_rows > 0 or give the tasks eval files")
+
+    def metric_list(self, config: MultitaskConfig) -> tuple[Metric, ...]:
+        return (*(Metric(task["name"], task["name"], True) for task in config.tasks), Metric(AVERAGE, AVERAGE, True))
+
+    def describe(self, config: MultitaskConfig, swept: str | None) -> str:
+        return "tasks " + ", ".join(f"{t['name']} ({t['metric']})" for t in config.tasks)
+
+    def score_definitions(self, config: MultitaskConfig, facts: list[dict[str, Any]]) -> list[str]:
+        return ["Task scores: % on each task's held-out rows after training (its metric); average: their mean."]
+
+    def scores(self, report: dict[str, Any], evaluation: Path) -> tuple[dict[str, Any], dict[str, str]]:
+        """The held-out scores after training (report.json, like the paper's Table 4)."""
+        return dict(report["scores"]["after"]), {}
+
+
+MULTITASK = MultitaskKind()

@@ -1,0 +1,143 @@
+"""`doplus unlearn`: forget a set while keeping a retain set (engine/unlearn.py; `--continual`: engine/continual.py).
+
+The bench compares its runs by `doplus evaluate`'s TOFU suite (the paper's aggregates, at the run's last step or
+on final/), or by the run's own before/after answers (`eval_suite: answers`, for recipes without reference answers).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from doplus_cli.config import UnlearnConfig, eval_batch_size
+from doplus_cli.errors import UserError
+from doplus_cli.kinds.base import Kind, Metric, TradeoffAxes, doplus_evaluate, read_json
+
+# The paper's aggregates (percent, higher is better; TOFU_SUMMARY.json) and OpenUnlearning's (fractions).
+UNLEARN_METRICS = (
+    Metric("UFE", "UFE", True), Metric("TFE", "TFE", True), Metric("MU", "MU", True), Metric("OVR", "OVR", True),
+    Metric("model_utility", "model_utility", True, ".3f"), Metric("forget_quality", "forget_quality", True, ".3g"),
+    # whether forgetting ran its course, and the taught retain answers were kept (ROUGE-L recall of greedy answers)
+    Metric("forget_Q_A_ROUGE", "forget ROUGE-L", False, ".3f"),
+    Metric("retain_Q_A_ROUGE", "retain ROUGE-L", True, ".3f"),
+)
+ANSWER_METRICS = (Metric("forget_rouge", "forget ROUGE-L", False, ".3f"),
+                  Metric("retain_rouge", "retain ROUGE-L", True, ".3f"))
+# tofu: the suite the eval_* keys describe. answers: the run's own before/after answers to `show_samples` questions
+# of each set (ROUGE-L recall of the answer after against the one before), for recipes without reference answers
+# (the real-world setting, where the targets are the model's own answers).
+EVALUATED_SUITES = ("tofu", "answers")
+
+
+class UnlearnKind(Kind):
+    command, marker, config, metrics = "unlearn", "forget", UnlearnConfig, UNLEARN_METRICS
+    takes_task_ids = True
+    matched_tradeoff = True
+
+    def run(self, config: UnlearnConfig, console: Console | None = None) -> dict[str, Any]:
+        """One run, or with `continual` the forget tasks one after another, each from the previous final model."""
+        from doplus_cli.engine import continual, unlearn
+
+        if config.continual:
+            return continual.run_continual(config, console)
+        return unlearn.run_unlearn(config, console)
+
+    def print_summary(self, report: dict[str, Any], console: Console) -> None:
+        """The answers before and after and the losses; for `continual`, each task's evaluation."""
+        from doplus_cli.engine import continual, unlearn
+
+        if "running_mean" in report:  # run_continual's report
+            continual.print_continual(report, console)
+        else:
+            unlearn.print_summary(report, console)
+
+    def check_evaluation(self, given: set[str], config: UnlearnConfig, recipe: Path) -> None:
+        if "eval_suite" not in given:
+            raise UserError(f"{recipe}: no evaluation suite: the bench compares runs by it; set eval_suite: tofu in "
+                            "the recipe (with eval_data_dir, eval_split, eval_max_samples, ...) or pass --set "
+                            "eval_suite=tofu")
+        if config.eval_suite not in EVALUATED_SUITES:
+            raise UserError(f"{recipe}: eval_suite '{config.eval_suite}': the bench evaluates with "
+                            f"{', '.join(EVALUATED_SUITES)} (the suite the eval_* keys describe, or the run's own "
+                            "before/after answers)")
+        if config.eval_suite == "answers" and config.show_samples == 0:
+            raise UserError(f"{recipe}: eval_suite answers scores the run's before/after answers to show_samples "
+                            "questions of each set; show_samples is 0")
+
+    def metric_list(self, config: UnlearnConfig) -> tuple[Metric, ...]:
+        return ANSWER_METRICS if config.eval_suite == "answers" else self.metrics
+
+    def describe(self, config: UnlearnConfig, swept: str | None) -> str:
+        parts = [] if swept == "loss" else [config.loss]
+        if swept not in ("forget_freq", "retain_freq"):
+            parts.append(f"F_f:F_r = {config.forget_freq}:{config.retain_freq}")
+        return ", ".join(parts)
+
+    def score_definitions(self, config: UnlearnConfig, facts: list[dict[str, Any]]) -> list[str]:
+        if config.eval_suite == "answers":
+            return [f"forget/retain ROUGE-L: ROUGE-L recall of each run's greedy answers after unlearning against "
+                    f"the starting model's, on {config.show_samples} questions of each set spread evenly through it "
+                    "(report.json sample_rouge_mean); lower is better on forget, higher on retain."]
+        where = ", ".join(dict.fromkeys("during training (eval_every)" if run["evaluated_during_training"] else
+                                        "by doplus evaluate on final/" for run in facts))
+        return [f"UFE, TFE, MU, OVR: % ({config.eval_suite} suite, split {config.eval_split}, "
+                + (f"the first {config.eval_max_samples} question(s) of each set, " if config.eval_max_samples else "")
+                + f"protocol {config.eval_protocol}; evaluated {where}); model_utility, forget_quality: "
+                "OpenUnlearning's (a fraction; a KS-test p-value against --retain-logs)."]
+
+    def tradeoff_axes(self, keys: set[str]) -> TradeoffAxes | None:
+        """Forget efficacy (UFE) against utility (MU); with the answers suite, forgotten against kept answers."""
+        if {"forget_rouge", "retain_rouge"} <= keys:
+            return TradeoffAxes("retain_rouge", "forget_rouge", "retain ROUGE-L  (kept, higher is better)",
+                                "1 - forget ROUGE-L  (forgotten, higher is better)", y_complement=True)
+        if {"MU", "UFE"} <= keys:
+            return TradeoffAxes("MU", "UFE", "MU (%)  (utility, higher is better)",
+                                "UFE (%)  (forget efficacy, higher is better)")
+        return None
+
+    def evaluation(self, folder: Path, report: dict[str, Any]) -> Path | None:
+        """The run's own evaluation at its last step (`eval_every`), else OUT/runs/NAME/eval/; for the answers
+        suite the run itself."""
+        if report["config"].get("eval_suite") == "answers":
+            return folder if report.get("sample_rouge_mean") else None
+        evals = report.get("evals") or []
+        if evals and evals[-1].get("step") == report["steps"]:
+            own = folder / "evals" / f"step-{report['steps']}"
+            if (own / "eval.json").is_file():
+                return own
+        after = folder / "eval"
+        return after if (after / "eval.json").is_file() else None
+
+    def evaluate_command(self, config: UnlearnConfig, folder: Path, model: str | None = None,
+                         out: Path | None = None) -> list[str]:
+        """`doplus evaluate` of final/ (or of `model` into `out`: the starting model) with the recipe's eval_*
+        values and what the run's own evaluation during training would use (batch size, seed, dtype); the prompt
+        template and OVR formula come from the run."""
+        options = [("--suite", config.eval_suite), ("--split", config.eval_split), ("--data-dir", config.eval_data_dir),
+                   ("--max-samples", config.eval_max_samples), ("--max-new-tokens", config.eval_max_new_tokens),
+                   ("--protocol", config.eval_protocol), ("--nli-model", config.eval_nli_model),
+                   ("--embedding-model", config.eval_embedding_model), ("--batch-size", eval_batch_size(config)),
+                   ("--seed", config.seed), ("--dtype", config.dtype), ("--task-id", config.task_id)]
+        return doplus_evaluate(folder, options, config.trust_remote_code, model, out)
+
+    def has_start(self, config: UnlearnConfig) -> bool:
+        return config.eval_suite == "tofu" and bool(config.eval_every)
+
+    def scores(self, report: dict[str, Any], evaluation: Path) -> tuple[dict[str, Any], dict[str, str]]:
+        if report["config"].get("eval_suite") == "answers":
+            means = report["sample_rouge_mean"]
+            return {"forget_rouge": means.get("forget"), "retain_rouge": means.get("retain")}, {}
+        summary = read_json(evaluation / "SUMMARY.json")
+        record = read_json(evaluation / "eval.json")
+        values = {m.key: summary.get(m.key) for m in self.metrics}
+        notes = {a["name"]: a["note"] for section in record.get("sections", []) if section.get("suite") == "tofu"
+                 for a in section.get("aggregates", []) if a.get("note")}
+        return values, notes
+
+    def curve_names(self, config: UnlearnConfig) -> tuple[str, ...]:
+        return () if config.eval_suite == "answers" else ("MU", "UFE", "TFE", "OVR")
+
+
+UNLEARN = UnlearnKind()
