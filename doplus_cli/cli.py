@@ -13,11 +13,12 @@ from rich.console import Console
 from rich.text import Text
 
 from doplus_cli import options
-from doplus_cli.bench.schemes import DEFAULT_SCHEMES, DEFAULT_SEEDS, SCHEMES
-from doplus_cli.config import AlignConfig, MultitaskConfig, TrainConfig, UnlearnConfig, resolve_config, task_from_option
+from doplus_cli.bench.schemes import DEFAULT_SCHEMES, DEFAULT_SEEDS
+from doplus_cli.config import SCHEMES, resolve_config, task_from_option
 from doplus_cli.data.formatting import TEMPLATE_HELP
 from doplus_cli.errors import EXIT_FILE_VARIABLE, UserError, quiet_worker, worker_exit_code
 from doplus_cli.evaluation.runner import EvalConfig, resolve_eval_config, run_evaluate
+from doplus_cli.kinds import kind_named
 
 app = typer.Typer(
     name="doplus",
@@ -46,17 +47,20 @@ def _root(
     _debug["on"] = debug
 
 
-def _prepare_training(recipe: str | None, overrides: dict[str, Any], config_class: type[TrainConfig],
-                      num_processes: int | None) -> TrainConfig:
-    """A training command's config (defaults, then the recipe, then the flags given), its teaching recipe run; with
-    --num-processes N, this process relaunches the command on N processes instead of returning."""
+def _train(command: str, recipe: str | None, overrides: dict[str, Any], num_processes: int | None) -> None:
+    """A training command: its kind's config (defaults, then the recipe, then the flags given), its teaching recipe
+    run, then the kind's run and report. With --num-processes N, this process relaunches the command on N processes
+    instead."""
     from doplus_cli.engine.teach import apply_teaching
 
-    config = resolve_config(recipe, overrides, config_class)
+    kind = kind_named(command)
+    config = resolve_config(recipe, overrides, kind.config)
     apply_teaching(config, err_console)  # before a launch of N processes, so that it runs once
     if num_processes is not None and num_processes > 1 and "LOCAL_RANK" not in os.environ:
         _relaunch_with_accelerate(num_processes)
-    return config
+    report = kind.run(config, err_console)
+    if report:
+        kind.print_summary(report, Console(highlight=False))
 
 
 @app.command()
@@ -157,19 +161,7 @@ def unlearn(
         eval_batch_size=eval_batch_size, eval_nli_model=eval_nli_model, eval_embedding_model=eval_embedding_model,
         eval_protocol=eval_protocol, log_update_similarity=log_update_similarity, report_to=report_to,
     )
-    config = _prepare_training(recipe, overrides, UnlearnConfig, num_processes)
-    from doplus_cli.engine.unlearn import print_summary, run_unlearn
-
-    if config.continual:
-        from doplus_cli.engine.continual import print_continual, run_continual
-
-        report = run_continual(config, err_console)
-        if report:
-            print_continual(report, Console(highlight=False))
-        return
-    report = run_unlearn(config, err_console)
-    if report:
-        print_summary(report, Console(highlight=False))
+    _train("unlearn", recipe, overrides, num_processes)
 
 
 @app.command()
@@ -234,12 +226,7 @@ def multitask(
     )
     if task:
         overrides["tasks"] = [task_from_option(text) for text in task]
-    config = _prepare_training(recipe, overrides, MultitaskConfig, num_processes)
-    from doplus_cli.engine.multitask import print_summary, run_multitask
-
-    report = run_multitask(config, err_console)
-    if report:
-        print_summary(report, Console(highlight=False))
+    _train("multitask", recipe, overrides, num_processes)
 
 
 @app.command()
@@ -313,12 +300,7 @@ def align(
         eval_guard_model=eval_guard_model, eval_refusal_model=eval_refusal_model,
         eval_safety_data_dir=eval_safety_data_dir,
     )
-    config = _prepare_training(recipe, overrides, AlignConfig, num_processes)
-    from doplus_cli.engine.align import print_summary, run_align
-
-    report = run_align(config, err_console)
-    if report:
-        print_summary(report, Console(highlight=False))
+    _train("align", recipe, overrides, num_processes)
 
 
 @app.command()
