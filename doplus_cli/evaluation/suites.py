@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.data.rejections import rejection_for
@@ -23,11 +23,8 @@ from doplus_cli.evaluation import openunlearning as ou
 from doplus_cli.evaluation.privacy import privacy_metrics, read_holdout
 from doplus_cli.evaluation.protocol import PROTOCOLS, Protocol, get_protocol
 from doplus_cli.evaluation.scoring import shared_prefix_nlls
-from doplus_cli.evaluation.suite_api import Suite, SuiteContext, SuiteResult, write_json
+from doplus_cli.evaluation.suite_api import EvalConfig, Suite, SuiteContext, SuiteResult, write_json
 from doplus_cli.generation import greedy_generate
-
-if TYPE_CHECKING:
-    from doplus_cli.evaluation.runner import EvalConfig
 
 INDICATORS = ("rouge", "probability", "truth_ratio", "token_entropy", "cosine_similarity", "entailment")
 
