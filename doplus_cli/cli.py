@@ -47,14 +47,15 @@ def _root(
     _debug["on"] = debug
 
 
-def _train(command: str, recipe: str | None, overrides: dict[str, Any], num_processes: int | None) -> None:
-    """A training command: its kind's config (defaults, then the recipe, then the flags given), its teaching recipe
-    run, then the kind's run and report. With --num-processes N, this process relaunches the command on N processes
-    instead."""
+def _train(command: str, values: dict[str, Any]) -> None:
+    """A training command: its options (named as the config's fields) over its kind's config (defaults, then the
+    recipe, then the flags given), its teaching recipe run, then the kind's run and report. With --num-processes N,
+    this process relaunches the command on N processes instead."""
     from doplus_cli.engine.teach import apply_teaching
 
+    recipe, num_processes = values.pop("recipe"), values.pop("num_processes")
     kind = kind_named(command)
-    config = resolve_config(recipe, overrides, kind.config)
+    config = resolve_config(recipe, values, kind.config)
     apply_teaching(config, err_console)  # before a launch of N processes, so that it runs once
     if num_processes is not None and num_processes > 1 and "LOCAL_RANK" not in os.environ:
         _relaunch_with_accelerate(num_processes)
@@ -64,243 +65,27 @@ def _train(command: str, recipe: str | None, overrides: dict[str, Any], num_proc
 
 
 @app.command()
-def unlearn(
-    recipe: options.Recipe = None,
-    model: options.Model = None,
-    dtype: options.Dtype = None,
-    precision: options.Precision = None,
-    save_dtype: options.SaveDtype = None,
-    trust_remote_code: options.UnlearnTrustRemoteCode = None,
-    forget: options.Forget = None,
-    retain: options.Retain = None,
-    task_id: options.TaskId = None,
-    task_ids: options.TaskIds = None,
-    continual: options.Continual = None,
-    question_key: options.QuestionKey = None,
-    answer_key: options.UnlearnAnswerKey = None,
-    max_length: options.MaxLength = None,
-    prompt_template: options.PromptTemplate = None,
-    answers_from_model: options.AnswersFromModel = None,
-    max_new_tokens: options.UnlearnMaxNewTokens = None,
-    loss: options.Loss = None,
-    beta: options.Beta = None,
-    simnpo_beta: options.SimnpoBeta = None,
-    simnpo_gamma: options.SimnpoGamma = None,
-    undial_beta: options.UndialBeta = None,
-    wga_beta: options.WgaBeta = None,
-    satimp_beta1: options.SatimpBeta1 = None,
-    satimp_beta2: options.SatimpBeta2 = None,
-    rmu_layer: options.RmuLayer = None,
-    rmu_coeff: options.RmuCoeff = None,
-    rmu_update_layers: options.RmuUpdateLayers = None,
-    rmu_modules: options.RmuModules = None,
-    forget_coeff: options.ForgetCoeff = None,
-    retain_coeff: options.RetainCoeff = None,
-    scheme: options.Scheme = None,
-    optimizer: options.Optimizer = None,
-    state_bits: options.StateBits = None,
-    doplus_rule: options.UnlearnDoplusRule = None,
-    forget_freq: options.ForgetFreq = None,
-    retain_freq: options.RetainFreq = None,
-    betas: options.Betas = None,
-    steps: options.Steps = None,
-    lr: options.Lr = None,
-    forget_lr: options.ForgetLr = None,
-    batch_size: options.BatchSize = None,
-    grad_accum: options.GradAccum = None,
-    warmup_steps: options.UnlearnWarmupSteps = None,
-    weight_decay: options.WeightDecay = None,
-    max_grad_norm: options.MaxGradNorm = None,
-    seed: options.Seed = None,
-    out: options.UnlearnOut = None,
-    overwrite: options.UnlearnOverwrite = None,
-    show_samples: options.ShowSamples = None,
-    lora_rank: options.UnlearnLoraRank = None,
-    lora_alpha: options.LoraAlpha = None,
-    lora_targets: options.UnlearnLoraTargets = None,
-    lora_dropout: options.LoraDropout = None,
-    gradient_checkpointing: options.UnlearnGradientCheckpointing = None,
-    save_adapter_only: options.SaveAdapterOnly = None,
-    ref_offload: options.RefOffload = None,
-    fsdp: options.Fsdp = None,
-    num_processes: options.UnlearnNumProcesses = None,
-    save_every: options.UnlearnSaveEvery = None,
-    keep_last: options.KeepLast = None,
-    resume: options.UnlearnResume = None,
-    eval_every: options.UnlearnEvalEvery = None,
-    eval_suite: options.UnlearnEvalSuite = None,
-    eval_split: options.EvalSplit = None,
-    eval_data_dir: options.EvalDataDir = None,
-    eval_max_samples: options.UnlearnEvalMaxSamples = None,
-    eval_max_new_tokens: options.UnlearnEvalMaxNewTokens = None,
-    eval_batch_size: options.UnlearnEvalBatchSize = None,
-    eval_nli_model: options.EvalNliModel = None,
-    eval_embedding_model: options.EvalEmbeddingModel = None,
-    eval_protocol: options.EvalProtocol = None,
-    log_update_similarity: options.LogUpdateSimilarity = None,
-    report_to: options.ReportTo = None,
-) -> None:
+@options.takes("unlearn")
+def unlearn(**values: Any) -> None:
     """Unlearn a forget set while keeping a retain set; writes final/, metrics.jsonl and a report."""
-    overrides = dict(
-        model=model, dtype=dtype, precision=precision, save_dtype=save_dtype, trust_remote_code=trust_remote_code,
-        forget=forget, retain=retain, task_id=task_id, task_ids=task_ids, continual=continual,
-        question_key=question_key, answer_key=answer_key, max_length=max_length, prompt_template=prompt_template,
-        answers_from_model=answers_from_model, max_new_tokens=max_new_tokens, loss=loss, beta=beta,
-        simnpo_beta=simnpo_beta, simnpo_gamma=simnpo_gamma, undial_beta=undial_beta, wga_beta=wga_beta,
-        satimp_beta1=satimp_beta1, satimp_beta2=satimp_beta2, rmu_layer=rmu_layer, rmu_coeff=rmu_coeff,
-        rmu_update_layers=rmu_update_layers, rmu_modules=rmu_modules, forget_coeff=forget_coeff,
-        retain_coeff=retain_coeff, scheme=scheme, optimizer=optimizer, state_bits=state_bits,
-        doplus_rule=doplus_rule, forget_freq=forget_freq, retain_freq=retain_freq, betas=betas, steps=steps, lr=lr,
-        forget_lr=forget_lr, batch_size=batch_size, grad_accum=grad_accum, warmup_steps=warmup_steps,
-        weight_decay=weight_decay, max_grad_norm=max_grad_norm, seed=seed, out=out, overwrite=overwrite,
-        show_samples=show_samples, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets,
-        lora_dropout=lora_dropout, gradient_checkpointing=gradient_checkpointing,
-        save_adapter_only=save_adapter_only, ref_offload=ref_offload, fsdp=fsdp, save_every=save_every,
-        keep_last=keep_last, resume=resume, eval_every=eval_every, eval_suite=eval_suite, eval_split=eval_split,
-        eval_data_dir=eval_data_dir, eval_max_samples=eval_max_samples, eval_max_new_tokens=eval_max_new_tokens,
-        eval_batch_size=eval_batch_size, eval_nli_model=eval_nli_model, eval_embedding_model=eval_embedding_model,
-        eval_protocol=eval_protocol, log_update_similarity=log_update_similarity, report_to=report_to,
-    )
-    _train("unlearn", recipe, overrides, num_processes)
+    _train("unlearn", values)
 
 
 @app.command()
-def multitask(
-    recipe: options.MultitaskRecipe = None,
-    task: options.Task = None,
-    freq: options.MultitaskFreq = None,
-    prompt_key: options.PromptKey = None,
-    answer_key: options.MultitaskAnswerKey = None,
-    eval_rows: options.EvalRows = None,
-    eval_every: options.MultitaskEvalEvery = None,
-    eval_batch_size: options.MultitaskEvalBatchSize = None,
-    model: options.Model = None,
-    dtype: options.Dtype = None,
-    precision: options.Precision = None,
-    save_dtype: options.SaveDtype = None,
-    trust_remote_code: options.TrustRemoteCode = None,
-    max_length: options.MaxLength = None,
-    max_new_tokens: options.MultitaskMaxNewTokens = None,
-    scheme: options.Scheme = None,
-    optimizer: options.Optimizer = None,
-    state_bits: options.StateBits = None,
-    doplus_rule: options.DoplusRule = None,
-    prompt_template: options.PromptTemplate = None,
-    betas: options.Betas = None,
-    steps: options.Steps = None,
-    lr: options.Lr = None,
-    batch_size: options.BatchSize = None,
-    grad_accum: options.GradAccum = None,
-    warmup_steps: options.MultitaskWarmupSteps = None,
-    weight_decay: options.WeightDecay = None,
-    max_grad_norm: options.MaxGradNorm = None,
-    seed: options.Seed = None,
-    out: options.MultitaskOut = None,
-    overwrite: options.Overwrite = None,
-    lora_rank: options.LoraRank = None,
-    lora_alpha: options.LoraAlpha = None,
-    lora_targets: options.LoraTargets = None,
-    lora_dropout: options.LoraDropout = None,
-    gradient_checkpointing: options.GradientCheckpointing = None,
-    save_adapter_only: options.SaveAdapterOnly = None,
-    fsdp: options.Fsdp = None,
-    num_processes: options.NumProcesses = None,
-    save_every: options.SaveEvery = None,
-    keep_last: options.KeepLast = None,
-    resume: options.Resume = None,
-    log_update_similarity: options.LogUpdateSimilarity = None,
-    report_to: options.ReportTo = None,
-) -> None:
+@options.takes("multitask")
+def multitask(**values: Any) -> None:
     """Train on several tasks at once, one DualOptim+ delta state per task; scores each task before and after."""
-    overrides = dict(
-        freq=freq, prompt_key=prompt_key, answer_key=answer_key, eval_rows=eval_rows, eval_every=eval_every,
-        eval_batch_size=eval_batch_size, model=model, dtype=dtype, precision=precision, save_dtype=save_dtype,
-        trust_remote_code=trust_remote_code, max_length=max_length, max_new_tokens=max_new_tokens, scheme=scheme,
-        optimizer=optimizer, state_bits=state_bits, doplus_rule=doplus_rule, prompt_template=prompt_template,
-        betas=betas, steps=steps, lr=lr, batch_size=batch_size, grad_accum=grad_accum, warmup_steps=warmup_steps,
-        weight_decay=weight_decay, max_grad_norm=max_grad_norm, seed=seed, out=out, overwrite=overwrite,
-        lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets, lora_dropout=lora_dropout,
-        gradient_checkpointing=gradient_checkpointing, save_adapter_only=save_adapter_only, fsdp=fsdp,
-        save_every=save_every, keep_last=keep_last, resume=resume, log_update_similarity=log_update_similarity,
-        report_to=report_to,
-    )
+    task = values.pop("task")
     if task:
-        overrides["tasks"] = [task_from_option(text) for text in task]
-    _train("multitask", recipe, overrides, num_processes)
+        values["tasks"] = [task_from_option(text) for text in task]
+    _train("multitask", values)
 
 
 @app.command()
-def align(
-    recipe: options.Recipe = None,
-    safety: options.Safety = None,
-    general: options.General = None,
-    instruction_key: options.InstructionKey = None,
-    input_key: options.InputKey = None,
-    output_key: options.OutputKey = None,
-    freq: options.AlignFreq = None,
-    epochs: options.Epochs = None,
-    held_out: options.HeldOut = None,
-    model: options.Model = None,
-    dtype: options.Dtype = None,
-    precision: options.Precision = None,
-    save_dtype: options.SaveDtype = None,
-    trust_remote_code: options.TrustRemoteCode = None,
-    max_length: options.MaxLength = None,
-    max_new_tokens: options.AlignMaxNewTokens = None,
-    prompt_template: options.PromptTemplate = None,
-    scheme: options.AlignScheme = None,
-    optimizer: options.Optimizer = None,
-    state_bits: options.StateBits = None,
-    doplus_rule: options.DoplusRule = None,
-    betas: options.Betas = None,
-    steps: options.AlignSteps = None,
-    lr: options.Lr = None,
-    batch_size: options.BatchSize = None,
-    grad_accum: options.GradAccum = None,
-    warmup_steps: options.AlignWarmupSteps = None,
-    weight_decay: options.WeightDecay = None,
-    max_grad_norm: options.MaxGradNorm = None,
-    seed: options.Seed = None,
-    out: options.AlignOut = None,
-    overwrite: options.Overwrite = None,
-    lora_rank: options.LoraRank = None,
-    lora_alpha: options.LoraAlpha = None,
-    lora_targets: options.LoraTargets = None,
-    lora_dropout: options.LoraDropout = None,
-    gradient_checkpointing: options.GradientCheckpointing = None,
-    save_adapter_only: options.SaveAdapterOnly = None,
-    fsdp: options.Fsdp = None,
-    num_processes: options.NumProcesses = None,
-    save_every: options.SaveEvery = None,
-    keep_last: options.KeepLast = None,
-    resume: options.Resume = None,
-    log_update_similarity: options.LogUpdateSimilarity = None,
-    report_to: options.ReportTo = None,
-    eval_batch_size: options.AlignEvalBatchSize = None,
-    eval_suite: options.AlignEvalSuite = None,
-    eval_max_samples: options.AlignEvalMaxSamples = None,
-    eval_max_new_tokens: options.AlignEvalMaxNewTokens = None,
-    eval_guard_model: options.EvalGuardModel = None,
-    eval_refusal_model: options.EvalRefusalModel = None,
-    eval_safety_data_dir: options.EvalSafetyDataDir = None,
-) -> None:
+@options.takes("align")
+def align(**values: Any) -> None:
     """Safety alignment as targeted unlearning: learn the safe responses, keep the general ones."""
-    overrides = dict(
-        safety=safety, general=general, instruction_key=instruction_key, input_key=input_key, output_key=output_key,
-        freq=freq, epochs=epochs, held_out=held_out, model=model, dtype=dtype, precision=precision,
-        save_dtype=save_dtype, trust_remote_code=trust_remote_code, max_length=max_length,
-        max_new_tokens=max_new_tokens, prompt_template=prompt_template, scheme=scheme, optimizer=optimizer,
-        state_bits=state_bits, doplus_rule=doplus_rule, betas=betas, steps=steps, lr=lr, batch_size=batch_size,
-        grad_accum=grad_accum, warmup_steps=warmup_steps, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
-        seed=seed, out=out, overwrite=overwrite, lora_rank=lora_rank, lora_alpha=lora_alpha,
-        lora_targets=lora_targets, lora_dropout=lora_dropout, gradient_checkpointing=gradient_checkpointing,
-        save_adapter_only=save_adapter_only, fsdp=fsdp, save_every=save_every, keep_last=keep_last, resume=resume,
-        log_update_similarity=log_update_similarity, report_to=report_to, eval_batch_size=eval_batch_size,
-        eval_suite=eval_suite, eval_max_samples=eval_max_samples, eval_max_new_tokens=eval_max_new_tokens,
-        eval_guard_model=eval_guard_model, eval_refusal_model=eval_refusal_model,
-        eval_safety_data_dir=eval_safety_data_dir,
-    )
-    _train("align", recipe, overrides, num_processes)
+    _train("align", values)
 
 
 @app.command()

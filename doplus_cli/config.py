@@ -503,17 +503,14 @@ def check_protocol(name: str) -> str:
     return name
 
 
-# `--report-to`: the trackers engine/tracking.py hands to accelerate
+# `--report-to`: the trackers engine/tracking.py hands to accelerate; each one's module and PyPI package share its name
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
-# the module each tracker needs, and the package that provides it
-_TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
-_TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
 
 
 def _tracker_installed(name: str) -> bool:
     """Whether the tracker's package can be imported (found, not imported: trackio reads TRACKIO_DIR on import)."""
     try:
-        return importlib.util.find_spec(_TRACKER_MODULES[name]) is not None
+        return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
         return False
 
@@ -533,13 +530,13 @@ def parse_report_to(text: str | None) -> list[str]:
         names = [name for name in TRACKERS if _tracker_installed(name)]
         if not names:
             raise UserError(f"--report-to all: no tracker is installed; pip install 'doplus-cli[tracking]' "
-                            f"(or one of: {', '.join(_TRACKER_PACKAGES.values())})")
+                            f"(or one of: {', '.join(TRACKERS)})")
         return names
     names = list(dict.fromkeys(items))
     for name in names:
         if not _tracker_installed(name):
-            raise UserError(f"--report-to {name}: the {_TRACKER_PACKAGES[name]} package is not installed; "
-                            f"pip install {_TRACKER_PACKAGES[name]} (or pip install 'doplus-cli[tracking]')")
+            raise UserError(f"--report-to {name}: the {name} package is not installed; "
+                            f"pip install {name} (or pip install 'doplus-cli[tracking]')")
     return names
 
 

@@ -3,8 +3,10 @@ benchmarks alike, so it sits below all of them."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 from doplus_cli.errors import writing
 
@@ -19,3 +21,8 @@ def atomic_write_text(path: Path, text: str) -> None:
             os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_json(path: Path, data: Any) -> None:
+    """`data` as indented JSON, written atomically."""
+    atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")

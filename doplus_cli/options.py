@@ -2,14 +2,17 @@
 
 Every option is an `Annotated` type: its flags and its help text, the help's `[default: ...]` read from the config
 dataclass field (config.py holds every default; the flag's own default is None, "not given", so a recipe's value
-stands unless a flag replaces it). A command's signature in cli.py lists the types it takes; `COMMAND_OPTIONS`
-lists the same per command (option name -> type) for the model card's command line (engine/model_card.py).
+stands unless a flag replaces it). `COMMAND_OPTIONS` lists each command's options (name -> type): `takes` makes
+them the signature of the command's function in cli.py, and the model card writes its command line from them
+(engine/model_card.py).
 
 Where the three commands word an option differently, the variant is named after its command (`UnlearnOut`).
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Annotated, Any, get_args
 
 import typer
@@ -349,6 +352,18 @@ COMMAND_OPTIONS: dict[str, dict[str, Any]] = {
         "eval_refusal_model": EvalRefusalModel, "eval_safety_data_dir": EvalSafetyDataDir,
     },
 }
+
+
+def takes(command: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give a command function (`def unlearn(**values)`) the options `COMMAND_OPTIONS` lists for `command`, in that
+    order, each defaulting to None ("not given"): typer reads them from the signature, and the function receives
+    them by name, the names of the config fields they set."""
+    def decorate(function: Callable[..., Any]) -> Callable[..., Any]:
+        function.__signature__ = inspect.Signature([
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=option)
+            for name, option in COMMAND_OPTIONS[command].items()], return_annotation=None)
+        return function
+    return decorate
 
 
 def flags_of(option: Any) -> tuple[list[str], list[str]]:

@@ -196,3 +196,13 @@ def test_unlearn_config_takes_a_template_and_a_protocol():
         resolve_config(None, {"forget": "f.jsonl", "loss": "GA", "prompt_template": "Q:"})
     with pytest.raises(UserError, match="unknown --protocol 'tofu'"):
         resolve_config(None, {"forget": "f.jsonl", "loss": "GA", "eval_protocol": "tofu"})
+
+
+def test_config_validates_the_protocols_the_evaluation_defines():
+    """config.py checks --eval-protocol without importing the evaluation: its list of names must be PROTOCOLS'."""
+    from doplus_cli.config import PROTOCOL_NAMES
+    from doplus_cli.evaluation.protocol import PROTOCOLS, get_protocol
+
+    assert tuple(PROTOCOLS) == PROTOCOL_NAMES
+    with pytest.raises(UserError, match="unknown --protocol 'authors': choose doplus, paper"):
+        get_protocol("authors")

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from doplus_cli.errors import UserError
-from doplus_cli.evaluation.suite_api import Suite, SuiteContext, SuiteResult, write_json
+from doplus_cli.evaluation.suite_api import Suite, SuiteContext, SuiteResult
+from doplus_cli.files import write_json
 
 DEFAULT_TASKS = ("arc_challenge", "mmlu", "truthfulqa_mc2", "triviaqa", "gsm8k")
 

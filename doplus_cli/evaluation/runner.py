@@ -21,8 +21,9 @@ from doplus_cli.evaluation.lm_eval_suite import LM_EVAL_SUITE
 from doplus_cli.evaluation.privacy import read_holdout, read_retain_logs
 from doplus_cli.evaluation.protocol import get_protocol
 from doplus_cli.evaluation.safety import SAFETY_SUITE, XSTEST_SUITE, overall_section
-from doplus_cli.evaluation.suite_api import EvalConfig, Suite, SuiteContext, write_json
+from doplus_cli.evaluation.suite_api import EvalConfig, Suite, SuiteContext
 from doplus_cli.evaluation.suites import PRIVACY_SUITE, REAL_WORLD_SUITE, TOFU_SUITE, Judges, load_tofu_sets
+from doplus_cli.files import write_json
 from doplus_cli.losses import FORGET_LOSSES
 from doplus_cli.progress import counting_tokens, progress_bar
 

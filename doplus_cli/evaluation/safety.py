@@ -24,7 +24,8 @@ from doplus_cli.data.sources import read_json_lines
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.refusal import LABELS, agreement, is_refusal, known_label, xstest_prefix_label
 from doplus_cli.evaluation.safety_judges import SafetyJudges
-from doplus_cli.evaluation.suite_api import Suite, SuiteContext, SuiteResult, write_json
+from doplus_cli.evaluation.suite_api import Suite, SuiteContext, SuiteResult
+from doplus_cli.files import write_json
 from doplus_cli.generation import greedy_generate
 
 # (file stem in the release, the paper's short name)

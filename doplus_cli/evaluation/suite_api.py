@@ -6,13 +6,10 @@ registers its tasks, and `runner.evaluate_model` loops over the chosen ones.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-from doplus_cli.files import atomic_write_text
 
 if TYPE_CHECKING:
     from doplus_cli.data.formatting import PromptFormatter
@@ -91,8 +88,3 @@ class Suite:
     needs_judges: bool = False  # the embedding and NLI models
     needs_safety_judges: bool = False  # the refusal judges
     needs_guard: bool = False  # the guard model too
-
-
-def write_json(path: Path, data: Any) -> None:
-    """`data` as indented JSON, written atomically."""
-    atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")

@@ -23,7 +23,8 @@ from doplus_cli.evaluation import openunlearning as ou
 from doplus_cli.evaluation.privacy import privacy_metrics, read_holdout
 from doplus_cli.evaluation.protocol import PROTOCOLS, Protocol, get_protocol
 from doplus_cli.evaluation.scoring import shared_prefix_nlls
-from doplus_cli.evaluation.suite_api import EvalConfig, Suite, SuiteContext, SuiteResult, write_json
+from doplus_cli.evaluation.suite_api import EvalConfig, Suite, SuiteContext, SuiteResult
+from doplus_cli.files import write_json
 from doplus_cli.generation import greedy_generate
 
 INDICATORS = ("rouge", "probability", "truth_ratio", "token_entropy", "cosine_similarity", "entailment")

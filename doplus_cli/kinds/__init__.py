@@ -13,7 +13,6 @@ from doplus_cli.kinds.base import (
     kind_marked,
     kind_named,
     kind_of,
-    kind_of_config,
     register,
 )
 from doplus_cli.kinds.multitask import MULTITASK
@@ -23,5 +22,5 @@ register(MULTITASK)
 register(UNLEARN)
 register(ALIGN)
 
-__all__ = ["KINDS", "Kind", "Metric", "TradeoffAxes", "kind_marked", "kind_named", "kind_of", "kind_of_config",
+__all__ = ["KINDS", "Kind", "Metric", "TradeoffAxes", "kind_marked", "kind_named", "kind_of",
            "register"]

@@ -148,11 +148,6 @@ def kind_named(command: str) -> Kind:
     return KINDS[command]
 
 
-def kind_of_config(config_class: type[TrainConfig]) -> Kind:
-    """The kind whose config class is `config_class` (`UnlearnConfig`: unlearn)."""
-    return next(kind for kind in KINDS.values() if kind.config is config_class)
-
-
 def kind_marked(keys: Collection[str]) -> Kind | None:
     """The kind of a recipe with these keys: the first registered kind whose marker it sets; None when none."""
     return next((kind for kind in KINDS.values() if kind.marker in keys), None)
