@@ -16,7 +16,7 @@ from rich.console import Console
 
 from doplus_cli.data.formatting import check_prompt_template
 from doplus_cli.errors import UserError
-from doplus_cli.evaluation.compute import compute_floor, matmul_gflops
+from doplus_cli.evaluation.compute import compute_floor, matmul_gflops, packed_linears
 from doplus_cli.evaluation.lm_eval_suite import LM_EVAL_SUITE
 from doplus_cli.evaluation.privacy import read_holdout, read_retain_logs
 from doplus_cli.evaluation.protocol import get_protocol
@@ -121,16 +121,16 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
     """Run the suites on a loaded model and write the outputs into `out`; return the eval record.
 
     `judges` (the embedding and NLI models) can be passed in, so evaluations during training load them once.
-    `command` ({"started": perf_counter at the command's start, "gflops": matmul rate, "dtype"}), from `doplus
+    `command` ({"started": perf_counter at the command's start, "rates": `matmul_gflops`, "dtype"}), from `doplus
     evaluate`: the record gets the compute floor of the tokens the suites pushed through the model.
     """
     started = time.perf_counter()
-    with counting_tokens() as tokens:
+    with counting_tokens() as tokens, packed_linears(model) as packed:
         record = _evaluate_model(model, tokenizer, config, out, model_name, progress, targeted, judges, started)
     if command is not None and model is not None:
         parameters = sum(p.numel() for p in model.parameters())
-        record["compute"] = compute_floor(tokens, parameters, command["gflops"],
-                                          time.perf_counter() - command["started"], command["dtype"])
+        record["compute"] = compute_floor(tokens, parameters, command["rates"],
+                                          time.perf_counter() - command["started"], command["dtype"], packed)
     write_json(out / "eval.json", record)
     from doplus_cli.evaluation.report import render_eval_markdown
 
@@ -250,7 +250,7 @@ def run_evaluate(config: EvalConfig, console: Console | None = None) -> dict[str
     if model is not None:  # the floor's matmul rate, in the model's dtype, on its device, in this run
         parameter = next(model.parameters())
         command = {"started": started, "dtype": str(parameter.dtype).removeprefix("torch."),
-                   "gflops": matmul_gflops(parameter.dtype, parameter.device)}
+                   "rates": matmul_gflops(parameter.dtype, parameter.device)}
     progress = progress_bar(console)
     with progress:
         return evaluate_model(model, tokenizer, config, out, name, progress, targeted, command=command)
