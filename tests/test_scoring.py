@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from doplus_cli.data.formatting import PromptFormatter
@@ -90,3 +92,57 @@ def test_the_token_tree_runs_each_shared_answer_prefix_once():
     assert tree.depths == [1, 2, 3, 4, 3, 4, 2, 3, 1, 2]
     assert tree.paths == [[0, 1, 2, 3], [0, 1, 4, 5], [0, 6, 7], [8, 9]]
     assert tree.length == 3 + 10
+
+
+def test_the_output_layer_in_chunks_gives_each_scored_token_its_nll():
+    """`_head_nlls` against a float64 reference written here: positions scored by several targets (a token tree's
+    shared prefix), positions scored by none (padding), and chunks that cut through a position's targets."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(6, 11, bias=False)
+    hidden = torch.randn(2, 5, 6)
+    rows = torch.tensor([0, 0, 0, 1, 1, 1, 1, 0])
+    columns = torch.tensor([1, 1, 4, 0, 0, 0, 3, 2])
+    targets = torch.tensor([3, 7, 0, 10, 2, 2, 5, 9])
+    expected = []
+    for r, c, t in zip(rows.tolist(), columns.tolist(), targets.tolist()):
+        logits = hidden[r, c].double() @ head.weight.double().T
+        expected.append(math.log(sum(math.exp(v) for v in logits.tolist())) - logits[t].item())
+    calls = []
+    original = head.forward
+    head.forward = lambda x: calls.append(len(x)) or original(x)
+    for chunk in (1, 2, 3, 64):
+        calls.clear()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(scoring, "HEAD_POSITIONS_PER_CHUNK", chunk)
+            got = scoring._head_nlls(head, hidden, rows, columns, targets)
+        assert got.tolist() == pytest.approx(expected, abs=1e-5)
+        assert sum(calls) == 5 and max(calls) <= chunk  # the 5 distinct positions once each, never padding
+
+
+def test_packed_scoring_applies_the_output_layer_only_where_it_scores(tiny_chat_llama, tofu_dir, monkeypatch):
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_llama).eval()
+    formatter = PromptFormatter(AutoTokenizer.from_pretrained(tiny_chat_llama), max_length=512)
+    questions, groups = tofu_groups(tofu_dir, 3)
+    expected = grouped_nlls(model, formatter, questions, groups, batch_size=5)
+    calls = []
+    original = scoring._head_nlls
+    monkeypatch.setattr(scoring, "_head_nlls", lambda *a: calls.append(len(a[2])) or original(*a))
+    got = scoring._packed_nlls(model, formatter, questions, groups, 2)
+    assert calls and scoring._split_head(model) is not None  # the fast path ran
+    for row_got, row_expected in zip(got, expected):
+        assert row_got == pytest.approx(row_expected, abs=1e-5)
+    # a model whose logits are not its output layer on the decoder's state (here: scaled) keeps the whole logits
+    scaled = AutoModelForCausalLM.from_pretrained(tiny_chat_llama).eval()
+    forward = scaled.forward
+
+    def scaled_forward(*args, **kwargs):
+        output = forward(*args, **kwargs)
+        output.logits = output.logits * 0.5
+        return output
+
+    scaled.forward = scaled_forward
+    assert scoring._split_head(scaled) is None
+    calls.clear()
+    halved = scoring._packed_nlls(scaled, formatter, questions[:1], groups[:1], 2)
+    plain = grouped_nlls(scaled, formatter, questions[:1], groups[:1])
+    assert not calls and halved[0] == pytest.approx(plain[0], abs=1e-5)

@@ -322,6 +322,13 @@ def test_evaluate_logs_progress_without_a_terminal_and_reports_its_compute_floor
     total = sum(compute["tokens"][k] for k in ("prompt", "generated", "teacher_forced"))
     assert compute["floor_s"] == pytest.approx(2 * parameters * total / (compute["matmul_gflops"] * 1e9))
     assert compute["ratio"] == pytest.approx(compute["wall_s"] / compute["floor_s"])
+    # the stricter floor: over the fastest kernel measured (oneDNN's packed linear runs the layers on this CPU)
+    fastest = max(compute["kernel_gflops"].values())
+    assert compute["kernel_gflops"]["matmul"] == compute["matmul_gflops"]
+    assert compute["best_floor_s"] == pytest.approx(2 * parameters * total / (fastest * 1e9))
+    assert compute["best_ratio"] == pytest.approx(compute["wall_s"] / compute["best_floor_s"])
+    linears = sum(type(m) is torch.nn.Linear for m in AutoModelForCausalLM.from_pretrained(tiny_llama).modules())
+    assert compute["packed_linear_layers"] == linears > 0
     assert "Compute floor:" in (out / "report.md").read_text()
 
 

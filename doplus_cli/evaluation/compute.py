@@ -65,12 +65,14 @@ def packed_linears(model: torch.nn.Module | None) -> Iterator[int]:
     swapped: list[torch.nn.Module] = []
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if model is not None and not distributed and onednn_linear_available():
-        seen: dict[int, torch.Tensor] = {}  # tied weights (an output layer sharing the embedding) pack once
+        seen: dict[int, torch.Tensor] = {}  # a weight shared by several layers packs once
         for module in model.modules():
             if not _packable(module):
                 continue
             weight = module.weight
-            packed = seen.setdefault(id(weight), _pack(weight))
+            if id(weight) not in seen:
+                seen[id(weight)] = _pack(weight)
+            packed = seen[id(weight)]
             bias = module.bias.detach() if module.bias is not None else None
             module.forward = lambda x, packed=packed, bias=bias: _packed_linear(packed, bias, x)
             swapped.append(module)

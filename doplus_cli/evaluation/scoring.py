@@ -232,12 +232,18 @@ def _score_packed(model, batch: list[_TokenTree], device, pad_id: int, result) -
     if getattr(model.config, "_attn_implementation", None) == "eager":  # eager adds the mask to the scores
         dtype = next(model.parameters()).dtype
         mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
-    output = _forward_packed(model, ids.to(device), mask, positions.to(device), keep)
-    logits = output.logits  # [rows, keep, V]: every kept column is scored by at least one answer or is padding
     rows_t, columns_t = torch.tensor(rows, device=device), torch.tensor(columns, device=device)
     targets_t = torch.tensor(targets, device=device)
-    log_norm = torch.stack([torch.logsumexp(_upcast(row), dim=-1) for row in logits])  # [rows, keep], row by row
-    nll = log_norm[rows_t, columns_t] - _upcast(logits[rows_t, columns_t, targets_t])
+    split = _split_head(model)
+    if split is not None:
+        decoder, head = split
+        hidden = decoder(input_ids=ids.to(device), attention_mask=mask, position_ids=positions.to(device),
+                         use_cache=False).last_hidden_state[:, -keep:]
+        nll = _head_nlls(head, hidden, rows_t, columns_t, targets_t)
+    else:
+        logits = _forward_packed(model, ids.to(device), mask, positions.to(device), keep).logits  # [rows, keep, V]
+        log_norm = torch.stack([torch.logsumexp(_upcast(row), dim=-1) for row in logits])  # [rows, keep]
+        nll = log_norm[rows_t, columns_t] - _upcast(logits[rows_t, columns_t, targets_t])
     answer_t = torch.tensor(answer_of, device=device)
     sums = torch.zeros(n_answers, dtype=nll.dtype, device=device).index_add_(0, answer_t, nll)
     counts = torch.zeros(n_answers, dtype=nll.dtype, device=device).index_add_(0, answer_t, torch.ones_like(nll))
@@ -247,6 +253,59 @@ def _score_packed(model, batch: list[_TokenTree], device, pad_id: int, result) -
         for position, _ in tree.job.answers:
             result[tree.job.question][position] = means[k]
             k += 1
+
+
+# The output layer runs on this many scored positions at a time: their logits (SmolLM2: 49,152 x 4 bytes each) stay
+# in the CPU's cache for the log-normaliser, where a batch's whole [rows, keep, vocab] block (half a gigabyte for a
+# TOFU batch) went out to memory and was read back.
+HEAD_POSITIONS_PER_CHUNK = 64
+
+
+def _head_nlls(head: torch.nn.Module, hidden: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor,
+               targets: torch.Tensor) -> torch.Tensor:
+    """-log p(target) for each scored (row, column, target), the output layer applied only at the distinct scored
+    positions (no padding column, no column twice), HEAD_POSITIONS_PER_CHUNK positions at a time."""
+    flat = rows * hidden.shape[1] + columns
+    positions, inverse = torch.unique(flat, return_inverse=True)
+    states = hidden.reshape(-1, hidden.shape[-1])[positions]
+    log_norm = torch.empty(len(positions), dtype=torch.float32 if states.dtype != torch.float64 else states.dtype,
+                           device=hidden.device)
+    target_logit = torch.empty(len(targets), dtype=log_norm.dtype, device=hidden.device)
+    order = torch.argsort(inverse)  # scored items grouped by position, so each chunk takes one slice of them
+    bounds = torch.searchsorted(inverse[order], torch.arange(0, len(positions) + HEAD_POSITIONS_PER_CHUNK,
+                                                              HEAD_POSITIONS_PER_CHUNK, device=hidden.device))
+    for k, start in enumerate(range(0, len(positions), HEAD_POSITIONS_PER_CHUNK)):
+        logits = _upcast(head(states[start:start + HEAD_POSITIONS_PER_CHUNK]))
+        log_norm[start:start + HEAD_POSITIONS_PER_CHUNK] = torch.logsumexp(logits, dim=-1)
+        items = order[bounds[k]:bounds[k + 1]]
+        target_logit[items] = logits[inverse[items] - start, targets[items]]
+    return log_norm[inverse] - target_logit
+
+
+def _split_head(model) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """(decoder, output layer) when the model's logits are exactly its output layer applied to its decoder's last
+    hidden state (checked once per model on a probe), so scoring can apply the output layer where it needs logits;
+    None otherwise (logit soft-capping or scaling, architectures without `get_decoder`)."""
+    verdict = getattr(model, "_doplus_split_head", None)
+    if verdict is not None:
+        return (model.get_decoder(), model.get_output_embeddings()) if verdict else None
+    verdict = False
+    try:
+        decoder, head = model.get_decoder(), model.get_output_embeddings()
+        if decoder is not None and isinstance(head, torch.nn.Linear) and decoder is not model:
+            device = next(model.parameters()).device
+            ids = torch.arange(1, 9, device=device)[None] % max(2, getattr(model.config, "vocab_size", 2))
+            with torch.no_grad():
+                logits = _upcast(model(input_ids=ids, use_cache=False).logits)
+                split = _upcast(head(decoder(input_ids=ids, use_cache=False).last_hidden_state))
+            verdict = split.shape == logits.shape and bool(torch.allclose(split, logits, rtol=1e-4, atol=1e-4))
+    except (AttributeError, TypeError, ValueError, RuntimeError, NotImplementedError):
+        verdict = False
+    try:
+        model._doplus_split_head = verdict
+    except AttributeError:
+        pass
+    return (model.get_decoder(), model.get_output_embeddings()) if verdict else None
 
 
 def _forward_packed(model, input_ids, mask, position_ids, keep: int):
