@@ -19,15 +19,8 @@ MAX_SELF_ANSWERED_ROWS = 5000
 
 
 def _chunks(items: Sequence, size: int) -> Iterator[Sequence]:
-    """`items` in order, in as few batches of at most `size` as hold them, their sizes within one of each other
-    (400 questions at 64: six of 57 and one of 58, not six of 64 and a slow batch of 16)."""
-    count = -(-len(items) // max(1, size))
-    small, extra = divmod(len(items), max(1, count))
-    start = 0
-    for k in range(count):
-        end = start + small + (k < extra)
-        yield items[start:end]
-        start = end
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
 
 
 @torch.no_grad()

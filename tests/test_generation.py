@@ -80,10 +80,3 @@ def test_a_logits_processor_in_the_generation_config_takes_generate(loaded, monk
     texts, _ = greedy_generate(model, formatter, QUESTIONS[:2], 4, 2)
     assert len(texts) == 2
 
-
-def test_questions_go_in_batches_of_even_size_in_their_order():
-    sizes = {(400, 64): [58, 57, 57, 57, 57, 57, 57], (7, 3): [3, 2, 2], (128, 64): [64, 64], (5, 8): [5], (0, 4): []}
-    for (n, size), expected in sizes.items():
-        chunks = list(generation._chunks(list(range(n)), size))
-        assert [len(c) for c in chunks] == expected
-        assert [i for c in chunks for i in c] == list(range(n))
