@@ -79,4 +79,3 @@ def test_a_logits_processor_in_the_generation_config_takes_generate(loaded, monk
     monkeypatch.setattr(generation, "_decode_dropping", lambda *a: pytest.fail("fast path with a processor"))
     texts, _ = greedy_generate(model, formatter, QUESTIONS[:2], 4, 2)
     assert len(texts) == 2
-

@@ -2,7 +2,7 @@
 linear layers that run it at the machine's matmul rate.
 
 A decoder's forward pass costs about 2 x parameters floating-point operations per token in its matrix products
-(attention's score products and the softmax are left out: small next to them at these lengths). Over the best rate
+(attention's score products and the softmax are left out: small next to them at these lengths). Over the rate
 this machine reaches on one large matrix product of the model's dtype, measured in the same run, that is the
 least time the evaluation could take; `wall / floor` says how far the evaluation is from it. Absolute times
 differ between machines (CPUs measured here: 206 to 306 GFLOP/s in float32); the ratio travels.
@@ -53,7 +53,7 @@ def _packed_linear(packed: torch.Tensor, bias: torch.Tensor | None, x: torch.Ten
 def _packable(module: torch.nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     return (type(module) is torch.nn.Linear and type(weight) is torch.nn.Parameter and weight.device.type == "cpu"
-            and weight.dtype in PACKED_DTYPES and weight.dim() == 2 and "forward" not in vars(module))
+            and weight.dtype in PACKED_DTYPES and "forward" not in vars(module))
 
 
 @contextmanager

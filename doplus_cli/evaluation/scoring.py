@@ -286,26 +286,36 @@ def _split_head(model) -> tuple[torch.nn.Module, torch.nn.Module] | None:
     """(decoder, output layer) when the model's logits are exactly its output layer applied to its decoder's last
     hidden state (checked once per model on a probe), so scoring can apply the output layer where it needs logits;
     None otherwise (logit soft-capping or scaling, architectures without `get_decoder`)."""
-    verdict = getattr(model, "_doplus_split_head", None)
+    if not _checked_once(model, "_doplus_split_head", lambda: _head_probe(model)):
+        return None
+    return model.get_decoder(), model.get_output_embeddings()
+
+
+def _head_probe(model) -> bool:
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    if decoder is None or decoder is model or not isinstance(head, torch.nn.Linear):
+        return False
+    ids = torch.arange(1, 9, device=next(model.parameters()).device)[None] % max(2, model.config.vocab_size)
+    with torch.no_grad():
+        logits = _upcast(model(input_ids=ids, use_cache=False).logits)
+        split = _upcast(head(decoder(input_ids=ids, use_cache=False).last_hidden_state))
+    return split.shape == logits.shape and bool(torch.allclose(split, logits, rtol=1e-4, atol=1e-4))
+
+
+def _checked_once(model, attribute: str, probe: Callable[[], bool]) -> bool:
+    """`probe()`'s verdict, kept on the model as `attribute` so each model is probed once; an error is a no."""
+    verdict = getattr(model, attribute, None)
     if verdict is not None:
-        return (model.get_decoder(), model.get_output_embeddings()) if verdict else None
-    verdict = False
+        return verdict
     try:
-        decoder, head = model.get_decoder(), model.get_output_embeddings()
-        if decoder is not None and isinstance(head, torch.nn.Linear) and decoder is not model:
-            device = next(model.parameters()).device
-            ids = torch.arange(1, 9, device=device)[None] % max(2, getattr(model.config, "vocab_size", 2))
-            with torch.no_grad():
-                logits = _upcast(model(input_ids=ids, use_cache=False).logits)
-                split = _upcast(head(decoder(input_ids=ids, use_cache=False).last_hidden_state))
-            verdict = split.shape == logits.shape and bool(torch.allclose(split, logits, rtol=1e-4, atol=1e-4))
+        verdict = bool(probe())
     except (AttributeError, TypeError, ValueError, RuntimeError, NotImplementedError):
         verdict = False
     try:
-        model._doplus_split_head = verdict
+        setattr(model, attribute, verdict)
     except AttributeError:
         pass
-    return (model.get_decoder(), model.get_output_embeddings()) if verdict else None
+    return verdict
 
 
 def _forward_packed(model, input_ids, mask, position_ids, keep: int):
@@ -322,23 +332,15 @@ def _takes_packed_rows(model, formatter: PromptFormatter) -> bool:
     """Whether the model honours a custom 4D attention mask with explicit positions: its attention is
     transformers' sdpa or eager, and one packed question scores its two answers as two plain forwards do
     (checked once per model)."""
-    verdict = getattr(model, "_doplus_packed_rows", None)
-    if verdict is not None:
-        return verdict
-    verdict = False
-    if getattr(getattr(model, "config", None), "_attn_implementation", None) in ("sdpa", "eager"):
-        try:
-            probe_q, probe_a = ["Who wrote it?"], [["Nobody wrote it at all.", "Nobody knows it."]]
-            packed = _packed_nlls(model, formatter, probe_q, probe_a, 1)[0]
-            plain = mean_token_nlls(model, formatter, [(probe_q[0], a) for a in probe_a[0]], 1)
-            verdict = all(abs(x - y) <= 1e-3 * max(1.0, abs(y)) for x, y in zip(packed, plain))
-        except (TypeError, ValueError, RuntimeError):
-            verdict = False
-    try:
-        model._doplus_packed_rows = verdict
-    except AttributeError:
-        pass
-    return verdict
+    def probe() -> bool:
+        if getattr(getattr(model, "config", None), "_attn_implementation", None) not in ("sdpa", "eager"):
+            return False
+        probe_q, probe_a = ["Who wrote it?"], [["Nobody wrote it at all.", "Nobody knows it."]]
+        packed = _packed_nlls(model, formatter, probe_q, probe_a, 1)[0]
+        plain = mean_token_nlls(model, formatter, [(probe_q[0], a) for a in probe_a[0]], 1)
+        return all(abs(x - y) <= 1e-3 * max(1.0, abs(y)) for x, y in zip(packed, plain))
+
+    return _checked_once(model, "_doplus_packed_rows", probe)
 
 
 @torch.no_grad()
