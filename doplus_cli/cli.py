@@ -56,8 +56,11 @@ def _train(command: str, values: dict[str, Any]) -> None:
     recipe, num_processes = values.pop("recipe"), values.pop("num_processes")
     kind = kind_named(command)
     config = resolve_config(recipe, values, kind.config)
+    launching = num_processes is not None and num_processes > 1 and "LOCAL_RANK" not in os.environ
+    if launching:
+        _check_devices_for(num_processes)
     apply_teaching(config, err_console)  # before a launch of N processes, so that it runs once
-    if num_processes is not None and num_processes > 1 and "LOCAL_RANK" not in os.environ:
+    if launching:
         _relaunch_with_accelerate(num_processes)
     report = kind.run(config, err_console)
     if report:
@@ -194,7 +197,7 @@ def evaluate(
 
 @bench_app.command("optimizer")
 def bench_optimizer(
-    params: str = typer.Option("50M", "--params", help="Synthetic parameter count: 50M, 1.5G, 200k, 123456."),
+    params: str = typer.Option("50M", "--params", help="Synthetic parameter count: 50M, 1.5G, 1B, 200k, 123456."),
     dtype: str = typer.Option("float32", "--dtype", help="Parameter dtype: float32 or bfloat16."),
     device: str = typer.Option("auto", "--device", help="auto (cuda if available), cpu or cuda."),
     steps: int = typer.Option(7, "--steps", min=5, help="Timed steps per optimizer (median is reported)."),
@@ -317,6 +320,20 @@ def _quiet_libraries() -> None:
         hf_logging.disable_progress_bar()
     except ImportError:  # pragma: no cover - transformers is a dependency
         pass
+
+
+def _check_devices_for(num_processes: int) -> None:
+    """N processes on a machine that shows CUDA need N GPUs: the workers would share one, and NCCL stops them
+    with "Duplicate GPU detected" after the model has loaded. Without CUDA they are CPU processes (gloo)."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if 0 < gpus < num_processes:
+        raise UserError(
+            f"--num-processes {num_processes}: this machine shows {gpus} CUDA device(s) and each process needs "
+            f"its own; use --num-processes {gpus}, or run the {num_processes} processes on the CPU with "
+            "CUDA_VISIBLE_DEVICES=''"
+        )
 
 
 def _relaunch_with_accelerate(num_processes: int) -> None:

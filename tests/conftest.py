@@ -41,12 +41,23 @@ for _name in ("TRANSFORMERS_CACHE", "HUGGINGFACE_HUB_CACHE"):  # older names tha
     os.environ.pop(_name, None)
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 import torch._dynamo.config  # noqa: E402
 
 from tests.tiny_model import TOFU, build_tiny_llama  # noqa: E402
 
 # A kernel past dynamo's recompile limit would run eagerly without an error; in the suite that fails.
 torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
+@pytest.fixture(autouse=True)
+def _cpu_processes(request, monkeypatch):
+    """Tests marked `cpu_processes` compare two processes with one: both run on the CPU (gloo, float32), as
+    in CI, also on a GPU machine. There the in-process run would otherwise train on CUDA under bf16-mixed and
+    the workers would need a GPU each (NCCL refuses two processes on one GPU)."""
+    if request.node.get_closest_marker("cpu_processes") is not None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the launched workers
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this process
 
 
 @pytest.fixture(scope="session")

@@ -78,6 +78,7 @@ def test_joint_steps_draw_from_the_mixture_and_log_both_losses(tiny_llama, tmp_p
     assert "each step one batch from the mixture of both sets" in markdown
 
 
+@pytest.mark.cpu_processes
 def test_joint_mixture_on_two_processes_logs_the_global_batchs_per_set_losses(tiny_llama, tmp_path):
     """Two processes at batch 2 draw the rows one process draws at batch 4, and the per-set split is reduced over
     both: the same rows per set and the same token-mean per-set losses at every step, and the same weights."""

@@ -35,6 +35,8 @@ def run_cli(argv: list[str]) -> None:
         ("2K", 2_000),
         ("0.5k", 500),
         (" 7m ", 7_000_000),
+        ("1B", 1_000_000_000),  # as model sizes are written ("a 1B model"), and as GPU.md asks for it
+        ("0.5b", 500_000_000),
     ],
 )
 def test_parse_size(text, expected):

@@ -45,3 +45,25 @@ def test_each_training_command_takes_the_options_its_table_lists():
     for command in ("unlearn", "multitask", "align"):
         parsed = {p.name: (p.opts, p.secondary_opts) for p in typer.main.get_command(app).commands[command].params}
         assert list(parsed.items()) == list(command_flags(command).items())
+
+
+def test_more_processes_than_visible_gpus_is_one_line_and_exit_code_2(tiny_llama, tofu_dir, tmp_path, capsys,
+                                                                      monkeypatch):
+    """Seen on a one-GPU H200: `--num-processes 2` put both workers on the GPU and NCCL stopped them with
+    "Duplicate GPU detected" after loading the model. Now the launcher refuses before anything loads."""
+    import torch
+
+    from tests.helpers import run_cli, write_sets
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    (tmp_path / "data").mkdir()
+    data = write_sets(tofu_dir, tmp_path / "data", 4, 4)
+    out = tmp_path / "run"
+    code = run_cli("unlearn", "--model", tiny_llama, "--forget", data / "forget.jsonl", "--retain",
+                   data / "retain.jsonl", "--steps", 2, "--out", out, "--num-processes", 2)
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: --num-processes 2: this machine shows 1 CUDA device(s) and each process needs its own; "
+                   "use --num-processes 1, or run the 2 processes on the CPU with CUDA_VISIBLE_DEVICES=''"), err
+    assert not out.exists()  # nothing written

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from doplus_cli.optim import DualOptim, DualOptimPlus, kernels, quant
 from tests.helpers import Float64DualOptimPlus, cycle, run_cli, write_sets
 from tests.test_optim_rules import SHAPES, ns5_bf16, random_grads
-from tests.test_quant import SIGNED, bnb_dequantize, bnb_quantize, float64_rule
+from tests.test_quant import SIGNED, bnb_dequantize, float64_rule
 
 DEVICE = torch.device(os.environ.get("DOPLUS_TEST_DEVICE", "cuda"))
 pytestmark = pytest.mark.skipif(
@@ -75,16 +75,25 @@ def test_fused_kernel_runs_compiled_and_equals_the_reference_path(dtype):
         fused.step(objective=objective)
         reference.step(objective=objective)
     assert kernel.compiled_calls > before and kernel.fallback_reason is None  # the compiled code ran
+    # Triton contracts multiply-adds and orders the arithmetic its own way, so on CUDA the two paths differ in
+    # the last bits (first run on an H200: states by 1e-7 where they are ~1e-2, bfloat16 weights by one
+    # spacing in 0.1% of the elements); a rule error would move them by the size of the values themselves.
     for p, q in zip(params, twins):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(p, q, rtol=2 * torch.finfo(dtype).eps, atol=1e-7)
+        if dtype == torch.bfloat16:  # a last-bit difference in float32 (2.7% of elements on a CPU) rounds away
+            assert (p != q).float().mean() < 0.01
         for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(fused.state[p][key], reference.state[q][key], rtol=1e-6, atol=1e-9)
+            a, b = fused.state[p][key], reference.state[q][key]
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "reference"])
 def test_8bit_step_is_bitsandbytes_dequantize_float64_rule_bitsandbytes_quantize(fused):
     """On the device: bitsandbytes (its own kernels there) dequantizes DualOptim+'s 8-bit states, the float64
-    rule updates on the CPU, bitsandbytes quantizes; the device's weights and codes must be those."""
+    rule updates on the CPU, bitsandbytes quantizes on the device; the device's weights and codes must be
+    those. (The first run on an H200 quantized on the CPU: up to 7 codes from the CUDA states in the base
+    second moment, with the fused and the reference path agreeing; bitsandbytes' CPU and CUDA quantizers
+    search the map differently, so the codes are now bitsandbytes' on the device the states live on.)"""
     torch.manual_seed(0)
     n = 70_000  # 273 whole 256-blocks and a short one
     param = torch.nn.Parameter(torch.randn(n, device=DEVICE))
@@ -116,13 +125,38 @@ def test_8bit_step_is_bitsandbytes_dequantize_float64_rule_bitsandbytes_quantize
                   (delta, "exp_avg_sq", True)]
         for (container, key, signed), value in zip(stored, expected[1:]):
             assert container[key].dtype == torch.uint8
-            codes, absmax = bnb_quantize(value.float(), signed)
+            codes, absmax = (t.cpu() for t in bnb_quantize_on(value.float().to(DEVICE), signed))
             torch.testing.assert_close(container[key + "_absmax"].cpu(), absmax, rtol=1e-6, atol=0)
             differ = container[key].cpu() != codes
             mismatched += int(differ.sum())
             if differ.any():  # float32 against float64 may cross a decision threshold: neighbouring codes only
                 assert (container[key].cpu()[differ].int() - codes[differ].int()).abs().max() <= 1, (step, key)
     assert mismatched <= 20, mismatched
+
+
+def bnb_quantize_on(x: torch.Tensor, signed: bool):
+    """bitsandbytes' blockwise quantisation on x's device (its CUDA kernel for a CUDA tensor)."""
+    import bitsandbytes.functional as bnbf
+
+    code = bnbf.create_dynamic_map(signed=signed).to(x.device)
+    codes, state = bnbf.quantize_blockwise(x.reshape(-1), code=code, blocksize=256)
+    return codes, state.absmax
+
+
+def test_8bit_kernel_takes_a_tensor_per_call_on_cuda_and_chunks_on_cpu():
+    """On a CPU the 8-bit kernel runs in chunks of FUSED_8BIT_CHUNK_ROWS blocks (cache-sized); on CUDA a
+    tensor is one call (chunked, a 1B-parameter step made ~7,600 calls and took 1.5 s on an H200)."""
+    from doplus_cli.optim.dualoptim_plus import FUSED_8BIT_CHUNK_ROWS
+
+    kernel = next(k for k in kernels.KERNELS if k.name == "DualOptim+ AdamW 8-bit")
+    rows = FUSED_8BIT_CHUNK_ROWS + 88
+    param = torch.nn.Parameter(torch.randn(rows * quant.BLOCKSIZE, device=DEVICE))
+    opt = DualOptimPlus([param], lr=1e-3, state_bits=8, fused=True)
+    param.grad = torch.randn_like(param)
+    before = kernel.compiled_calls
+    opt.step(objective="forget")
+    assert kernel.compiled_calls - before == (1 if DEVICE.type == "cuda" else 2)
+    assert opt.state[param]["exp_avg"].dtype == torch.uint8
 
 
 def test_8bit_dualoptim_equals_two_bitsandbytes_adamw8bit_on_the_device():
@@ -196,6 +230,7 @@ def test_compensated_bf16_keeps_an_lr_1e5_step_that_plain_bf16_loses():
 def test_the_engine_trains_on_cuda_in_bf16_mixed_and_lr_1e5_moves_the_weights(tiny_llama, tofu_dir, tmp_path, scheme):
     """A run on the GPU under the default precision: the report says CUDA and bf16-mixed, the states are
     float32, and an lr of 1e-5 (the paper's) changes the saved float32 weights."""
+    (tmp_path / "data").mkdir()
     data = write_sets(tofu_dir, tmp_path / "data", 8, 16)
     out = tmp_path / "run"
     assert run_cli("unlearn", "--model", tiny_llama, "--forget", data / "forget.jsonl", "--retain",

@@ -15,6 +15,8 @@ from safetensors.torch import load_file
 
 from tests.helpers import max_difference, run_cli, two_processes, wait_for_steps, weights, write_sets
 
+pytestmark = pytest.mark.cpu_processes  # every test here compares processes on the CPU
+
 TOLERANCE_BOTH = 1e-6  # DualOptim+ with both objectives, 2 processes against 1: measured 4.5e-8 (weights moved 8e-3)
 
 

@@ -255,7 +255,9 @@ def unlearn(model, data, out, *extra):
 
 
 def changed_tensors(start: dict, final: dict) -> set[str]:
-    return {name for name in start if not torch.equal(start[name], final[name])}
+    """Tensors the run changed, compared in the saved dtype: on CUDA a run loads the float32 test model in
+    bfloat16 and saves bfloat16, so an untouched tensor comes back as the start rounded to bfloat16."""
+    return {name for name in start if not torch.equal(start[name].to(final[name].dtype), final[name])}
 
 
 @pytest.mark.parametrize("scheme", ["joint", "alternate", "dualoptim", "doplus"])
@@ -301,7 +303,8 @@ def test_rmu_trains_exactly_the_modules_named_and_nothing_else(tiny_llama, data,
     final = load_file(str(out / "final" / "model.safetensors"))
     assert changed_tensors(start, final) == {f"model.layers.{i}.{m}.weight" for i in (0, 1)
                                              for m in ("mlp.down_proj", "self_attn.o_proj")}
-    assert all(torch.equal(start[k], final[k]) for k in start if "down_proj" not in k and "o_proj" not in k)
+    assert all(torch.equal(start[k].to(final[k].dtype), final[k]) for k in start
+               if "down_proj" not in k and "o_proj" not in k)
     report = json.loads((out / "report.json").read_text())
     assert report["data"]["rmu_trained_modules"] == ["0.mlp.down_proj", "0.self_attn.o_proj", "1.mlp.down_proj",
                                                      "1.self_attn.o_proj"]
@@ -314,6 +317,7 @@ def _two_processes(arguments):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+@pytest.mark.cpu_processes
 @pytest.mark.parametrize("loss,scheme,sharding", [("RMU+EMBED", "doplus", []), ("UNDIAL+GD", "joint", []),
                                                    ("RMU+EMBED", "doplus", ["--fsdp"])],
                          ids=["rmu-doplus", "undial-joint", "rmu-doplus-fsdp"])

@@ -307,6 +307,7 @@ def test_trace_json_array_files_are_read_as_they_are(tmp_path):
 
 # ---- N objectives through the rest of the engine: processes, sharding, LoRA, 8-bit states ----
 
+@pytest.mark.cpu_processes
 @pytest.mark.parametrize("extra,tolerance", [([], 1e-5), (["--fsdp"], 1e-5), (["--state-bits", "8"], 1e-5)],
                          ids=["ddp", "fsdp", "ddp-8bit"])
 def test_three_tasks_on_two_processes_at_batch_b_equal_one_process_at_2b(tiny_llama, tasks, tmp_path, extra,

@@ -303,6 +303,7 @@ def test_resume_is_bit_identical_under_the_bf16_precisions(tiny_llama, data, tmp
         assert any(b.abs().max() > 0 for b in buffers)
 
 
+@pytest.mark.cpu_processes
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16"])
 def test_two_process_resume_is_bit_identical_under_the_bf16_precisions(tiny_llama, data, tmp_path, precision):
     from tests.helpers import two_processes
@@ -354,6 +355,7 @@ def test_bf16_mixed_with_a_bfloat16_load_dtype_is_accepted_and_auto_follows_the_
     assert 0 < report["reference"]["memory_gb"] * 1e9 < 2.1 * parameters  # ... and a bf16 reference (2 bytes)
 
 
+@pytest.mark.cpu_processes
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16"])
 def test_fsdp_keeps_float32_or_compensated_shards_and_tracks_one_float32_process(tiny_llama, data, tmp_path,
                                                                                 precision):

@@ -62,8 +62,9 @@ PARAM_INIT_STD = 0.02
 GRAD_SCALE = 1e-3
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([kKmMgG]?)\s*$")
+# B as in "a 1B model" (GPU.md asks for `--params 1B`, and model cards count parameters that way)
+_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([kKmMgGbB]?)\s*$")
 MIN_STEPS = 5
 
 
@@ -71,12 +72,12 @@ MIN_STEPS = 5
 
 
 def parse_size(text: str, option: str = "--params") -> int:
-    """'50M' → 50_000_000, '1.5G' → 1_500_000_000, '200k' → 200_000, '123456' → 123456.
+    """'50M' → 50_000_000, '1.5G' and '1.5B' → 1_500_000_000, '200k' → 200_000, '123456' → 123456.
 
-    Suffixes k, M, G (either case) are 1e3, 1e6, 1e9; the result must be a whole number >= 1.
+    Suffixes k, M, G or B (either case) are 1e3, 1e6, 1e9, 1e9; the result must be a whole number >= 1.
     """
     match = _SIZE_RE.match(str(text))
-    hint = "use a whole number with an optional k, M or G suffix, e.g. 50M, 1.5G, 200k, 123456"
+    hint = "use a whole number with an optional k, M, G or B suffix, e.g. 50M, 1.5G, 1B, 200k, 123456"
     if match is None:
         raise UserError(f"{option}: cannot read {text!r} as a parameter count; {hint}")
     try:

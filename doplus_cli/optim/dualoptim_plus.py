@@ -360,6 +360,14 @@ def _adamw_reference_slots(
     return stats
 
 
+def rows_per_8bit_call(device: torch.device, rows: int) -> int:
+    """256-blocks per call of the compiled 8-bit kernel. On a CPU, chunks of FUSED_8BIT_CHUNK_ROWS keep the
+    kernel's per-block temporaries in cache. On a GPU there is no such cache to fit and each call costs
+    ~0.1 ms of host time (dynamo's guards, the launch): the whole tensor is one call. Chunked on an H200,
+    a 1B-parameter step made ~7,600 calls and took 1.5 s against 37 ms for bitsandbytes' AdamW8bit."""
+    return FUSED_8BIT_CHUNK_ROWS if device.type == "cpu" else max(rows, 1)
+
+
 def _adamw_fused_8bit_slots(
     param: Tensor, grad: Tensor, slots: list, s: AdamWPlusScalars, hp: Tensor, compensation: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -376,9 +384,9 @@ def _adamw_fused_8bit_slots(
     )
     rows = whole // quant.BLOCKSIZE
     stats = []
-    # Row chunks keep the kernel's per-block temporaries small enough to stay in cache and be reused.
-    for first in range(0, rows, FUSED_8BIT_CHUNK_ROWS):
-        last = min(rows, first + FUSED_8BIT_CHUNK_ROWS)
+    chunk = rows_per_8bit_call(param.device, rows)
+    for first in range(0, rows, chunk):
+        last = min(rows, first + chunk)
         lo, hi = first * quant.BLOCKSIZE, last * quant.BLOCKSIZE
         states = []
         for container, name, _signed in slots:
