@@ -90,6 +90,10 @@ def wait_for_steps(out, n, process, timeout=180):
 
 
 def two_processes(arguments):
+    import torch
+
+    # the one-process run it is compared with ran in this process: both must be CPU runs (conftest.py)
+    assert not torch.cuda.is_available(), "a test that compares processes needs @pytest.mark.cpu_processes"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     result = subprocess.run([sys.executable, "-m", "doplus_cli", *map(str, arguments), "--num-processes", "2"],
                             env=env, capture_output=True, text=True, timeout=300)

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +15,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossContext, LossParams, rmu_direction, rmu_layer_index
-from tests.helpers import run_cli, write_sets
+from tests.helpers import run_cli, two_processes, write_sets
 
 NEW_FORGET = ("SimNPO", "RMU", "UNDIAL", "WGA", "SatImp", "CE-U")
 PARAMS = LossParams(simnpo_beta=1.5, simnpo_gamma=0.4, undial_beta=2.5, wga_beta=0.7, satimp_beta1=1.3,
@@ -310,13 +307,6 @@ def test_rmu_trains_exactly_the_modules_named_and_nothing_else(tiny_llama, data,
                                                      "1.self_attn.o_proj"]
 
 
-def _two_processes(arguments):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, "-m", "doplus_cli", *map(str, arguments), "--num-processes", "2"],
-                            env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-
-
 @pytest.mark.cpu_processes
 @pytest.mark.parametrize("loss,scheme,sharding", [("RMU+EMBED", "doplus", []), ("UNDIAL+GD", "joint", []),
                                                    ("RMU+EMBED", "doplus", ["--fsdp"])],
@@ -327,7 +317,7 @@ def test_two_processes_at_batch_b_equal_one_at_2b(tiny_llama, data, tmp_path, lo
     one, two = tmp_path / "one", tmp_path / "two"
     common = ["--loss", loss, "--scheme", scheme, "--steps", 4, "--seed", 1]
     assert run_cli(*unlearn(tiny_llama, data, one, "--batch-size", 4, *common)) == 0
-    _two_processes(unlearn(tiny_llama, data, two, "--batch-size", 2, *common, *sharding))
+    two_processes(unlearn(tiny_llama, data, two, "--batch-size", 2, *common, *sharding))
     a, b = (load_file(str(out / "final" / "model.safetensors")) for out in (one, two))
     start = load_file(str(tiny_llama / "model.safetensors"))
     assert max((a[k] - start[k]).abs().max().item() for k in a) > 1e-3

@@ -140,7 +140,7 @@ def test_a_kill_at_any_point_of_a_save_leaves_only_complete_checkpoints_within_k
             save(folder, step)  # keep+1 saves: the folder is full and pruning has started
         budget = {"n": operations}
 
-        def counted(real):
+        def counted(real, budget=budget):
             def wrapper(*a, **k):
                 if budget["n"] == 0:
                     raise _Killed

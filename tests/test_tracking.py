@@ -214,6 +214,7 @@ def test_sigterm_then_resume_continues_the_same_tracker_run(tiny_llama, data, tm
     assert sorted(s for s, _ in tensorboard_scalars(out / "trackers" / "tensorboard")["train/lr"]) == lr
 
 
+@pytest.mark.cpu_processes
 def test_two_processes_log_once_with_the_values_of_one_process_at_twice_the_batch(tiny_llama, data, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     common = ["--report-to", "tensorboard", "--scheme", "joint"]

@@ -381,7 +381,8 @@ def test_answers_from_model_trains_on_the_models_own_answers_and_they_are_the_an
 
     out = tmp_path / "own"
     assert run_cli(*base_args(tiny_llama, data, out, "--steps", 2, "--answers-from-model", "--show-samples", 3)) == 0
-    written = {role: [json.loads(line) for line in open(out / "data" / f"{role}.jsonl")] for role in ("forget", "retain")}
+    written = {role: [json.loads(line) for line in open(out / "data" / f"{role}.jsonl")]
+               for role in ("forget", "retain")}
     model, tokenizer, _ = load_model_and_tokenizer(str(tiny_llama), "float32", False)
     questions = [row["question"] for row in written["forget"]]
     expected, _ = greedy_generate(model, PromptFormatter(tokenizer, 48), questions, 4)
