@@ -163,3 +163,85 @@ class Float64DualOptimPlus:
             self.params[i] = theta - step.clamp(-lr * self.bound, lr * self.bound)
             self.m_base[i] = self.bb1 * self.m_base[i] + (1 - self.bb1) * g
             self.v_base[i] = self.bb2 * self.v_base[i] + (1 - self.bb2) * g * g
+
+
+SHAPES = [(7,), (5, 3), (4, 4, 4), (300,)]
+
+
+def random_grads(generator, shapes, objective_index):
+    # objectives pull in different (partly conflicting) directions, like forget and retain gradients
+    return [
+        torch.randn(shape, generator=generator) * 0.1 + (0.05 if objective_index % 2 == 0 else -0.03)
+        for shape in shapes
+    ]
+
+
+def ns5_bf16(x: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Newton–Schulz quintic iteration (Jordan et al.), in bf16 as torch.optim.Muon runs it."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    y = x.bfloat16()
+    transposed = x.shape[0] > x.shape[1]
+    if transposed:
+        y = y.T
+    y = y / y.norm().clamp(min=1e-7)
+    for _ in range(steps):  # y ← a·y + (b·Y + c·Y²)·y with Y = y·yᵀ, as fused multiply-adds like torch
+        gram = y @ y.T
+        y = torch.addmm(y, torch.addmm(gram, gram, gram, beta=b, alpha=c), y, beta=a)
+    return (y.T if transposed else y).float()
+
+
+def check_muon_rule(device: torch.device, atol: float) -> None:
+    """DualOptim+'s Muon rule on `device` against the momentum recursions and `ns5_bf16` written here, run on the
+    same device (the same bf16 products), over a 1:2 cycle; the weight within `atol` at every step."""
+    from doplus_cli.optim import DualOptimPlus
+
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter((torch.randn(16, 8) * 0.1).to(device))
+    bias = torch.nn.Parameter(torch.zeros(8, device=device))
+    lr, beta, wd = 0.02, 0.9, 0.01
+    opt = DualOptimPlus([weight, bias], lr=lr, betas=(beta, 0.95), weight_decay=wd, inner="muon", fused=False)
+    theta = weight.detach().clone()
+    m_base = torch.zeros_like(theta)
+    m_delta = {"forget": torch.zeros_like(theta), "retain": torch.zeros_like(theta)}
+    generator = torch.Generator().manual_seed(5)
+    for objective in cycle({"forget": 1, "retain": 2}, 9):
+        g = torch.randn(16, 8, generator=generator).to(device)
+        weight.grad, bias.grad = g.clone(), torch.ones(8, device=device)
+        opt.step(objective=objective)
+        m_delta[objective] = beta * m_delta[objective] + (g - m_base)
+        o = ns5_bf16(m_base + m_delta[objective])
+        expected = theta * (1 - lr * wd) - lr * math.sqrt(max(1, 16 / 8)) * o
+        m_base = beta * m_base + g
+        torch.testing.assert_close(weight.detach(), expected, rtol=0, atol=atol)
+        torch.testing.assert_close(opt.state[weight]["momentum_buffer"], m_base, rtol=1e-6, atol=1e-6)
+        delta = opt.state[weight]["delta"][objective]["momentum_buffer"]
+        torch.testing.assert_close(delta, m_delta[objective], rtol=1e-6, atol=1e-6)
+        theta = weight.detach().clone()
+    assert "momentum_buffer" in opt.state[weight] and "exp_avg" in opt.state[bias]
+
+
+# ------------------------------------------------------------------ independent 8-bit references
+
+SIGNED = {"exp_avg": True, "exp_avg_sq": False}  # the base state's maps; every delta state is signed (v_k < 0)
+
+
+def bnb_dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
+    import bitsandbytes.functional as bnbf
+
+    return bnbf.dequantize_blockwise(codes, absmax=absmax, code=bnbf.create_dynamic_map(signed=signed),
+                                     blocksize=256).double()
+
+
+def float64_rule(theta, g, mb, vb, md, vd, t_base, t_delta, lr, betas, eps, wd, floor=0.05, bound=10.0):
+    """The DualOptim+ AdamW rule (issue #2, safeguard of issue #16) in float64, base and delta betas equal."""
+    b1, b2 = betas
+    theta = theta * (1 - lr * wd)
+    mb_hat = mb / (1 - b1 ** (t_base - 1)) if t_base > 1 else torch.zeros_like(g)
+    vb_hat = vb / (1 - b2 ** (t_base - 1)) if t_base > 1 else torch.zeros_like(g)
+    md = b1 * md + (1 - b1) * (g - mb_hat)
+    vd = b2 * vd + (1 - b2) * (g * g - vb_hat)
+    m = mb_hat + md / (1 - b1**t_delta)
+    vd_hat = vd / (1 - b2**t_delta)
+    square = torch.maximum((vb_hat + vd_hat).abs(), floor * (vb_hat + vd_hat.abs()))
+    theta = theta - (lr * m / (square.sqrt() + eps)).clamp(-lr * bound, lr * bound)
+    return theta, b1 * mb + (1 - b1) * g, b2 * vb + (1 - b2) * g * g, md, vd

@@ -10,7 +10,6 @@ how its references and tolerances were first checked on a machine without a GPU.
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import pytest
@@ -18,9 +17,18 @@ import torch
 from safetensors.torch import load_file
 
 from doplus_cli.optim import DualOptim, DualOptimPlus, kernels, quant
-from tests.helpers import Float64DualOptimPlus, cycle, run_cli, write_sets
-from tests.test_optim_rules import SHAPES, ns5_bf16, random_grads
-from tests.test_quant import SIGNED, bnb_dequantize, float64_rule
+from tests.helpers import (
+    SHAPES,
+    SIGNED,
+    Float64DualOptimPlus,
+    bnb_dequantize,
+    check_muon_rule,
+    cycle,
+    float64_rule,
+    random_grads,
+    run_cli,
+    write_sets,
+)
 
 DEVICE = torch.device(os.environ.get("DOPLUS_TEST_DEVICE", "cuda"))
 pytestmark = pytest.mark.skipif(
@@ -183,27 +191,9 @@ def test_8bit_dualoptim_equals_two_bitsandbytes_adamw8bit_on_the_device():
 
 
 def test_muon_rule_matches_reference_loop():
-    """Muon's orthogonalisation (bf16 Newton–Schulz) on the device against the quintic written in the test,
+    """Muon's orthogonalisation (bf16 Newton–Schulz) on the device against the quintic written in the helpers,
     run on the same device (the same bf16 products)."""
-    torch.manual_seed(0)
-    weight = torch.nn.Parameter((torch.randn(16, 8) * 0.1).to(DEVICE))
-    bias = torch.nn.Parameter(torch.zeros(8, device=DEVICE))
-    lr, beta, wd = 0.02, 0.9, 0.01
-    opt = DualOptimPlus([weight, bias], lr=lr, betas=(beta, 0.95), weight_decay=wd, inner="muon", fused=False)
-    theta = weight.detach().clone()
-    m_base = torch.zeros_like(theta)
-    m_delta = {"forget": torch.zeros_like(theta), "retain": torch.zeros_like(theta)}
-    generator = torch.Generator().manual_seed(5)
-    for objective in cycle({"forget": 1, "retain": 2}, 9):
-        g = torch.randn(16, 8, generator=generator).to(DEVICE)
-        weight.grad, bias.grad = g.clone(), torch.ones(8, device=DEVICE)
-        opt.step(objective=objective)
-        m_delta[objective] = beta * m_delta[objective] + (g - m_base)
-        expected = theta * (1 - lr * wd) - lr * math.sqrt(max(1, 16 / 8)) * ns5_bf16(m_base + m_delta[objective])
-        m_base = beta * m_base + g
-        torch.testing.assert_close(weight.detach(), expected, rtol=0, atol=1e-5)
-        torch.testing.assert_close(opt.state[weight]["momentum_buffer"], m_base, rtol=1e-6, atol=1e-6)
-        theta = weight.detach().clone()
+    check_muon_rule(DEVICE, atol=1e-5)
 
 
 def test_compensated_bf16_keeps_an_lr_1e5_step_that_plain_bf16_loses():

@@ -3,24 +3,12 @@
 from __future__ import annotations
 
 import io
-import math
 
 import pytest
 import torch
 
 from doplus_cli.optim import DualOptim, DualOptimPlus, muon_param_groups
-from tests.helpers import Float64DualOptimPlus, cycle
-
-SHAPES = [(7,), (5, 3), (4, 4, 4), (300,)]
-
-
-def random_grads(generator, shapes, objective_index):
-    # objectives pull in different (partly conflicting) directions, like forget and retain gradients
-    return [
-        torch.randn(shape, generator=generator) * 0.1 + (0.05 if objective_index % 2 == 0 else -0.03)
-        for shape in shapes
-    ]
-
+from tests.helpers import SHAPES, Float64DualOptimPlus, check_muon_rule, cycle, random_grads
 
 FREQUENCIES = {
     "1:1 two objectives": {"forget": 1, "retain": 1},
@@ -185,44 +173,8 @@ def test_parameters_without_gradients_are_skipped():
         assert unused not in opt.state or not opt.state[unused]
 
 
-def ns5_bf16(x: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """Newton–Schulz quintic iteration (Jordan et al.), in bf16 as torch.optim.Muon runs it."""
-    a, b, c = 3.4445, -4.7750, 2.0315
-    y = x.bfloat16()
-    transposed = x.shape[0] > x.shape[1]
-    if transposed:
-        y = y.T
-    y = y / y.norm().clamp(min=1e-7)
-    for _ in range(steps):  # y ← a·y + (b·Y + c·Y²)·y with Y = y·yᵀ, as fused multiply-adds like torch
-        gram = y @ y.T
-        y = torch.addmm(y, torch.addmm(gram, gram, gram, beta=b, alpha=c), y, beta=a)
-    return (y.T if transposed else y).float()
-
-
 def test_muon_rule_matches_reference_loop():
-    torch.manual_seed(0)
-    weight = torch.nn.Parameter(torch.randn(16, 8) * 0.1)
-    bias = torch.nn.Parameter(torch.zeros(8))
-    lr, beta, wd = 0.02, 0.9, 0.01
-    opt = DualOptimPlus([weight, bias], lr=lr, betas=(beta, 0.95), weight_decay=wd, inner="muon", fused=False)
-    theta = weight.detach().clone()
-    m_base = torch.zeros_like(theta)
-    m_delta = {"forget": torch.zeros_like(theta), "retain": torch.zeros_like(theta)}
-    generator = torch.Generator().manual_seed(5)
-    for objective in cycle({"forget": 1, "retain": 2}, 9):
-        g = torch.randn(16, 8, generator=generator)
-        weight.grad, bias.grad = g.clone(), torch.ones(8)
-        opt.step(objective=objective)
-        m_delta[objective] = beta * m_delta[objective] + (g - m_base)
-        o = ns5_bf16(m_base + m_delta[objective])
-        expected = theta * (1 - lr * wd) - lr * math.sqrt(max(1, 16 / 8)) * o
-        m_base = beta * m_base + g
-        torch.testing.assert_close(weight.detach(), expected, rtol=0, atol=1e-6)
-        torch.testing.assert_close(opt.state[weight]["momentum_buffer"], m_base, rtol=1e-6, atol=1e-6)
-        delta = opt.state[weight]["delta"][objective]["momentum_buffer"]
-        torch.testing.assert_close(delta, m_delta[objective], rtol=1e-6, atol=1e-6)
-        theta = weight.detach().clone()
-    assert "momentum_buffer" in opt.state[weight] and "exp_avg" in opt.state[bias]
+    check_muon_rule(torch.device("cpu"), atol=1e-6)
 
 
 def test_muon_param_groups_keep_embeddings_and_head_on_adamw():

@@ -8,6 +8,7 @@ import torch
 
 from doplus_cli.optim import DualOptimPlus, quant
 from doplus_cli.optim.kernels import _dequantize_blocks, _quantize_blocks
+from tests.helpers import SIGNED, bnb_dequantize, float64_rule
 
 
 def bnb_quantize(x: torch.Tensor, signed: bool):
@@ -164,29 +165,6 @@ def test_8bit_tracks_32bit_on_a_small_regression():
 
 
 # ------------------------------------------------------------------ independent 8-bit references
-
-SIGNED = {"exp_avg": True, "exp_avg_sq": False}  # the base state's maps; every delta state is signed (v_k < 0)
-
-
-def bnb_dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
-    return bnbf.dequantize_blockwise(codes, absmax=absmax, code=bnbf.create_dynamic_map(signed=signed),
-                                     blocksize=256).double()
-
-
-def float64_rule(theta, g, mb, vb, md, vd, t_base, t_delta, lr, betas, eps, wd, floor=0.05, bound=10.0):
-    """The DualOptim+ AdamW rule (issue #2, safeguard of issue #16) in float64, base and delta betas equal."""
-    b1, b2 = betas
-    theta = theta * (1 - lr * wd)
-    mb_hat = mb / (1 - b1 ** (t_base - 1)) if t_base > 1 else torch.zeros_like(g)
-    vb_hat = vb / (1 - b2 ** (t_base - 1)) if t_base > 1 else torch.zeros_like(g)
-    md = b1 * md + (1 - b1) * (g - mb_hat)
-    vd = b2 * vd + (1 - b2) * (g * g - vb_hat)
-    m = mb_hat + md / (1 - b1**t_delta)
-    vd_hat = vd / (1 - b2**t_delta)
-    square = torch.maximum((vb_hat + vd_hat).abs(), floor * (vb_hat + vd_hat.abs()))
-    theta = theta - (lr * m / (square.sqrt() + eps)).clamp(-lr * bound, lr * bound)
-    return theta, b1 * mb + (1 - b1) * g, b2 * vb + (1 - b2) * g * g, md, vd
-
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "reference"])
 def test_8bit_doplus_step_is_bitsandbytes_dequantize_float64_rule_bitsandbytes_quantize(fused):
