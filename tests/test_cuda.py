@@ -16,17 +16,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from doplus_cli.optim import DualOptim, DualOptimPlus, kernels, quant
+from doplus_cli.optim import DualOptimPlus, kernels, quant
 from tests.helpers import (
+    LR_PAPER,
     SHAPES,
-    SIGNED,
     Float64DualOptimPlus,
-    bnb_dequantize,
+    check_8bit_step_against_bitsandbytes,
+    check_dualoptim_8bit_against_adamw8bit,
     check_muon_rule,
     cycle,
-    float64_rule,
+    fused_and_reference_steps,
+    gradients,
     random_grads,
     run_cli,
+    weights_near_002,
     write_sets,
 )
 
@@ -69,19 +72,8 @@ def test_adamw_rule_matches_float64_loop(fused):
 def test_fused_kernel_runs_compiled_and_equals_the_reference_path(dtype):
     """Float32 states, float32 or bfloat16 weights: the compiled kernel gives the eager path's numbers."""
     kernel = next(k for k in kernels.KERNELS if k.name == "DualOptim+ AdamW")
-    torch.manual_seed(0)
-    start = [torch.randn(s).to(dtype) for s in [(300, 257), (70000,)]]
-    params, twins = on_device(start), on_device(start)
-    options = dict(lr=1e-2, betas=(0.9, 0.95), base_betas=(0.8, 0.99), weight_decay=0.1)
-    fused, reference = DualOptimPlus(params, fused=True, **options), DualOptimPlus(twins, fused=False, **options)
     before = kernel.compiled_calls
-    generator = torch.Generator().manual_seed(2)
-    for objective in cycle({"forget": 2, "retain": 3}, 10):
-        for p, q in zip(params, twins):
-            p.grad = torch.randn(p.shape, generator=generator).to(DEVICE, dtype)
-            q.grad = p.grad.clone()
-        fused.step(objective=objective)
-        reference.step(objective=objective)
+    fused, reference, params, twins = fused_and_reference_steps(DEVICE, dtype)
     assert kernel.compiled_calls > before and kernel.fallback_reason is None  # the compiled code ran
     # Triton contracts multiply-adds and orders the arithmetic its own way, so on CUDA the two paths differ in
     # the last bits (first run on an H200: states by 1e-7 where they are ~1e-2, bfloat16 weights by one
@@ -102,53 +94,7 @@ def test_8bit_step_is_bitsandbytes_dequantize_float64_rule_bitsandbytes_quantize
     those. (The first run on an H200 quantized on the CPU: up to 7 codes from the CUDA states in the base
     second moment, with the fused and the reference path agreeing; bitsandbytes' CPU and CUDA quantizers
     search the map differently, so the codes are now bitsandbytes' on the device the states live on.)"""
-    torch.manual_seed(0)
-    n = 70_000  # 273 whole 256-blocks and a short one
-    param = torch.nn.Parameter(torch.randn(n, device=DEVICE))
-    lr, betas, eps, wd = 1e-2, (0.9, 0.95), 1e-8, 0.01
-    opt = DualOptimPlus([param], lr=lr, betas=betas, eps=eps, weight_decay=wd, state_bits=8, fused=fused)
-    generator = torch.Generator().manual_seed(3)
-    mismatched = 0
-
-    def dequantized(container):
-        return tuple(bnb_dequantize(container[k].cpu(), container[k + "_absmax"].cpu(), SIGNED[k]) for k in SIGNED)
-
-    for step, objective in enumerate(["forget", "retain", "retain"] * 3):
-        grad = torch.randn(n, generator=generator) * 0.1 + (0.05 if objective == "forget" else -0.05)
-        zero = (torch.zeros(n, dtype=torch.float64),) * 2
-        state = opt.state[param]
-        base, t_base = (zero, 1) if step == 0 else (dequantized(state), int(state["step"]) + 1)
-        delta = state.get("delta", {}).get(objective) if step else None
-        t_delta = 1 if delta is None else int(delta["step"]) + 1
-        delta_values = zero if delta is None else tuple(
-            bnb_dequantize(delta[k].cpu(), delta[k + "_absmax"].cpu(), True) for k in SIGNED)
-        expected = float64_rule(param.detach().cpu().double(), grad.double(), *base, *delta_values, t_base, t_delta,
-                                lr, betas, eps, wd)
-        param.grad = grad.to(DEVICE)
-        opt.step(objective=objective)
-        state, delta = opt.state[param], opt.state[param]["delta"][objective]
-        assert state["exp_avg"].device.type == DEVICE.type
-        torch.testing.assert_close(param.detach().cpu().double(), expected[0], rtol=1e-6, atol=1e-7)
-        stored = [(state, "exp_avg", True), (state, "exp_avg_sq", False), (delta, "exp_avg", True),
-                  (delta, "exp_avg_sq", True)]
-        for (container, key, signed), value in zip(stored, expected[1:]):
-            assert container[key].dtype == torch.uint8
-            codes, absmax = (t.cpu() for t in bnb_quantize_on(value.float().to(DEVICE), signed))
-            torch.testing.assert_close(container[key + "_absmax"].cpu(), absmax, rtol=1e-6, atol=0)
-            differ = container[key].cpu() != codes
-            mismatched += int(differ.sum())
-            if differ.any():  # float32 against float64 may cross a decision threshold: neighbouring codes only
-                assert (container[key].cpu()[differ].int() - codes[differ].int()).abs().max() <= 1, (step, key)
-    assert mismatched <= 20, mismatched
-
-
-def bnb_quantize_on(x: torch.Tensor, signed: bool):
-    """bitsandbytes' blockwise quantisation on x's device (its CUDA kernel for a CUDA tensor)."""
-    import bitsandbytes.functional as bnbf
-
-    code = bnbf.create_dynamic_map(signed=signed).to(x.device)
-    codes, state = bnbf.quantize_blockwise(x.reshape(-1), code=code, blocksize=256)
-    return codes, state.absmax
+    check_8bit_step_against_bitsandbytes(DEVICE, fused, cycles=3)
 
 
 def test_8bit_kernel_takes_a_tensor_per_call_on_cuda_and_chunks_on_cpu():
@@ -169,25 +115,7 @@ def test_8bit_kernel_takes_a_tensor_per_call_on_cuda_and_chunks_on_cpu():
 
 def test_8bit_dualoptim_equals_two_bitsandbytes_adamw8bit_on_the_device():
     """DualOptim's 8-bit states are bitsandbytes' AdamW8bit, run by its own kernels on the device."""
-    import bitsandbytes as bnb
-
-    torch.manual_seed(0)
-    start = [torch.randn(s) for s in [(70_000,), (64, 80), (100,)]]
-    params, twins = on_device(start), on_device(start)
-    options = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
-    opt = DualOptim(params, objectives=("forget", "retain"), state_bits=8, **options)
-    adamw8bit = {name: bnb.optim.AdamW8bit(twins, min_8bit_size=quant.MIN_8BIT_SIZE, **options)
-                 for name in ("forget", "retain")}
-    generator = torch.Generator().manual_seed(2)
-    for objective in ["forget", "retain", "retain"] * 3:
-        for p, q in zip(params, twins):
-            p.grad = (torch.randn(p.shape, generator=generator) * 0.1).to(DEVICE)
-            q.grad = p.grad.clone()
-        opt.step(objective=objective)
-        adamw8bit[objective].step()
-    for p, q in zip(params, twins):
-        assert torch.equal(p, q)
-    assert opt.state[params[0]]["forget"]["state1"].dtype == torch.uint8
+    check_dualoptim_8bit_against_adamw8bit(DEVICE)
 
 
 def test_muon_rule_matches_reference_loop():
@@ -199,20 +127,16 @@ def test_muon_rule_matches_reference_loop():
 def test_compensated_bf16_keeps_an_lr_1e5_step_that_plain_bf16_loses():
     """bf16 weights near 0.02 (spacing 1.2e-4): one step of lr 1e-5 rounds away in plain bf16 on the device,
     and the compensation buffer holds it (the fused kernel, 16,384 elements)."""
-    generator = torch.Generator().manual_seed(0)
-    shape = (64, 256)
-    magnitude = 0.016 + 0.015 * torch.rand(shape, generator=generator)
-    start = (torch.where(torch.rand(shape, generator=generator) < 0.5, -1.0, 1.0) * magnitude).bfloat16()
-    grad = torch.where(torch.rand(shape, generator=generator) < 0.5, -1.0, 1.0).bfloat16()
+    start, (grad,) = weights_near_002(), gradients(1)
     plain, kept = on_device([start, start])
-    plain_opt = DualOptimPlus([plain], lr=1e-5, compensated=False, fused=True)
-    kept_opt = DualOptimPlus([kept], lr=1e-5, compensated=True, fused=True)
+    plain_opt = DualOptimPlus([plain], lr=LR_PAPER, compensated=False, fused=True)
+    kept_opt = DualOptimPlus([kept], lr=LR_PAPER, compensated=True, fused=True)
     for param, opt in ((plain, plain_opt), (kept, kept_opt)):
         param.grad = grad.to(DEVICE)
         opt.step(objective="forget")
     assert torch.equal(plain.detach().cpu(), start) and torch.equal(kept.detach().cpu(), start)
     moved = kept.detach().cpu().double() + kept_opt.state[kept]["compensation"].cpu().double() - start.double()
-    assert torch.allclose(moved, -1e-5 * grad.double(), rtol=0.01, atol=0)
+    assert torch.allclose(moved, -LR_PAPER * torch.sign(grad.double()), rtol=0.01, atol=0)
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the engine picks CUDA by itself; on a CPU the suite covers it")

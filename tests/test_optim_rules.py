@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from doplus_cli.optim import DualOptim, DualOptimPlus, muon_param_groups
-from tests.helpers import SHAPES, Float64DualOptimPlus, check_muon_rule, cycle, random_grads
+from tests.helpers import SHAPES, Float64DualOptimPlus, check_muon_rule, cycle, fused_and_reference_steps, random_grads
 
 FREQUENCIES = {
     "1:1 two objectives": {"forget": 1, "retain": 1},
@@ -68,19 +68,7 @@ def test_adamw_rule_matches_float64_loop(schedule, fused, rule, dtype=torch.floa
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_kernel_equals_reference_path(dtype):
     """The compiled one-pass kernel gives the eager reference's bits (float32 states, either param dtype)."""
-    torch.manual_seed(0)
-    shapes = [(300, 257), (70000,)]
-    params = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in shapes]
-    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    kwargs = dict(lr=1e-2, betas=(0.9, 0.95), base_betas=(0.8, 0.99), weight_decay=0.1)
-    fused, reference = DualOptimPlus(params, fused=True, **kwargs), DualOptimPlus(twins, fused=False, **kwargs)
-    generator = torch.Generator().manual_seed(2)
-    for objective in cycle({"forget": 2, "retain": 3}, 10):
-        for p, q in zip(params, twins):
-            p.grad = torch.randn(p.shape, generator=generator).to(dtype)
-            q.grad = p.grad.clone()
-        fused.step(objective=objective)
-        reference.step(objective=objective)
+    fused, reference, params, twins = fused_and_reference_steps(torch.device("cpu"), dtype)
     for p, q in zip(params, twins):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
         for key in ("exp_avg", "exp_avg_sq"):

@@ -12,25 +12,8 @@ from safetensors.torch import load_file
 
 from doplus_cli.optim import DualOptim, DualOptimPlus
 from doplus_cli.optim.adamw import AdamW
-from tests.helpers import run_cli, write_sets
-
-LR = 1e-5  # the paper's learning rate
-SHAPE = (64, 256)  # 16384 elements: 8-bit states, two 256-blocks per row
-
-
-def weights_near_002(seed: int = 0) -> torch.Tensor:
-    """bf16 weights of magnitude 0.016-0.031 (one binade: bf16 spacing 2^-13 = 1.2e-4 everywhere), random sign."""
-    generator = torch.Generator().manual_seed(seed)
-    magnitude = 0.016 + 0.015 * torch.rand(SHAPE, generator=generator)
-    sign = torch.where(torch.rand(SHAPE, generator=generator) < 0.5, -1.0, 1.0)
-    return (sign * magnitude).bfloat16()
-
-
-def gradients(steps: int, seed: int = 1) -> list[torch.Tensor]:
-    """Gradients of one sign pattern (so that steps add up) with noise in their size, in bf16."""
-    generator = torch.Generator().manual_seed(seed)
-    pattern = torch.where(torch.rand(SHAPE, generator=generator) < 0.5, -1.0, 1.0)
-    return [(pattern * (1.0 + 0.5 * torch.rand(SHAPE, generator=generator))).bfloat16() for _ in range(steps)]
+from tests.helpers import LR_PAPER as LR
+from tests.helpers import gradients, run_cli, weights_near_002, write_sets
 
 
 def bf16_spacing(x: torch.Tensor) -> torch.Tensor:
