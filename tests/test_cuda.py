@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from doplus_cli.optim import DualOptimPlus, kernels, quant
+from doplus_cli.optim import DualOptimPlus, kernels, multi_tensor, quant
 from tests.helpers import (
     LR_PAPER,
     SHAPES,
@@ -87,6 +87,49 @@ def test_fused_kernel_runs_compiled_and_equals_the_reference_path(dtype):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="on a CPU tests/test_multi_tensor.py runs it (Triton's interpreter)")
+@pytest.mark.parametrize("dtype,compensated", [(torch.float32, False), (torch.bfloat16, True), (torch.bfloat16, False)],
+                         ids=["float32", "bf16-compensated", "bf16"])
+def test_multi_tensor_kernel_is_one_launch_per_step_and_equals_the_per_tensor_kernel(dtype, compensated):
+    """The default on CUDA: every tensor of a step in one Triton launch, against the per-tensor compiled kernel
+    on twin parameters (sizes: several tiles and a partial one, a matrix, one element)."""
+    torch.manual_seed(0)
+    shapes = [(12345,), (300, 257), (1,), (70000,)]
+    start = [(0.05 * torch.randn(shape)).to(dtype) for shape in shapes]
+    params, twins = on_device(start), on_device(start)
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.95), base_betas=(0.8, 0.99), weight_decay=0.1, compensated=compensated)
+    multi = DualOptimPlus(params, fused=True, **kwargs)
+    single = DualOptimPlus(twins, fused=True, multi_tensor=False, **kwargs)
+    launches, tensors = multi_tensor.COUNTERS.launches, multi_tensor.COUNTERS.tensors
+    generator = torch.Generator().manual_seed(2)
+    steps = list(cycle({"forget": 1, "retain": 2}, 9))
+    for objective in steps:
+        for p, q in zip(params, twins):
+            p.grad = (0.1 * torch.randn(p.shape, generator=generator) + 0.03).to(DEVICE, dtype)
+            q.grad = p.grad.clone()
+        multi.step(objective=objective)
+        single.step(objective=objective)
+        a, b = multi.step_diagnostics(), single.step_diagnostics()
+        assert a["max_update"] == pytest.approx(b["max_update"], rel=1e-4)
+    assert multi_tensor.COUNTERS.launches - launches == len(steps)  # one launch per step ...
+    assert multi_tensor.COUNTERS.tensors - tensors == len(steps) * len(shapes)  # ... over every tensor
+    assert multi_tensor.COUNTERS.fallback_reason is None
+    # Both are Triton code with multiply-adds contracted, each its own way: the last bits differ (as the
+    # per-tensor kernel and the eager path do, above); a rule error would move them by their own size.
+    for p, q, first in zip(params, twins, start):
+        assert not torch.equal(p.detach().cpu(), first)
+        torch.testing.assert_close(p, q, rtol=2 * torch.finfo(dtype).eps, atol=1e-7)
+        if dtype == torch.bfloat16:
+            assert (p != q).float().mean() < 0.01
+        for key in ("exp_avg", "exp_avg_sq"):
+            a, b = multi.state[p][key], single.state[q][key]
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+        if compensated:
+            c, d = multi.state[p]["compensation"].float(), single.state[q]["compensation"].float()
+            master_a, master_b = p.float() + c, q.float() + d  # the master weights agree to float32 rounding
+            torch.testing.assert_close(master_a, master_b, rtol=1e-6, atol=1e-8)
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "reference"])
 def test_8bit_step_is_bitsandbytes_dequantize_float64_rule_bitsandbytes_quantize(fused):
     """On the device: bitsandbytes (its own kernels there) dequantizes DualOptim+'s 8-bit states, the float64
@@ -147,6 +190,7 @@ def test_the_engine_trains_on_cuda_in_bf16_mixed_and_lr_1e5_moves_the_weights(ti
     (tmp_path / "data").mkdir()
     data = write_sets(tofu_dir, tmp_path / "data", 8, 16)
     out = tmp_path / "run"
+    launches = multi_tensor.COUNTERS.launches
     assert run_cli("unlearn", "--model", tiny_llama, "--forget", data / "forget.jsonl", "--retain",
                    data / "retain.jsonl", "--loss", "IDK+GD", "--scheme", scheme, "--steps", 6, "--lr", 1e-5,
                    "--warmup-steps", 0, "--batch-size", 2, "--max-length", 48, "--show-samples", 0,
@@ -159,3 +203,5 @@ def test_the_engine_trains_on_cuda_in_bf16_mixed_and_lr_1e5_moves_the_weights(ti
     changed = {k: (final[k].float() != start[k].float()).float().mean().item() for k in start}
     matrices = [k for k in start if start[k].ndim == 2]
     assert all(changed[k] > 0.5 for k in matrices), {k: changed[k] for k in matrices if changed[k] <= 0.5}
+    # DualOptim+ stepped through the multi-tensor kernel: one launch per optimizer step; alternate through torch
+    assert multi_tensor.COUNTERS.launches - launches == (6 if scheme == "doplus" else 0)

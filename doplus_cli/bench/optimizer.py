@@ -52,7 +52,7 @@ from torch import Tensor
 
 from doplus_cli import optim
 from doplus_cli.errors import UserError
-from doplus_cli.optim import quant
+from doplus_cli.optim import multi_tensor, quant
 
 LR = 1e-5
 BETAS = (0.9, 0.95)
@@ -132,6 +132,9 @@ ROWS: tuple[Row, ...] = (
     Row("dualoptim", "DualOptim: one AdamW per objective, 32-bit states", _dual("DualOptim", state_bits=32), True),
     Row("dualoptim-8bit", "DualOptim: one AdamW per objective, 8-bit states", _dual("DualOptim", state_bits=8), True),
     Row("doplus", "DualOptim+ (AdamW rule, safeguarded), 32-bit states", _dual("DualOptimPlus", state_bits=32), True),
+    Row("doplus-per-tensor", "DualOptim+ as `doplus`, one compiled kernel per tensor (no multi-tensor kernel; "
+        "the same as `doplus` where that kernel does not run: the CPU)",
+        _dual("DualOptimPlus", state_bits=32, multi_tensor=False), True),
     Row("doplus-paper", "DualOptim+ (the paper's exact AdamW rule), 32-bit states",
         _dual("DualOptimPlus", state_bits=32, rule="paper"), True),
     Row("doplus-8bit", "DualOptim+ (AdamW rule, safeguarded), 8-bit states", _dual("DualOptimPlus", state_bits=8),
@@ -372,6 +375,7 @@ def _run_row(
     for param, grad in zip(params, grads, strict=True):
         param.grad = grad  # the same fixed gradients for every row; no optimizer here writes to them
     optimizer = None
+    launches = multi_tensor.COUNTERS.launches
     try:
         optimizer = row.build(params)
         warmup_times, times = [], []
@@ -394,6 +398,7 @@ def _run_row(
             "gbps": moved / median / 1e9,
             "fraction_of_copy_bandwidth": None,
             "step_times_s": times,
+            "multi_tensor_launches": multi_tensor.COUNTERS.launches - launches,
             "warmup_times_s": warmup_times,
         }
     finally:

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from doplus_cli.optim import quant
+from doplus_cli.optim import multi_tensor, quant
 from doplus_cli.optim.adamw import clone_state, new_compensation
 from doplus_cli.optim.checks import check_common, check_lr_multipliers, check_objectives, unknown_objective
 from doplus_cli.optim.diagnostics import reduce_step_stats
@@ -80,6 +80,10 @@ class DualOptimPlus(Optimizer):
             `--precision bf16`); float32 weights have none and step exactly as without it.
         fused: use the compiled one-pass kernels (True), the eager reference (False), or decide per
             tensor by size (None).
+        multi_tensor: update every eligible tensor of a step (float32 states, `multi_tensor.eligible`) in one
+            Triton kernel launch (`multi_tensor.py`): None on CUDA when Triton is installed, True also on
+            CPU tensors through Triton's interpreter (for tests; slow), False never. Ignored with
+            ``fused=False``.
         ns_coefficients, ns_steps, ns_eps, adjust_lr_fn: Muon's Newton–Schulz settings, as `torch.optim.Muon`.
     """
 
@@ -101,6 +105,7 @@ class DualOptimPlus(Optimizer):
         v_floor: float = 0.05,
         max_update: float = 10.0,
         fused: bool | None = None,
+        multi_tensor: bool | None = None,
         compensated: bool = False,
         ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315),
         ns_steps: int = 5,
@@ -127,7 +132,10 @@ class DualOptimPlus(Optimizer):
         self.quantize = quantize
         self.rule = rule
         self.v_floor, self.max_update = (v_floor, max_update) if rule == "safeguarded" else (0.0, math.inf)
+        if multi_tensor is True and multi_tensor_module_missing():
+            raise ValueError("multi_tensor=True needs Triton (pip install triton)")
         self.fused = fused
+        self.multi_tensor = multi_tensor
         self.compensated = compensated
         self._step_stats: list[tuple[Tensor, Tensor]] = []
         defaults = dict(
@@ -203,6 +211,7 @@ class DualOptimPlus(Optimizer):
                 loss = closure()
         lr_scale = self.lr_multipliers.get(objective, 1.0)
         self._step_stats = []
+        pending: list[tuple] = []  # (local, grad, group, state, delta, compensation) for the multi-tensor kernel
         for group in self.param_groups:
             hp_cache: dict[tuple, Tensor] = {}
             for param in group["params"]:
@@ -212,23 +221,88 @@ class DualOptimPlus(Optimizer):
                     raise ValueError("DualOptimPlus does not support sparse gradients")
                 local, grad = local_shard(param), local_shard(param.grad)
                 state, delta = self._state_for(param, local, group, objective)
+                compensation = state.get("compensation")
+                uses_muon = self._uses_muon(param, group)
+                if not uses_muon and local.numel() and self._batchable(local, grad, state, delta, compensation):
+                    pending.append((local, grad, group, state, delta, compensation))  # counted in _step_batched
+                    continue
                 state["step"] += 1
                 delta["step"] += 1
-                compensation = state.get("compensation")
-                if self._uses_muon(param, group):
+                if uses_muon:
                     self._step_stats.append(
                         self._muon_update(param, local, grad, group, state, delta, lr_scale, compensation))
                 elif local.numel():  # a shard can be empty when a small tensor has fewer rows than processes
                     self._step_stats.append(
                         self._adamw_update(local, grad, group, state, delta, lr_scale, hp_cache, compensation))
+        if pending:
+            self._step_stats.extend(self._step_batched(pending, lr_scale))
         return loss
+
+    def _step_batched(self, pending: list[tuple], lr_scale: float) -> list[tuple[Tensor, Tensor]]:
+        """The AdamW rule for the tensors the multi-tensor kernel takes: their step counters in one call, then
+        one launch per weight and gradient dtype, each tensor reading its row of scalars (param group's learning
+        rate and weight decay, its t_B and t_k). Host work per
+        tensor is a few dictionary lookups and its addresses; nothing waits for the device."""
+        counters = [entry[3]["step"] for entry in pending] + [entry[4]["step"] for entry in pending]
+        torch._foreach_add_(counters, 1.0)
+        counts = torch.stack(counters).tolist()
+        n = len(pending)
+        rows: dict[tuple, int] = {}  # (group, t_B, t_k) → row of the scalars matrix
+        scalars: list[AdamWPlusScalars] = []
+        batches: dict[tuple, tuple[list, list]] = {}  # (device, weight dtype, grad dtype, compensated) → entries, rows
+        for i, entry in enumerate(pending):
+            local, grad, group, state, delta, compensation = entry
+            steps = (int(counts[i]), int(counts[n + i]))
+            row = rows.get((id(group), steps))
+            if row is None:
+                row = rows[(id(group), steps)] = len(scalars)
+                scalars.append(self._adamw_scalars(group, state, delta, lr_scale, steps))
+            entries, entry_rows = batches.setdefault(
+                (local.device, local.dtype, grad.dtype, compensation is not None), ([], []))
+            entries.append(entry)
+            entry_rows.append(row)
+        stats = []
+        for (device, _, _, compensated), (entries, entry_rows) in batches.items():
+            stats.extend(self._launch_multi_tensor(scalars, device, compensated, entries, entry_rows, lr_scale))
+        return stats
+
+    def _batchable(self, local: Tensor, grad: Tensor, state: dict, delta: dict, compensation: Tensor | None) -> bool:
+        if self.fused is False or self.multi_tensor is False:
+            return False
+        if self.multi_tensor is None and not multi_tensor.available(local.device):
+            return False
+        states = (state["exp_avg"], state["exp_avg_sq"], delta["exp_avg"], delta["exp_avg_sq"])
+        return multi_tensor.eligible(local, grad, states, compensation)
+
+    def _launch_multi_tensor(
+        self, scalars: list[AdamWPlusScalars], device: torch.device, compensated: bool, entries: list,
+        rows: list[int], lr_scale: float,
+    ) -> list[tuple[Tensor, Tensor]]:
+        """One launch of the multi-tensor kernel over `entries` (entry i with `scalars[rows[i]]`); if it cannot
+        compile, the per-tensor path (`multi_tensor.disable` logs why, or raises under
+        $DOPLUS_REQUIRE_COMPILED=1)."""
+        tensors = [(local, grad, state["exp_avg"], state["exp_avg_sq"], delta["exp_avg"], delta["exp_avg_sq"],
+                    compensation) for local, grad, _, state, delta, compensation in entries]
+        hp = torch.cat([s.packed(torch.device("cpu"), torch.float32) for s in scalars]).to(device, non_blocking=True)
+        try:
+            return [multi_tensor.launch(tensors, rows, hp, compensated)]
+        except Exception as error:  # noqa: BLE001 - a compiler or driver error: stay correct, say so once
+            multi_tensor.disable(error)
+        hp_cache: dict[tuple, Tensor] = {}
+        return [self._adamw_update(local, grad, group, state, delta, lr_scale, hp_cache, compensation)
+                for local, grad, group, state, delta, compensation in entries]
 
     def step_diagnostics(self) -> dict[str, float]:
         """Of the last step, over this process's elements: ``max_update`` the largest |Δθ|/η, and
         ``big_updates`` the number of elements whose step exceeded 10η (`kernels.BIG_UPDATE`)."""
         return reduce_step_stats(self._step_stats)
 
-    def _adamw_scalars(self, group: dict, state: dict, delta: dict, lr_scale: float) -> AdamWPlusScalars:
+    def _adamw_scalars(
+        self, group: dict, state: dict, delta: dict, lr_scale: float, steps: tuple[int, int] | None = None
+    ) -> AdamWPlusScalars:
+        """The scalars of one update; `steps` = (t_B, t_k) when the caller has read them already."""
+        if steps is None:
+            steps = (int(state["step"].item()), int(delta["step"].item()))
         beta1, beta2 = group["betas"]
         base_beta1, base_beta2 = group["base_betas"] or group["betas"]
         return AdamWPlusScalars(
@@ -239,8 +313,8 @@ class DualOptimPlus(Optimizer):
             base_beta1=base_beta1,
             base_beta2=base_beta2,
             eps=group["eps"],
-            base_step=int(state["step"].item()),
-            delta_step=int(delta["step"].item()),
+            base_step=steps[0],
+            delta_step=steps[1],
             v_floor=self.v_floor,
             max_update=self.max_update,
         )
@@ -305,6 +379,10 @@ class DualOptimPlus(Optimizer):
         for index, saved in state_dict["state"].items():
             param = params[index]
             self.state[param] = clone_state(saved, param.device)
+
+
+def multi_tensor_module_missing() -> bool:
+    return multi_tensor._triton() is None
 
 
 def _sharded_orthogonalize(param: Tensor, s: MuonPlusScalars):

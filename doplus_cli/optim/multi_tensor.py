@@ -1,0 +1,173 @@
+"""The DualOptim+ AdamW rule over every tensor of a step in one Triton kernel launch (CUDA).
+
+Why: the compiled per-tensor kernel (`kernels.adamw_plus_fused`) is one pass over memory, but each call costs
+~0.1–0.2 ms of host time on CUDA (dynamo's guards, the launch, the diagnostics' reductions). Measured on an
+H200 with 1B parameters in 218 tensors: 51.5 ms per step against 8.7 ms for torch's fused AdamW, of which the
+GPU was busy 18 ms; the step was host-bound. torch's fused AdamW avoids this with a multi-tensor kernel (one
+launch for many tensors); this is the same for the DualOptim+ rule.
+
+How: the host writes one int64 table per launch: for each tensor the addresses of θ, g, m_B, v_B, m_k, v_k
+(and the bf16 compensation buffer c), its length and its row in a matrix of scalars (one row of
+`AdamWPlusScalars.packed()` per distinct learning rate, weight decay, t_B and t_k: param groups and tensors
+that skipped steps share a launch). A program of the kernel updates one tile of `TILE` elements of one tensor
+(a second, cached table maps program → tensor, first element), so a step makes one launch per weight and
+gradient dtype (usually one), plus three small reductions for the diagnostics, and no host sync.
+
+The arithmetic is `kernels._adamw_plus_math` line for line, in float32 (states are float32), with the same
+compensated read and write for bf16 weights (`kernels.py`). On a GPU the compiler contracts a·b + c into fused
+multiply-adds (as the compiled per-tensor kernel does), so results differ from the eager reference in the
+last bit; under Triton's interpreter (`TRITON_INTERPRET`-style, on CPU tensors: how the tests run this kernel
+without a GPU) each operation rounds as in eager PyTorch.
+
+Used when Triton imports and every state of the tensor is float32 (not 8-bit, not float64), the weight is
+float32, bf16 or fp16, θ and g are contiguous and every address is 16-byte aligned (so loads vectorize);
+anything else takes the per-tensor path unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from doplus_cli.optim.kernels import BIG_UPDATE, REQUIRE_COMPILED_ENV
+
+log = logging.getLogger(__name__)
+
+TILE = 4096  # elements per program
+BLOCK = 1024  # elements per loop iteration of a program
+ALIGN = 16  # bytes: every address in the table is a multiple of this
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SLOTS = 7  # θ, g, m_B, v_B, m_k, v_k, c (c = 0 when not compensated); then numel and the row of scalars
+
+
+@dataclass
+class Counters:
+    """What the multi-tensor path did in this process (tests check that it ran; `doplus bench` reports it)."""
+
+    launches: int = 0
+    tensors: int = 0
+    fallback_reason: str | None = None  # why this process uses the per-tensor path, once it does
+    by_device: dict[str, int] = field(default_factory=dict)
+
+
+COUNTERS = Counters()
+
+
+@functools.cache
+def _triton():
+    """(triton, triton.language), or None when Triton is not installed."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+    return triton, tl
+
+
+def available(device: torch.device) -> bool:
+    """Whether the multi-tensor kernel can run on `device` by default: a CUDA device with Triton installed,
+    and no earlier compile failure in this process. (The tests force it on CPU tensors through Triton's
+    interpreter with `multi_tensor=True`.)"""
+    return device.type == "cuda" and _triton() is not None and COUNTERS.fallback_reason is None
+
+
+def eligible(param: Tensor, grad: Tensor, states: tuple[Tensor, ...], compensation: Tensor | None) -> bool:
+    """Whether one tensor can go through the multi-tensor kernel (module docstring). Called for every tensor
+    of every step: plain checks, no allocation."""
+    numel = param.numel()
+    if numel == 0 or param.dtype not in WEIGHT_DTYPES or grad.dtype not in WEIGHT_DTYPES:
+        return False
+    device = param.device
+    for tensor in (param, grad) + states:
+        if not tensor.is_contiguous() or tensor.data_ptr() % ALIGN or tensor.numel() != numel:
+            return False
+    for state in states:
+        if state.dtype != torch.float32 or state.device != device:
+            return False
+    if grad.device != device:
+        return False
+    if compensation is None:
+        return True
+    return (compensation.dtype == torch.bfloat16 and compensation.is_contiguous()
+            and compensation.data_ptr() % ALIGN == 0 and compensation.numel() == numel)
+
+
+@functools.cache
+def _kernel(interpret: bool):
+    """The jitted kernel. On CPU tensors (`interpret`) Triton must run as its interpreter, which it decides
+    when it is imported (`TRITON_INTERPRET=1` in the environment, as the tests' subprocess sets it)."""
+    triton, _ = _triton()
+    if interpret and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("the multi-tensor kernel runs on CPU tensors only under Triton's interpreter: "
+                           "set TRITON_INTERPRET=1 before Python starts")
+    from doplus_cli.optim._multi_tensor_kernel import adamw_plus_multi_tensor_kernel as source
+
+    return triton.jit(source)
+
+
+@functools.cache
+def _tiles(numels: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
+    """(tensor index, first element) of every program, for tensors of these lengths; cached per layout."""
+    counts = torch.tensor([-(-n // TILE) for n in numels], dtype=torch.int64)
+    tensor_of_tile = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts)
+    starts = torch.cat([torch.arange(0, n, TILE, dtype=torch.int64) for n in numels])
+    return tensor_of_tile.to(device), starts.to(device)
+
+
+def _dtype(tl, dtype: torch.dtype):
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
+def launch(entries: list[tuple], rows: list[int], hp: Tensor, compensated: bool) -> tuple[Tensor, Tensor]:
+    """One kernel launch over `entries`, each (θ, g, m_B, v_B, m_k, v_k, c or None), all on one device with one
+    weight dtype and one gradient dtype; tensor i uses row `rows[i]` of `hp`, a float32 matrix of
+    `AdamWPlusScalars.packed()` rows on the device.
+
+    Returns the diagnostics over all of them (largest |Δθ|/η, NaN if any element's was; the number of elements
+    above `BIG_UPDATE`) as 0-d tensors on the device, as the per-tensor kernels do for one tensor."""
+    _, tl = _triton()
+    first = entries[0]
+    device = first[0].device
+    n = len(entries)
+    table = [0] * ((SLOTS + 2) * n)
+    for i, entry in enumerate(entries):
+        for slot in range(SLOTS):
+            tensor = entry[slot]
+            if tensor is not None:
+                table[slot * n + i] = tensor.data_ptr()
+    numels = tuple(entry[0].numel() for entry in entries)
+    table[SLOTS * n:(SLOTS + 1) * n] = numels
+    table[(SLOTS + 1) * n:] = rows
+    table_tensor = torch.tensor(table, dtype=torch.int64).to(device, non_blocking=True)
+    tile_tensor, tile_start = _tiles(numels, device)
+    programs = tile_tensor.numel()
+    out_max = torch.empty(programs, dtype=torch.float32, device=device)
+    out_big = torch.empty(programs, dtype=torch.int32, device=device)
+    out_nan = torch.empty(programs, dtype=torch.int32, device=device)
+    kernel = _kernel(device.type != "cuda")
+    kernel[(programs,)](
+        table_tensor, tile_tensor, tile_start, hp, out_max, out_big, out_nan, n,
+        WEIGHT=_dtype(tl, first[0].dtype), GRAD=_dtype(tl, first[1].dtype), COMPENSATED=compensated,
+        BIG=BIG_UPDATE, TILE=TILE, BLOCK=BLOCK,
+    )
+    COUNTERS.launches += 1
+    COUNTERS.tensors += n
+    COUNTERS.by_device[device.type] = COUNTERS.by_device.get(device.type, 0) + 1
+    largest = torch.where(out_nan.sum() > 0, torch.nan, out_max.amax())
+    return largest, out_big.sum(dtype=torch.int64)
+
+
+def disable(error: Exception) -> None:
+    """After a failed launch (no compiler, an unsupported GPU): log once and use the per-tensor path from now
+    on; under `$DOPLUS_REQUIRE_COMPILED=1` (the tests) raise instead."""
+    if os.environ.get(REQUIRE_COMPILED_ENV) == "1":
+        raise error
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    COUNTERS.fallback_reason = f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
+    log.warning("doplus: the multi-tensor DualOptim+ kernel failed (%s); using the per-tensor kernels.",
+                COUNTERS.fallback_reason)
