@@ -102,6 +102,36 @@ def misaligned_run():
     return results
 
 
+def adam_stats_run():
+    """torch's AdamW over two param groups (float32 weights with weight decay; bf16 weights with another lr and
+    none), three steps; then the step diagnostics through the multi-tensor kernel and per tensor, and the
+    actual step |θ_after − θ_before| / lr per group, for the test's independent check."""
+    from doplus_cli.optim.diagnostics import adamw_step_stats, reduce_step_stats
+
+    params = [torch.nn.Parameter(t.clone()) for t in start(torch.float32)]
+    params[2] = torch.nn.Parameter(params[2].detach().bfloat16())
+    params[3] = torch.nn.Parameter(params[3].detach().bfloat16())
+    groups = [{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "lr": 3e-3, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    result = {}
+    for step in range(3):
+        for p, g in zip(params, grads_for(step, torch.float32)):
+            p.grad = g.to(p.dtype)
+        before = [p.detach().double().clone() for p in params]
+        opt.step()
+        launches = multi_tensor.COUNTERS.by_kernel.get("adam_stats_multi_tensor_kernel", 0)
+        multi = reduce_step_stats(adamw_step_stats(opt, multi_tensor=True))
+        result.setdefault("launches", []).append(
+            multi_tensor.COUNTERS.by_kernel.get("adam_stats_multi_tensor_kernel", 0) - launches)
+        result.setdefault("multi", []).append(multi)
+        result.setdefault("single", []).append(reduce_step_stats(adamw_step_stats(opt, multi_tensor=False)))
+        result.setdefault("moved", []).append(
+            [((p.detach().double() - b) / group["lr"]).abs().max().item()
+             for group in opt.param_groups for p, b in zip(group["params"], before[:2] if group is opt.param_groups[0]
+                                                          else before[2:])])
+    return result
+
+
 def main(out: str) -> None:
     runs = {}
     for dtype, compensated in ((torch.float32, False), (torch.bfloat16, True), (torch.bfloat16, False)):
@@ -109,8 +139,12 @@ def main(out: str) -> None:
             name = f"{str(dtype).removeprefix('torch.')}-{'compensated' if compensated else 'plain'}-{rule}"
             runs[name] = {multi: run(dtype, multi, rule, compensated) for multi in (True, False)}
     runs["groups"] = {multi: run(torch.float32, multi, groups=True) for multi in (True, False)}
+    multi_tensor.FLUSH_NUMEL = 13000  # 12,345 + 1,000 elements: the first two tensors, then the other two
+    runs["flush"] = run(torch.float32, True)
+    multi_tensor.FLUSH_NUMEL = 1 << 26
     runs["nan"] = {multi: run(torch.float32, multi, nan_at=5, steps=6) for multi in (True, False)}
     runs["misaligned"] = misaligned_run()
+    runs["adam_stats"] = adam_stats_run()
     runs["fallback_reason"] = multi_tensor.COUNTERS.fallback_reason
     torch.save(runs, out)
 

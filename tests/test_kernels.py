@@ -25,7 +25,8 @@ from doplus_cli.engine import outputs
 from doplus_cli.optim import DualOptimPlus, diagnostics, kernels, quant
 
 for _module in pkgutil.iter_modules(doplus_cli.optim.__path__):  # every module that may define a kernel
-    importlib.import_module(f"doplus_cli.optim.{_module.name}")
+    if _module.name != "_multi_tensor_kernel":  # Triton source, imported only where Triton is installed
+        importlib.import_module(f"doplus_cli.optim.{_module.name}")
 NAMES = [kernel.name for kernel in kernels.KERNELS]
 
 SIZE = 2 * quant.MIN_8BIT_SIZE + 300  # above the fused and 8-bit thresholds, with a short last 256-block
@@ -125,3 +126,12 @@ def test_the_report_says_once_which_kernel_fell_back(monkeypatch, tmp_path):
     said = [line for line in lines if "stand-in kernel failed to compile" in line]
     assert len(said) == 1 and "eager code" in said[0]
     assert list(json.loads((tmp_path / "report.json").read_text())["environment"]["eager_fallbacks"]) == ["stand-in"]
+
+
+def test_compiling_a_kernel_raises_dynamos_recompile_limit():
+    """One kernel compiles once per dtype and compensation combination, more than dynamo's default 8 (past
+    which a process silently runs eager code, or fails under $DOPLUS_REQUIRE_COMPILED=1 depending on test order)."""
+    import torch._dynamo.config as dynamo_config
+
+    _step_doplus(32)
+    assert dynamo_config.recompile_limit >= kernels.RECOMPILE_LIMIT == 32

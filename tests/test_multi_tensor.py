@@ -100,6 +100,17 @@ def test_param_groups_and_skipped_tensors_share_one_launch(runs):
     assert multi["diagnostics"] == single["diagnostics"]
 
 
+def test_a_step_launches_again_each_time_enough_elements_are_ready(runs):
+    """With `FLUSH_NUMEL` at 13,000 the first two tensors (13,345 elements) are one launch and the other two
+    another: two launches a step, the same numbers bit for bit."""
+    flushed, once = runs["flush"], runs["float32-plain-safeguarded"][True]
+    steps = len(flushed["steps"])
+    assert flushed["launches"] == 2 * steps and flushed["tensors"] == 4 * steps
+    for a, b in zip(flushed["params"], once["params"], strict=True):
+        assert torch.equal(a, b)
+    assert flushed["diagnostics"] == once["diagnostics"]
+
+
 def test_nan_gradient_reaches_the_weight_and_the_diagnostics(runs):
     multi, single = runs["nan"][True], runs["nan"][False]
     weight = multi["params"][1].view(-1)
@@ -117,6 +128,23 @@ def test_a_misaligned_tensor_takes_the_per_tensor_path_in_the_same_step(runs):
     for a, b in zip(result[True]["params"], result[False]["params"], strict=True):
         assert torch.equal(a, b)
     assert runs["fallback_reason"] is None
+
+
+def test_adamw_step_diagnostics_in_one_launch_equal_the_per_tensor_ones(runs):
+    """The diagnostics of torch's AdamW steps (Alternate, Joint, DualOptim) from θ and the moments: the float32
+    group through the multi-tensor kernel, one launch a step; the bf16 group, whose moments torch keeps in
+    bf16, per tensor. Equal to the per-tensor computation, and the largest |Δθ|/η is the step the weights
+    actually took (float32 weights: up to rounding; bf16 weights are rounded after the step, so there the
+    recovered step is the one before rounding)."""
+    result = runs["adam_stats"]
+    assert result["launches"] == [1, 1, 1]
+    assert result["multi"] == result["single"]
+    for stats, moved in zip(result["multi"], result["moved"], strict=True):
+        assert stats["max_update"] >= 0.5  # AdamW's steps are ~lr
+        float32_step = max(moved[:2])
+        if stats["max_update"] == pytest.approx(float32_step, rel=1e-4):
+            continue
+        assert stats["max_update"] == pytest.approx(max(moved[2:]), rel=0.02)  # the largest was a bf16 weight's
 
 
 def test_eligibility():

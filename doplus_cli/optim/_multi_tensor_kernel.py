@@ -18,23 +18,11 @@ def _round_to_bfloat16(x):
     return bits.to(tl.float32, bitcast=True)
 
 
-def adamw_plus_multi_tensor_kernel(
-    table, tile_tensor, tile_start, hp, out_max, out_big, out_nan, n_tensors,
-    WEIGHT: tl.constexpr, GRAD: tl.constexpr, COMPENSATED: tl.constexpr, BIG: tl.constexpr,
-    TILE: tl.constexpr, BLOCK: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    t = tl.load(tile_tensor + pid).to(tl.int64)
-    first = tl.load(tile_start + pid)
-    numel = tl.load(table + 7 * n_tensors + t)
-    hp = hp + tl.load(table + 8 * n_tensors + t) * 19  # this tensor's row of scalars
-    p_ptr = tl.multiple_of(tl.load(table + t), 16).to(tl.pointer_type(WEIGHT))
-    g_ptr = tl.multiple_of(tl.load(table + n_tensors + t), 16).to(tl.pointer_type(GRAD))
-    mb_ptr = tl.multiple_of(tl.load(table + 2 * n_tensors + t), 16).to(tl.pointer_type(tl.float32))
-    vb_ptr = tl.multiple_of(tl.load(table + 3 * n_tensors + t), 16).to(tl.pointer_type(tl.float32))
-    md_ptr = tl.multiple_of(tl.load(table + 4 * n_tensors + t), 16).to(tl.pointer_type(tl.float32))
-    vd_ptr = tl.multiple_of(tl.load(table + 5 * n_tensors + t), 16).to(tl.pointer_type(tl.float32))
-    c_ptr = tl.multiple_of(tl.load(table + 6 * n_tensors + t), 16).to(tl.pointer_type(tl.bfloat16))
+@triton.jit
+def _tile(p_ptr, g_ptr, mb_ptr, vb_ptr, md_ptr, vd_ptr, c_ptr, hp, first, limit,
+          COMPENSATED: tl.constexpr, BIG: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
+    """Elements [first, min(first + TILE, limit)) of one tensor; returns the tile's diagnostics (largest
+    finite |Δθ|/η, elements above BIG, NaN elements)."""
     lr = tl.load(hp + 0)
     decay = tl.load(hp + 1)
     b1 = tl.load(hp + 2)
@@ -59,7 +47,7 @@ def adamw_plus_multi_tensor_kernel(
     nans = tl.zeros((BLOCK,), tl.int32)
     for offset in tl.static_range(0, TILE, BLOCK):
         idx = first + offset + tl.arange(0, BLOCK)
-        mask = idx < numel
+        mask = idx < limit
         theta = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         if COMPENSATED:
             theta = theta + tl.load(c_ptr + idx, mask=mask, other=0.0).to(tl.float32)
@@ -92,12 +80,12 @@ def adamw_plus_multi_tensor_kernel(
         vb = bb2 * vb + cb2 * (g * g)
         if COMPENSATED:  # kernels.write_master: θ_bf16 ← bf16(θ'), c ← bf16(θ' − θ_bf16)
             rounded = _round_to_bfloat16(theta)
-            tl.store(p_ptr + idx, rounded.to(WEIGHT), mask=mask)
+            tl.store(p_ptr + idx, rounded.to(p_ptr.dtype.element_ty), mask=mask)
             tl.store(c_ptr + idx, _round_to_bfloat16(theta - rounded).to(tl.bfloat16), mask=mask)
-        elif WEIGHT == tl.bfloat16:
-            tl.store(p_ptr + idx, _round_to_bfloat16(theta).to(WEIGHT), mask=mask)
+        elif p_ptr.dtype.element_ty == tl.bfloat16:
+            tl.store(p_ptr + idx, _round_to_bfloat16(theta).to(tl.bfloat16), mask=mask)
         else:
-            tl.store(p_ptr + idx, theta.to(WEIGHT), mask=mask)
+            tl.store(p_ptr + idx, theta.to(p_ptr.dtype.element_ty), mask=mask)
         tl.store(mb_ptr + idx, mb, mask=mask)
         tl.store(vb_ptr + idx, vb, mask=mask)
         tl.store(md_ptr + idx, md, mask=mask)
@@ -107,6 +95,91 @@ def adamw_plus_multi_tensor_kernel(
         ratio = tl.where(mask & (ratio == ratio), ratio, 0.0)
         largest = tl.maximum(largest, ratio)
         big += (ratio > BIG).to(tl.int32)
-    tl.store(out_max + pid, tl.max(largest, 0))
-    tl.store(out_big + pid, tl.sum(big, 0))
-    tl.store(out_nan + pid, tl.sum(nans, 0))
+    return tl.max(largest, 0), tl.sum(big, 0), tl.sum(nans, 0)
+
+
+def adamw_plus_multi_tensor_kernel(
+    table, tile_tensor, tile_start, hp, out_max, out_big, out_nan, n_tensors,
+    p_base, g_base, mb_base, vb_base, md_base, vd_base, c_base,
+    WEIGHT_VEC: tl.constexpr, GRAD_VEC: tl.constexpr, COMPENSATED: tl.constexpr, BIG: tl.constexpr,
+    TILE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # Each tensor is addressed as base + offset, the base a kernel argument (16-byte aligned, which Triton
+    # knows from the argument) and the offset in elements from the table, declared a multiple of 16 bytes:
+    # so the compiler can prove every access aligned and use vector loads (an address read from memory and
+    # cast to a pointer carries no alignment, and on an H200 compiled to scalar loads only).
+    pid = tl.program_id(0)
+    t = tl.load(tile_tensor + pid).to(tl.int64)
+    first = tl.multiple_of(tl.load(tile_start + pid), TILE)
+    numel = tl.load(table + 7 * n_tensors + t)
+    hp = hp + tl.load(table + 8 * n_tensors + t) * 19  # this tensor's row of scalars
+    p_ptr = p_base + tl.multiple_of(tl.load(table + t), WEIGHT_VEC)
+    g_ptr = g_base + tl.multiple_of(tl.load(table + n_tensors + t), GRAD_VEC)
+    mb_ptr = mb_base + tl.multiple_of(tl.load(table + 2 * n_tensors + t), 4)
+    vb_ptr = vb_base + tl.multiple_of(tl.load(table + 3 * n_tensors + t), 4)
+    md_ptr = md_base + tl.multiple_of(tl.load(table + 4 * n_tensors + t), 4)
+    vd_ptr = vd_base + tl.multiple_of(tl.load(table + 5 * n_tensors + t), 4)
+    c_ptr = c_base + tl.multiple_of(tl.load(table + 6 * n_tensors + t), 8)
+    # A whole tile needs no bound but its own end, which the compiler knows to be a multiple of TILE, so the
+    # mask is constant over 16-byte groups and loads vectorize; only a tensor's last tile is masked at numel.
+    if first + TILE <= numel:
+        largest, big, nans = _tile(p_ptr, g_ptr, mb_ptr, vb_ptr, md_ptr, vd_ptr, c_ptr, hp, first, first + TILE,
+                                   COMPENSATED, BIG, TILE, BLOCK)
+    else:
+        largest, big, nans = _tile(p_ptr, g_ptr, mb_ptr, vb_ptr, md_ptr, vd_ptr, c_ptr, hp, first, numel,
+                                   COMPENSATED, BIG, TILE, BLOCK)
+    tl.store(out_max + pid, largest)
+    tl.store(out_big + pid, big)
+    tl.store(out_nan + pid, nans)
+
+
+@triton.jit
+def _adam_stats_tile(t_ptr, m_ptr, v_ptr, hp, first, limit, BIG: tl.constexpr, TILE: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """`diagnostics._adam_ratio_stats` on elements [first, min(first + TILE, limit)) of one tensor."""
+    inv_bc1 = tl.load(hp + 0)
+    inv_bc2 = tl.load(hp + 1)
+    eps = tl.load(hp + 2)
+    lr = tl.load(hp + 3)
+    wd = tl.load(hp + 4)
+    inv_decay = tl.load(hp + 5)
+    largest = tl.zeros((BLOCK,), tl.float32)
+    big = tl.zeros((BLOCK,), tl.int32)
+    nans = tl.zeros((BLOCK,), tl.int32)
+    for offset in tl.static_range(0, TILE, BLOCK):
+        idx = first + offset + tl.arange(0, BLOCK)
+        mask = idx < limit
+        theta = tl.load(t_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + idx, mask=mask, other=0.0)
+        v = tl.load(v_ptr + idx, mask=mask, other=0.0)
+        u = (m * inv_bc1) / (tl.sqrt(v * inv_bc2) + eps)
+        theta_old = (theta + lr * u) * inv_decay
+        ratio = tl.abs(u + wd * theta_old)
+        nans += (mask & (ratio != ratio)).to(tl.int32)
+        ratio = tl.where(mask & (ratio == ratio), ratio, 0.0)
+        largest = tl.maximum(largest, ratio)
+        big += (ratio > BIG).to(tl.int32)
+    return tl.max(largest, 0), tl.sum(big, 0), tl.sum(nans, 0)
+
+
+def adam_stats_multi_tensor_kernel(
+    table, tile_tensor, tile_start, hp, out_max, out_big, out_nan, n_tensors, t_base, m_base, v_base,
+    WEIGHT_VEC: tl.constexpr, BIG: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """The step diagnostics of an AdamW step over many tensors, from θ and the moments just written
+    (`diagnostics.py`); the table as the DualOptim+ kernel's: offsets of θ, m, v, then numel and row."""
+    pid = tl.program_id(0)
+    t = tl.load(tile_tensor + pid).to(tl.int64)
+    first = tl.multiple_of(tl.load(tile_start + pid), TILE)
+    numel = tl.load(table + 3 * n_tensors + t)
+    hp = hp + tl.load(table + 4 * n_tensors + t) * 6
+    t_ptr = t_base + tl.multiple_of(tl.load(table + t), WEIGHT_VEC)
+    m_ptr = m_base + tl.multiple_of(tl.load(table + n_tensors + t), 4)
+    v_ptr = v_base + tl.multiple_of(tl.load(table + 2 * n_tensors + t), 4)
+    if first + TILE <= numel:
+        largest, big, nans = _adam_stats_tile(t_ptr, m_ptr, v_ptr, hp, first, first + TILE, BIG, TILE, BLOCK)
+    else:
+        largest, big, nans = _adam_stats_tile(t_ptr, m_ptr, v_ptr, hp, first, numel, BIG, TILE, BLOCK)
+    tl.store(out_max + pid, largest)
+    tl.store(out_big + pid, big)
+    tl.store(out_nan + pid, nans)

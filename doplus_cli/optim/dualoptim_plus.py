@@ -212,6 +212,7 @@ class DualOptimPlus(Optimizer):
         lr_scale = self.lr_multipliers.get(objective, 1.0)
         self._step_stats = []
         pending: list[tuple] = []  # (local, grad, group, state, delta, compensation) for the multi-tensor kernel
+        pending_numel = 0
         for group in self.param_groups:
             hp_cache: dict[tuple, Tensor] = {}
             for param in group["params"]:
@@ -225,6 +226,10 @@ class DualOptimPlus(Optimizer):
                 uses_muon = self._uses_muon(param, group)
                 if not uses_muon and local.numel() and self._batchable(local, grad, state, delta, compensation):
                     pending.append((local, grad, group, state, delta, compensation))  # counted in _step_batched
+                    pending_numel += local.numel()
+                    if pending_numel >= multi_tensor.FLUSH_NUMEL:  # the device starts while the host goes on
+                        self._step_stats.extend(self._step_batched(pending, lr_scale))
+                        pending, pending_numel = [], 0
                     continue
                 state["step"] += 1
                 delta["step"] += 1

@@ -265,6 +265,7 @@ class CompiledKernel:
         if self._compiled is None:
             with self._lock:
                 if self._compiled is None:
+                    _raise_recompile_limit()
                     self._compiled = torch.compile(self._fn, dynamic=True, fullgraph=True)
         try:
             result = self._compiled(*args)
@@ -278,6 +279,20 @@ class CompiledKernel:
             return self._fn(*args)
         self.compiled_calls += 1
         return result
+
+
+# One kernel is compiled once per combination of weight, gradient and state dtypes and compensation (float32,
+# bf16, fp16 and float64 weights; with or without a compensation buffer): more than dynamo's default of 8
+# variants per function, after which a process would fall back to the eager code (or, under the tests'
+# $DOPLUS_REQUIRE_COMPILED=1, fail, depending on which tests ran before).
+RECOMPILE_LIMIT = 32
+
+
+def _raise_recompile_limit() -> None:
+    import torch._dynamo.config as dynamo_config
+
+    if getattr(dynamo_config, "recompile_limit", RECOMPILE_LIMIT) < RECOMPILE_LIMIT:
+        dynamo_config.recompile_limit = RECOMPILE_LIMIT
 
 
 def fallbacks() -> dict[str, str]:

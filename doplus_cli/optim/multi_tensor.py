@@ -11,7 +11,8 @@ How: the host writes one int64 table per launch: for each tensor the addresses o
 `AdamWPlusScalars.packed()` per distinct learning rate, weight decay, t_B and t_k: param groups and tensors
 that skipped steps share a launch). A program of the kernel updates one tile of `TILE` elements of one tensor
 (a second, cached table maps program → tensor, first element), so a step makes one launch per weight and
-gradient dtype (usually one), plus three small reductions for the diagnostics, and no host sync.
+gradient dtype (usually one) and per `FLUSH_NUMEL` elements, plus three small reductions for the diagnostics
+each, and no host sync.
 
 The arithmetic is `kernels._adamw_plus_math` line for line, in float32 (states are float32), with the same
 compensated read and write for bf16 weights (`kernels.py`). On a GPU the compiler contracts a·b + c into fused
@@ -39,7 +40,11 @@ from doplus_cli.optim.kernels import BIG_UPDATE, REQUIRE_COMPILED_ENV
 log = logging.getLogger(__name__)
 
 TILE = 4096  # elements per program
+# A step launches the kernel each time this many elements are ready, so the GPU works on the first tensors while
+# the host prepares the next ones (~10 µs of Python per tensor): on 1B parameters, ~15 launches of ~1 ms each.
+FLUSH_NUMEL = 1 << 26
 BLOCK = 1024  # elements per loop iteration of a program
+NUM_WARPS = 8  # 4 elements of each array per thread and loop iteration: one 16-byte load each
 ALIGN = 16  # bytes: every address in the table is a multiple of this
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SLOTS = 7  # θ, g, m_B, v_B, m_k, v_k, c (c = 0 when not compensated); then numel and the row of scalars
@@ -52,7 +57,7 @@ class Counters:
     launches: int = 0
     tensors: int = 0
     fallback_reason: str | None = None  # why this process uses the per-tensor path, once it does
-    by_device: dict[str, int] = field(default_factory=dict)
+    by_kernel: dict[str, int] = field(default_factory=dict)  # launches per kernel
 
 
 COUNTERS = Counters()
@@ -98,16 +103,17 @@ def eligible(param: Tensor, grad: Tensor, states: tuple[Tensor, ...], compensati
 
 
 @functools.cache
-def _kernel(interpret: bool):
-    """The jitted kernel. On CPU tensors (`interpret`) Triton must run as its interpreter, which it decides
-    when it is imported (`TRITON_INTERPRET=1` in the environment, as the tests' subprocess sets it)."""
+def _kernel(name: str, interpret: bool):
+    """A jitted kernel of `_multi_tensor_kernel.py`. On CPU tensors (`interpret`) Triton must run as its
+    interpreter, which it decides when it is imported (`TRITON_INTERPRET=1` in the environment, as the tests'
+    subprocess sets it)."""
     triton, _ = _triton()
     if interpret and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("the multi-tensor kernel runs on CPU tensors only under Triton's interpreter: "
                            "set TRITON_INTERPRET=1 before Python starts")
-    from doplus_cli.optim._multi_tensor_kernel import adamw_plus_multi_tensor_kernel as source
+    from doplus_cli.optim import _multi_tensor_kernel
 
-    return triton.jit(source)
+    return triton.jit(getattr(_multi_tensor_kernel, name))
 
 
 @functools.cache
@@ -119,47 +125,65 @@ def _tiles(numels: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tenso
     return tensor_of_tile.to(device), starts.to(device)
 
 
-def _dtype(tl, dtype: torch.dtype):
-    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
-
-
-def launch(entries: list[tuple], rows: list[int], hp: Tensor, compensated: bool) -> tuple[Tensor, Tensor]:
-    """One kernel launch over `entries`, each (θ, g, m_B, v_B, m_k, v_k, c or None), all on one device with one
-    weight dtype and one gradient dtype; tensor i uses row `rows[i]` of `hp`, a float32 matrix of
-    `AdamWPlusScalars.packed()` rows on the device.
-
-    Returns the diagnostics over all of them (largest |Δθ|/η, NaN if any element's was; the number of elements
-    above `BIG_UPDATE`) as 0-d tensors on the device, as the per-tensor kernels do for one tensor."""
-    _, tl = _triton()
+def _launch(name: str, entries: list[tuple], rows: list[int], hp: Tensor, **constants) -> tuple[Tensor, Tensor]:
+    """Launch kernel `name` over `entries` (tuples of tensors, one per slot; None for an unused slot) with the
+    table it reads: per slot the element offsets from that slot's first tensor, then lengths and scalar rows.
+    Returns the diagnostics reduced over all programs (largest |Δθ|/η, NaN if any element's was; the number
+    of elements above `BIG_UPDATE`) as 0-d tensors on the device, as the per-tensor kernels return them."""
     first = entries[0]
     device = first[0].device
-    n = len(entries)
-    table = [0] * ((SLOTS + 2) * n)
+    n, slots = len(entries), len(first)
+    # addresses as element offsets from the first tensor of each slot (the kernel's comment says why)
+    bases = [first[slot] if first[slot] is not None else first[0] for slot in range(slots)]
+    base_addresses = [base.data_ptr() for base in bases]
+    sizes = [base.element_size() for base in bases]
+    table = [0] * ((slots + 2) * n)
     for i, entry in enumerate(entries):
-        for slot in range(SLOTS):
+        for slot in range(slots):
             tensor = entry[slot]
             if tensor is not None:
-                table[slot * n + i] = tensor.data_ptr()
+                table[slot * n + i] = (tensor.data_ptr() - base_addresses[slot]) // sizes[slot]
     numels = tuple(entry[0].numel() for entry in entries)
-    table[SLOTS * n:(SLOTS + 1) * n] = numels
-    table[(SLOTS + 1) * n:] = rows
+    table[slots * n:(slots + 1) * n] = numels
+    table[(slots + 1) * n:] = rows
     table_tensor = torch.tensor(table, dtype=torch.int64).to(device, non_blocking=True)
     tile_tensor, tile_start = _tiles(numels, device)
     programs = tile_tensor.numel()
     out_max = torch.empty(programs, dtype=torch.float32, device=device)
     out_big = torch.empty(programs, dtype=torch.int32, device=device)
     out_nan = torch.empty(programs, dtype=torch.int32, device=device)
-    kernel = _kernel(device.type != "cuda")
-    kernel[(programs,)](
-        table_tensor, tile_tensor, tile_start, hp, out_max, out_big, out_nan, n,
-        WEIGHT=_dtype(tl, first[0].dtype), GRAD=_dtype(tl, first[1].dtype), COMPENSATED=compensated,
-        BIG=BIG_UPDATE, TILE=TILE, BLOCK=BLOCK,
+    _kernel(name, device.type != "cuda")[(programs,)](
+        table_tensor, tile_tensor, tile_start, hp, out_max, out_big, out_nan, n, *bases,
+        WEIGHT_VEC=ALIGN // sizes[0], BIG=BIG_UPDATE, TILE=TILE, BLOCK=BLOCK, num_warps=NUM_WARPS, **constants,
     )
     COUNTERS.launches += 1
     COUNTERS.tensors += n
-    COUNTERS.by_device[device.type] = COUNTERS.by_device.get(device.type, 0) + 1
+    COUNTERS.by_kernel[name] = COUNTERS.by_kernel.get(name, 0) + 1
     largest = torch.where(out_nan.sum() > 0, torch.nan, out_max.amax())
     return largest, out_big.sum(dtype=torch.int64)
+
+
+def launch(entries: list[tuple], rows: list[int], hp: Tensor, compensated: bool) -> tuple[Tensor, Tensor]:
+    """The DualOptim+ AdamW rule in one launch over `entries`, each (θ, g, m_B, v_B, m_k, v_k, c or None), all
+    on one device with one weight dtype and one gradient dtype; tensor i uses row `rows[i]` of `hp`, a float32
+    matrix of `AdamWPlusScalars.packed()` rows on the device. Returns the step's diagnostics."""
+    return _launch("adamw_plus_multi_tensor_kernel", entries, rows, hp,
+                   GRAD_VEC=ALIGN // entries[0][1].element_size(), COMPENSATED=compensated)
+
+
+def stats_eligible(param: Tensor, m: Tensor, v: Tensor) -> bool:
+    """Whether `adam_stats` can take this AdamW state (float32 moments; not bitsandbytes' 8-bit codes)."""
+    numel = param.numel()
+    if numel == 0 or param.dtype not in WEIGHT_DTYPES or m.dtype != torch.float32 or v.dtype != torch.float32:
+        return False
+    return all(t.is_contiguous() and t.data_ptr() % ALIGN == 0 and t.numel() == numel and t.device == param.device
+               for t in (param, m, v))
+
+
+def adam_stats(entries: list[tuple[Tensor, Tensor, Tensor]], rows: list[int], hp: Tensor) -> tuple[Tensor, Tensor]:
+    """`diagnostics._adam_ratio_stats` over many (θ, m, v) of one device and weight dtype in one launch; tensor i
+    uses row `rows[i]` of `hp` ([1/bc1, 1/bc2, ε, η, λ, 1/(1 − ηλ)] per row, float32 on the device)."""
+    return _launch("adam_stats_multi_tensor_kernel", entries, rows, hp)
 
 
 def disable(error: Exception) -> None:
