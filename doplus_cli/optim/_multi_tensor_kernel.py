@@ -19,6 +19,15 @@ def _round_to_bfloat16(x):
 
 
 @triton.jit
+def _record(ratio, mask, largest, big, nans, BIG: tl.constexpr):
+    """Add one block's |Δθ|/η to a tile's diagnostics: the largest finite value, the count above BIG, the NaNs
+    (counted apart: Triton's max would drop them, torch's amax keeps them)."""
+    nans += (mask & (ratio != ratio)).to(tl.int32)
+    ratio = tl.where(mask & (ratio == ratio), ratio, 0.0)
+    return tl.maximum(largest, ratio), big + (ratio > BIG).to(tl.int32), nans
+
+
+@triton.jit
 def _tile(p_ptr, g_ptr, mb_ptr, vb_ptr, md_ptr, vd_ptr, c_ptr, hp, first, limit,
           COMPENSATED: tl.constexpr, BIG: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
     """Elements [first, min(first + TILE, limit)) of one tensor; returns the tile's diagnostics (largest
@@ -90,11 +99,7 @@ def _tile(p_ptr, g_ptr, mb_ptr, vb_ptr, md_ptr, vd_ptr, c_ptr, hp, first, limit,
         tl.store(vb_ptr + idx, vb, mask=mask)
         tl.store(md_ptr + idx, md, mask=mask)
         tl.store(vd_ptr + idx, vd, mask=mask)
-        is_nan = mask & (ratio != ratio)
-        nans += is_nan.to(tl.int32)
-        ratio = tl.where(mask & (ratio == ratio), ratio, 0.0)
-        largest = tl.maximum(largest, ratio)
-        big += (ratio > BIG).to(tl.int32)
+        largest, big, nans = _record(ratio, mask, largest, big, nans, BIG)
     return tl.max(largest, 0), tl.sum(big, 0), tl.sum(nans, 0)
 
 
@@ -155,10 +160,7 @@ def _adam_stats_tile(t_ptr, m_ptr, v_ptr, hp, first, limit, BIG: tl.constexpr, T
         u = (m * inv_bc1) / (tl.sqrt(v * inv_bc2) + eps)
         theta_old = (theta + lr * u) * inv_decay
         ratio = tl.abs(u + wd * theta_old)
-        nans += (mask & (ratio != ratio)).to(tl.int32)
-        ratio = tl.where(mask & (ratio == ratio), ratio, 0.0)
-        largest = tl.maximum(largest, ratio)
-        big += (ratio > BIG).to(tl.int32)
+        largest, big, nans = _record(ratio, mask, largest, big, nans, BIG)
     return tl.max(largest, 0), tl.sum(big, 0), tl.sum(nans, 0)
 
 
