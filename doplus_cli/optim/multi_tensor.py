@@ -116,7 +116,7 @@ def _kernel(name: str, interpret: bool):
     return triton.jit(getattr(_multi_tensor_kernel, name))
 
 
-@functools.cache
+@functools.lru_cache(maxsize=64)  # a model's flushes have a handful of layouts; 3 MB each at 1B parameters
 def _tiles(numels: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
     """(tensor index, first element) of every program, for tensors of these lengths; cached per layout."""
     counts = torch.tensor([-(-n // TILE) for n in numels], dtype=torch.int64)
