@@ -13,7 +13,7 @@ import torch
 from doplus_cli.bench.stability import doplus_builder, relative_distance, run, start_weights
 from doplus_cli.engine.outputs import render_markdown, update_summary, update_warning
 from doplus_cli.optim import DualOptim, DualOptimPlus
-from doplus_cli.optim.diagnostics import adamw_step_stats, reduce_step_stats
+from doplus_cli.optim.diagnostics import adamw_step_stats, reduce_step_stats, step_counts
 from tests.helpers import Float64DualOptimPlus, cycle
 
 LR, BETAS, BASE_BETAS, EPS, WD = 1e-2, (0.9, 0.95), (0.9, 0.95), 1e-8, 0.01
@@ -255,3 +255,26 @@ def test_a_step_at_learning_rate_zero_leaves_the_weights_unchanged(rule, fused):
         opt.step(objective=objective)
         assert torch.equal(p.detach(), start)
         assert math.isfinite(opt.step_diagnostics()["max_update"])
+
+
+def test_adamw_diagnostics_read_the_step_counters_in_one_transfer(monkeypatch):
+    """torch's fused AdamW keeps its step counters on the GPU, where `float(counter)` waits for the device once per
+    tensor: the diagnostics read them all with one `tolist` per device, and never one at a time."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (7, 300, 70000)]
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    expected = reduce_step_stats(adamw_step_stats(opt, multi_tensor=False))
+
+    def refuse(self, *args):
+        raise AssertionError("a step counter was read on its own")
+
+    monkeypatch.setattr(torch.Tensor, "__float__", refuse)
+    monkeypatch.setattr(torch.Tensor, "item", refuse)
+    stats = adamw_step_stats(opt, multi_tensor=False)
+    monkeypatch.undo()
+    assert reduce_step_stats(stats) == expected and expected["max_update"] > 0.5
+    assert step_counts([3, torch.tensor(4.0), torch.tensor(5.0, dtype=torch.float64), 2.5]) == [3.0, 4.0, 5.0, 2.5]
