@@ -27,6 +27,7 @@ anything else takes the per-tensor path unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -152,10 +153,12 @@ def _launch(name: str, entries: list[tuple], rows: list[int], hp: Tensor, **cons
     out_max = torch.empty(programs, dtype=torch.float32, device=device)
     out_big = torch.empty(programs, dtype=torch.int32, device=device)
     out_nan = torch.empty(programs, dtype=torch.int32, device=device)
-    _kernel(name, device.type != "cuda")[(programs,)](
-        table_tensor, tile_tensor, tile_start, hp, out_max, out_big, out_nan, n, *bases,
-        WEIGHT_VEC=ALIGN // sizes[0], BIG=BIG_UPDATE, TILE=TILE, BLOCK=BLOCK, num_warps=NUM_WARPS, **constants,
-    )
+    # Triton launches on the current CUDA device: make it the tensors' (a model spread over several GPUs)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        _kernel(name, device.type != "cuda")[(programs,)](
+            table_tensor, tile_tensor, tile_start, hp, out_max, out_big, out_nan, n, *bases,
+            WEIGHT_VEC=ALIGN // sizes[0], BIG=BIG_UPDATE, TILE=TILE, BLOCK=BLOCK, num_warps=NUM_WARPS, **constants,
+        )
     COUNTERS.launches += 1
     COUNTERS.tensors += n
     COUNTERS.by_kernel[name] = COUNTERS.by_kernel.get(name, 0) + 1
