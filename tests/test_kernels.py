@@ -135,3 +135,25 @@ def test_compiling_a_kernel_raises_dynamos_recompile_limit():
 
     _step_doplus(32)
     assert dynamo_config.recompile_limit >= kernels.RECOMPILE_LIMIT == 32
+
+
+def test_the_report_says_when_the_multi_tensor_kernel_fell_back(monkeypatch, tmp_path, caplog):
+    """On CUDA a failed multi-tensor launch (no compiler for the GPU, say) leaves the per-tensor kernels running:
+    logged once, in the report's environment, and raised under $DOPLUS_REQUIRE_COMPILED=1."""
+    from doplus_cli.optim import multi_tensor
+
+    with pytest.raises(RuntimeError, match="no ptxas"):
+        multi_tensor.disable(RuntimeError("no ptxas"))
+    assert multi_tensor.COUNTERS.fallback_reason is None
+    monkeypatch.delenv(kernels.REQUIRE_COMPILED_ENV)
+    monkeypatch.setattr(multi_tensor, "COUNTERS", multi_tensor.Counters())
+    with caplog.at_level(logging.WARNING, logger="doplus_cli.optim.multi_tensor"):
+        multi_tensor.disable(RuntimeError("no ptxas\nmore lines"))
+    assert not multi_tensor.available(torch.device("cuda"))  # from now on the per-tensor path
+    assert kernels.fallbacks()[kernels.MULTI_TENSOR] == "RuntimeError: no ptxas"
+    env = outputs.environment(torch.device("cpu"), 1, 2, 0, "float32")
+    outputs.write_report(tmp_path, {"environment": env}, render=lambda r: "\n".join(outputs.environment_lines(
+        r["environment"])))
+    said = [line for line in (tmp_path / "report.md").read_text().splitlines() if "multi-tensor" in line]
+    assert len(said) == 1 and "the per-tensor kernels ran" in said[0] and "eager" not in said[0]
+    assert len([r for r in caplog.records if r.name == "doplus_cli.optim.multi_tensor"]) == 1

@@ -20,7 +20,7 @@ import yaml
 
 from doplus_cli.errors import UserError, writing
 from doplus_cli.files import atomic_write_text
-from doplus_cli.optim.kernels import fallbacks
+from doplus_cli.optim.kernels import MULTI_TENSOR, fallbacks
 
 # Everything a run writes; `--overwrite` removes these and nothing else.
 RUN_FILES = ("config.yaml", "metrics.jsonl", "report.json", "report.md", "final", "data", "evals", "eval",
@@ -327,8 +327,9 @@ def environment_lines(env: dict[str, Any]) -> list[str]:
             f"- device: {env['device']}, world size {env['world_size']}, dtype {env['dtype']}"
             + (f", precision {env['precision']}" if env.get("precision") else ""),
             "- " + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v) + f", python {env['python']}",
-            *(f"- the {name} kernel failed to compile and ran as eager code (same results, slower): {reason}"
-              for name, reason in eager.items())]
+            *(f"- the {name} kernel failed to compile and "
+              f"{'the per-tensor kernels ran' if name == MULTI_TENSOR else 'ran as eager code'} (same results, "
+              f"slower): {reason}" for name, reason in eager.items())]
 
 
 def write_report(out: Path, report: dict[str, Any], render=None) -> None:
