@@ -150,7 +150,7 @@ def test_the_report_says_when_the_multi_tensor_kernel_fell_back(monkeypatch, tmp
     with caplog.at_level(logging.WARNING, logger="doplus_cli.optim.multi_tensor"):
         multi_tensor.disable(RuntimeError("no ptxas\nmore lines"))
     assert not multi_tensor.available(torch.device("cuda"))  # from now on the per-tensor path
-    assert kernels.fallbacks()[kernels.MULTI_TENSOR] == "RuntimeError: no ptxas"
+    assert multi_tensor.fallbacks() == {multi_tensor.NAME: "RuntimeError: no ptxas"} and kernels.fallbacks() == {}
     env = outputs.environment(torch.device("cpu"), 1, 2, 0, "float32")
     outputs.write_report(tmp_path, {"environment": env}, render=lambda r: "\n".join(outputs.environment_lines(
         r["environment"])))

@@ -20,7 +20,7 @@ import yaml
 
 from doplus_cli.errors import UserError, writing
 from doplus_cli.files import atomic_write_text
-from doplus_cli.optim.kernels import MULTI_TENSOR, fallbacks
+from doplus_cli.optim import kernels, multi_tensor
 
 # Everything a run writes; `--overwrite` removes these and nothing else.
 RUN_FILES = ("config.yaml", "metrics.jsonl", "report.json", "report.md", "final", "data", "evals", "eval",
@@ -328,14 +328,15 @@ def environment_lines(env: dict[str, Any]) -> list[str]:
             + (f", precision {env['precision']}" if env.get("precision") else ""),
             "- " + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v) + f", python {env['python']}",
             *(f"- the {name} kernel failed to compile and "
-              f"{'the per-tensor kernels ran' if name == MULTI_TENSOR else 'ran as eager code'} (same results, "
+              f"{'the per-tensor kernels ran' if name == multi_tensor.NAME else 'ran as eager code'} (same results, "
               f"slower): {reason}" for name, reason in eager.items())]
 
 
 def write_report(out: Path, report: dict[str, Any], render=None) -> None:
     """report.md (written by `render`, unlearn's `render_markdown` by default), then report.json; the
     environment records the compiled kernels that fell back to eager code in this process."""
-    if "environment" in report and fallbacks():
-        report["environment"]["eager_fallbacks"] = fallbacks()
+    failed = {**kernels.fallbacks(), **multi_tensor.fallbacks()}
+    if "environment" in report and failed:
+        report["environment"]["eager_fallbacks"] = failed
     atomic_write_text(out / "report.md", (render or render_markdown)(report))
     atomic_write_text(out / "report.json", json.dumps(report, indent=2) + "\n")

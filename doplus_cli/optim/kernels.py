@@ -295,18 +295,9 @@ def _raise_recompile_limit() -> None:
         dynamo_config.recompile_limit = RECOMPILE_LIMIT
 
 
-MULTI_TENSOR = "multi-tensor (Triton)"  # its fallback is the per-tensor compiled kernels, not eager code
-
-
 def fallbacks() -> dict[str, str]:
-    """{kernel name: reason} for the compiled kernels this process runs as eager code after a failed compile, and
-    the CUDA multi-tensor kernels (`multi_tensor.py`) if they failed and the per-tensor kernels run instead."""
-    from doplus_cli.optim import multi_tensor
-
-    failed = {kernel.name: kernel.fallback_reason for kernel in KERNELS if kernel.fallback_reason is not None}
-    if multi_tensor.COUNTERS.fallback_reason is not None:
-        failed[MULTI_TENSOR] = multi_tensor.COUNTERS.fallback_reason
-    return failed
+    """{kernel name: reason} for the compiled kernels this process runs as eager code after a failed compile."""
+    return {kernel.name: kernel.fallback_reason for kernel in KERNELS if kernel.fallback_reason is not None}
 
 
 _adamw_plus_compiled = CompiledKernel(_adamw_plus_inplace, "DualOptim+ AdamW")

@@ -189,6 +189,15 @@ def adam_stats(entries: list[tuple[Tensor, Tensor, Tensor]], rows: list[int], hp
     return _launch("adam_stats_multi_tensor_kernel", entries, rows, hp)
 
 
+NAME = "multi-tensor (Triton)"  # in a report's list of fallbacks: the per-tensor kernels ran instead
+
+
+def fallbacks() -> dict[str, str]:
+    """{NAME: reason} once the multi-tensor kernels failed in this process, as `kernels.fallbacks()` lists the
+    compiled kernels that fell back to eager code; empty otherwise."""
+    return {} if COUNTERS.fallback_reason is None else {NAME: COUNTERS.fallback_reason}
+
+
 def disable(error: Exception) -> None:
     """After a failed launch (no compiler, an unsupported GPU): log once and use the per-tensor path from now
     on; under `$DOPLUS_REQUIRE_COMPILED=1` (the tests) raise instead."""
