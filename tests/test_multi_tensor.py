@@ -29,7 +29,7 @@ from doplus_cli.optim import DualOptimPlus, multi_tensor
 from tests.helpers import Float64DualOptimPlus
 
 # Triton is a dev dependency on Linux x86_64 (pyproject.toml), where CI runs; it has no wheels elsewhere
-pytestmark = pytest.mark.skipif(multi_tensor._triton() is None, reason="Triton is not installed (no wheel here)")
+pytestmark = pytest.mark.skipif(not multi_tensor.triton_installed(), reason="Triton is not installed (no wheel here)")
 WORKER = os.path.join(os.path.dirname(__file__), "multi_tensor_worker.py")
 CONFIGS = [f"{dtype}-{kind}-{rule}" for dtype, kind in (("float32", "plain"), ("bfloat16", "compensated"),
                                                        ("bfloat16", "plain")) for rule in ("safeguarded", "paper")]

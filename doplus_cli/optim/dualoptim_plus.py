@@ -36,7 +36,7 @@ from torch.optim import Optimizer
 from doplus_cli.optim import multi_tensor, quant
 from doplus_cli.optim.adamw import clone_state, new_compensation
 from doplus_cli.optim.checks import check_common, check_lr_multipliers, check_objectives, unknown_objective
-from doplus_cli.optim.diagnostics import reduce_step_stats
+from doplus_cli.optim.diagnostics import reduce_step_stats, step_counts
 from doplus_cli.optim.distributed import local_shard
 from doplus_cli.optim.kernels import (
     FUSED_MIN_NUMEL,
@@ -47,6 +47,7 @@ from doplus_cli.optim.kernels import (
     adamw_plus_reference,
     muon_plus_reference,
 )
+from doplus_cli.optim.multi_tensor import triton_installed
 
 INNER_OPTIMIZERS = ("adamw", "muon")
 RULES = ("safeguarded", "paper")
@@ -132,7 +133,7 @@ class DualOptimPlus(Optimizer):
         self.quantize = quantize
         self.rule = rule
         self.v_floor, self.max_update = (v_floor, max_update) if rule == "safeguarded" else (0.0, math.inf)
-        if multi_tensor is True and multi_tensor_module_missing():
+        if multi_tensor is True and not triton_installed():
             raise ValueError("multi_tensor=True needs Triton (pip install triton)")
         self.fused = fused
         self.multi_tensor = multi_tensor
@@ -250,7 +251,7 @@ class DualOptimPlus(Optimizer):
         tensor is a few dictionary lookups and its addresses; nothing waits for the device."""
         counters = [entry[3]["step"] for entry in pending] + [entry[4]["step"] for entry in pending]
         torch._foreach_add_(counters, 1.0)
-        counts = torch.stack(counters).tolist()
+        counts = step_counts(counters)
         n = len(pending)
         rows: dict[tuple, int] = {}  # (group, t_B, t_k) → row of the scalars matrix
         scalars: list[AdamWPlusScalars] = []
@@ -266,9 +267,13 @@ class DualOptimPlus(Optimizer):
                 (local.device, local.dtype, grad.dtype, compensation is not None), ([], []))
             entries.append(entry)
             entry_rows.append(row)
+        packed = torch.cat([s.packed(torch.device("cpu"), torch.float32) for s in scalars])
+        hp: dict[torch.device, Tensor] = {}  # the scalars on each device, copied once
         stats = []
         for (device, _, _, compensated), (entries, entry_rows) in batches.items():
-            stats.extend(self._launch_multi_tensor(scalars, device, compensated, entries, entry_rows, lr_scale))
+            if device not in hp:
+                hp[device] = packed.to(device, non_blocking=True)
+            stats.extend(self._launch_multi_tensor(hp[device], compensated, entries, entry_rows, lr_scale))
         return stats
 
     def _batchable(self, local: Tensor, grad: Tensor, state: dict, delta: dict, compensation: Tensor | None) -> bool:
@@ -280,15 +285,13 @@ class DualOptimPlus(Optimizer):
         return multi_tensor.eligible(local, grad, states, compensation)
 
     def _launch_multi_tensor(
-        self, scalars: list[AdamWPlusScalars], device: torch.device, compensated: bool, entries: list,
-        rows: list[int], lr_scale: float,
+        self, hp: Tensor, compensated: bool, entries: list, rows: list[int], lr_scale: float
     ) -> list[tuple[Tensor, Tensor]]:
-        """One launch of the multi-tensor kernel over `entries` (entry i with `scalars[rows[i]]`); if it cannot
-        compile, the per-tensor path (`multi_tensor.disable` logs why, or raises under
-        $DOPLUS_REQUIRE_COMPILED=1)."""
+        """One launch of the multi-tensor kernel over `entries` (entry i with row `rows[i]` of the scalars `hp`,
+        on the entries' device); if it cannot compile, the per-tensor path (`multi_tensor.disable` logs why, or
+        raises under $DOPLUS_REQUIRE_COMPILED=1)."""
         tensors = [(local, grad, state["exp_avg"], state["exp_avg_sq"], delta["exp_avg"], delta["exp_avg_sq"],
                     compensation) for local, grad, _, state, delta, compensation in entries]
-        hp = torch.cat([s.packed(torch.device("cpu"), torch.float32) for s in scalars]).to(device, non_blocking=True)
         try:
             return [multi_tensor.launch(tensors, rows, hp, compensated)]
         except Exception as error:  # noqa: BLE001 - a compiler or driver error: stay correct, say so once
@@ -384,10 +387,6 @@ class DualOptimPlus(Optimizer):
         for index, saved in state_dict["state"].items():
             param = params[index]
             self.state[param] = clone_state(saved, param.device)
-
-
-def multi_tensor_module_missing() -> bool:
-    return multi_tensor._triton() is None
 
 
 def _sharded_orthogonalize(param: Tensor, s: MuonPlusScalars):

@@ -1,4 +1,5 @@
-"""The DualOptim+ AdamW rule over every tensor of a step in one Triton kernel launch (CUDA).
+"""The DualOptim+ AdamW rule, and the AdamW step diagnostics, over every tensor of a step in one Triton kernel
+launch each (CUDA).
 
 Why: the compiled per-tensor kernel (`kernels.adamw_plus_fused`) is one pass over memory, but each call costs
 ~0.1–0.2 ms of host time on CUDA (dynamo's guards, the launch, the diagnostics' reductions). Measured on an
@@ -6,13 +7,15 @@ H200 with 1B parameters in 218 tensors: 51.5 ms per step against 8.7 ms for torc
 GPU was busy 18 ms; the step was host-bound. torch's fused AdamW avoids this with a multi-tensor kernel (one
 launch for many tensors); this is the same for the DualOptim+ rule.
 
-How: the host writes one int64 table per launch: for each tensor the addresses of θ, g, m_B, v_B, m_k, v_k
-(and the bf16 compensation buffer c), its length and its row in a matrix of scalars (one row of
+How: the host writes one int64 table per launch: for each tensor the element offsets of θ, g, m_B, v_B, m_k,
+v_k (and the bf16 compensation buffer c) from one aligned base tensor per array (the kernel's comment says why),
+its length and its row in a matrix of scalars (one row of
 `AdamWPlusScalars.packed()` per distinct learning rate, weight decay, t_B and t_k: param groups and tensors
 that skipped steps share a launch). A program of the kernel updates one tile of `TILE` elements of one tensor
 (a second, cached table maps program → tensor, first element), so a step makes one launch per weight and
 gradient dtype (usually one) and per `FLUSH_NUMEL` elements, plus three small reductions for the diagnostics
-each, and no host sync.
+each, and no host sync. The diagnostics kernel reads θ, m and v of torch's AdamW the same way
+(`diagnostics.adamw_step_stats`).
 
 The arithmetic is `kernels._adamw_plus_math` line for line, in float32 (states are float32), with the same
 compensated read and write for bf16 weights (`kernels.py`). On a GPU the compiler contracts a·b + c into fused
@@ -48,7 +51,6 @@ BLOCK = 1024  # elements per loop iteration of a program
 NUM_WARPS = 8  # 4 elements of each array per thread and loop iteration: one 16-byte load each
 ALIGN = 16  # bytes: every address in the table is a multiple of this
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-SLOTS = 7  # θ, g, m_B, v_B, m_k, v_k, c (c = 0 when not compensated); then numel and the row of scalars
 
 
 @dataclass
@@ -75,32 +77,35 @@ def _triton():
     return triton, tl
 
 
+def triton_installed() -> bool:
+    return _triton() is not None
+
+
 def available(device: torch.device) -> bool:
     """Whether the multi-tensor kernel can run on `device` by default: a CUDA device with Triton installed,
     and no earlier compile failure in this process. (The tests force it on CPU tensors through Triton's
     interpreter with `multi_tensor=True`.)"""
-    return device.type == "cuda" and _triton() is not None and COUNTERS.fallback_reason is None
+    return device.type == "cuda" and triton_installed() and COUNTERS.fallback_reason is None
+
+
+def _aligned(tensors: tuple[Tensor, ...], numel: int, device: torch.device) -> bool:
+    """Contiguous, `numel` long, on `device`, and starting on a 16-byte boundary (so loads vectorize)."""
+    return all(t.is_contiguous() and t.data_ptr() % ALIGN == 0 and t.numel() == numel and t.device == device
+               for t in tensors)
 
 
 def eligible(param: Tensor, grad: Tensor, states: tuple[Tensor, ...], compensation: Tensor | None) -> bool:
-    """Whether one tensor can go through the multi-tensor kernel (module docstring). Called for every tensor
-    of every step: plain checks, no allocation."""
+    """Whether one tensor can go through the DualOptim+ kernel (module docstring). Called for every tensor of
+    every step: plain checks, no allocation."""
     numel = param.numel()
     if numel == 0 or param.dtype not in WEIGHT_DTYPES or grad.dtype not in WEIGHT_DTYPES:
         return False
-    device = param.device
-    for tensor in (param, grad) + states:
-        if not tensor.is_contiguous() or tensor.data_ptr() % ALIGN or tensor.numel() != numel:
-            return False
-    for state in states:
-        if state.dtype != torch.float32 or state.device != device:
-            return False
-    if grad.device != device:
+    if any(state.dtype != torch.float32 for state in states):
         return False
-    if compensation is None:
-        return True
-    return (compensation.dtype == torch.bfloat16 and compensation.is_contiguous()
-            and compensation.data_ptr() % ALIGN == 0 and compensation.numel() == numel)
+    if compensation is not None and compensation.dtype != torch.bfloat16:
+        return False
+    tensors = (param, grad, *states) if compensation is None else (param, grad, *states, compensation)
+    return _aligned(tensors, numel, param.device)
 
 
 @functools.cache
@@ -176,11 +181,9 @@ def launch(entries: list[tuple], rows: list[int], hp: Tensor, compensated: bool)
 
 def stats_eligible(param: Tensor, m: Tensor, v: Tensor) -> bool:
     """Whether `adam_stats` can take this AdamW state (float32 moments; not bitsandbytes' 8-bit codes)."""
-    numel = param.numel()
-    if numel == 0 or param.dtype not in WEIGHT_DTYPES or m.dtype != torch.float32 or v.dtype != torch.float32:
+    if param.numel() == 0 or param.dtype not in WEIGHT_DTYPES or m.dtype != torch.float32 or v.dtype != torch.float32:
         return False
-    return all(t.is_contiguous() and t.data_ptr() % ALIGN == 0 and t.numel() == numel and t.device == param.device
-               for t in (param, m, v))
+    return _aligned((param, m, v), param.numel(), param.device)
 
 
 def adam_stats(entries: list[tuple[Tensor, Tensor, Tensor]], rows: list[int], hp: Tensor) -> tuple[Tensor, Tensor]:
