@@ -12,6 +12,7 @@ from rich.progress import Progress
 
 from doplus_cli.data.formatting import PromptFormatter, left_padded_prompts
 from doplus_cli.data.sources import Source
+from doplus_cli.decoding import buffered_decoding
 from doplus_cli.errors import UserError
 from doplus_cli.progress import count_tokens
 
@@ -141,24 +142,26 @@ def _decode_dropping(model, batch: dict[str, torch.Tensor], budgets: list[int], 
         cache.batch_select_indices(selected)
     mask, next_position = mask[selected], positions[selected, -1] + 1
     token = output.logits[selected, -1].argmax(-1)
-    while True:
-        keep = []
-        for k, (row, value) in enumerate(zip(alive, token.tolist())):
-            produced[row].append(value)
-            if value not in stop and len(produced[row]) < budgets[row]:
-                keep.append(k)
-        if not keep:
-            return produced
-        if len(keep) < len(alive):
-            index = torch.tensor(keep, device=mask.device)
-            cache.batch_select_indices(index)
-            mask, next_position, token = mask[index], next_position[index], token[index]
-            alive = [alive[k] for k in keep]
-        mask = torch.cat([mask, mask.new_ones((len(alive), 1))], dim=1)
-        output = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position[:, None],
-                       use_cache=True, **{cache_argument: cache})
-        next_position = next_position + 1
-        token = output.logits[:, -1].argmax(-1)
+    # on CPU: keys and values written in place into buffers sized for the longest budget (decoding.py)
+    with buffered_decoding(model, cache, mask.shape[1] + max(budgets)):
+        while True:
+            keep = []
+            for k, (row, value) in enumerate(zip(alive, token.tolist())):
+                produced[row].append(value)
+                if value not in stop and len(produced[row]) < budgets[row]:
+                    keep.append(k)
+            if not keep:
+                return produced
+            if len(keep) < len(alive):
+                index = torch.tensor(keep, device=mask.device)
+                cache.batch_select_indices(index)
+                mask, next_position, token = mask[index], next_position[index], token[index]
+                alive = [alive[k] for k in keep]
+            mask = torch.cat([mask, mask.new_ones((len(alive), 1))], dim=1)
+            output = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position[:, None],
+                           use_cache=True, **{cache_argument: cache})
+            next_position = next_position + 1
+            token = output.logits[:, -1].argmax(-1)
 
 
 def write_self_answered(

@@ -1,4 +1,5 @@
-"""Greedy generation: the row-dropping decoder gives exactly what `model.generate` gives, in the questions' order."""
+"""Greedy generation: the row-dropping decoder (on CPU with its KV buffers and compiled one-token attention) gives
+exactly what `model.generate` gives, in the questions' order."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from doplus_cli import generation
+from doplus_cli import decoding, generation
 from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.generation import greedy_generate
 from doplus_cli.progress import counting_tokens
@@ -66,9 +67,11 @@ def test_row_dropping_decoder_equals_generate_one_question_at_a_time(loaded, mon
     original = generation._decode_dropping
     monkeypatch.setattr(generation, "_decode_dropping", lambda *a: calls.append(1) or original(*a))
     monkeypatch.setattr(model, "generate", lambda *a, **k: pytest.fail("the fast path called generate"))
+    compiled = decoding.KERNEL.compiled_calls
     with counting_tokens() as count:
         texts, tokens = greedy_generate(model, formatter, QUESTIONS, 12, batch_size, max_total_tokens=max_total)
     assert calls  # the row-dropping decoder ran, and generate never did
+    assert decoding.KERNEL.compiled_calls > compiled  # on the KV buffers and the compiled attention (decoding.py)
     assert tokens == expected[1] and texts == expected[0]
     assert count.generated == expected[2]  # each row's tokens up to the one that ended it, no decoding after
 

@@ -21,12 +21,14 @@ import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 import doplus_cli.optim
+from doplus_cli import decoding
 from doplus_cli.engine import outputs
 from doplus_cli.optim import DualOptimPlus, diagnostics, kernels, quant
 
 for _module in pkgutil.iter_modules(doplus_cli.optim.__path__):  # every module that may define a kernel
     if _module.name != "_multi_tensor_kernel":  # Triton source, imported only where Triton is installed
         importlib.import_module(f"doplus_cli.optim.{_module.name}")
+# outside doplus_cli.optim: the decoding steps' one-token attention (imported above)
 NAMES = [kernel.name for kernel in kernels.KERNELS]
 
 SIZE = 2 * quant.MIN_8BIT_SIZE + 300  # above the fused and 8-bit thresholds, with a short last 256-block
@@ -69,7 +71,19 @@ def _step_adamw() -> None:
             opt.step()
 
 
+def _decode_attention() -> None:
+    torch.manual_seed(0)
+    buffer = torch.randn(2, 2, 20, 8)
+    query, key, value = torch.randn(2, 2, 3, 8), buffer[:, :, :13], buffer.flip(0)[:, :, :13]
+    mask = torch.ones(2, 1, 1, 13, dtype=torch.bool)
+    mask[0, ..., :4] = False
+    compiled = decoding.KERNEL(query, key, value, mask, 8 ** -0.5)
+    torch.testing.assert_close(compiled, decoding._attention(query, key, value, mask, 8 ** -0.5),
+                               rtol=1e-5, atol=1e-6)
+
+
 DRIVERS = {
+    "decode attention": _decode_attention,
     "DualOptim+ AdamW": lambda: _step_doplus(32),
     "DualOptim+ AdamW 8-bit": lambda: _step_doplus(8),
     "AdamW step diagnostics": _step_diagnostics,
@@ -79,7 +93,7 @@ DRIVERS = {
 
 def test_every_compiled_kernel_has_a_test_here():
     assert NAMES and set(NAMES) <= set(DRIVERS), set(NAMES) - set(DRIVERS)
-    assert {"DualOptim+ AdamW", "DualOptim+ AdamW 8-bit", "AdamW step diagnostics"} <= set(NAMES)
+    assert {"DualOptim+ AdamW", "DualOptim+ AdamW 8-bit", "AdamW step diagnostics", "decode attention"} <= set(NAMES)
 
 
 @pytest.mark.parametrize("name", NAMES)

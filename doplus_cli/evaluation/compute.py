@@ -112,10 +112,13 @@ def matmul_gflops(dtype: torch.dtype = torch.float32, device: str | torch.device
 
 
 def compute_floor(tokens: TokenCount, parameters: int, rates: dict[str, float], wall_s: float, dtype: str,
-                  packed_layers: int = 0) -> dict[str, Any]:
-    """The floor's figures for eval.json: tokens by kind, parameters, the measured rates, floor and wall seconds, and
-    how many linear layers ran packed for oneDNN. The floor is over torch's matmul rate; `best_floor_s` and
-    `best_ratio` are over the fastest kernel measured (oneDNN's packed linear where it is faster)."""
+                  packed_layers: int = 0, decode_calls: int = 0, fallbacks: dict[str, str] | None = None
+                  ) -> dict[str, Any]:
+    """The floor's figures for eval.json: tokens by kind, parameters, the measured rates, floor and wall seconds,
+    how many linear layers ran packed for oneDNN, how many one-token attention calls ran the compiled decoding
+    kernel (`decoding.py`; per layer and step) and the compiled kernels that fell back to eager code. The floor is
+    over torch's matmul rate; `best_floor_s` and `best_ratio` are over the fastest kernel measured (oneDNN's packed
+    linear where it is faster)."""
     work = 2 * parameters * tokens.total
     gflops = rates["matmul"]
     best_kernel = max(rates, key=rates.get)
@@ -123,7 +126,8 @@ def compute_floor(tokens: TokenCount, parameters: int, rates: dict[str, float], 
     return {"tokens": {"prompt": tokens.prompt, "generated": tokens.generated,
                        "teacher_forced": tokens.teacher_forced, "total": tokens.total},
             "parameters": parameters, "matmul_gflops": gflops, "matmul_dtype": dtype, "kernel_gflops": dict(rates),
-            "best_kernel": best_kernel, "packed_linear_layers": packed_layers, "floor_s": floor_s,
+            "best_kernel": best_kernel, "packed_linear_layers": packed_layers,
+            "decode_attention_calls": decode_calls, "eager_fallbacks": dict(fallbacks or {}), "floor_s": floor_s,
             "wall_s": wall_s, "ratio": wall_s / floor_s if floor_s > 0 else None,
             "best_floor_s": best_floor_s, "best_ratio": wall_s / best_floor_s if best_floor_s > 0 else None}
 
@@ -143,4 +147,9 @@ def floor_line(compute: dict[str, Any]) -> str:
                  f"{compute['best_floor_s']:.1f} s, {compute['best_ratio']:.2f}x.")
     if compute.get("packed_linear_layers"):
         line += f" {compute['packed_linear_layers']} linear layers ran on oneDNN with packed weights."
+    if compute.get("decode_attention_calls"):
+        line += (f" {compute['decode_attention_calls']:,} one-token attention calls (per layer and decoding step) "
+                 "ran the compiled decoding kernel on in-place KV buffers.")
+    for name, reason in (compute.get("eager_fallbacks") or {}).items():
+        line += f" The {name} kernel ran as eager code: compiling it failed ({reason})."
     return line

@@ -14,6 +14,7 @@ from typing import Any
 
 from rich.console import Console
 
+from doplus_cli import decoding
 from doplus_cli.data.formatting import check_prompt_template
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.compute import compute_floor, matmul_gflops, packed_linears
@@ -25,6 +26,7 @@ from doplus_cli.evaluation.suite_api import EvalConfig, Suite, SuiteContext
 from doplus_cli.evaluation.suites import PRIVACY_SUITE, REAL_WORLD_SUITE, TOFU_SUITE, Judges, load_tofu_sets
 from doplus_cli.files import write_json
 from doplus_cli.losses import FORGET_LOSSES
+from doplus_cli.optim import kernels
 from doplus_cli.progress import counting_tokens, progress_bar
 
 # The suites of `doplus evaluate` by name, in the order `--suite` lists them.
@@ -125,12 +127,14 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
     evaluate`: the record gets the compute floor of the tokens the suites pushed through the model.
     """
     started = time.perf_counter()
+    decode_calls = decoding.KERNEL.compiled_calls
     with counting_tokens() as tokens, packed_linears(model) as packed:
         record = _evaluate_model(model, tokenizer, config, out, model_name, progress, targeted, judges, started)
     if command is not None and model is not None:
         parameters = sum(p.numel() for p in model.parameters())
         record["compute"] = compute_floor(tokens, parameters, command["rates"],
-                                          time.perf_counter() - command["started"], command["dtype"], packed)
+                                          time.perf_counter() - command["started"], command["dtype"], packed,
+                                          decoding.KERNEL.compiled_calls - decode_calls, kernels.fallbacks())
     write_json(out / "eval.json", record)
     from doplus_cli.evaluation.report import render_eval_markdown
 

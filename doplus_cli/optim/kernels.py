@@ -242,7 +242,8 @@ KERNELS: list[CompiledKernel] = []  # every compiled kernel of the process, in c
 
 
 class CompiledKernel:
-    """A function compiled lazily with `torch.compile(dynamic=True)`; falls back to eager if compiling fails.
+    """A function compiled lazily with `torch.compile(dynamic=True)`; falls back to eager code if compiling fails
+    (`eager`, where the function itself would be slow uncompiled; by default the function).
 
     Compilation happens on the first call (that step pays for it; `doplus bench` reports how much) and is
     cached on disk by inductor, so later processes load the kernel instead of compiling it again. A fallback
@@ -250,8 +251,9 @@ class CompiledKernel:
     the compile error is raised instead, so a test suite cannot pass on the eager code by accident.
     """
 
-    def __init__(self, fn, name: str):
+    def __init__(self, fn, name: str, eager=None):
         self._fn = fn
+        self._eager = fn if eager is None else eager  # what runs when compiling failed: the same result
         self.name = name
         self._compiled = None
         self.fallback_reason: str | None = None  # why this process uses the eager code, once it does
@@ -261,7 +263,7 @@ class CompiledKernel:
 
     def __call__(self, *args):
         if self.fallback_reason is not None:
-            return self._fn(*args)
+            return self._eager(*args)
         if self._compiled is None:
             with self._lock:
                 if self._compiled is None:
@@ -276,7 +278,7 @@ class CompiledKernel:
             self.fallback_reason = f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
             log.warning("doplus: compiling the %s kernel failed (%s); using eager code.", self.name,
                         self.fallback_reason)
-            return self._fn(*args)
+            return self._eager(*args)
         self.compiled_calls += 1
         return result
 

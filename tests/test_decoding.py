@@ -1,0 +1,185 @@
+"""The CPU decoder's KV buffers and one-token attention (doplus_cli/decoding.py): the attention against a float64
+loop written here, the buffered layer against transformers' DynamicLayer under the same appends, row drops and
+growth, and where the decoder keeps transformers' own path."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from doplus_cli import decoding, generation
+from doplus_cli.data.formatting import PromptFormatter
+from doplus_cli.optim import kernels
+
+
+def _reference(query, key, value, mask, scale):
+    """Softmax attention of one query token, element by element in float64: query [B, H_kv, G, D], key/value
+    [B, H_kv, L, D], mask [B, 1, 1, L] (True: attend) or None."""
+    batch, kv_heads, group, dim = query.shape
+    out = torch.zeros(batch, kv_heads, group, value.shape[-1], dtype=torch.float64)
+    q, k, v = query.double(), key.double(), value.double()
+    for b in range(batch):
+        for h in range(kv_heads):
+            for g in range(group):
+                kept = [j for j in range(k.shape[2]) if mask is None or bool(mask[b, 0, 0, j])]
+                scores = [scale * sum(q[b, h, g, d].item() * k[b, h, j, d].item() for d in range(dim)) for j in kept]
+                top = max(scores)
+                weights = [math.exp(s - top) for s in scores]
+                total = sum(weights)
+                for w, j in zip(weights, kept):
+                    out[b, h, g] += (w / total) * v[b, h, j]
+    return out
+
+
+def _inputs(dtype=torch.float32, masked=True):
+    """Keys and values as the decoder hands them over: views of the filled part of larger buffers."""
+    torch.manual_seed(1)
+    keys, values = torch.randn(3, 2, 16, 8).to(dtype), torch.randn(3, 2, 16, 8).to(dtype)
+    query = torch.randn(3, 2, 3, 8).to(dtype)  # 6 query heads on 2 key/value heads
+    mask = None
+    if masked:
+        mask = torch.ones(3, 1, 1, 11, dtype=torch.bool)
+        mask[0, ..., :4] = False  # left padding of row 0
+        mask[2, ..., :1] = False
+    return query, keys[:, :, :11], values[:, :, :11], mask
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_compiled_decode_attention_equals_a_float64_loop(masked):
+    query, key, value, mask = _inputs(masked=masked)
+    assert not key.is_contiguous()  # a view of the buffer, as in decoding
+    before = decoding.KERNEL.compiled_calls
+    out = decoding.KERNEL(query, key, value, mask, 8 ** -0.5)
+    assert decoding.KERNEL.compiled_calls == before + 1 and decoding.KERNEL.fallback_reason is None
+    assert out.dtype == torch.float32 and out.shape == (3, 2, 3, 8)
+    expected = _reference(query, key, value, mask, 8 ** -0.5)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-6)
+    if masked:  # a masked position changes nothing: row 0 is row 0 of the last 7 positions alone
+        alone = _reference(query[:1], key[:1, :, 4:], value[:1, :, 4:], None, 8 ** -0.5)
+        torch.testing.assert_close(out[:1].double(), alone, rtol=1e-6, atol=1e-6)
+
+
+def test_bfloat16_decode_attention_computes_in_float32():
+    query, key, value, mask = _inputs(torch.bfloat16)
+    out = decoding.KERNEL(query, key, value, mask, 8 ** -0.5)
+    assert out.dtype == torch.bfloat16
+    expected = _reference(query, key, value, mask, 8 ** -0.5)  # from the same bf16 inputs, in float64
+    # one rounding to bf16 at the end (relative spacing 2^-8), not one per product and sum
+    torch.testing.assert_close(out.double(), expected, rtol=2 ** -8, atol=1e-3)
+
+
+def test_the_eager_fallback_is_torch_sdpa_with_the_same_result():
+    query, key, value, mask = _inputs()
+    out = decoding._attention_sdpa(query, key, value, mask, 8 ** -0.5)
+    torch.testing.assert_close(out.double(), _reference(query, key, value, mask, 8 ** -0.5), rtol=1e-6, atol=1e-6)
+
+
+def test_a_failed_compile_decodes_with_sdpa_and_says_so(monkeypatch):
+    monkeypatch.setattr(kernels, "KERNELS", [])  # this kernel's failure stays out of every other test's report
+    monkeypatch.delenv(kernels.REQUIRE_COMPILED_ENV)  # a user's run
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: no_compiler)  # as inductor fails without g++
+    kernel = kernels.CompiledKernel(decoding._attention, "decode attention", eager=decoding._attention_sdpa)
+    query, key, value, mask = _inputs()
+    out = kernel(query, key, value, mask, 8 ** -0.5)
+    assert kernels.fallbacks() == {"decode attention": "RuntimeError: no C++ compiler"}
+    torch.testing.assert_close(out.double(), _reference(query, key, value, mask, 8 ** -0.5), rtol=1e-6, atol=1e-6)
+
+
+def _layer(keys, values):
+    layer = DynamicLayer()
+    layer.update(keys, values)
+    return layer
+
+
+def test_buffered_layer_holds_what_a_dynamic_layer_holds_through_appends_drops_and_growth():
+    torch.manual_seed(2)
+    prompt = torch.randn(5, 2, 4, 8), torch.randn(5, 2, 4, 8)
+    plain = _layer(*prompt)
+    buffered = decoding.buffered_layer_class()(_layer(*prompt), capacity=6)  # room for 2 tokens, then it grows
+    rows = 5
+    for step, keep in enumerate([None, [0, 2, 3, 4], None, [1, 3], None, None, [0], None]):
+        if keep is not None:
+            index = torch.tensor(keep)
+            plain.batch_select_indices(index)
+            buffered.batch_select_indices(index)
+            rows = len(keep)
+        new = torch.randn(rows, 2, 1, 8), torch.randn(rows, 2, 1, 8)
+        expected = plain.update(*new)
+        got = buffered.update(*new)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), step
+        assert buffered.get_seq_length() == plain.get_seq_length() == 5 + step
+    assert buffered.capacity >= 12 and buffered.key_buffer.data_ptr() == buffered.keys.data_ptr()
+    buffered.crop(-3)
+    plain.crop(-3)
+    assert torch.equal(buffered.keys, plain.keys) and buffered.get_seq_length() == 9
+
+
+def test_a_row_drop_moves_only_the_rows_after_the_first_dropped_one():
+    torch.manual_seed(3)
+    keys = torch.randn(4, 1, 3, 2)
+    buffered = decoding.buffered_layer_class()(_layer(keys, keys.clone()), capacity=8)
+    tail = buffered.key_buffer[:, :, 3:].clone()  # beyond the filled part: never read, never moved
+    start = buffered.key_buffer.data_ptr()
+    buffered.batch_select_indices(torch.tensor([0, 1, 3]))
+    assert buffered.key_buffer.data_ptr() == start  # in place
+    assert torch.equal(buffered.keys, keys[[0, 1, 3]])
+    assert torch.equal(buffered.key_buffer[:3, :, 3:], tail[:3])
+
+
+@pytest.fixture(scope="module")
+def model_and_formatter(tiny_chat_llama):
+    from transformers import AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_llama)
+    return model, PromptFormatter(AutoTokenizer.from_pretrained(tiny_chat_llama), max_length=128)
+
+
+def _prefilled(model):
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    return model(input_ids=ids, use_cache=True).past_key_values
+
+
+def test_decoding_buffers_the_cache_and_restores_the_attention_implementation(model_and_formatter):
+    model, formatter = model_and_formatter
+    cache = _prefilled(model)
+    assert type(cache) is DynamicCache and model.config._attn_implementation == "sdpa"
+    before = decoding.KERNEL.compiled_calls
+    with decoding.buffered_decoding(model, cache, 10) as applied:
+        assert applied and model.config._attn_implementation == decoding.DECODE_ATTENTION
+        assert all(type(layer) is decoding.buffered_layer_class() for layer in cache.layers)
+        model(input_ids=torch.tensor([[3], [4]]), cache=cache, use_cache=True)
+    assert model.config._attn_implementation == "sdpa"
+    assert decoding.KERNEL.compiled_calls == before + model.config.num_hidden_layers  # one call per layer
+
+
+def test_greedy_answers_run_the_buffered_decoder(model_and_formatter):
+    model, formatter = model_and_formatter
+    before = decoding.KERNEL.compiled_calls
+    texts, tokens = generation.greedy_generate(model, formatter, ["Who is the author?", "Name a book."], 5, 2)
+    assert len(texts) == 2 and decoding.KERNEL.compiled_calls > before
+
+
+@pytest.mark.parametrize("change", ["eager attention", "sub-configs", "not a DynamicLayer", "switched off"])
+def test_other_models_decode_as_before(model_and_formatter, monkeypatch, change):
+    model, _ = model_and_formatter
+    cache = _prefilled(model)
+    if change == "eager attention":
+        monkeypatch.setattr(model.config, "_attn_implementation_internal", "eager")
+    elif change == "sub-configs":
+        monkeypatch.setattr(type(model.config), "sub_configs", {"text_config": type(model.config)})
+    elif change == "not a DynamicLayer":
+        cache.layers[0] = decoding.buffered_layer_class()(cache.layers[0], 8)
+    else:
+        monkeypatch.setenv(decoding.BUFFERS_VARIABLE, "0")
+    layers = list(cache.layers)
+    with decoding.buffered_decoding(model, cache, 10) as applied:
+        assert not applied
+    assert cache.layers == layers
