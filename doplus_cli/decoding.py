@@ -42,19 +42,18 @@ GROWTH = 64  # positions a buffer grows by at least when an answer outruns it
 _UNSUPPORTED = ("softcap", "s_aux", "sinks", "sliding_window", "position_bias", "alibi", "head_mask")
 
 
-def _attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, scaling: float) -> Tensor:
+def _attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scaling: float) -> Tensor:
     """One query token per row: query [B, H_kv, G, D] (the G query heads of each key/value head), key/value
-    [B, H_kv, L, D] (views of the buffers), mask bool [B, 1, 1, L] (True: attend) or None; [B, H_kv, G, D_v] in
-    the query's dtype, computed in float32."""
+    [B, H_kv, L, D] (views of the buffers), mask bool [B, 1, 1, L] (True: attend); [B, H_kv, G, D_v] in the
+    query's dtype, computed in float32."""
     q, k, v = query.float(), key.float(), value.float()
     scores = (q[:, :, :, None, :] * k[:, :, None, :, :]).sum(-1) * scaling
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+    scores = scores.masked_fill(~mask, float("-inf"))
     weights = torch.softmax(scores, dim=-1)
     return (weights[..., None] * v[:, :, None, :, :]).sum(-2).to(query.dtype)
 
 
-def _attention_sdpa(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, scaling: float) -> Tensor:
+def _attention_sdpa(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scaling: float) -> Tensor:
     """`_attention` through torch's SDPA (what runs if inductor cannot compile it)."""
     batch, kv_heads, group, dim = query.shape
     out = F.scaled_dot_product_attention(query.reshape(batch, kv_heads * group, 1, dim), key, value, attn_mask=mask,
@@ -75,11 +74,15 @@ def decode_attention(module, query: Tensor, key: Tensor, value: Tensor, attentio
     kv_heads = key.shape[1]
     mask_ok = attention_mask is None or (attention_mask.dtype == torch.bool and attention_mask.shape[-2] == 1
                                          and attention_mask.shape[1] == 1)
-    if (length != 1 or dropout or heads % kv_heads or key.shape[-1] != dim or not mask_ok
-            or any(kwargs.get(name) is not None for name in _UNSUPPORTED)):
+    # a batch of one row or a cache of one position: dynamo would compile another variant (sizes 0 and 1 are
+    # specialised) for calls SDPA handles as fast
+    if (length != 1 or dropout or heads % kv_heads or key.shape[-1] != dim or not mask_ok or batch < 2
+            or key.shape[-2] < 2 or any(kwargs.get(name) is not None for name in _UNSUPPORTED)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     scale = dim ** -0.5 if scaling is None else float(scaling)
+    if attention_mask is None:  # no padding: one compiled variant serves both
+        attention_mask = torch.ones(batch, 1, 1, key.shape[-2], dtype=torch.bool, device=query.device)
     out = KERNEL(query.view(batch, kv_heads, heads // kv_heads, dim), key, value, attention_mask, scale)
     return out.reshape(batch, 1, heads, value.shape[-1]), None
 

@@ -40,9 +40,8 @@ def _inputs(dtype=torch.float32, masked=True):
     torch.manual_seed(1)
     keys, values = torch.randn(3, 2, 16, 8).to(dtype), torch.randn(3, 2, 16, 8).to(dtype)
     query = torch.randn(3, 2, 3, 8).to(dtype)  # 6 query heads on 2 key/value heads
-    mask = None
+    mask = torch.ones(3, 1, 1, 11, dtype=torch.bool)
     if masked:
-        mask = torch.ones(3, 1, 1, 11, dtype=torch.bool)
         mask[0, ..., :4] = False  # left padding of row 0
         mask[2, ..., :1] = False
     return query, keys[:, :, :11], values[:, :, :11], mask
@@ -61,6 +60,35 @@ def test_compiled_decode_attention_equals_a_float64_loop(masked):
     if masked:  # a masked position changes nothing: row 0 is row 0 of the last 7 positions alone
         alone = _reference(query[:1], key[:1, :, 4:], value[:1, :, 4:], None, 8 ** -0.5)
         torch.testing.assert_close(out[:1].double(), alone, rtol=1e-6, atol=1e-6)
+
+
+class _Module(torch.nn.Module):
+    """What transformers' SDPA path reads from an attention layer."""
+
+    training, is_causal, num_key_value_groups = False, False, 3
+
+
+@pytest.mark.parametrize("case", ["no mask", "one row", "one position", "prefill"])
+def test_the_attention_interface_routes_each_call(case):
+    """The interface's calls in transformers' layout ([B, H, q, D], mask [B, 1, q, L] or None): one-token queries of
+    two rows or more over two positions or more run the kernel (a missing mask: every position kept); others SDPA.
+    Either way the result is the float64 loop's."""
+    query, key, value, mask = _inputs(masked=False)
+    query = query.reshape(3, 6, 1, 8)
+    if case == "one row":
+        query, key, value, mask = query[:1], key[:1], value[:1], mask[:1]
+    elif case == "one position":
+        key, value, mask = key[:, :, :1], value[:, :, :1], mask[..., :1]
+    elif case == "prefill":  # two query tokens: transformers' own path
+        query = torch.cat([query, query.flip(0)], dim=2)
+    before = decoding.KERNEL.compiled_calls
+    out, _ = decoding.decode_attention(_Module(), query, key, value, None, scaling=8 ** -0.5)
+    assert decoding.KERNEL.compiled_calls == before + (case == "no mask")
+    batch, heads, length, dim = query.shape
+    assert out.shape == (batch, length, heads, dim)
+    grouped = query[:, :, :1].reshape(batch, 2, 3, dim)
+    expected = _reference(grouped, key, value, None, 8 ** -0.5).reshape(batch, heads, dim)
+    torch.testing.assert_close(out[:, 0].double(), expected, rtol=1e-6, atol=1e-6)
 
 
 def test_bfloat16_decode_attention_computes_in_float32():
