@@ -10,16 +10,16 @@ query of one token per head leaves its blocked kernel little to do per call).
 routes the one-token attention of the decoding steps (`DECODE_ATTENTION`) to `_attention`: the scores, softmax and
 weighted sum of each key/value head for its group of query heads, compiled by inductor into loops over the
 buffers' filled part (the `CompiledKernel` of the optimizers, with its eager fallback: torch's SDPA on the same
-views). Measured on 2 AMD EPYC cores, 30 layers, batch 64, 41 to 200 cached tokens: 8.9 s for `torch.cat` and
-flash attention on their output against 5.4 s (docs/results.md, "Evaluation speed").
+views). Measured on 2 AMD EPYC cores, 30 layers, batch 64, 41 to 200 cached tokens: 11.2 s for `torch.cat` and
+flash attention on its output against 5.4 s (docs/results.md, "Evaluation speed").
 
 A row that stops leaves the batch as with `DynamicLayer`: the kept rows after the first stopped one move up in
 place, the filled part only. The prompt's prefill (queries of many tokens) takes transformers' SDPA as before.
 
 What it keeps: the arithmetic is the same attention in float32 (bf16 inputs are computed in float32, like SDPA's
-CPU kernel), summed in another order; greedy answers on the embedded model were identical on the 128 questions
-compared (docs/results.md). What it needs: a plain causal LM config (no sub-configs) that runs transformers' SDPA,
-on CPU; anything else decodes as before.
+CPU kernel), summed in another order; greedy answers on the embedded model were identical on the 817
+paper-protocol questions compared (docs/results.md). What it needs: a plain causal LM config (no sub-configs)
+that runs transformers' SDPA, on CPU; anything else decodes as before.
 """
 
 from __future__ import annotations
