@@ -356,9 +356,12 @@ def _relaunch_with_accelerate(num_processes: int) -> None:
         if arg.startswith("--num-processes="):
             continue
         args.append(arg)
+    # The rendezvous port: MASTER_PORT where the job sets one, else a free port that accelerate picks (0). Its
+    # default, 29500, fails with "address already in use" when two runs start together on one node.
+    port = os.environ.get("MASTER_PORT") or "0"
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
-               str(num_processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "-m", "doplus_cli", *args]
+               str(num_processes), "--num_machines", "1", "--main_process_port", port, "--mixed_precision", "no",
+               "--dynamo_backend", "no", "-m", "doplus_cli", *args]
     err_console.print(Text(f"launching {num_processes} processes: accelerate launch ... -m doplus_cli "
                            + " ".join(args)))
     with tempfile.TemporaryDirectory(prefix="doplus-launch-") as folder:

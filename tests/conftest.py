@@ -55,9 +55,18 @@ def _cpu_processes(request, monkeypatch):
     """Tests marked `cpu_processes` compare two processes with one: both run on the CPU (gloo, float32), as
     in CI, also on a GPU machine. There the in-process run would otherwise train on CUDA under bf16-mixed and
     the workers would need a GPU each (NCCL refuses two processes on one GPU)."""
-    if request.node.get_closest_marker("cpu_processes") is not None:
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the launched workers
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this process
+    if request.node.get_closest_marker("cpu_processes") is None:
+        yield
+        return
+    from accelerate.state import AcceleratorState
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the launched workers
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this process
+    # accelerate keeps one device per process: an earlier test's run on CUDA would refuse this one's CPU run
+    # ("AcceleratorState has already been initialized"), and this one's CPU state would follow later tests
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 @pytest.fixture(scope="session")

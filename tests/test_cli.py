@@ -67,3 +67,44 @@ def test_more_processes_than_visible_gpus_is_one_line_and_exit_code_2(tiny_llama
     assert err == ("error: --num-processes 2: this machine shows 1 CUDA device(s) and each process needs its own; "
                    "use --num-processes 1, or run the 2 processes on the CPU with CUDA_VISIBLE_DEVICES=''"), err
     assert not out.exists()  # nothing written
+
+
+@pytest.mark.parametrize("master_port", [None, "29611"], ids=["free port", "MASTER_PORT"])
+def test_launch_asks_for_a_free_rendezvous_port_unless_the_job_sets_one(tiny_llama, tofu_dir, tmp_path, monkeypatch,
+                                                                        master_port):
+    """Seen on an H100 with tests side by side: two launches on accelerate's default port 29500 at once, and the
+    second's workers stopped with "address already in use". `--main_process_port 0` makes accelerate pick a free
+    one; a job's MASTER_PORT (a cluster script's) is passed on as it is."""
+    import signal
+
+    import torch
+
+    from tests.helpers import run_cli, write_sets
+
+    launched = []
+
+    class Launcher:
+        pid = 0
+
+        def __init__(self, command, **_):
+            launched.append(command)
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", Launcher)
+    monkeypatch.setattr(signal, "signal", lambda *_: None)  # the launcher's handlers stay out of pytest's process
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    if master_port is None:
+        monkeypatch.delenv("MASTER_PORT", raising=False)
+    else:
+        monkeypatch.setenv("MASTER_PORT", master_port)
+    (tmp_path / "data").mkdir()
+    data = write_sets(tofu_dir, tmp_path / "data", 4, 4)
+    code = run_cli("unlearn", "--model", tiny_llama, "--forget", data / "forget.jsonl", "--retain",
+                   data / "retain.jsonl", "--steps", 2, "--out", tmp_path / "run", "--num-processes", 2)
+    assert code == 0 and len(launched) == 1
+    command = launched[0]
+    assert command[command.index("--main_process_port") + 1] == (master_port or "0")
+    assert command[command.index("--num_processes") + 1] == "2" and "--num-processes" not in command

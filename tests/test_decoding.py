@@ -183,7 +183,8 @@ def test_decoding_buffers_the_cache_and_restores_the_attention_implementation(mo
     with decoding.buffered_decoding(model, cache, 10) as applied:
         assert applied and model.config._attn_implementation == decoding.DECODE_ATTENTION
         assert all(type(layer) is decoding.buffered_layer_class() for layer in cache.layers)
-        model(input_ids=torch.tensor([[3], [4]]), cache=cache, use_cache=True)
+        # the cache under this transformers' own name for it (5.17 has no `cache` argument and would drop it)
+        model(input_ids=torch.tensor([[3], [4]]), use_cache=True, **{generation._cache_argument(model): cache})
     assert model.config._attn_implementation == "sdpa"
     assert decoding.KERNEL.compiled_calls == before + model.config.num_hidden_layers  # one call per layer
 

@@ -100,8 +100,11 @@ def test_fsdp_two_processes_equal_one_process(tiny_llama, data, tmp_path, name, 
 
 def torchrun_worker(tiny_llama, *arguments):
     worker = os.path.join(os.path.dirname(__file__), "fsdp_worker.py")
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", worker,
+    # the project first, then whatever the caller's PYTHONPATH holds (packages carried to a GPU machine)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(__file__)),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    # --standalone: a free rendezvous port (the default, 29500, collides with tests running side by side)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", worker,
                              str(tiny_llama), *arguments], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
@@ -160,6 +163,7 @@ def test_accelerate_fsdp_config_shards_the_run(tiny_llama, data, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
          os.path.join(root, "recipes", "cluster", "accelerate_fsdp.yaml"), "--num_processes", "2",
+         "--main_process_port", "0",  # a free port: tests running side by side must not share 29500
          "-m", "doplus_cli", *map(str, common(tiny_llama, data, out, "--batch-size", 2, "--save-every", 3))],
         env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

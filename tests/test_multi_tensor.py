@@ -39,7 +39,8 @@ CONFIGS = [f"{dtype}-{kind}-{rule}" for dtype, kind in (("float32", "plain"), ("
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("multi_tensor") / "runs.pt"
     env = dict(os.environ, TRITON_INTERPRET="1", DOPLUS_REQUIRE_COMPILED="1",
-               PYTHONPATH=os.path.dirname(os.path.dirname(WORKER)))
+               PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(WORKER)),
+                                                        os.environ.get("PYTHONPATH")])))
     done = subprocess.run([sys.executable, WORKER, str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(out, weights_only=False)

@@ -212,7 +212,7 @@ def _script_generation(monkeypatch, model_folder, marker: str, answer) -> list[s
         seen.extend(texts)
         rows = [tokenizer(answer(text), add_special_tokens=False)["input_ids"] for text in texts]
         width = max(len(r) for r in rows)
-        new = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
+        new = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows], device=input_ids.device)
         return torch.cat([input_ids, new], dim=1)
 
     monkeypatch.setattr(LlamaForCausalLM, "generate", generate)

@@ -269,11 +269,18 @@ def test_adamw_diagnostics_read_the_step_counters_in_one_transfer(monkeypatch):
         opt.step()
     expected = reduce_step_stats(adamw_step_stats(opt, multi_tensor=False))
 
-    def refuse(self, *args):
-        raise AssertionError("a step counter was read on its own")
+    counters = [opt.state[p]["step"] for p in params]
+    assert all(isinstance(c, torch.Tensor) for c in counters)
 
-    monkeypatch.setattr(torch.Tensor, "__float__", refuse)
-    monkeypatch.setattr(torch.Tensor, "item", refuse)
+    def refusing(original):  # only the counters: dynamo's own reads while it (re)compiles a kernel stay allowed
+        def read(self, *args):  # (an H100 run recompiled the diagnostics kernel here and tripped a blanket refusal)
+            if any(self is counter for counter in counters):
+                raise AssertionError("a step counter was read on its own")
+            return original(self, *args)
+        return read
+
+    monkeypatch.setattr(torch.Tensor, "__float__", refusing(torch.Tensor.__float__))
+    monkeypatch.setattr(torch.Tensor, "item", refusing(torch.Tensor.item))
     stats = adamw_step_stats(opt, multi_tensor=False)
     monkeypatch.undo()
     assert reduce_step_stats(stats) == expected and expected["max_update"] > 0.5

@@ -129,9 +129,24 @@ def plain_loop(model_dir, rows: dict[str, list[dict]], run: str) -> dict[str, to
 
 @pytest.fixture(scope="module")
 def finals(tiny_llama, data, tmp_path_factory):
-    """Each run's final weights from `doplus unlearn` and from the plain loop."""
+    """Each run's final weights from `doplus unlearn` and from the plain loop, both on the CPU in float32, also on a
+    GPU machine: bit for bit holds on one device and precision (on an H100 the engine trained on CUDA under
+    bf16-mixed and every tensor differed); tests/test_cuda.py covers the CUDA update paths."""
+    from accelerate.state import AcceleratorState
+
     folder, rows = data
     found = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: False)
+        AcceleratorState._reset_state(reset_partial_state=True)  # an earlier test's CUDA state would refuse the CPU
+        try:
+            _train_each_run(tiny_llama, folder, rows, tmp_path_factory, found)
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=True)
+    return found
+
+
+def _train_each_run(tiny_llama, folder, rows, tmp_path_factory, found) -> None:
     for run, (scheme, extra) in RUNS.items():
         out = tmp_path_factory.mktemp(run) / "run"
         assert run_cli("unlearn", "--model", tiny_llama, "--forget", folder / "forget.jsonl", "--retain",
@@ -140,7 +155,6 @@ def finals(tiny_llama, data, tmp_path_factory):
                        BETA, "--seed", SEED, "--forget-freq", 1, "--retain-freq", 2, "--batch-size", BATCH,
                        "--max-length", MAX_LENGTH, "--show-samples", 0, "--out", out, *extra) == 0
         found[run] = (load_file(str(out / "final" / "model.safetensors")), plain_loop(tiny_llama, rows, run))
-    return found
 
 
 @pytest.mark.parametrize("run", list(RUNS))
