@@ -58,15 +58,11 @@ def _cpu_processes(request, monkeypatch):
     if request.node.get_closest_marker("cpu_processes") is None:
         yield
         return
-    from accelerate.state import AcceleratorState
+    from tests.helpers import cpu_only
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the launched workers
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this process
-    # accelerate keeps one device per process: an earlier test's run on CUDA would refuse this one's CPU run
-    # ("AcceleratorState has already been initialized"), and this one's CPU state would follow later tests
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
+    with cpu_only(monkeypatch):  # this process
+        yield
 
 
 @pytest.fixture(scope="session")

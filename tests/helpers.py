@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -20,6 +21,22 @@ REPO = Path(__file__).resolve().parents[1]
 SAFETY_DIR = SHARED / "data" / "safety"
 SAFETY = SAFETY_DIR / "safety_instructions.json"  # a JSON array of instruction, input (empty), output
 GENERAL = SAFETY_DIR / "alpaca_seed_tasks.jsonl"  # instruction, instances[0].input/output
+
+
+@contextlib.contextmanager
+def cpu_only(patch):
+    """Runs made in this process inside the block train on the CPU, also on a GPU machine: CUDA is hidden from
+    torch (through `patch`, a pytest MonkeyPatch) and accelerate's per-process state is reset before and after,
+    since accelerate keeps one device per process and refuses a CPU run after a CUDA one in the same process
+    ("AcceleratorState has already been initialized", seen on an H100)."""
+    from accelerate.state import AcceleratorState
+
+    patch.setattr(torch.cuda, "is_available", lambda: False)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        yield
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def run_cli(*args) -> int:

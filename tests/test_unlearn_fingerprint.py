@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, get_linear_schedul
 from doplus_cli.data.formatting import PromptFormatter, collate
 from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossContext
 from doplus_cli.optim import DualOptim, DualOptimPlus
-from tests.helpers import run_cli
+from tests.helpers import cpu_only, run_cli
 
 STEPS, LR, WARMUP, BATCH, MAX_LENGTH, WEIGHT_DECAY, BETA, SEED = 6, 1e-3, 2, 2, 48, 0.01, 0.1, 0
 CYCLE = ["forget", "retain", "retain"]  # --forget-freq 1 --retain-freq 2
@@ -132,17 +132,10 @@ def finals(tiny_llama, data, tmp_path_factory):
     """Each run's final weights from `doplus unlearn` and from the plain loop, both on the CPU in float32, also on a
     GPU machine: bit for bit holds on one device and precision (on an H100 the engine trained on CUDA under
     bf16-mixed and every tensor differed); tests/test_cuda.py covers the CUDA update paths."""
-    from accelerate.state import AcceleratorState
-
     folder, rows = data
     found = {}
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch.cuda, "is_available", lambda: False)
-        AcceleratorState._reset_state(reset_partial_state=True)  # an earlier test's CUDA state would refuse the CPU
-        try:
-            _train_each_run(tiny_llama, folder, rows, tmp_path_factory, found)
-        finally:
-            AcceleratorState._reset_state(reset_partial_state=True)
+    with pytest.MonkeyPatch.context() as patch, cpu_only(patch):
+        _train_each_run(tiny_llama, folder, rows, tmp_path_factory, found)
     return found
 
 
