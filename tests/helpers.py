@@ -39,6 +39,13 @@ def cpu_only(patch):
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a Python process a test starts: this one's, with the project first on PYTHONPATH and
+    the caller's PYTHONPATH kept after it (packages carried to a GPU machine live there), plus `extra`."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def run_cli(*args) -> int:
     """Run `doplus ARGS` in this process; return the exit code (0 on success)."""
     try:

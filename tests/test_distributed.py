@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import max_difference, run_cli, two_processes, wait_for_steps, weights, write_sets
+from tests.helpers import child_env, max_difference, run_cli, two_processes, wait_for_steps, weights, write_sets
 
 pytestmark = pytest.mark.cpu_processes  # every test here compares processes on the CPU
 
@@ -100,12 +100,10 @@ def test_fsdp_two_processes_equal_one_process(tiny_llama, data, tmp_path, name, 
 
 def torchrun_worker(tiny_llama, *arguments):
     worker = os.path.join(os.path.dirname(__file__), "fsdp_worker.py")
-    # the project first, then whatever the caller's PYTHONPATH holds (packages carried to a GPU machine)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(__file__)),
-                                                                     os.environ.get("PYTHONPATH")]))}
     # --standalone: a free rendezvous port (the default, 29500, collides with tests running side by side)
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", worker,
-                             str(tiny_llama), *arguments], env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             worker, str(tiny_llama), *arguments], env=child_env(), capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert sorted(r["rank"] for r in rows) == [0, 1]

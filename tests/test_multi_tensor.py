@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from doplus_cli.optim import DualOptimPlus, multi_tensor
-from tests.helpers import Float64DualOptimPlus
+from tests.helpers import Float64DualOptimPlus, child_env
 
 # Triton is a dev dependency on Linux x86_64 (pyproject.toml), where CI runs; it has no wheels elsewhere
 pytestmark = pytest.mark.skipif(not multi_tensor.triton_installed(), reason="Triton is not installed (no wheel here)")
@@ -38,9 +38,7 @@ CONFIGS = [f"{dtype}-{kind}-{rule}" for dtype, kind in (("float32", "plain"), ("
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("multi_tensor") / "runs.pt"
-    env = dict(os.environ, TRITON_INTERPRET="1", DOPLUS_REQUIRE_COMPILED="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(WORKER)),
-                                                        os.environ.get("PYTHONPATH")])))
+    env = child_env(TRITON_INTERPRET="1", DOPLUS_REQUIRE_COMPILED="1")
     done = subprocess.run([sys.executable, WORKER, str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(out, weights_only=False)

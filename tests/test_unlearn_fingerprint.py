@@ -135,19 +135,15 @@ def finals(tiny_llama, data, tmp_path_factory):
     folder, rows = data
     found = {}
     with pytest.MonkeyPatch.context() as patch, cpu_only(patch):
-        _train_each_run(tiny_llama, folder, rows, tmp_path_factory, found)
+        for run, (scheme, extra) in RUNS.items():
+            out = tmp_path_factory.mktemp(run) / "run"
+            assert run_cli("unlearn", "--model", tiny_llama, "--forget", folder / "forget.jsonl", "--retain",
+                           folder / "retain.jsonl", "--loss", "NPO+GD", "--scheme", scheme, "--steps", STEPS, "--lr",
+                           LR, "--warmup-steps", WARMUP, "--weight-decay", WEIGHT_DECAY, "--max-grad-norm", 1.0,
+                           "--beta", BETA, "--seed", SEED, "--forget-freq", 1, "--retain-freq", 2, "--batch-size",
+                           BATCH, "--max-length", MAX_LENGTH, "--show-samples", 0, "--out", out, *extra) == 0
+            found[run] = (load_file(str(out / "final" / "model.safetensors")), plain_loop(tiny_llama, rows, run))
     return found
-
-
-def _train_each_run(tiny_llama, folder, rows, tmp_path_factory, found) -> None:
-    for run, (scheme, extra) in RUNS.items():
-        out = tmp_path_factory.mktemp(run) / "run"
-        assert run_cli("unlearn", "--model", tiny_llama, "--forget", folder / "forget.jsonl", "--retain",
-                       folder / "retain.jsonl", "--loss", "NPO+GD", "--scheme", scheme, "--steps", STEPS, "--lr", LR,
-                       "--warmup-steps", WARMUP, "--weight-decay", WEIGHT_DECAY, "--max-grad-norm", 1.0, "--beta",
-                       BETA, "--seed", SEED, "--forget-freq", 1, "--retain-freq", 2, "--batch-size", BATCH,
-                       "--max-length", MAX_LENGTH, "--show-samples", 0, "--out", out, *extra) == 0
-        found[run] = (load_file(str(out / "final" / "model.safetensors")), plain_loop(tiny_llama, rows, run))
 
 
 @pytest.mark.parametrize("run", list(RUNS))
