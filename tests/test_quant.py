@@ -167,3 +167,35 @@ def test_8bit_doplus_step_is_bitsandbytes_dequantize_float64_rule_bitsandbytes_q
 
 def test_8bit_dualoptim_equals_two_bitsandbytes_adamw8bit_stepped_alternately():
     check_dualoptim_8bit_against_adamw8bit(torch.device("cpu"))
+
+@pytest.mark.parametrize("scheme", ["alternate", "dualoptim"])
+def test_bitsandbytes_schemes_keep_32bit_states_for_embedding_tables(scheme):
+    """bitsandbytes' advice: embedding tables keep 32-bit states (rows absent from a batch took steps of thousands
+    of lr on CUDA with 8-bit ones, quant.adamw8bit); every other tensor of 4,096 elements or more stays 8-bit."""
+    from doplus_cli.engine.optimizers import OptimizerSettings, build_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(600, 32), torch.nn.Linear(32, 256, bias=False),
+                                torch.nn.Linear(256, 600, bias=False))
+    settings = OptimizerSettings(scheme=scheme, optimizer="adamw", lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0,
+                                 state_bits=8, rule="safeguarded", compensated=False)
+    stepped, _ = build_optimizer(model, ("forget", "retain"), {}, settings)
+    ids = torch.randint(0, 300, (4, 5))  # rows 300 to 599 of the table absent from the batch
+    model(ids).logsumexp(-1).sum().backward()
+    stepped.step("forget")
+    inner = stepped.inner["forget"] if scheme == "dualoptim" else stepped.inner
+    embedding, first, second = model[0].weight, model[1].weight, model[2].weight
+    assert embedding.grad[300:].abs().sum() == 0
+    assert inner.state[embedding]["state1"].dtype == torch.float32
+    assert inner.state[embedding]["state2"].dtype == torch.float32
+    for weight in (first, second):  # 8,192 and 153,600 elements
+        assert inner.state[weight]["state1"].dtype == torch.uint8 and inner.state[weight]["state2"].dtype == torch.uint8
+
+
+def test_adamw8bit_without_tables_is_bitsandbytes_own():
+    """The subclass changes only the tensors it is given: the same table without them gets 8-bit states."""
+    table = torch.nn.Parameter(torch.randn(600, 32))
+    table.grad = torch.randn(600, 32)
+    plain = quant.adamw8bit([table], lr=1e-3)
+    plain.step()
+    assert plain.state[table]["state1"].dtype == torch.uint8

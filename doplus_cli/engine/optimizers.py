@@ -158,12 +158,16 @@ def build_optimizer(
 
     `objectives`: the objective names (dualoptim and doplus keep a state for each); `multipliers`: the
     per-objective learning-rate factors; `sharded`: the model's parameters are FSDP shards (DTensors)."""
+    tables = {id(weight) for weight in quant.embedding_weights(model)}
     if sharded and settings.scheme != "doplus":
         groups, pairs = local_views(decay_groups(model, settings.weight_decay))
-        stepped, scheduled = _build_unsharded(settings, groups, objectives, multipliers)
+        kept = [view for param, view in pairs if id(param) in tables]
+        stepped, scheduled = _build_unsharded(settings, groups, objectives, multipliers, kept)
         return OnLocalShards(stepped, pairs), scheduled
     if settings.scheme != "doplus":
-        return _build_unsharded(settings, decay_groups(model, settings.weight_decay), objectives, multipliers)
+        groups = decay_groups(model, settings.weight_decay)
+        kept = [p for group in groups for p in group["params"] if id(p) in tables]
+        return _build_unsharded(settings, groups, objectives, multipliers, kept)
     if settings.optimizer == "muon":
         groups = muon_param_groups(model)
     else:
@@ -177,17 +181,17 @@ def build_optimizer(
 
 
 def _build_unsharded(
-    settings: OptimizerSettings, groups: list[dict], objectives: tuple[str, ...], multipliers: dict[str, float]
+    settings: OptimizerSettings, groups: list[dict], objectives: tuple[str, ...], multipliers: dict[str, float],
+    tables: list[torch.Tensor],
 ) -> tuple[object, Optimizer]:
-    """joint / alternate (one shared state) and dualoptim (one state per objective) over `groups`."""
+    """joint / alternate (one shared state) and dualoptim (one state per objective) over `groups`; with 8-bit
+    states, `tables` (the embedding tables' parameters) keep 32-bit ones (`quant.adamw8bit`)."""
     common = dict(lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay)
     if settings.scheme in ("joint", "alternate"):
         if settings.compensated:  # config.py refuses bf16 with these schemes' 8-bit states
             inner = AdamW(groups, compensated=True, **common)
         elif settings.state_bits == 8:
-            import bitsandbytes as bnb
-
-            inner = bnb.optim.AdamW8bit(groups, min_8bit_size=quant.MIN_8BIT_SIZE, **common)
+            inner = quant.adamw8bit(groups, tables, **common)
         else:
             params = [p for group in groups for p in group["params"]]
             fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params) or None
@@ -195,5 +199,5 @@ def _build_unsharded(
         shared = SharedState(inner, multipliers)
         return shared, inner
     optimizer = DualOptim(groups, objectives=objectives, state_bits=settings.state_bits, lr_multipliers=multipliers,
-                          compensated=settings.compensated, **common)
+                          compensated=settings.compensated, full_precision=tables, **common)
     return optimizer, optimizer

@@ -35,6 +35,8 @@ class DualOptim(Optimizer):
             supports it (CPU and CUDA floating-point parameters), which is also what makes DualOptim as
             fast as a single AdamW; False gives torch's default (single-tensor/foreach) arithmetic.
         compensated: compensated summation for bf16 weights (32-bit states only; see the module).
+        full_precision: with 8-bit states, tensors whose states stay 32-bit (the embedding tables:
+            `quant.adamw8bit`).
     """
 
     def __init__(
@@ -50,12 +52,14 @@ class DualOptim(Optimizer):
         lr_multipliers: Mapping[str, float] | None = None,
         fused: bool | None = None,
         compensated: bool = False,
+        full_precision: Iterable[Tensor] = (),
     ) -> None:
         check_common(lr, betas, eps, weight_decay, state_bits)
         if compensated and state_bits != 32:
             raise ValueError("DualOptim's compensated summation needs 32-bit states (bitsandbytes' 8-bit AdamW "
                              "has none)")
         self.compensated = compensated
+        self.full_precision = list(full_precision)
         self.compensation: dict[Tensor, Tensor] = {}  # one buffer per weight, shared by the objectives
         self.objectives = check_objectives(objectives)
         self.lr_multipliers = check_lr_multipliers(lr_multipliers, self.objectives)
@@ -81,9 +85,7 @@ class DualOptim(Optimizer):
         if self.compensated:
             return AdamW(groups, compensation=self.compensation)
         if self.state_bits == 8:
-            import bitsandbytes as bnb
-
-            return bnb.optim.AdamW8bit(groups, min_8bit_size=quant.MIN_8BIT_SIZE)
+            return quant.adamw8bit(groups, self.full_precision)
         return torch.optim.AdamW(groups, fused=self.fused or None)
 
     @torch.no_grad()
