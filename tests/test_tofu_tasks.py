@@ -328,12 +328,17 @@ def test_evaluate_logs_progress_without_a_terminal_and_reports_its_compute_floor
     assert compute["best_floor_s"] == pytest.approx(2 * parameters * total / (fastest * 1e9))
     assert compute["best_ratio"] == pytest.approx(compute["wall_s"] / compute["best_floor_s"])
     linears = sum(type(m) is torch.nn.Linear for m in AutoModelForCausalLM.from_pretrained(tiny_llama).modules())
-    assert compute["packed_linear_layers"] == linears > 0
+    report = (out / "report.md").read_text()
+    assert linears > 0 and "Compute floor:" in report
+    if torch.cuda.is_available():  # the evaluation ran on the GPU: oneDNN's packed linear and the decoder's
+        # compiled attention are the CPU's kernels (seen on an H100: 0 layers packed)
+        assert compute["packed_linear_layers"] == 0 and compute["decode_attention_calls"] == 0
+        return
+    assert compute["packed_linear_layers"] == linears
     # the decoding steps ran the compiled one-token attention (decoding.py), once per layer and step
     assert compute["decode_attention_calls"] > 0 and compute["decode_attention_calls"] % 2 == 0  # 2 layers
     assert compute["eager_fallbacks"] == {}
-    report = (out / "report.md").read_text()
-    assert "Compute floor:" in report and "ran the compiled decoding kernel" in report
+    assert "ran the compiled decoding kernel" in report
 
 
 def test_the_paper_recipe_takes_task_1_the_authors_retain_set_and_a_60_step_warmup():
