@@ -115,6 +115,17 @@ def _cache_argument(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def _compacted(keep: list[int]) -> list[int]:
+    """The batch's rows after a drop, as indices into the rows before it (`keep`: the kept ones, ascending): each
+    slot freed below len(keep) takes a kept row from above it and every other row stays, so that the KV buffers
+    move as many rows as stopped, where moving every row after the first stopped one up copied half the cache."""
+    order, kept = list(range(len(keep))), set(keep)
+    holes = [slot for slot in order if slot not in kept]
+    for slot, row in zip(holes, [row for row in keep if row >= len(keep)]):
+        order[slot] = row
+    return order
+
+
 def _decode_dropping(model, batch: dict[str, torch.Tensor], budgets: list[int], stop: set[int]
                      ) -> list[list[int]] | None:
     """Greedy decoding of left-padded prompts where each row leaves the batch once it produced a stop token or
@@ -153,6 +164,7 @@ def _decode_dropping(model, batch: dict[str, torch.Tensor], budgets: list[int], 
             if not keep:
                 return produced
             if len(keep) < len(alive):
+                keep = _compacted(keep)
                 index = torch.tensor(keep, device=mask.device)
                 cache.batch_select_indices(index)
                 mask, next_position, token = mask[index], next_position[index], token[index]

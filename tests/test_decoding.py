@@ -150,7 +150,7 @@ def test_buffered_layer_holds_what_a_dynamic_layer_holds_through_appends_drops_a
     assert torch.equal(buffered.keys, plain.keys) and buffered.get_seq_length() == 9
 
 
-def test_a_row_drop_moves_only_the_rows_after_the_first_dropped_one():
+def test_a_row_drop_in_order_moves_only_the_rows_after_the_first_dropped_one():
     torch.manual_seed(3)
     keys = torch.randn(4, 1, 3, 2)
     buffered = decoding.buffered_layer_class()(_layer(keys, keys.clone()), capacity=8)
@@ -160,6 +160,38 @@ def test_a_row_drop_moves_only_the_rows_after_the_first_dropped_one():
     assert buffered.key_buffer.data_ptr() == start  # in place
     assert torch.equal(buffered.keys, keys[[0, 1, 3]])
     assert torch.equal(buffered.key_buffer[:3, :, 3:], tail[:3])
+
+
+def test_a_drop_fills_each_freed_slot_from_the_end_and_moves_only_those_rows(monkeypatch):
+    torch.manual_seed(4)
+    keys, values = torch.randn(6, 1, 3, 2), torch.randn(6, 1, 3, 2)
+    buffered = decoding.buffered_layer_class()(_layer(keys, values), capacity=8)
+    plain = _layer(keys.clone(), values.clone())
+    order = generation._compacted([0, 2, 3, 5])  # rows 1 and 4 stopped
+    assert order == [0, 5, 2, 3]  # slot 1 takes row 5; slot 4 is past the end
+    moved = []
+    setitem = torch.Tensor.__setitem__
+
+    def counting(tensor, index, value):
+        if isinstance(index, tuple) and isinstance(index[0], torch.Tensor):
+            moved.append(len(index[0]))
+        return setitem(tensor, index, value)
+
+    monkeypatch.setattr(torch.Tensor, "__setitem__", counting)
+    buffered.batch_select_indices(torch.tensor(order))
+    monkeypatch.undo()
+    plain.batch_select_indices(torch.tensor(order))
+    assert moved == [1, 1]  # one row of keys, one of values
+    assert torch.equal(buffered.keys, plain.keys) and torch.equal(buffered.values, plain.values)
+    assert torch.equal(buffered.keys, keys[order])
+
+
+@pytest.mark.parametrize("keep", [[0, 1, 2], [1, 2, 3], [0, 3], [3], [0, 2, 4, 5, 6], []])
+def test_compacted_keeps_every_kept_row_once_and_moves_the_fewest(keep):
+    order = generation._compacted(keep)
+    assert sorted(order) == keep  # each kept row once
+    stayed = [slot for slot, row in enumerate(order) if slot == row]
+    assert len(order) - len(stayed) == sum(row >= len(keep) for row in keep)  # only rows from past the end move
 
 
 @pytest.fixture(scope="module")
