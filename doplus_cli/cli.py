@@ -112,8 +112,12 @@ def evaluate(
     retain: str | None = typer.Option(None, "--retain", help="real-world: neighbour-people JSON lines."),
     out: str | None = typer.Option(None, "--out", help="Output folder [default: evals/DATE-TIME]"),
     max_samples: int | None = typer.Option(None, "--max-samples", help="At most N questions per set (quick looks)."),
-    batch_size: int = typer.Option(EvalConfig.batch_size, "--batch-size", min=1, help="Prompts per generation batch; "
-                                   "NLL batches hold about 48 tokens per unit."),
+    batch_size: int = typer.Option(EvalConfig.batch_size, "--batch-size", min=1, help="Batch unit: NLL batches hold "
+                                   "about 48 tokens per unit; prompts per generation batch on a GPU."),
+    generation_batch_size: int | None = typer.Option(
+        None, "--generation-batch-size", min=1,
+        help="Prompts per generation batch of the TOFU and real-world suites [default: twice --batch-size on the CPU, "
+        "--batch-size on a GPU]"),
     max_new_tokens: int = typer.Option(EvalConfig.max_new_tokens, "--max-new-tokens", min=1,
                                        help="Greedy tokens per answer."),
     embedding_model: str | None = typer.Option(
@@ -183,7 +187,8 @@ def evaluate(
 
     values = dict(
         model=model, suite=suite, split=split, task_id=task_id, data_dir=data_dir, forget=forget, retain=retain,
-        out=out, max_samples=max_samples, batch_size=batch_size, max_new_tokens=max_new_tokens,
+        out=out, max_samples=max_samples, batch_size=batch_size, generation_batch_size=generation_batch_size,
+        max_new_tokens=max_new_tokens,
         embedding_model=embedding_model, nli_model=nli_model, targeted=targeted, tasks=tasks, limit=limit,
         lm_eval_include=lm_eval_include, dtype=dtype, trust_remote_code=trust_remote_code, overwrite=overwrite,
         seed=seed, prompt_template=prompt_template, protocol=protocol, retain_logs=retain_logs, holdout=holdout,

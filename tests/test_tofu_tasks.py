@@ -296,6 +296,24 @@ def test_bench_schemes_pools_forget_tasks_and_the_statistics_match_the_runs(tiny
                    "--task-ids", "2,2") == 2
 
 
+def test_generation_batches_are_twice_the_batch_unit_on_the_cpu_unless_set(tiny_llama, authors_dir, tmp_path,
+                                                                           monkeypatch):
+    from doplus_cli.evaluation import suites
+
+    batches, scored = [], []
+    generate, score = suites.greedy_generate, suites.shared_prefix_nlls
+    monkeypatch.setattr(suites, "greedy_generate", lambda *a, **k: batches.append(a[4]) or generate(*a, **k))
+    monkeypatch.setattr(suites, "shared_prefix_nlls", lambda *a, **k: scored.append(a[4]) or score(*a, **k))
+    args = ("evaluate", "--model", tiny_llama, "--data-dir", authors_dir, "--split", "forget01", "--max-new-tokens", 2,
+            "--batch-size", 3)
+    assert run_cli(*args, "--out", tmp_path / "auto") == 0
+    # four sets, each generated and scored once; the scoring keeps the unit
+    assert batches == [3 if torch.cuda.is_available() else 6] * 4 and scored == [3] * 4
+    batches.clear(), scored.clear()
+    assert run_cli(*args, "--generation-batch-size", 5, "--out", tmp_path / "set") == 0
+    assert batches == [5] * 4 and scored == [3] * 4
+
+
 def test_evaluate_logs_progress_without_a_terminal_and_reports_its_compute_floor(tiny_llama, authors_dir, tmp_path,
                                                                                   capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer

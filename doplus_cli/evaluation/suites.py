@@ -23,7 +23,7 @@ from doplus_cli.evaluation import openunlearning as ou
 from doplus_cli.evaluation.privacy import privacy_metrics, read_holdout
 from doplus_cli.evaluation.protocol import PROTOCOLS, Protocol, get_protocol
 from doplus_cli.evaluation.scoring import shared_prefix_nlls
-from doplus_cli.evaluation.suite_api import EvalConfig, Suite, SuiteContext, SuiteResult
+from doplus_cli.evaluation.suite_api import EvalConfig, Suite, SuiteContext, SuiteResult, generation_batch
 from doplus_cli.files import write_json
 from doplus_cli.generation import greedy_generate
 
@@ -239,14 +239,17 @@ def load_real_world_sets(forget: str, retain: str, max_samples: int | None) -> l
 def evaluate_set(
     qa_set: QASet, model, formatter: PromptFormatter, judges: Judges, max_new_tokens: int, batch_size: int,
     seed: int = 0, progress=None, protocol: Protocol = PROTOCOLS["doplus"], timings: dict[str, float] | None = None,
+    generation_batch_size: int | None = None,
 ) -> tuple[dict[str, float | None], list[dict[str, Any]]]:
     """The six indicators of one set (None where a judge model is missing) and the per-sample records.
-    `timings`, when given, receives the seconds spent generating, scoring NLLs and running the judge models."""
+    `timings`, when given, receives the seconds spent generating, scoring NLLs and running the judge models.
+    `generation_batch_size`: prompts per generation batch (None: `batch_size`)."""
     timings = {} if timings is None else timings
     started = time.perf_counter()
     samples = qa_set.samples
     questions = [s.question for s in samples]
-    generations, tokens = greedy_generate(model, formatter, questions, max_new_tokens, batch_size, progress,
+    generations, tokens = greedy_generate(model, formatter, questions, max_new_tokens,
+                                          generation_batch_size or batch_size, progress,
                                           f"generating ({qa_set.name})", max_total_tokens=protocol.max_total_tokens)
     if protocol.entropy_of_text:  # the authors' Token Entropy input: the text re-tokenised
         tokens = [formatter.tokenizer.tokenize(text) for text in generations]
@@ -338,7 +341,8 @@ def qa_suite(
         qa_set.seconds = {}
         set_values, set_records = evaluate_set(qa_set, model, formatter, judges, config.max_new_tokens,
                                                config.batch_size, config.seed, progress,
-                                               get_protocol(config.protocol), qa_set.seconds)
+                                               get_protocol(config.protocol), qa_set.seconds,
+                                               generation_batch(config, model))
         records[qa_set.name] = set_records
         for indicator, value in set_values.items():
             values[f"{qa_set.name}_{indicator}"] = value
