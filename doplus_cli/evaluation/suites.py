@@ -342,7 +342,7 @@ def qa_suite(
         set_values, set_records = evaluate_set(qa_set, model, formatter, judges, config.max_new_tokens,
                                                config.batch_size, config.seed, progress,
                                                get_protocol(config.protocol), qa_set.seconds,
-                                               generation_batch(config, model))
+                                               generation_batch(config))
         records[qa_set.name] = set_records
         for indicator, value in set_values.items():
             values[f"{qa_set.name}_{indicator}"] = value
