@@ -14,7 +14,8 @@ views). Measured on 2 AMD EPYC cores, 30 layers, batch 64, 41 to 200 cached toke
 flash attention on its output against 5.4 s (docs/results.md, "Evaluation speed").
 
 A row that stops leaves the batch: a row from the end of the batch moves into its place, the filled part only
-(`DynamicLayer` copies every kept row). The prompt's prefill (queries of many tokens) takes transformers' SDPA as before.
+(`DynamicLayer` copies every kept row). The prompt's prefill (queries of many tokens) takes transformers' SDPA as
+before.
 
 What it keeps: the arithmetic is the same attention in float32 (bf16 inputs are computed in float32, like SDPA's
 CPU kernel), summed in another order; greedy answers on the embedded model were identical on the 817
