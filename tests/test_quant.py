@@ -168,6 +168,7 @@ def test_8bit_doplus_step_is_bitsandbytes_dequantize_float64_rule_bitsandbytes_q
 def test_8bit_dualoptim_equals_two_bitsandbytes_adamw8bit_stepped_alternately():
     check_dualoptim_8bit_against_adamw8bit(torch.device("cpu"))
 
+
 @pytest.mark.parametrize("scheme", ["alternate", "dualoptim"])
 def test_bitsandbytes_schemes_keep_32bit_states_for_embedding_tables(scheme):
     """bitsandbytes' advice: embedding tables keep 32-bit states (rows absent from a batch took steps of thousands

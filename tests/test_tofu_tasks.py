@@ -223,7 +223,7 @@ def test_bad_task_for_evaluate_and_authors_retain_without_task_ids(tiny_llama, a
 
 
 def test_bench_schemes_pools_forget_tasks_and_the_statistics_match_the_runs(tiny_llama, authors_dir, tmp_path,
-                                                                    monkeypatch):
+                                                                             monkeypatch):
     import statistics
 
     import yaml

@@ -89,10 +89,3 @@ class Suite:
     needs_judges: bool = False  # the embedding and NLI models
     needs_safety_judges: bool = False  # the refusal judges
     needs_guard: bool = False  # the guard model too
-
-
-def generation_batch(config: EvalConfig) -> int:
-    """Prompts per generation batch: `generation_batch_size`, else `batch_size`. Twice `batch_size` on 2 CPU cores
-    ran 256 paper-budget questions 3 to 7% faster with the same answers, but a whole forget10 run was no faster
-    (docs/results.md), so the default stays one batch size for both."""
-    return config.generation_batch_size or config.batch_size

@@ -23,7 +23,7 @@ from doplus_cli.evaluation import openunlearning as ou
 from doplus_cli.evaluation.privacy import privacy_metrics, read_holdout
 from doplus_cli.evaluation.protocol import PROTOCOLS, Protocol, get_protocol
 from doplus_cli.evaluation.scoring import shared_prefix_nlls
-from doplus_cli.evaluation.suite_api import EvalConfig, Suite, SuiteContext, SuiteResult, generation_batch
+from doplus_cli.evaluation.suite_api import EvalConfig, Suite, SuiteContext, SuiteResult
 from doplus_cli.files import write_json
 from doplus_cli.generation import greedy_generate
 
@@ -342,7 +342,7 @@ def qa_suite(
         set_values, set_records = evaluate_set(qa_set, model, formatter, judges, config.max_new_tokens,
                                                config.batch_size, config.seed, progress,
                                                get_protocol(config.protocol), qa_set.seconds,
-                                               generation_batch(config))
+                                               config.generation_batch_size)
         records[qa_set.name] = set_records
         for indicator, value in set_values.items():
             values[f"{qa_set.name}_{indicator}"] = value
