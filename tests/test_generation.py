@@ -25,7 +25,7 @@ def _reference(model, formatter, questions, max_new_tokens, max_total_tokens=Non
     ends = stop | set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
                       else [model.generation_config.eos_token_id])
     for question in questions:
-        ids = torch.tensor([formatter.prompt_ids(question)])
+        ids = torch.tensor([formatter.prompt_ids(question)], device=model.device)
         budget = max_new_tokens if max_total_tokens is None else max(0, max_total_tokens - ids.shape[1])
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max(1, budget),
                              do_sample=False, pad_token_id=tokenizer.pad_token_id, temperature=None, top_p=None,
@@ -82,3 +82,4 @@ def test_a_logits_processor_in_the_generation_config_takes_generate(loaded, monk
     monkeypatch.setattr(generation, "_decode_dropping", lambda *a: pytest.fail("fast path with a processor"))
     texts, _ = greedy_generate(model, formatter, QUESTIONS[:2], 4, 2)
     assert len(texts) == 2
+
