@@ -223,3 +223,28 @@ def test_the_engine_trains_on_cuda_in_bf16_mixed_and_lr_1e5_moves_the_weights(ti
     ran = {name: count - launches.get(name, 0) for name, count in multi_tensor.COUNTERS.by_kernel.items()}
     expected = "adamw_plus_multi_tensor_kernel" if scheme == "doplus" else "adam_stats_multi_tensor_kernel"
     assert {name: count for name, count in ran.items() if count} == {expected: 6}
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="on a CPU tests/test_generation.py covers the row-dropping decoder")
+def test_greedy_generation_on_cuda_attends_without_cudnn_and_gives_one_question_at_a_time_answers(tiny_chat_llama,
+                                                                                                 monkeypatch):
+    """The row-dropping decoder on CUDA, with SDPA's cuDNN backend off for every forward (generation.py,
+    `_attention_backends`), gives what `generate` gives one question at a time (no padding)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from doplus_cli import generation
+    from doplus_cli.data.formatting import PromptFormatter
+    from tests.test_generation import QUESTIONS, _reference
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_llama).to(DEVICE)
+    formatter = PromptFormatter(AutoTokenizer.from_pretrained(tiny_chat_llama), max_length=128)
+    expected = _reference(model, formatter, QUESTIONS, 12)
+    decoded, cudnn = [], []
+    original_decoder, original_forward = generation._decode_dropping, model.forward
+    monkeypatch.setattr(generation, "_decode_dropping", lambda *a: decoded.append(1) or original_decoder(*a))
+    monkeypatch.setattr(model, "forward", lambda *a, **k: cudnn.append(torch.backends.cuda.cudnn_sdp_enabled())
+                        or original_forward(*a, **k))
+    texts, tokens = generation.greedy_generate(model, formatter, QUESTIONS, 12, 4)
+    assert len(decoded) == 2 and cudnn and not any(cudnn)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    assert tokens == expected[1] and texts == expected[0]
