@@ -63,7 +63,6 @@ def test_every_docs_page_is_linked_from_the_readme():
     assert [p.name for p in (ROOT / "docs").glob("*.md") if f"(docs/{p.name})" not in readme] == []
 
 
-
 def test_a_suite_worker_runs_one_torch_thread():
     """Under the README's `-n 2` each pytest-xdist worker computes on one thread (conftest.py), and the runs it
     starts inherit that; outside a worker nothing is set."""
