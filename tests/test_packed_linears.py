@@ -131,3 +131,25 @@ def test_the_floor_rates_name_both_kernels_on_cpu():
     rates = matmul_gflops(size=256, seconds=0.01)
     assert set(rates) == {"matmul", compute.ONEDNN_KERNEL}
     assert all(rate > 0 for rate in rates.values())
+
+
+def test_the_floor_is_over_the_fastest_kernel_and_names_torchs_matmul_beside_it():
+    """Hand-computed: 100 tokens x 2 x 1M parameters = 2e8 FLOP; over oneDNN's 400 GFLOP/s 0.5 ms, over torch's
+    matmul at 100 GFLOP/s 2 ms; a wall of 2 s is 4000x and 1000x. A floor the evaluation could beat is none (a
+    Zen 5 EPYC read torch's matmul at 219 GFLOP/s and oneDNN's at 492, and an evaluation at 0.95x the first)."""
+    from doplus_cli.progress import TokenCount
+
+    tokens = TokenCount(prompt=10, generated=20, teacher_forced=70)
+    record = compute.compute_floor(tokens, 1_000_000, {"matmul": 100.0, compute.ONEDNN_KERNEL: 400.0}, 2.0,
+                                   "float32")
+    assert record["floor_kernel"] == compute.ONEDNN_KERNEL and record["floor_gflops"] == 400.0
+    assert record["floor_s"] == pytest.approx(5e-4) and record["ratio"] == pytest.approx(4000.0)
+    assert record["matmul_floor_s"] == pytest.approx(2e-3) and record["matmul_ratio"] == pytest.approx(1000.0)
+    line = compute.floor_line(record)
+    assert "over 400 GFLOP/s (float32 oneDNN packed linear, the fastest product measured in this run)" in line
+    assert "4000.00x the floor" in line and "Over torch's matmul (100 GFLOP/s): floor 0.0 s, 1000.00x." in line
+    # where torch's matmul is the fastest (a GPU measures no other kernel), it is the floor, named once
+    record = compute.compute_floor(tokens, 1_000_000, {"matmul": 100.0}, 2.0, "bfloat16")
+    assert record["floor_kernel"] == "matmul" and record["ratio"] == record["matmul_ratio"] == pytest.approx(1000.0)
+    line = compute.floor_line(record)
+    assert "(bfloat16 matmul, measured in this run)" in line and "Over torch's matmul" not in line
