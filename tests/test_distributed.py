@@ -174,7 +174,9 @@ def test_sigterm_stops_an_fsdp_run_with_a_checkpoint_and_it_resumes(tiny_llama, 
     """`--num-processes 2`: SIGTERM reaches both workers, they stop after the same step and write their shards;
     the launching process exits 143 without torchrun's traceback and names the command that resumes."""
 
-    steps = 24
+    # Steps to spare after the signal: at 0.05 s a step, a run under the suite's -n 2 load once finished all 24
+    # steps of an earlier version of this test before the forwarded signal reached its workers.
+    steps = 120
     out, whole = tmp_path / "preempted", tmp_path / "whole"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     whole_run, arguments = ([str(a) for a in common(tiny_llama, data, o, "--batch-size", 2, "--fsdp")]
