@@ -77,6 +77,53 @@ def test_sigterm_writes_a_checkpoint_and_the_resumed_run_ends_as_an_uninterrupte
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"stopped after {kept[0].name}"
 
 
+def _signal_self_then(function):
+    """`function`, after this process sent itself SIGTERM (the handler the run installed only records it)."""
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return function(*args, **kwargs)
+    return signalled
+
+
+def test_sigterm_during_the_evaluation_after_the_last_step_checkpoints_it_and_resume_ends_the_run(
+        tiny_llama, data, tmp_path, capsys, monkeypatch):
+    from doplus_cli.engine import unlearn
+
+    steps = 6
+    whole, out = tmp_path / "whole", tmp_path / "preempted"
+    assert run_cli(*args(tiny_llama, data, whole, steps)) == 0
+    handler = signal.getsignal(signal.SIGTERM)
+    with monkeypatch.context() as patch:  # the signal lands while the after-training samples are generated
+        patch.setattr(unlearn.UnlearnPlan, "after", _signal_self_then(unlearn.UnlearnPlan.after))
+        capsys.readouterr()
+        assert run_cli(*args(tiny_llama, data, out, steps)) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert f"stopped by SIGTERM after step {steps}" in err and "--resume" in err
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == [f"step-{steps}"]
+    assert not (out / "final").exists() and not (out / "report.json").exists()
+    assert signal.getsignal(signal.SIGTERM) is handler  # the run's handler is gone with it
+    assert run_cli(*args(tiny_llama, data, out, steps), "--resume") == 0  # no step left: evaluation and final/
+    assert len(open(out / "metrics.jsonl").readlines()) == steps
+    assert json.loads((out / "report.json").read_text())["status"] == "completed"
+    a, b = final_weights(whole), final_weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigterm_while_the_final_model_is_written_lets_the_run_complete(tiny_llama, data, tmp_path, capsys,
+                                                                          monkeypatch):
+    from doplus_cli.engine import outputs
+
+    out, handler = tmp_path / "run", signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(outputs, "save_final", _signal_self_then(outputs.save_final))
+    capsys.readouterr()
+    assert run_cli(*args(tiny_llama, data, out, 4)) == 0
+    assert "SIGTERM arrived while the final model and report were written; the run completed" in \
+        capsys.readouterr().err
+    assert json.loads((out / "report.json").read_text())["status"] == "completed"
+    assert (out / "final" / "model.safetensors").exists() and not list_checkpoints(out / "checkpoints")
+    assert signal.getsignal(signal.SIGTERM) is handler
+
+
 def test_resume_with_a_changed_learning_rate_is_refused(tiny_llama, data, tmp_path, capsys):
     out = tmp_path / "run"
     assert run_cli(*args(tiny_llama, data, out, 4, "--save-every", 2)) == 0

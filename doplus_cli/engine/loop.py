@@ -121,15 +121,24 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
     """Train on `plan`'s objectives as configured; return the report (also written to `config.out`)."""
     console = console or Console(stderr=True)
     started = time.perf_counter()
-    with setup(config, plan, console) as run:  # the progress display is live inside the block
-        train(run, config, plan, console)
-        unwrapped = run.accelerator.unwrap_model(run.model)
-        measured_after = plan.after(unwrapped, run.formatter, run.progress, run.accelerator, run.before)
-        full_weights = sharding.full_state_dict(run.model) if run.sharded else None  # every process takes part
-    run.accelerator.wait_for_everyone()
-    if not run.accelerator.is_main_process:
-        return {}
-    return finish(run, config, plan, measured_after, full_weights, started)
+    stop = StopRequest()  # installed by `train` and kept to the report: a signal never kills the run mid-write
+    try:
+        with setup(config, plan, console) as run:  # the progress display is live inside the block
+            train(run, config, plan, console, stop)
+            unwrapped = run.accelerator.unwrap_model(run.model)
+            measured_after = plan.after(unwrapped, run.formatter, run.progress, run.accelerator, run.before)
+            # a signal during that evaluation: the last step's checkpoint, and a resume redoes only what follows
+            _stop_with_checkpoint(run, stop, config.steps)
+            full_weights = sharding.full_state_dict(run.model) if run.sharded else None  # every process takes part
+        run.accelerator.wait_for_everyone()
+        if not run.accelerator.is_main_process:
+            return {}
+        report = finish(run, config, plan, measured_after, full_weights, started)
+    finally:
+        stop.restore()
+    if stop.signal_name is not None:  # it came while final/ and the report were written: they were finished
+        console.print(f"{stop.signal_name} arrived while the final model and report were written; the run completed")
+    return report
 
 
 def _open_run(config: TrainConfig, plan: Plan) -> tuple[Accelerator, Path, Path | None, dict[str, Any] | None]:
@@ -227,13 +236,14 @@ def setup(config: TrainConfig, plan: Plan, console: Console) -> Iterator[Run]:
         )
 
 
-def train(run: Run, config: TrainConfig, plan: Plan, console: Console) -> None:
+def train(run: Run, config: TrainConfig, plan: Plan, console: Console, stop: StopRequest | None = None) -> None:
     """Steps `run.start_step` to `config.steps`: pick the step's objective, backward its loss over `grad_accum`
     micro-batches, clip, `optimizer.step(objective=...)`, log; evaluate and checkpoint every N steps; SIGTERM or
-    Ctrl-C ends the run after the current step, with a checkpoint."""
+    Ctrl-C (caught by `stop`, installed by the caller) ends the run after the current step, the last one
+    included, with a checkpoint."""
     cycle = frequencies(run.objectives)
     log = StepLog(run, plan.activity, config.steps, console)
-    stop = StopRequest()
+    stop = stop or StopRequest()
     try:
         stop.install()
         for step in range(run.start_step, config.steps):
@@ -260,18 +270,25 @@ def train(run: Run, config: TrainConfig, plan: Plan, console: Console) -> None:
             log.line(record)
             if config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
                 run.save_checkpoint(step + 1)
-            if stop.requested(run.accelerator) and step + 1 < config.steps:
-                path = run.save_checkpoint(step + 1)
-                if not run.accelerator.is_main_process:  # the main process says what happened and how to resume
-                    raise SystemExit(worker_exit_code(128 + stop.signal_number))
-                raise RunInterrupted(stop, step + 1, path, run.accelerator.num_processes)
+            _stop_with_checkpoint(run, stop, step + 1)
     except BaseException:
         run.tracker.close()  # flushed; the checkpoint keeps the tracker run ids for --resume
         raise
     finally:
-        stop.restore()
         if run.metrics is not None:
             run.metrics.close()
+
+
+def _stop_with_checkpoint(run: Run, stop: StopRequest, step: int) -> None:
+    """If any process was signalled: checkpoints/step-{step} (every process takes part), then end the run saying
+    how to resume (the main process; the others exit with the same code)."""
+    if not stop.requested(run.accelerator):
+        return
+    path = run.save_checkpoint(step)
+    run.tracker.close()  # flushed; the checkpoint keeps the tracker run ids for --resume
+    if not run.accelerator.is_main_process:  # the main process says what happened and how to resume
+        raise SystemExit(worker_exit_code(128 + stop.signal_number))
+    raise RunInterrupted(stop, step, path, run.accelerator.num_processes)
 
 
 def finish(run: Run, config: TrainConfig, plan: Plan, measured_after: dict[str, Any],
