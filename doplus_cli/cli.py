@@ -117,7 +117,7 @@ def evaluate(
     generation_batch_size: int | None = typer.Option(
         None, "--generation-batch-size", min=1,
         help="Prompts per generation batch of the TOFU and real-world suites, apart from the NLL batches' unit "
-        "[default: --batch-size]"),
+        "[default: twice --batch-size on the CPU, --batch-size on a GPU]"),
     max_new_tokens: int = typer.Option(EvalConfig.max_new_tokens, "--max-new-tokens", min=1,
                                        help="Greedy tokens per answer."),
     embedding_model: str | None = typer.Option(

