@@ -236,14 +236,13 @@ def setup(config: TrainConfig, plan: Plan, console: Console) -> Iterator[Run]:
         )
 
 
-def train(run: Run, config: TrainConfig, plan: Plan, console: Console, stop: StopRequest | None = None) -> None:
+def train(run: Run, config: TrainConfig, plan: Plan, console: Console, stop: StopRequest) -> None:
     """Steps `run.start_step` to `config.steps`: pick the step's objective, backward its loss over `grad_accum`
     micro-batches, clip, `optimizer.step(objective=...)`, log; evaluate and checkpoint every N steps; SIGTERM or
-    Ctrl-C (caught by `stop`, installed by the caller) ends the run after the current step, the last one
-    included, with a checkpoint."""
+    Ctrl-C ends the run after the current step, the last one included, with a checkpoint. `stop` is installed
+    here and restored by the caller, which keeps it through the evaluation after training and the final save."""
     cycle = frequencies(run.objectives)
     log = StepLog(run, plan.activity, config.steps, console)
-    stop = stop or StopRequest()
     try:
         stop.install()
         for step in range(run.start_step, config.steps):
