@@ -1,8 +1,12 @@
 """Evaluations on CPU run their linear layers on oneDNN with packed weights (`packed_linears`): the products agree
 with a float64 reference as torch's own do, every plain `nn.Linear` really ran packed, tied weights pack once,
-the layers get their own forward back, and the switch and the floor's rates behave as documented."""
+the layers get their own forward back, and the switch and the floor's rates behave as documented. Where this CPU
+cannot run the packed product for a dtype (bfloat16 without AVX-512 or AVX-NE-CONVERT) the layers keep their own
+forward and the evaluation says so: the suite passes on AVX2-only CPUs and on AVX-512/AMX ones alike."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -26,6 +30,13 @@ def _linears(model) -> list[torch.nn.Linear]:
 
 def test_this_torch_build_has_the_packed_linear():
     assert compute.onednn_linear_available()  # x86 CPU builds of torch ship oneDNN; CI runs one
+    assert compute.packing_unsupported(torch.float32) is None  # float32's path needs no more than AVX2
+
+
+def test_the_verdict_names_what_cannot_be_packed(monkeypatch):
+    monkeypatch.setattr(compute, "PACKING_VERDICTS", {})  # this process's table left as it was
+    assert "not float16" in compute.packing_unsupported(torch.float16)
+    assert "not float64" in compute.packing_unsupported(torch.float64)
 
 
 def test_a_packed_linear_agrees_with_a_float64_reference_as_torch_does():
@@ -85,18 +96,85 @@ def test_shared_weights_across_layers_are_packed_once(monkeypatch):
     assert len(packs) == 1
 
 
-def test_bfloat16_layers_run_packed_within_bfloat16_rounding():
+def test_bfloat16_layers_run_packed_where_the_cpu_can_and_as_torchs_own_where_it_cannot(monkeypatch):
+    """oneDNN's bfloat16 packed product needs AVX-512 BW/VL/DQ (torch's `_is_avx512_supported` asks cpuinfo for
+    exactly those) or AVX-NE-CONVERT. Where the CPU has them the layers run packed; where the probe says no, none
+    is swapped and torch's own layer runs, with the same result within bfloat16 rounding and no exception."""
+    monkeypatch.setattr(compute, "PACKING_VERDICTS", {})  # decided afresh, and this process's table left as it was
+    verdict = compute.packing_unsupported(torch.bfloat16)
+    if torch.cpu._is_avx512_supported():
+        assert verdict is None
     model = _model(tied=False, dtype=torch.bfloat16)
     layer = model.model.layers[0].mlp.up_proj
     torch.manual_seed(2)
     x = torch.randn(5, 48).to(torch.bfloat16)
     reference = x.double() @ layer.weight.double().T
+    calls = []
+    original_linear = compute._packed_linear
+    monkeypatch.setattr(compute, "_packed_linear", lambda *a: calls.append(1) or original_linear(*a))
     with packed_linears(model) as swapped, torch.no_grad():
         out = layer(x)
-    assert swapped == len(_linears(model))
+    if verdict is None:  # the packed path ran
+        assert swapped == len(_linears(model)) and len(calls) == 1
+    else:  # the fallback ran: nothing swapped, the product not called, the reason names the CPU
+        assert swapped == 0 and not calls and "cannot run on this CPU" in verdict
+        assert list(matmul_gflops(torch.bfloat16, size=64, seconds=0.01)) == ["matmul"]
     assert out.dtype == torch.bfloat16
     # bfloat16 keeps 8 significant bits: the output is rounded once, to within 2^-8 of its scale
     assert (out.double() - reference).abs().max().item() < 2 ** -7 * reference.abs().max().item()
+
+
+def test_a_dtype_this_cpu_cannot_pack_keeps_torchs_layers_and_drops_the_packed_rate(monkeypatch):
+    """The verdict forced to "unsupported" for float32 (the decision's own table, not torch): nothing is swapped,
+    the floor measures torch's matmul only, and `linear_kernel` says which kernel ran and why."""
+    model = _model(tied=False)
+    monkeypatch.setitem(compute.PACKING_VERDICTS, torch.float32, "oneDNN's float32 packed linear cannot run here")
+    with packed_linears(model) as swapped:
+        assert swapped == 0 and all("forward" not in vars(m) for m in _linears(model))
+    assert list(matmul_gflops(torch.float32, size=64, seconds=0.01)) == ["matmul"]
+    assert compute.linear_kernel(model) == {"kernel": compute.TORCH_LINEAR, "dtype": "float32",
+                                            "reason": "oneDNN's float32 packed linear cannot run here"}
+    monkeypatch.setitem(compute.PACKING_VERDICTS, torch.float32, None)
+    assert compute.linear_kernel(model) == {"kernel": compute.ONEDNN_KERNEL, "dtype": "float32", "reason": None}
+    assert compute.linear_kernel(None) is None
+
+
+def test_a_bfloat16_evaluation_on_a_cpu_without_the_packed_path_completes_and_says_so(tiny_llama, tofu_dir,
+                                                                                      tmp_path, monkeypatch):
+    """The failure this guards against: on an AVX2-only CPU `doplus evaluate --dtype bfloat16` ended in oneDNN's
+    RuntimeError. With the decision forced to "unsupported" (as such a CPU answers it) the evaluation runs on
+    torch's own layers, exit 0, and eval.json and report.md name the kernel and the reason."""
+    from tests.helpers import run_cli
+
+    reason = "oneDNN's bfloat16 packed linear cannot run on this CPU (forced by the test)"
+    monkeypatch.setitem(compute.PACKING_VERDICTS, torch.bfloat16, reason)
+    out = tmp_path / "eval"
+    assert run_cli("evaluate", "--model", tiny_llama, "--data-dir", tofu_dir, "--split", "forget01", "--dtype",
+                   "bfloat16", "--max-samples", 2, "--max-new-tokens", 2, "--out", out) == 0
+    record = json.loads((out / "eval.json").read_text())["compute"]
+    assert record["matmul_dtype"] == "bfloat16" and record["packed_linear_layers"] == 0
+    assert record["linear_kernel"] == {"kernel": compute.TORCH_LINEAR, "dtype": "bfloat16", "reason": reason}
+    assert list(record["kernel_gflops"]) == ["matmul"] and record["floor_kernel"] == "matmul"
+    report = (out / "report.md").read_text()
+    assert f"The linear layers ran as {compute.TORCH_LINEAR} (bfloat16): {reason}." in report
+    assert "ran on oneDNN with packed weights" not in report
+
+
+def test_a_training_report_names_the_dtypes_whose_layers_ran_unpacked(tmp_path, monkeypatch):
+    from doplus_cli.engine.outputs import environment_lines, write_report
+
+    monkeypatch.setattr(compute, "PACKING_VERDICTS", {torch.float32: None, torch.bfloat16: "no AVX-512 here"})
+    report = {"environment": {"device": "cpu", "world_size": 1, "dtype": "bfloat16", "versions": {"torch": "2"},
+                              "python": "3"}}
+    write_report(tmp_path, report, render=lambda r: "\n".join(environment_lines(r["environment"])))
+    assert json.loads((tmp_path / "report.json").read_text())["environment"]["linear_fallbacks"] == {
+        "bfloat16": "no AVX-512 here"}
+    assert (f"- evaluations ran bfloat16 linear layers as {compute.TORCH_LINEAR} (same results within rounding, "
+            "slower): no AVX-512 here") in (tmp_path / "report.md").read_text()
+    compute.PACKING_VERDICTS[torch.bfloat16] = None  # where every dtype packs, the report says nothing of it
+    report["environment"].pop("linear_fallbacks")
+    write_report(tmp_path, report, render=lambda r: "\n".join(environment_lines(r["environment"])))
+    assert "linear_fallbacks" not in json.loads((tmp_path / "report.json").read_text())["environment"]
 
 
 def test_what_is_not_packed(monkeypatch):

@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from doplus_cli.errors import UserError, writing
+from doplus_cli.evaluation import compute
 from doplus_cli.files import atomic_write_text
 from doplus_cli.optim import kernels, multi_tensor
 
@@ -329,14 +330,21 @@ def environment_lines(env: dict[str, Any]) -> list[str]:
             "- " + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v) + f", python {env['python']}",
             *(f"- the {name} kernel failed to compile and "
               f"{'the per-tensor kernels ran' if name == multi_tensor.NAME else 'ran as eager code'} (same results, "
-              f"slower): {reason}" for name, reason in eager.items())]
+              f"slower): {reason}" for name, reason in eager.items()),
+            *(f"- evaluations ran {dtype} linear layers as {compute.TORCH_LINEAR} (same results within rounding, "
+              f"slower): {reason}" for dtype, reason in (env.get("linear_fallbacks") or {}).items())]
 
 
 def write_report(out: Path, report: dict[str, Any], render=None) -> None:
     """report.md (written by `render`, unlearn's `render_markdown` by default), then report.json; the
-    environment records the compiled kernels that fell back to eager code in this process."""
+    environment records the compiled kernels that fell back to eager code in this process, and the dtypes whose
+    linear layers evaluations could not run on oneDNN's packed product on this CPU."""
     failed = {**kernels.fallbacks(), **multi_tensor.fallbacks()}
     if "environment" in report and failed:
         report["environment"]["eager_fallbacks"] = failed
+    unpacked = {str(dtype).removeprefix("torch."): reason for dtype, reason in compute.PACKING_VERDICTS.items()
+                if reason is not None}
+    if "environment" in report and unpacked:
+        report["environment"]["linear_fallbacks"] = unpacked
     atomic_write_text(out / "report.md", (render or render_markdown)(report))
     atomic_write_text(out / "report.json", json.dumps(report, indent=2) + "\n")

@@ -5,21 +5,26 @@ A decoder's forward pass costs about 2 x parameters floating-point operations pe
 (attention's score products and the softmax are left out: small next to them at these lengths). Over the rate
 this machine reaches on one large matrix product of the model's dtype, measured in the same run, that is the
 least time the evaluation could take; `wall / floor` says how far the evaluation is from it. Absolute times
-differ between machines (CPUs measured here: 206 to 306 GFLOP/s in float32); the ratio travels.
+differ between machines; the ratio travels.
 
 On CPU, torch's `nn.Linear` calls MKL's sgemm on the weight as stored. At a model's evaluation shapes (a decoding
-batch of 64 rows times a 576 x 49152 output layer, say) that ran at half the machine's large-product rate, where
-oneDNN's linear on a weight reordered once for it ran near the full rate (measured on 2 AMD EPYC cores: 201 against
-96 GFLOP/s for that output layer, 222 against 165 on a 2048 x 2048 product). `packed_linears` swaps every plain
-`nn.Linear` of a CPU model for the packed oneDNN product for the length of an evaluation.
+batch of 64 rows times a 576 x 49152 output layer, say) that runs at about half the machine's large-product rate,
+where oneDNN's linear on a weight reordered once for it runs near the full rate. `packed_linears` swaps every
+plain `nn.Linear` of a CPU model for the packed oneDNN product for the length of an evaluation.
 
-The floor is over the fastest product kernel measured, since a floor that the evaluation can beat is none: on a
-Zen 5 EPYC torch's 2048 x 2048 float32 matmul read 219 GFLOP/s and oneDNN's packed linear 492, and a paper-protocol
-evaluation took 0.95x the floor over torch's rate. The record keeps the ratio over torch's matmul beside it.
+oneDNN's packed product is not available for every dtype on every CPU: its bfloat16 path needs AVX-512 (BW, VL,
+DQ) or AVX-NE-CONVERT, which most laptops and many cloud CPUs (AVX2 only) lack. `packing_unsupported` decides
+once per process and dtype, by packing and multiplying a small tensor of that dtype, and the layers keep their
+own forward where it cannot run; the record and the report say which kernel ran and why.
+
+The floor is over the fastest product kernel measured, since a floor that the evaluation can beat is none (on
+CPUs where oneDNN's packed linear runs at twice MKL's rate, a floor over torch's matmul is one the evaluation
+beats). The record keeps the ratio over torch's matmul beside it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -33,7 +38,14 @@ from doplus_cli.progress import TokenCount
 # DOPLUS_ONEDNN=0 keeps torch's own linear layers (MKL) in evaluations on CPU.
 ONEDNN_VARIABLE = "DOPLUS_ONEDNN"
 ONEDNN_KERNEL = "oneDNN packed linear"
+TORCH_LINEAR = "torch nn.Linear"
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+log = logging.getLogger(__name__)
+
+# dtype -> None (oneDNN's packed product runs here) or the reason it does not; filled once per process by
+# `packing_unsupported`. A test may set an entry to force an answer.
+PACKING_VERDICTS: dict[torch.dtype, str | None] = {}
 
 
 def onednn_linear_available() -> bool:
@@ -42,6 +54,55 @@ def onednn_linear_available() -> bool:
         return False
     ops = torch.ops.mkldnn
     return hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
+
+
+def packing_unsupported(dtype: torch.dtype) -> str | None:
+    """None where oneDNN's packed linear runs for `dtype` in this process, else why not, in one line.
+
+    Decided once per process and dtype by packing and multiplying a small tensor of that dtype: the build may lack
+    the op, and a CPU may lack the instructions a dtype's path needs (bfloat16 needs AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT; torch raises a RuntimeError when it is asked anyway). The answer does not depend on the
+    DOPLUS_ONEDNN switch, which `onednn_linear_available` reads."""
+    if dtype not in PACKING_VERDICTS:
+        PACKING_VERDICTS[dtype] = _probe_packing(dtype)
+        if PACKING_VERDICTS[dtype] is not None:
+            log.warning("doplus: linear layers in %s run as %s: %s", str(dtype).removeprefix("torch."), TORCH_LINEAR,
+                        PACKING_VERDICTS[dtype])
+    return PACKING_VERDICTS[dtype]
+
+
+def _probe_packing(dtype: torch.dtype) -> str | None:
+    name = str(dtype).removeprefix("torch.")
+    if dtype not in PACKED_DTYPES:
+        return f"oneDNN's packed linear takes float32 and bfloat16 weights, not {name}"
+    if not torch.backends.mkldnn.is_available() or not all(
+            hasattr(torch.ops.mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise")):
+        return "this torch build has no oneDNN packed linear"
+    try:
+        with torch.no_grad():
+            weight = torch.ones(8, 16, dtype=dtype)
+            out = _packed_linear(_pack(weight, 4), None, torch.ones(4, 16, dtype=dtype))
+    except (RuntimeError, NotImplementedError) as error:
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        return f"oneDNN's {name} packed linear cannot run on this CPU ({first_line})"
+    if out.shape != (4, 8) or not bool((out == 16).all()):  # 16 products of ones, exact in both dtypes
+        return f"oneDNN's {name} packed linear gave a wrong product on this CPU"
+    return None
+
+
+def linear_kernel(model: torch.nn.Module | None) -> dict[str, str | None] | None:
+    """Which kernel an evaluation's linear layers ran on and why, for the compute record: {"kernel", "dtype",
+    "reason"} (reason None where the packed product ran); None for no model or one off the CPU."""
+    parameter = next(model.parameters(), None) if model is not None else None
+    if parameter is None or parameter.device.type != "cpu":
+        return None
+    dtype = str(parameter.dtype).removeprefix("torch.")
+    if not onednn_linear_available():
+        return {"kernel": TORCH_LINEAR, "dtype": dtype, "reason": f"{ONEDNN_VARIABLE}=0 or no oneDNN in this build"}
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return {"kernel": TORCH_LINEAR, "dtype": dtype, "reason": "one process of several"}
+    reason = packing_unsupported(parameter.dtype)
+    return {"kernel": TORCH_LINEAR if reason else ONEDNN_KERNEL, "dtype": dtype, "reason": reason}
 
 
 def _pack(weight: torch.Tensor, rows: int = 64) -> torch.Tensor:
@@ -62,15 +123,16 @@ def _packable(module: torch.nn.Module) -> bool:
 @contextmanager
 def packed_linears(model: torch.nn.Module | None) -> Iterator[int]:
     """For the block: every plain `nn.Linear` of a CPU model (float32 or bfloat16) computes with its weight
-    packed for oneDNN; yields how many layers were swapped (0: none, e.g. on CUDA, with DOPLUS_ONEDNN=0, or under
-    torch.distributed). The packed copies are snapshots, so the block must not change the weights, and they carry
+    packed for oneDNN; yields how many layers were swapped (0: none, e.g. on CUDA, with DOPLUS_ONEDNN=0, under
+    torch.distributed, or where this CPU cannot run the packed product for the layers' dtype:
+    `packing_unsupported`). The packed copies are snapshots, so the block must not change the weights, and they carry
     no gradient: for inference only. Each layer's own forward is back on exit."""
     swapped: list[torch.nn.Module] = []
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if model is not None and not distributed and onednn_linear_available():
         seen: dict[int, torch.Tensor] = {}  # a weight shared by several layers packs once
         for module in model.modules():
-            if not _packable(module):
+            if not _packable(module) or packing_unsupported(module.weight.dtype) is not None:
                 continue
             weight = module.weight
             if id(weight) not in seen:
@@ -91,12 +153,14 @@ def matmul_gflops(dtype: torch.dtype = torch.float32, device: str | torch.device
                   seconds: float = 1.0) -> dict[str, float]:
     """GFLOP/s of `size` x `size` matrix products in `dtype` on `device` by kernel, each the best of repeated timings
     over about `seconds` (one warm-up product first): "matmul" (torch's, the floor's rate) and on CPU, where the
-    evaluation packs its linear layers (`packed_linears`), "oneDNN packed linear"."""
+    evaluation packs its linear layers (`packed_linears`) and this CPU runs the packed product in `dtype`,
+    "oneDNN packed linear"."""
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     kernels = {"matmul": lambda: a @ b}
-    if torch.device(device).type == "cpu" and dtype in PACKED_DTYPES and onednn_linear_available():
+    if (torch.device(device).type == "cpu" and dtype in PACKED_DTYPES and onednn_linear_available()
+            and packing_unsupported(dtype) is None):
         packed = _pack(b.t().contiguous(), size)
         kernels[ONEDNN_KERNEL] = lambda: _packed_linear(packed, None, a)
     rates = {}
@@ -115,11 +179,12 @@ def matmul_gflops(dtype: torch.dtype = torch.float32, device: str | torch.device
 
 
 def compute_floor(tokens: TokenCount, parameters: int, rates: dict[str, float], wall_s: float, dtype: str,
-                  packed_layers: int = 0, decode_calls: int = 0, fallbacks: dict[str, str] | None = None
-                  ) -> dict[str, Any]:
+                  packed_layers: int = 0, decode_calls: int = 0, fallbacks: dict[str, str] | None = None,
+                  linear: dict[str, str | None] | None = None) -> dict[str, Any]:
     """The floor's figures for eval.json: tokens by kind, parameters, the measured rates, floor and wall seconds,
     how many linear layers ran packed for oneDNN, how many one-token attention calls ran the compiled decoding
-    kernel (`decoding.py`; per layer and step) and the compiled kernels that fell back to eager code. `floor_s` and
+    kernel (`decoding.py`; per layer and step), the compiled kernels that fell back to eager code, and which kernel
+    the linear layers ran on and why (`linear_kernel`). `floor_s` and
     `ratio` are over the fastest kernel measured (`floor_kernel`: oneDNN's packed linear where it is faster than
     torch's matmul); `matmul_floor_s` and `matmul_ratio` over torch's matmul."""
     work = 2 * parameters * tokens.total
@@ -130,7 +195,7 @@ def compute_floor(tokens: TokenCount, parameters: int, rates: dict[str, float], 
             "parameters": parameters, "kernel_gflops": dict(rates), "floor_kernel": kernel,
             "matmul_gflops": rates["matmul"], "matmul_dtype": dtype,
             "packed_linear_layers": packed_layers, "decode_attention_calls": decode_calls,
-            "eager_fallbacks": dict(fallbacks or {}), "floor_s": floor_s, "wall_s": wall_s,
+            "eager_fallbacks": dict(fallbacks or {}), "linear_kernel": linear, "floor_s": floor_s, "wall_s": wall_s,
             "ratio": wall_s / floor_s if floor_s > 0 else None, "matmul_floor_s": matmul_floor_s,
             "matmul_ratio": wall_s / matmul_floor_s if matmul_floor_s > 0 else None}
 
@@ -151,6 +216,9 @@ def floor_line(compute: dict[str, Any]) -> str:
                  f"{compute['matmul_floor_s']:.1f} s, {compute['matmul_ratio']:.2f}x.")
     if compute.get("packed_linear_layers"):
         line += f" {compute['packed_linear_layers']} linear layers ran on oneDNN with packed weights."
+    linear = compute.get("linear_kernel") or {}
+    if linear.get("reason"):
+        line += f" The linear layers ran as {linear['kernel']} ({linear['dtype']}): {linear['reason']}."
     if compute.get("decode_attention_calls"):
         line += (f" {compute['decode_attention_calls']:,} one-token attention calls (per layer and decoding step) "
                  "ran the compiled decoding kernel on in-place KV buffers.")

@@ -17,7 +17,7 @@ from rich.console import Console
 from doplus_cli import decoding
 from doplus_cli.data.formatting import check_prompt_template
 from doplus_cli.errors import UserError
-from doplus_cli.evaluation.compute import compute_floor, matmul_gflops, packed_linears
+from doplus_cli.evaluation.compute import compute_floor, linear_kernel, matmul_gflops, packed_linears
 from doplus_cli.evaluation.lm_eval_suite import LM_EVAL_SUITE
 from doplus_cli.evaluation.privacy import read_holdout, read_retain_logs
 from doplus_cli.evaluation.protocol import get_protocol
@@ -133,15 +133,15 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
         record = _evaluate_model(model, tokenizer, config, out, model_name, progress, targeted, judges, started)
     if command is not None and model is not None:
         parameters = sum(p.numel() for p in model.parameters())
-        # measured again at the end, each kernel's faster rate kept: one second of timings at the start read
-        # torch's matmul at 150.7 GFLOP/s in one run and 178-186 in others on the same CPU, which moved the
-        # ratio by a fifth with no change in the evaluation's own speed
+        # measured again at the end, each kernel's faster rate kept: one second of timings can read a rate a fifth
+        # below the machine's (another process, frequency scaling), which would move the ratio as much with no
+        # change in the evaluation's own speed
         parameter = next(model.parameters())
         measured = [command["rates"], matmul_gflops(parameter.dtype, parameter.device)]
         rates = {name: max(run[name] for run in measured) for name in measured[0]}
         record["compute"] = compute_floor(tokens, parameters, rates, time.perf_counter() - command["started"],
                                           command["dtype"], packed, decoding.KERNEL.compiled_calls - decode_calls,
-                                          kernels.fallbacks())
+                                          kernels.fallbacks(), linear_kernel(model))
         record["compute"]["kernel_gflops_measured"] = measured
     write_json(out / "eval.json", record)
     from doplus_cli.evaluation.report import render_eval_markdown
