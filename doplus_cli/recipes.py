@@ -142,19 +142,28 @@ def _new_value(value: str, relative: str) -> str:
     return relative + (bracket + rows if bracket and value.endswith("]") else "")
 
 
+def dest_is_folder(dest: str | os.PathLike) -> bool:
+    """Whether DEST names a folder to copy into: an existing folder, a path ending in `/`, or a path that does not
+    exist and has no `.yaml`/`.yml` suffix (`my-run/` and `my-run` both mean a folder; `my-run/mine.yaml` a file)."""
+    text = os.fspath(dest)
+    path = Path(text)
+    if path.is_dir() or text.endswith(("/", os.sep)):
+        return True
+    return not path.exists() and path.suffix not in (".yaml", ".yml")
+
+
 def copy_recipe(name: str, dest: str | os.PathLike, overwrite: bool = False, root: Path | None = None) -> CopyResult:
-    """Copy recipe `name` to `dest` (a file, or an existing folder to copy it into), with the data files and the
-    teaching recipe it names that ship inside the recipes root, placed so that its relative paths resolve from
-    `dest`. Files it names outside the recipes root (TOFU, the safety sets, TRACE) are not shipped: they are
-    listed in `missing`, not copied."""
+    """Copy recipe `name` to `dest` (a folder, created if missing, or a `.yaml` file path), with the data files
+    and the teaching recipe it names that ship inside the recipes root, placed so that its relative paths resolve
+    from `dest`. Files it names that do not ship (TOFU, the safety sets, TRACE) are listed in `missing`, each with
+    where to put it and the flag that overrides it, not copied."""
     root = (recipes_root() if root is None else root).resolve()
     recipe = find_recipe(name, root)
-    dest = Path(dest)
-    target = dest / recipe.path.name if dest.is_dir() else dest
+    target = Path(dest) / recipe.path.name if dest_is_folder(dest) else Path(dest)
     if target.exists() and not overwrite:
         raise UserError(f"{target}: exists; pass --overwrite to replace it")
-    if not target.parent.is_dir():
-        raise UserError(f"{target.parent}: no such folder")
+    if target.parent.exists() and not target.parent.is_dir():
+        raise UserError(f"{target.parent}: exists and is not a folder")
     result = CopyResult(recipe=target, command=recipe.command)
     _copy(recipe.path.resolve(), target, root, overwrite, result, seen=set())
     return result
@@ -178,7 +187,7 @@ def _copy(source: Path, target: Path, root: Path, overwrite: bool, result: CopyR
         relative = file.relative_to(root).as_posix()
         direct = (target.parent / _strip_rows(value)).resolve()
         if _inside(direct, target.parent.resolve()):
-            placed = direct  # the path as written already resolves inside DEST's folder: keep it
+            placed = target.parent / _strip_rows(value)  # the path as written already resolves inside DEST's folder
         else:
             placed = target.parent / relative  # `../data/x.jsonl`: place it as data/x.jsonl and say so in the copy
             text = _replace_value(text, value, _new_value(value, relative))
@@ -187,8 +196,7 @@ def _copy(source: Path, target: Path, root: Path, overwrite: bool, result: CopyR
         elif file.is_file():
             _write_file(file, placed, overwrite, result)
     for path, keys in missing.items():
-        result.missing.append(f"{path} ({label}, {', '.join(keys)}): not shipped with doplus; provide it and "
-                              f"set {' and '.join(keys)} in {target} to its path")
+        result.missing.append(_missing_line(path, keys, label, target, main=target == result.recipe))
     if target != result.recipe and target.exists() and not overwrite:
         if target.read_text() == text:
             return
@@ -197,6 +205,20 @@ def _copy(source: Path, target: Path, root: Path, overwrite: bool, result: CopyR
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text)
     result.copied.append(target)
+
+
+def _missing_line(path: str, keys: list[str], label: str, target: Path, main: bool) -> str:
+    """One line for a file the recipe names that doplus does not ship: where to put it so the copy's relative path
+    finds it, and the command-line flags that point the copied recipe elsewhere instead (only the copied recipe's
+    own top-level keys have flags; a teaching recipe's task paths are edited in the file)."""
+    where = (f"put it at {target.parent / path}" if not os.path.isabs(path)
+             else f"set {' and '.join(keys)} in {target} to its path")
+    flags = [f"--{key.replace('_', '-')} PATH" for key in keys if main and key in PATH_KEYS and key != "teach"]
+    if flags:
+        where += f", or pass {' and '.join(flags)}"
+    elif not os.path.isabs(path):
+        where += f", or set {' and '.join(keys)} in {target} to its path"
+    return f"{path} ({label}: {', '.join(keys)}): not shipped with doplus; {where}"
 
 
 def _write_file(file: Path, placed: Path, overwrite: bool, result: CopyResult) -> None:

@@ -404,3 +404,19 @@ def check_dualoptim_8bit_against_adamw8bit(device: torch.device) -> None:
     big = opt.state[params[0]]["forget"]
     assert big["state1"].dtype == torch.uint8 and big["state2"].dtype == torch.uint8  # really 8-bit states
     assert opt.state[params[2]]["forget"]["state1"].dtype == torch.float32  # 100 elements: below 4,096
+
+
+def recipe_beside_shared_data(name: str, folder) -> Path:
+    """Shipped recipe `name` copied into `folder` with `doplus recipes copy`, and the data doplus does not ship
+    (data/tofu, data/safety) linked there from ../shared, as a user places it: the copy resolves as in a real
+    run. Returns the copied recipe's path."""
+    from doplus_cli.recipes import copy_recipe
+
+    folder = Path(folder)
+    copied = copy_recipe(name, folder if str(folder).endswith("/") else f"{folder}/").recipe
+    data = copied.parent / "data"
+    data.mkdir(exist_ok=True)
+    for part in ("tofu", "safety"):
+        if not (data / part).exists():
+            (data / part).symlink_to(SHARED / "data" / part, target_is_directory=True)
+    return copied

@@ -7,11 +7,22 @@ from pathlib import Path
 import pytest
 
 from doplus_cli.config import AlignConfig, MultitaskConfig, resolve_config
+from tests.helpers import recipe_beside_shared_data
 
+ROOT = Path(__file__).resolve().parents[1] / "recipes"
 # recipes/cluster/ holds an accelerate configuration, not a doplus recipe (tests/test_distributed.py runs it)
-RECIPES = sorted(
-    p for p in (Path(__file__).resolve().parents[1] / "recipes").rglob("*.yaml") if "cluster" not in p.parts
-)
+RECIPES = sorted(p for p in ROOT.rglob("*.yaml") if "cluster" not in p.parts)
+
+
+def _name(path: Path) -> str:
+    return path.relative_to(ROOT).with_suffix("").as_posix()
+
+
+def test_no_shipped_recipe_names_a_path_outside_doplus():
+    """Data doplus does not ship is named by a path beside the recipe (data/tofu/..., data/safety/...), which the
+    user provides; no recipe climbs out of the recipes folder to a development-only folder."""
+    for path in [*RECIPES, *ROOT.rglob("*.sh")]:
+        assert "shared/" not in path.read_text(), path
 
 
 def test_the_paper_settings_are_shipped():
@@ -22,27 +33,28 @@ def test_the_paper_settings_are_shipped():
     assert "quickstart.yaml" in names
 
 
-@pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(p.parents[1])))
-def test_recipe_resolves(path):
+@pytest.mark.parametrize("shipped", RECIPES, ids=lambda p: str(p.relative_to(p.parents[1])))
+def test_recipe_resolves(shipped, tmp_path):
+    path = recipe_beside_shared_data(_name(shipped), tmp_path)  # as a user runs it: copied, the data beside it
     if path.name.endswith("_teach.yaml"):  # a teaching stage: one joint fine-tuning on two TOFU slices
         config = resolve_config(str(path), {}, MultitaskConfig)
         assert [t["name"] for t in config.tasks] == ["forget_authors", "retain_authors"]
-        assert all(Path(t["data"].partition("[")[0]).is_file() for t in config.tasks)  # ../shared beside us
+        assert all(Path(t["data"].partition("[")[0]).is_file() for t in config.tasks)
         return
-    if "align" in path.parts:
+    if "align" in shipped.parts:
         config = resolve_config(str(path), {}, AlignConfig)
         assert config.description
-        assert Path(config.safety.partition("[")[0]).is_file()  # ../shared beside us
-        if path.name == "demo.yaml":  # the embedded model, the shared files, a few CPU minutes
+        assert Path(config.safety.partition("[")[0]).is_file()
+        if path.name == "demo.yaml":  # the embedded model, the data beside it, a few CPU minutes
             assert config.model is None and Path(config.general.partition("[")[0]).is_file() and config.held_out > 0
             assert config.epochs is not None and config.batch_size * config.grad_accum <= 8
-        if path.name == "safety_llama3.yaml":  # the paper's setting as issue #11 gives it
+        if path.name == "safety_llama3.yaml":  # the paper's setting (Section 4.4 and Appendix)
             assert config.model == "PKU-Alignment/alpaca-8b-reproduced-llama-3" and config.scheme == "doplus"
             assert config.freq == "1:10"
             assert (config.lr, config.epochs, config.batch_size * config.grad_accum) == (1e-5, 3.0, 128)
             assert config.safety.endswith("[0:2004]") and config.general.endswith("[:20004]") and config.held_out == 4
         return
-    if "multitask" in path.parts:
+    if "multitask" in shipped.parts:
         config = resolve_config(str(path), {}, MultitaskConfig)
         assert config.description and len(config.tasks) == 3
         if path.name == "demo.yaml":  # the embedded model; task files the project writes itself
@@ -55,25 +67,25 @@ def test_recipe_resolves(path):
         return
     config = resolve_config(str(path), {})
     assert config.description
-    if "tofu" in path.parts:
+    if "tofu" in shipped.parts:
         # the authors' files, task 1, their retain set (the hub's locuslab/TOFU has no forget tasks)
-        assert Path(config.forget).name == "forget10.json" and Path(config.forget).is_file()  # ../shared beside us
+        assert Path(config.forget).name == "forget10.json" and Path(config.forget).is_file()
         assert config.retain == "tofu-authors" and config.task_id == 1 and config.warmup_steps is None
         assert Path(config.eval_data_dir).is_dir() and config.eval_split == "forget10"
         assert (config.lr, config.steps, config.forget_freq, config.retain_freq) == (1e-5, 300, 1, 5)
         assert config.betas == (0.9, 0.95) and config.weight_decay == 0.01 and config.beta == 0.1
-        effective = {"phi-1.5": 40, "llama2-7b": 128}[path.parent.name]
+        effective = {"phi-1.5": 40, "llama2-7b": 128}[shipped.parent.name]
         assert config.batch_size * config.grad_accum == effective
         assert config.model == {"phi-1.5": "locuslab/tofu_ft_phi-1.5", "llama2-7b": "locuslab/tofu_ft_llama2-7b"}[
-            path.parent.name]
+            shipped.parent.name]
         assert config.forget_coeff == (0.1 if config.loss == "ME+GD" else 1.0)
-    if "bench" in path.parts:  # `doplus bench schemes` needs an evaluation suite
+    if "bench" in shipped.parts:  # `doplus bench schemes` needs an evaluation suite
         assert config.eval_suite in ("tofu", "answers") and Path(config.forget.partition("[")[0]).is_file()
         if config.eval_suite == "tofu":
             assert Path(config.teach).is_file() and Path(config.eval_data_dir).is_dir()
         else:
             assert config.answers_from_model and config.show_samples > 0
-    if "real_world" in path.parts:
+    if "real_world" in shipped.parts:
         assert config.model == "meta-llama/Meta-Llama-3-8B-Instruct" and config.lr == 5e-6
         assert config.batch_size * config.grad_accum == 128 and config.answers_from_model
         assert Path(config.forget).is_file() and Path(config.retain).is_file()
@@ -94,10 +106,10 @@ def _rows(spec: str) -> list[dict]:
     return rows
 
 
-def test_the_tofu_protocol_bench_keeps_the_paper_protocol():
+def test_the_tofu_protocol_bench_keeps_the_paper_protocol(tmp_path):
     """The GD set holds every retain row that MU scores; the teaching stage taught the forget tasks 1-3 and those
     retain rows; 1:5, the authors' warm-up rule, the paper protocol, 40 or more questions per set."""
-    root = Path(__file__).resolve().parents[1] / "recipes" / "bench"
+    root = recipe_beside_shared_data("bench/tofu_protocol", tmp_path).parent
     config = resolve_config(str(root / "tofu_protocol.yaml"), {})
     teach = resolve_config(str(root / "tofu_protocol_teach.yaml"), {}, MultitaskConfig)
     assert (config.forget_freq, config.retain_freq, config.warmup_steps, config.loss) == (1, 5, None, "IDK+GD")

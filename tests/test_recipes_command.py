@@ -48,15 +48,38 @@ def test_copy_to_a_file_path_and_a_recipe_whose_data_sits_one_folder_up(tmp_path
     assert all(Path(t["data"]).is_file() for t in tasks)
 
 
-def test_copy_of_a_recipe_on_shared_tofu_names_the_missing_files(tmp_path, capsys):
+def test_copy_of_a_tofu_recipe_names_the_missing_files_where_to_put_them_and_the_flags(tmp_path, capsys):
     assert run_cli("recipes", "copy", "bench/mini_tofu", tmp_path) == 0
     out = capsys.readouterr().out
     assert (tmp_path / "mini_tofu.yaml").is_file()
     assert (tmp_path / "mini_tofu_teach.yaml").is_file()  # the teaching recipe it names comes along
     missing = [line for line in out.splitlines() if "not shipped" in line]
-    assert any("forget01.json" in line and "forget" in line for line in missing)
-    assert any("retain90.json" in line for line in missing)
+    assert any("forget01.json" in line and "tasks[1].data" in line for line in missing)  # the teaching recipe's
+    forget = next(line for line in missing if "forget01.json (bench/mini_tofu.yaml:" in line)
+    assert f"put it at {tmp_path / 'data' / 'tofu' / 'forget01.json'}" in forget and "--forget PATH" in forget
+    assert any("retain90.json" in line and "--retain PATH" in line for line in missing)
     assert not any(p.suffix == ".json" for p in tmp_path.rglob("*"))  # TOFU is never copied
+
+
+def test_copy_into_a_folder_that_does_not_exist_yet(tmp_path, monkeypatch, capsys):
+    """The README's lines: `doplus recipes copy quickstart my-run/`, then `--recipe my-run/quickstart.yaml`,
+    in a fresh directory; without the slash too."""
+    monkeypatch.chdir(tmp_path)
+    for dest in ("my-run/", "other-run"):
+        assert run_cli("recipes", "copy", "quickstart", dest) == 0
+        folder = tmp_path / dest.rstrip("/")
+        assert folder.is_dir() and (folder / "quickstart.yaml").is_file()
+        assert (folder / "data" / "quickstart_forget.jsonl").is_file()
+        assert f"run it with: doplus unlearn --recipe {Path(dest) / 'quickstart.yaml'}" in capsys.readouterr().out
+        config = resolve_config(str(Path(dest) / "quickstart.yaml"), {})
+        assert Path(config.forget).resolve() == folder / "data" / "quickstart_forget.jsonl"
+
+
+def test_copy_to_a_yaml_path_in_a_new_folder(tmp_path):
+    dest = tmp_path / "new" / "mine.yaml"
+    assert run_cli("recipes", "copy", "quickstart", dest) == 0
+    assert dest.read_text() == (recipes_root() / "quickstart.yaml").read_text()
+    assert (tmp_path / "new" / "data" / "quickstart_retain.jsonl").is_file()
 
 
 def test_unknown_name_exits_2_with_the_closest_names(tmp_path, capsys):

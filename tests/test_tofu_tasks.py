@@ -377,9 +377,10 @@ def test_the_paper_recipe_takes_task_1_the_authors_retain_set_and_a_60_step_warm
     from pathlib import Path
 
     from doplus_cli.config import resolve_config
+    from tests.tiny_model import TOFU
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "tofu" / "phi-1.5" / "idk_gd.yaml"
-    config = resolve_config(str(recipe), {})
+    config = resolve_config(str(recipe), {"forget": str(TOFU / "forget10.json"), "eval_data_dir": str(TOFU)})
     plan = UnlearnPlan(config)
     plan.open()
     assert (len(plan.forget_source), len(plan.retain_source)) == (400, 3600)

@@ -1,24 +1,33 @@
 #!/usr/bin/env bash
-# Multi-node `doplus unlearn` under SLURM through `accelerate launch` (DDP), preemption-safe.
+# Multi-node `doplus unlearn` under SLURM through `accelerate launch` (DDP or FSDP2), checkpointed and requeued.
 #
 #   RECIPE=recipes/tofu/llama2-7b/npo_gd.yaml OUT=runs/npo-llama2 sbatch recipes/cluster/slurm_unlearn.sh
 #   FSDP=1 RECIPE=... sbatch recipes/cluster/slurm_unlearn.sh     # FSDP2 full shard of weights, gradients and
 #                                                                 # optimizer states (accelerate_fsdp.yaml)
 #
-# SLURM sends SIGTERM two minutes before the time limit or on preemption (--signal); every process of the run
-# stops after the same step, checkpoints/step-N/ is written (under FSDP each process adds its own shards) and
-# the job exits with 143. With --requeue the job comes back and this script finds the checkpoint and adds
-# --resume, which continues bit-for-bit where it stopped (a changed configuration or another number of
-# processes is refused, naming what differs). OUT must be on storage every node sees.
-# Written for this cluster shape; adapt the #SBATCH lines to yours. Not exercised on a real cluster by CI.
+# Effective batch: the recipe's batch_size x grad_accum is the effective batch on one process. On
+# NODES x GPUS_PER_NODE processes this script passes --grad-accum so that batch_size x grad_accum x processes
+# stays that number (llama2-7b: 4 x 32 = 128 on 1 GPU; 4 x 2 x 16 = 128 on 2 nodes of 8), and refuses to start
+# when it does not divide evenly. Set EFFECTIVE_BATCH to choose another.
+#
+# Stopping and requeueing. SLURM's --requeue brings the job back after a preemption or a node failure, not after
+# its time limit (a TIMEOUT job ends for good). So the job asks for SIGUSR1 in the batch shell two minutes before
+# the limit (--signal=B:USR1@120); the trap below sends SIGTERM to the job's steps, every doplus process stops
+# after the same step and writes checkpoints/step-N/ (under FSDP each process its own shards), and the script then
+# requeues its own job with `scontrol requeue`. On preemption SLURM sends SIGTERM to the steps itself and requeues
+# the job (the cluster's PreemptMode must be REQUEUE, and its GraceTime long enough to write a checkpoint). When
+# the job starts again it finds the checkpoint and adds --resume, which continues bit-for-bit where it stopped (a
+# changed configuration or another number of processes is refused, naming what differs). OUT must be on storage
+# every node sees. Adapt the #SBATCH lines to your cluster.
 #SBATCH --job-name=doplus-unlearn
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
 #SBATCH --cpus-per-task=32
 #SBATCH --time=24:00:00
-#SBATCH --signal=TERM@120
+#SBATCH --signal=B:USR1@120
 #SBATCH --requeue
+#SBATCH --open-mode=append
 #SBATCH --output=%x-%j.out
 set -euo pipefail
 
@@ -28,8 +37,19 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 SAVE_EVERY=${SAVE_EVERY:-50}
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 MASTER_PORT=${MASTER_PORT:-29500}
+PROCESSES=$((SLURM_NNODES * GPUS_PER_NODE))
 
-EXTRA=""
+# --grad-accum that keeps the recipe's effective batch on $PROCESSES processes
+read -r BATCH ACCUM < <(python -c "import sys, yaml; r = yaml.safe_load(open(sys.argv[1])); \
+print(r.get('batch_size', 1), r.get('grad_accum', 1))" "$RECIPE")
+EFFECTIVE_BATCH=${EFFECTIVE_BATCH:-$((BATCH * ACCUM))}
+if [ $((EFFECTIVE_BATCH % (BATCH * PROCESSES))) -ne 0 ]; then
+    echo "effective batch $EFFECTIVE_BATCH is not a multiple of batch_size $BATCH x $PROCESSES processes" >&2
+    exit 2
+fi
+GRAD_ACCUM=$((EFFECTIVE_BATCH / (BATCH * PROCESSES)))
+
+EXTRA="--grad-accum $GRAD_ACCUM"
 LAUNCH="--multi_gpu --mixed_precision no --dynamo_backend no"
 if [ "${FSDP:-0}" = "1" ]; then
     LAUNCH="--config_file recipes/cluster/accelerate_fsdp.yaml"
@@ -41,7 +61,31 @@ if compgen -G "$OUT/checkpoints/step-*" > /dev/null; then
     EXTRA="$EXTRA --resume"
 fi
 
+REQUEUE=0
+on_time_limit() {
+    REQUEUE=1
+    scancel --signal=TERM "$SLURM_JOB_ID"  # the steps' processes, not this shell: they checkpoint and exit 143
+}
+trap on_time_limit USR1
+
 srun --kill-on-bad-exit=1 bash -c "accelerate launch $LAUNCH \
-    --num_machines $SLURM_NNODES --num_processes $((SLURM_NNODES * GPUS_PER_NODE)) \
+    --num_machines $SLURM_NNODES --num_processes $PROCESSES \
     --machine_rank \$SLURM_NODEID --main_process_ip $MASTER_ADDR --main_process_port $MASTER_PORT \
-    -m doplus_cli unlearn --recipe $RECIPE --out $OUT $EXTRA"
+    -m doplus_cli unlearn --recipe $RECIPE --out $OUT $EXTRA" &
+SRUN=$!
+trap ':' TERM  # on preemption: wait for the steps to checkpoint instead of dying before them
+
+set +e
+wait "$SRUN"
+STATUS=$?
+while kill -0 "$SRUN" 2> /dev/null; do  # a trapped signal interrupts `wait`: wait again for srun itself
+    wait "$SRUN"
+    STATUS=$?
+done
+set -e
+
+if [ "$REQUEUE" = 1 ]; then
+    echo "time limit near: checkpoint written, requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$STATUS"
