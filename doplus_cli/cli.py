@@ -214,8 +214,8 @@ def bench_optimizer(
     seed: int = typer.Option(0, "--seed"),
     stability: bool = typer.Option(
         False, "--stability",
-        help="Instead of speed: the paper's and the safeguarded DualOptim+ rule on the synthetic two-objective "
-        "problem of issue #16 (largest step, float32 against float64, 8-bit against 32-bit).",
+        help="Instead of speed: the paper's and the safeguarded DualOptim+ rule on a synthetic two-objective "
+        "problem where v̂_B + v̂_k passes through zero (largest step, float32 against float64, 8-bit against 32-bit).",
     ),
 ) -> None:
     """Step time, state bytes and bandwidth of DualOptim+ against torch AdamW on synthetic parameters."""

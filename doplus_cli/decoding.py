@@ -11,16 +11,15 @@ routes the one-token attention of the decoding steps (`DECODE_ATTENTION`) to `_a
 weighted sum of each key/value head for its group of query heads, compiled by inductor into loops over the
 buffers' filled part (the `CompiledKernel` of the optimizers, with its eager fallback: torch's SDPA on the same
 views). Measured on 2 AMD EPYC cores, 30 layers, batch 64, 41 to 200 cached tokens: 11.2 s for `torch.cat` and
-flash attention on its output against 5.4 s (docs/results.md, "Evaluation speed").
+flash attention on its output against 5.4 s.
 
 A row that stops leaves the batch: a row from the end of the batch moves into its place, the filled part only
-(`DynamicLayer` copies every kept row). The prompt's prefill (queries of many tokens) takes transformers' SDPA as
-before.
+(`DynamicLayer` copies every kept row). The prompt's prefill (queries of many tokens) takes transformers' SDPA.
 
 What it keeps: the arithmetic is the same attention in float32 (bf16 inputs are computed in float32, like SDPA's
 CPU kernel), summed in another order; greedy answers on the embedded model were identical on the 817
-paper-protocol questions compared (docs/results.md). What it needs: a plain causal LM config (no sub-configs)
-that runs transformers' SDPA, on CPU; anything else decodes as before.
+paper-protocol questions compared. What it needs: a plain causal LM config (no sub-configs)
+that runs transformers' SDPA, on CPU; anything else decodes through transformers' own cache.
 """
 
 from __future__ import annotations

@@ -241,7 +241,7 @@ def supervised_cross_entropy(ctx: LossContext, batch: Batch) -> Tensor:
     return nll.sum() / ctx.token_count(mask)
 
 
-# ---- The losses of OpenUnlearning's leaderboard (issue #28): SimNPO, RMU (+ its EMBED retain term), UNDIAL,
+# ---- The losses of OpenUnlearning's leaderboard: SimNPO, RMU (+ its EMBED retain term), UNDIAL,
 # WGA, SatImp, CE-U. Token means divide by `ctx.token_count` like the losses above, so that N processes
 # compute the gradients of one process on the global batch.
 

@@ -1,6 +1,6 @@
 """`doplus bench precision`: what each `--precision` does to the updates, the memory and the step time.
 
-The measurement of issue #26, fixed so anyone can rerun it: `steps` ordinary `doplus unlearn` runs (IDK+GD,
+A fixed measurement anyone can rerun: `steps` ordinary `doplus unlearn` runs (IDK+GD,
 DualOptim+, forget-first 1:1 cycle, lr decaying linearly from `lr` to 0 without warm-up, batch 4, seed 0) on
 16 forget and 16 retain rows of synthetic question/answer pairs written into OUT/data, once per mode:
 

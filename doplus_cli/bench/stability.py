@@ -1,6 +1,6 @@
 """`doplus bench optimizer --stability`: does an update rule blow up where v̂_B + v̂_k passes through zero?
 
-The synthetic two-objective problem of issue #16, fixed so anyone can rerun it:
+A synthetic two-objective problem, fixed so anyone can rerun it:
 
 * three tensors of 100,000, 60,000 and 40,000 elements (200k in all), starting at θ₀ = 0.02·N(0, 1);
 * each objective has a fixed direction per element, d_f ~ N(0, 1) and d_r ~ N(0, 1); a forget step's gradient

@@ -38,11 +38,11 @@ RESUMABLE_CHANGES = {"resume", "overwrite", "save_every", "keep_last", "show_sam
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-# Options added after runs were written with them implied: a saved config without one ran with this value.
-# before 0.2 DualOptim+ had the paper's rule only; before --precision a run trained in its load dtype (a run on
-# CUDA in uncompensated bf16, which no precision reproduces: such a checkpoint is refused)
+# A saved configuration that lacks one of these keys was written by a doplus without that option, and its run
+# behaved as this value: DualOptim+ with the paper's rule, and training in the load dtype (a CUDA run in
+# uncompensated bf16, which no precision reproduces, is refused on resume)
 IMPLIED_BEFORE_ADDED = {"doplus_rule": "paper", "precision": "fp32"}
-# before the losses of issue #28 no run used their hyper-parameters (LossParams): their defaults stand in
+# nor did such a run use the newer losses' hyper-parameters (LossParams): their defaults stand in
 IMPLIED_BEFORE_ADDED.update({f.name: f.default for f in dataclasses.fields(LossParams) if f.name != "seed"})
 
 

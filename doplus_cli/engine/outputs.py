@@ -154,7 +154,7 @@ def loss_summary(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def update_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Over the run, per objective and in all: the largest single-element step in learning rates
     (`max_update`), the median over steps of each step's largest, the steps with any element above 10η and
-    how many element-steps that was (issue #16's diagnostics; AdamW's steps stay near 1)."""
+    how many element-steps that was (the step diagnostics; AdamW's steps stay near 1)."""
     rows = [r for r in records if "max_update" in r]
     if not rows:
         return {}
@@ -180,7 +180,7 @@ def update_warning(summary: dict[str, Any]) -> str | None:
             f"10 learning rates ({total['updates_over_10lr']:,} element-steps in all; the largest "
             f"{total['max_update']:,.0f} lr). AdamW's steps stay near 1 lr; such steps throw single weights far "
             "off. With --scheme doplus this is the paper rule's division by a near-zero v̂_B + v̂_k: "
-            "--doplus-rule safeguarded bounds it (README, 'The safeguarded rule').")
+            "--doplus-rule safeguarded bounds it (docs/optimizers.md).")
 
 
 def cell(text: str, limit: int = 90) -> str:

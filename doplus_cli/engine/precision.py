@@ -1,4 +1,4 @@
-"""Training precision (`--precision`, issue #26): which dtype the trained weights are kept in, which the
+"""Training precision (`--precision`): which dtype the trained weights are kept in, which the
 forward and backward compute in, and which the final model is saved in.
 
     fp32        float32 weights, states and compute (the CPU default)

@@ -241,7 +241,7 @@ def default_generation_batch(model, batch_size: int) -> int:
 
     On the CPU a decoding step streams every weight from memory, so more rows per step run the products closer
     to the machine's rate: the paper protocol's forget10 generation took 13% less time at 128 prompts than at 64
-    on a Zen 5 EPYC and 3-7% less on an older EPYC, with the same greedy answers (docs/results.md). On a GPU the
+    on a Zen 5 EPYC and 3-7% less on an older EPYC, with the same greedy answers. On a GPU the
     KV cache of a large model at twice the rows may not fit, so the setting stays as given."""
     device = next(model.parameters()).device
     return 2 * batch_size if device.type == "cpu" else batch_size

@@ -1,4 +1,4 @@
-"""AdamW with compensated summation for bfloat16 weights (issue #26, `--precision bf16`).
+"""AdamW with compensated summation for bfloat16 weights (`--precision bf16`).
 
 `torch.optim.AdamW` writes its update straight into the weight: with bf16 weights an update below bf16's
 spacing (1.2e-4 next to a weight of 0.02; an AdamW step is about lr = 1e-5) rounds back to the same value

@@ -1,5 +1,5 @@
 """Step diagnostics for every scheme: the largest |Δθ|/η of an optimizer step and how many elements moved
-more than 10η (issue #16).
+more than 10η.
 
 DualOptim+ computes them inside its update kernels (`DualOptimPlus.step_diagnostics`). The AdamW-based
 schemes (joint and alternate through torch's AdamW or bitsandbytes' AdamW8bit, and DualOptim's per-objective

@@ -77,8 +77,8 @@ class DualOptimPlus(Optimizer):
             (`kernels.py`); elsewhere the two rules are identical. The Muon rule has no such division and
             is the same under both.
         compensated: for bf16 weights, keep a compensation buffer per weight that every update kernel
-            reads and writes with it, so that updates below the weights' spacing accumulate (issue #26,
-            `--precision bf16`); float32 weights have none and step exactly as without it.
+            reads and writes with it, so that updates below the weights' spacing accumulate
+            (`--precision bf16`); float32 weights have none and step exactly as without it.
         fused: use the compiled one-pass kernels (True), the eager reference (False), or decide per
             tensor by size (None).
         multi_tensor: update every eligible tensor of a step (float32 states, `multi_tensor.eligible`) in one

@@ -67,7 +67,7 @@ def embedding_weights(model: torch.nn.Module) -> list[Tensor]:
     """The weights of the model's vocabulary tables: every `torch.nn.Embedding`, and the output layer
     (`get_output_embeddings`) whether tied or not. An untied output layer's rows see gradients as unequal as the
     input table's (the target tokens' rows against the rest): on an H100, Alternate with 8-bit states and bf16
-    weights took steps of 2,610 lr with only the input table kept 32-bit (docs/results.md)."""
+    weights took steps of 2,610 lr with only the input table kept 32-bit."""
     weights = [module.weight for module in model.modules() if isinstance(module, torch.nn.Embedding)]
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     weight = getattr(output, "weight", None)
@@ -83,7 +83,7 @@ def adamw8bit(params, full_precision: Iterable[Tensor] = (), **kwargs):
     A row absent from a batch has a zero gradient; where its second moment was re-quantised to 0 while its first
     moment was not (a block shared with rows of gradients thousands of times larger), its step is m / eps. On an
     H100 (bitsandbytes 0.50.2) a 600 x 32 table with such rows took steps of up to 19,954 lr where torch's AdamW
-    takes at most ~1.2 lr; on the CPU the same steps stayed under 1.2 lr (docs/results.md). The other
+    takes at most ~1.2 lr; on the CPU the same steps stayed under 1.2 lr. The other
     tensors' states stay 8-bit, so the memory saved is the same but for the tables."""
     import bitsandbytes as bnb
 
