@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from doplus_cli.optim.checks import check_common
+from doplus_cli.optim.checks import check_common, check_param_groups
 from doplus_cli.optim.diagnostics import reduce_step_stats
 from doplus_cli.optim.kernels import FUSED_MIN_NUMEL, AdamWScalars, adamw_fused, adamw_reference
 
@@ -57,6 +57,7 @@ class AdamW(Optimizer):
         self.fused = fused
         self._step_stats: list[tuple[Tensor, Tensor]] = []
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        check_param_groups(self.param_groups)
 
     def _compensation(self, param: Tensor, state: dict) -> Tensor | None:
         if not self.compensated or param.dtype not in LOW_PRECISION:

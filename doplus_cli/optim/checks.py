@@ -46,6 +46,20 @@ def check_common(lr: float, betas: Sequence[float], eps: float, weight_decay: fl
         raise ValueError(f"state_bits must be 8 or 32, got {state_bits!r}")
 
 
+def check_param_groups(param_groups: Sequence[Mapping[str, Any]], betas_keys: Sequence[str] = ("betas",)) -> None:
+    """The hyper-parameters a param group sets for itself, checked as the constructor's own (torch checks only
+    the defaults, so a group's negative lr or beta of 1 would step silently)."""
+    for index, group in enumerate(param_groups):
+        try:
+            check_common(group["lr"], group["betas"], group["eps"], group["weight_decay"], 32)
+            for key in betas_keys[1:]:
+                value = group.get(key)
+                if value is not None and (len(value) != 2 or not all(0.0 <= b < 1.0 for b in value)):
+                    raise ValueError(f"{key} must be two numbers in [0, 1) or None, got {value!r}")
+        except ValueError as error:
+            raise ValueError(f"param group {index}: {error}") from None
+
+
 def unknown_objective(objective: Any, objectives: tuple[str, ...]) -> ValueError:
     return ValueError(
         f"unknown objective {objective!r}: this optimizer was built with objectives={list(objectives)}"

@@ -21,7 +21,13 @@ from torch.optim import Optimizer
 
 from doplus_cli.optim import quant
 from doplus_cli.optim.adamw import AdamW
-from doplus_cli.optim.checks import check_common, check_lr_multipliers, check_objectives, unknown_objective
+from doplus_cli.optim.checks import (
+    check_common,
+    check_lr_multipliers,
+    check_objectives,
+    check_param_groups,
+    unknown_objective,
+)
 from doplus_cli.optim.diagnostics import adamw_step_stats, reduce_step_stats
 
 _SYNCED_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -66,6 +72,7 @@ class DualOptim(Optimizer):
         self.state_bits = state_bits
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
+        check_param_groups(self.param_groups)
         for group in self.param_groups:
             for param in group["params"]:
                 if param.is_sparse:

@@ -35,7 +35,13 @@ from torch.optim import Optimizer
 
 from doplus_cli.optim import multi_tensor, quant
 from doplus_cli.optim.adamw import clone_state, new_compensation
-from doplus_cli.optim.checks import check_common, check_lr_multipliers, check_objectives, unknown_objective
+from doplus_cli.optim.checks import (
+    check_common,
+    check_lr_multipliers,
+    check_objectives,
+    check_param_groups,
+    unknown_objective,
+)
 from doplus_cli.optim.diagnostics import reduce_step_stats, step_counts
 from doplus_cli.optim.distributed import local_shard
 from doplus_cli.optim.kernels import (
@@ -152,6 +158,7 @@ class DualOptimPlus(Optimizer):
             adjust_lr_fn=adjust_lr_fn,
         )
         super().__init__(params, defaults)
+        check_param_groups(self.param_groups, ("betas", "base_betas"))
 
     # -- which rule, which storage -------------------------------------------------------------------
 
