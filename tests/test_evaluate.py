@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -78,8 +79,10 @@ def test_batched_nlls_equal_one_sample_at_a_time(tiny_llama, tofu_dir, tmp_path)
 
 def test_with_an_nli_model_every_indicator_and_aggregate_is_computed(tiny_llama, tiny_nli, tofu_dir, tmp_path):
     out = tmp_path / "eval"
+    started = time.perf_counter()
     assert run_cli("evaluate", "--model", tiny_llama, "--data-dir", tofu_dir, "--max-samples", 2,
                    "--max-new-tokens", 4, "--out", out, "--nli-model", tiny_nli, "--targeted") == 0
+    elapsed = time.perf_counter() - started
     summary = json.loads((out / "SUMMARY.json").read_text())
     assert summary.pop("forget_quality") is None  # no --retain-logs: absent, by design (issue #13)
     assert all(value is not None for value in summary.values())
@@ -93,8 +96,11 @@ def test_with_an_nli_model_every_indicator_and_aggregate_is_computed(tiny_llama,
     assert summary["OVR"] == pytest.approx(0.25 * (summary["TFE"] + summary["UFE"]) + 0.5 * summary["MU"])
     sets = record["sections"][0]["sets"]  # per-set seconds: generating, scoring NLLs, judge models
     assert [s["name"] for s in sets] == ["forget", "retain", "real_authors", "world_facts"]
-    assert all(set(s["seconds"]) == {"generation", "scoring", "judges"} and min(s["seconds"].values()) >= 0
+    assert all(set(s["seconds"]) == {"generation", "scoring", "judges"} for s in sets)
+    # seconds measured, not placeholders: each phase took some time, and together no more than the whole call
+    assert all(s["seconds"]["generation"] > 0 and s["seconds"]["scoring"] > 0 and s["seconds"]["judges"] > 0
                for s in sets)
+    assert sum(sum(s["seconds"].values()) for s in sets) <= elapsed
     assert "Per set: forget (2 questions): generation" in (out / "report.md").read_text()
 
 
@@ -122,13 +128,30 @@ def test_real_world_suite(tiny_llama, tmp_path):
 
 
 def test_compare_puts_runs_side_by_side(tiny_llama, tofu_dir, tmp_path, capsys):
-    for name in ("a", "b"):
-        assert run_cli("evaluate", "--model", tiny_llama, "--data-dir", tofu_dir, "--max-samples", 1,
+    """Two different evaluations (one and two questions per set): each column holds its own folder's values."""
+    for name, samples in (("one", 1), ("two", 2)):
+        assert run_cli("evaluate", "--model", tiny_llama, "--data-dir", tofu_dir, "--max-samples", samples,
                        "--max-new-tokens", 2, "--out", tmp_path / name) == 0
+    summaries = [json.loads((tmp_path / name / "SUMMARY.json").read_text()) for name in ("two", "one")]
     capsys.readouterr()
-    assert run_cli("evaluate", "--compare", tmp_path / "a", tmp_path / "b") == 0
-    table = capsys.readouterr().out
-    assert "| metric | a | b |" in table and "| MU |" in table and "forget_Q_A_ROUGE" in table
+    assert run_cli("evaluate", "--compare", tmp_path / "two", tmp_path / "one") == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    assert lines[0].replace(" ", "") == "|metric|two|one|"
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:])}
+    assert list(rows)[0] == "MU" and "forget_Q_A_ROUGE" in rows
+    differing = 0
+    for key, cells in rows.items():
+        for cell, summary in zip(cells, summaries):
+            value = summary[key]
+            if value is None:
+                assert cell == "n/a", key
+            elif isinstance(value, float):
+                assert float(cell) == pytest.approx(value, rel=1e-3, abs=1e-12), key
+            else:
+                assert cell == str(value), key
+        differing += isinstance(summaries[0][key], float) and summaries[0][key] != pytest.approx(
+            summaries[1][key], rel=1e-2)
+    assert differing >= 5  # the two evaluations differ, so swapped columns would fail above
 
 
 def test_unlearn_evaluates_during_training(tiny_llama, tofu_dir, tmp_path):
@@ -195,6 +218,27 @@ def test_tofu_and_lm_eval_in_one_call(tiny_llama, tofu_dir, tmp_path):
                    "--max-samples", 1, "--max-new-tokens", 2, "--tasks", "tiny_parity", "--limit", 3,
                    "--lm-eval-include", tasks, "--out", out) == 0
     summary = json.loads((out / "SUMMARY.json").read_text())
-    assert "MU" in summary and 0.0 <= summary["lmeval_tiny_parity_acc"] <= 1.0
+    assert "MU" in summary
+    assert summary["lmeval_tiny_parity_acc"] == pytest.approx(parity_accuracy(tiny_llama, 3))
     assert json.loads((out / "LM_EVAL.json").read_text())["n_samples"]["tiny_parity"] == 3
     assert "## lm-eval" in (out / "report.md").read_text()
+
+
+def parity_accuracy(model_dir, limit: int) -> float:
+    """tiny_parity's accuracy computed here: for each of the first `limit` questions, the choice (" yes" or " no"
+    after the prompt) whose tokens the model gives the larger summed log-probability, against the label (lm-eval's
+    multiple-choice `acc`; its HF model encodes without special tokens and splits prompt and choice as below)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    correct = 0
+    for n in range(limit):
+        context = f"Question: Is {n} even?\nAnswer:"
+        scores = []
+        for choice in (" yes", " no"):
+            whole = tokenizer(context + choice, add_special_tokens=False).input_ids
+            start = len(tokenizer(context, add_special_tokens=False).input_ids)
+            with torch.no_grad():
+                log_probs = torch.log_softmax(model(input_ids=torch.tensor([whole])).logits[0].double(), dim=-1)
+            scores.append(sum(log_probs[t - 1, whole[t]].item() for t in range(start, len(whole))))
+        correct += int(scores.index(max(scores)) == n % 2)
+    return correct / limit
