@@ -89,25 +89,60 @@ def _8bit_state_bytes(numel: int) -> int:
     return numel + 4 * -(-numel // 256)
 
 
-def test_cli_json_end_to_end(capsys):
+# Scripted step times (seconds) per row: one warm-up step, then the five timed steps (medians 3 ms, 4.5 ms,
+# 6 ms) and a copy bandwidth of 20 GB/s, so that every derived number has a value known here.
+TIMES = {
+    "adamw": [0.5, 0.004, 0.002, 0.003, 0.010, 0.001],
+    "adamw-fused": [0.5, 0.004, 0.002, 0.003, 0.010, 0.001],
+    "doplus": [0.9, 0.006, 0.0045, 0.020, 0.0045, 0.004],
+    "doplus-8bit": [1.2, 0.006, 0.007, 0.005, 0.030, 0.004],
+    "dualoptim": [0.7, 0.006, 0.007, 0.005, 0.030, 0.004],
+    "doplus-muon": [0.7, 0.006, 0.0045, 0.020, 0.0045, 0.004],
+}
+MEDIAN = {"adamw": 0.003, "adamw-fused": 0.003, "doplus": 0.0045, "doplus-8bit": 0.006, "dualoptim": 0.006,
+          "doplus-muon": 0.0045}
+COPY_GBPS = 20.0
+
+
+@pytest.fixture
+def scripted_clock(monkeypatch):
+    """Each row's steps still run (states are allocated and counted), but report the times in TIMES."""
+    real_step = bench._step
+    calls: dict[str, int] = {}
+
+    def step(optimizer, row, index, device):
+        real_step(optimizer, row, index, device)
+        calls[row.name] = calls.get(row.name, 0) + 1
+        return TIMES[row.name][index]
+
+    monkeypatch.setattr(bench, "_step", step)
+    monkeypatch.setattr(bench, "measure_copy_gbps", lambda numel, device, repeats=15: COPY_GBPS)
+    return calls
+
+
+def test_cli_json_end_to_end(capsys, scripted_clock):
     run_cli(["bench", "optimizer", "--params", "300k", *FAST, "--json", "--only", "adamw,doplus,doplus-8bit"])
     out = capsys.readouterr().out
     result = json.loads(out)
     n = result["params"]
     assert n == 300_000 and result["dtype"] == "float32" and result["steps"] == 5 and result["warmup"] == 1
     assert result["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
-    assert result["copy_gbps"] > 0 and result["threads"] >= 1
+    assert result["copy_gbps"] == COPY_GBPS and result["threads"] >= 1
     rows = {row["name"]: row for row in result["rows"]}
     assert list(rows) == ["adamw", "doplus", "doplus-8bit"]
-    for row in rows.values():
+    assert scripted_clock == {name: 6 for name in rows}  # one warm-up step and five timed ones per row
+    for name, row in rows.items():
         assert "error" not in row, row
-        assert row["median_step_s"] > 0 and row["first_step_s"] > 0 and len(row["step_times_s"]) == 5
-        assert row["gbps"] == pytest.approx(row["bytes_per_step"] / row["median_step_s"] / 1e9)
-        assert row["fraction_of_copy_bandwidth"] == pytest.approx(row["gbps"] / result["copy_gbps"])
+        assert row["step_times_s"] == TIMES[name][1:] and row["first_step_s"] == TIMES[name][0]
+        assert row["median_step_s"] == MEDIAN[name]
+    # hand-computed from the bytes below and the scripted medians: 28·300k B / 3 ms, 44·300k B / 4.5 ms
+    assert rows["adamw"]["gbps"] == pytest.approx(2.8)
+    assert rows["doplus"]["gbps"] == pytest.approx(2.9333333333)
+    assert rows["adamw"]["fraction_of_copy_bandwidth"] == pytest.approx(0.14)
+    assert rows["doplus"]["fraction_of_copy_bandwidth"] == pytest.approx(0.1466666667)
     assert rows["adamw"]["ratio_to_adamw"] == 1.0
-    assert rows["doplus"]["ratio_to_adamw"] == pytest.approx(
-        rows["doplus"]["median_step_s"] / rows["adamw"]["median_step_s"]
-    )
+    assert rows["doplus"]["ratio_to_adamw"] == pytest.approx(1.5)
+    assert rows["doplus-8bit"]["ratio_to_adamw"] == pytest.approx(2.0)
 
     shapes, _ = bench.synthetic_shapes(n)
     tensors = len(shapes)
@@ -127,20 +162,43 @@ def test_cli_json_end_to_end(capsys):
     assert rows["adamw"]["bytes_per_step"] == 28 * n
     assert rows["doplus"]["bytes_per_step"] == 44 * n
     assert rows["doplus-8bit"]["bytes_per_step"] == sum(12 * k + 2 * 4 * _8bit_state_bytes(k) for k in numels)
+    eight_bit = sum(12 * k + 2 * 4 * _8bit_state_bytes(k) for k in numels) / 0.006 / 1e9
+    assert rows["doplus-8bit"]["gbps"] == pytest.approx(eight_bit)
 
     screen = io.StringIO()
     bench.print_table(result, console=Console(file=screen, width=200))
     text = screen.getvalue()
-    assert "doplus-8bit" in text and "copy bandwidth" in text and "300,000 parameters" in text
+    assert "copy bandwidth 20.0 GB/s" in " ".join(text.split()) and "300,000 parameters" in " ".join(text.split())
+    # median, × AdamW, first step, state B/param, state, GB/s, of copy BW
+    assert table_row(text, "adamw") == ["3.0 ms", "1.00×", "500.0 ms", "8.00", "2.29 MiB", "2.8", "14%"]
+    assert table_row(text, "doplus") == ["4.5 ms", "1.50×", "900.0 ms", "24.00", "6.87 MiB", "2.9", "15%"]
+    assert table_row(text, "doplus-8bit")[:3] == ["6.0 ms", "2.00×", "1.20 s"]
 
 
-def test_cli_table_and_dual_rows(capsys):
+def table_row(text: str, name: str) -> list[str]:
+    """The cells after the name of `name`'s row in a rich table."""
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.replace("│", "|").replace("┃", "|").split("|")]
+        cells = [c for c in cells if c]
+        if cells and cells[0] == name:
+            return cells[1:]
+    raise AssertionError(f"no row {name!r} in\n{text}")
+
+
+def test_cli_table_and_dual_rows(capsys, scripted_clock):
     run_cli(["bench", "optimizer", "--params", "60k", *FAST, "--only", "dualoptim,adamw-fused,doplus-muon"])
     captured = capsys.readouterr()
-    assert "copy bandwidth" in captured.out and "60,000 parameters" in captured.out
-    for name in ("dualoptim", "adamw-fused", "doplus-muon"):
-        assert name in captured.out
+    caption = " ".join(captured.out.split())
+    assert "copy bandwidth 20.0 GB/s" in caption and "60,000 parameters" in caption
     assert "error" not in captured.out
+    # no adamw row: no ratio. 60k fp32 parameters: AdamW moves 28 B and keeps 8 B (+ step counters) of
+    # state per parameter; DualOptim keeps two AdamW states and moves one per step
+    adamw_fused = table_row(captured.out, "adamw-fused")
+    assert adamw_fused[:3] == ["3.0 ms", "–", "500.0 ms"] and adamw_fused[5:] == ["0.6", "2.8%"]  # 1.68 MB / 3 ms
+    dualoptim = table_row(captured.out, "dualoptim")
+    assert dualoptim[:3] == ["6.0 ms", "–", "700.0 ms"] and dualoptim[5:] == ["0.3", "1.4%"]  # 1.68 MB / 6 ms
+    assert float(dualoptim[3]) == pytest.approx(2 * float(adamw_fused[3]), abs=0.011)
+    assert table_row(captured.out, "doplus-muon")[0] == "4.5 ms"
 
 
 def test_dual_rows_hold_both_objectives(capsys):
