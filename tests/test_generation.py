@@ -76,12 +76,41 @@ def test_row_dropping_decoder_equals_generate_one_question_at_a_time(loaded, mon
     assert count.generated == expected[2]  # each row's tokens up to the one that ended it, no decoding after
 
 
-def test_a_logits_processor_in_the_generation_config_takes_generate(loaded, monkeypatch):
+def _greedy_by_hand(model, formatter, question: str, max_new_tokens: int, penalty: float) -> list[int]:
+    """Greedy decoding written out: the whole sequence through the model at every step, and a repetition penalty
+    on the last logits of every token already in the sequence, prompt included (CTRL's rule, as transformers
+    applies it: a positive logit divided by the penalty, a negative one multiplied); cut before the first stop
+    token."""
+    tokenizer = formatter.tokenizer
+    stop = {tokenizer.eos_token_id, tokenizer.pad_token_id}
+    ids = list(formatter.prompt_ids(question))
+    answer = []
+    for _ in range(max_new_tokens):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1].double()
+        seen = torch.tensor(sorted(set(ids)))
+        logits[seen] = torch.where(logits[seen] > 0, logits[seen] / penalty, logits[seen] * penalty)
+        token = int(logits.argmax())
+        if token in stop:
+            break
+        answer.append(token)
+        ids.append(token)
+    return answer
+
+
+def test_a_repetition_penalty_in_the_generation_config_is_applied(loaded, monkeypatch):
+    """A logits processor in the generation config takes `generate` (the row-dropping decoder has none), and the
+    answers are the greedy choices with the penalty applied."""
     model, formatter = loaded
+    questions, new_tokens = QUESTIONS[:4], 10
     monkeypatch.setattr(model.generation_config, "repetition_penalty", 1.3)
     monkeypatch.setattr(generation, "_decode_dropping", lambda *a: pytest.fail("fast path with a processor"))
-    texts, _ = greedy_generate(model, formatter, QUESTIONS[:2], 4, 2)
-    assert len(texts) == 2
+    texts, tokens = greedy_generate(model, formatter, questions, new_tokens, 2)
+    expected = [_greedy_by_hand(model, formatter, q, new_tokens, 1.3) for q in questions]
+    assert tokens == expected
+    assert texts == [formatter.tokenizer.decode(t, skip_special_tokens=True).strip() for t in expected]
+    unpenalised = [_greedy_by_hand(model, formatter, q, new_tokens, 1.0) for q in questions]
+    assert unpenalised != expected  # the penalty changes these answers, so dropping it would fail above
 
 
 def test_on_cuda_generation_attends_without_cudnn_and_on_the_cpu_as_before():
