@@ -241,9 +241,29 @@ def test_overall_carries_notes_and_is_none_without_a_part():
     assert broken.value is None and "MU" in broken.note and "not evaluated" in broken.note
 
 
-def test_metrics_module_docstrings_state_formulas():
-    for fn in (*INDICATORS.values(), *AGGREGATES.values(), metrics.harmonic_mean):
-        assert fn.__doc__ and "=" in fn.__doc__, fn.__name__
+def test_indicators_equal_their_formulas_on_random_and_extreme_inputs():
+    """The formulas the docstrings state, computed here another way (torch float64 softmax, statistics), on
+    random NLLs and on NLLs so large that exp(-NLL) underflows to 0 (a plain ratio would be 0/0)."""
+    import random
+    import statistics
+
+    rng = random.Random(0)
+    for scale in (1.0, 800.0):
+        true = [scale + rng.uniform(0, 5) for _ in range(6)]
+        perturbed = [[scale + rng.uniform(0, 5) for _ in range(4)] for _ in range(6)]
+        shares = [torch.softmax(-torch.tensor([t, *p], dtype=torch.float64), 0)[0].item() for t, p in zip(true,
+                                                                                                         perturbed)]
+        assert choice_probability(true, perturbed) == pytest.approx(statistics.fmean(shares), rel=1e-12)
+        assert probability(true) == pytest.approx(statistics.fmean(math.exp(-t) for t in true), rel=1e-12)
+        ratios = truth_ratios(true, perturbed)
+        assert ratios == pytest.approx([math.exp(statistics.fmean(p) - t) for t, p in zip(true, perturbed)])
+    ratios = [rng.uniform(0.1, 1) for _ in range(4)] + [rng.uniform(1, 10) for _ in range(5)]
+    assert truth_ratio_forget(ratios) == pytest.approx(truth_ratio_forget([1 / r for r in ratios]))  # symmetric
+    assert truth_ratio_forget(ratios) == pytest.approx(1 - statistics.fmean(min(r, 1 / r) for r in ratios))
+    assert truth_ratio_other([r for r in ratios if r < 1]) == 0.0  # a paraphrase less likely than the perturbed
+    assert truth_ratio_other(ratios) == pytest.approx(statistics.fmean(max(0, 1 - 1 / r) for r in ratios))
+    values = [rng.uniform(0.01, 1) for _ in range(7)]
+    assert metrics.harmonic_mean(values) == pytest.approx(statistics.harmonic_mean(values), rel=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------- judges
