@@ -1,3 +1,3 @@
 """doplus: machine unlearning for LLMs with the DualOptim+ optimizer."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
