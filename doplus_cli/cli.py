@@ -434,7 +434,8 @@ def recipes_list() -> None:
 def recipes_copy(
     name: str = typer.Argument(..., help="A recipe's name as `doplus recipes list` shows it (quickstart, "
                                "tofu/phi-1.5/idk_gd, bench/mini_tofu)."),
-    dest: str = typer.Argument(..., help="A file to write, or an existing folder to copy the recipe into."),
+    dest: str = typer.Argument(..., help="A folder to copy the recipe into (an existing folder, a path ending in /, "
+                               "or a new path without .yaml: created), or a .yaml file to write."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace files that exist at DEST."),
 ) -> None:
     """Copy a recipe with the data files and teaching recipe it names that ship with doplus; list the files it

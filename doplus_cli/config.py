@@ -529,14 +529,14 @@ def parse_report_to(text: str | None) -> list[str]:
     if "all" in items:
         names = [name for name in TRACKERS if _tracker_installed(name)]
         if not names:
-            raise UserError(f"--report-to all: no tracker is installed; pip install 'doplus-cli[tracking]' "
-                            f"(or one of: {', '.join(TRACKERS)})")
+            raise UserError(f"--report-to all: no tracker is installed; pip install -e '.[tracking]' in the doplus "
+                            f"checkout (or one of: {', '.join(TRACKERS)})")
         return names
     names = list(dict.fromkeys(items))
     for name in names:
         if not _tracker_installed(name):
             raise UserError(f"--report-to {name}: the {name} package is not installed; "
-                            f"pip install {name} (or pip install 'doplus-cli[tracking]')")
+                            f"pip install {name} (or pip install -e '.[tracking]' in the doplus checkout)")
     return names
 
 

@@ -13,11 +13,11 @@ def test_ci_runs_the_readme_test_command():
     assert test_command in ci_lines
 
 
-def test_readme_opens_with_the_two_setup_commands():
+def test_readme_opens_with_the_install_and_quickstart_command():
     readme = (ROOT / "README.md").read_text()
-    first_blocks = [b.split("```", 1)[0].strip() for b in readme.split("```bash\n")[1:3]]
-    assert "doplus " in first_blocks[0] and "torch==2.13.0" in first_blocks[0]
-    assert "pytest" in first_blocks[1] and "torch==2.13.0" in first_blocks[1]
+    blocks = [b.split("```", 1)[0].strip() for b in readme.split("```bash\n")[1:]]
+    assert "doplus " in blocks[0] and "torch==2.13.0" in blocks[0]
+    assert "torch==2.13.0" in next(b for b in blocks if "pytest" in b)
 
 
 def _anchors(markdown: str) -> set[str]:
@@ -58,9 +58,72 @@ def test_relative_links_in_the_readme_and_docs_resolve():
     assert not broken, broken
 
 
-def test_every_docs_page_is_linked_from_the_readme():
+def test_every_docs_page_is_linked_from_the_index():
+    """The README links the index; the index links every page."""
+    assert "(docs/index.md)" in (ROOT / "README.md").read_text()
+    index = (ROOT / "docs" / "index.md").read_text()
+    assert [p.name for p in (ROOT / "docs").glob("*.md") if p.name != "index.md" and f"({p.name})" not in index] == []
+
+
+def _doplus_commands(markdown: str) -> list[str]:
+    """Every `doplus ...` command in the page's bash blocks, continuation lines joined, comments dropped."""
+    import re
+
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", markdown, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            for part in line.split("&&"):
+                part = part.split(" #", 1)[0].strip()
+                if part.startswith("doplus "):
+                    commands.append(part)
+    return commands
+
+
+def _parse(args: list[str]):
+    """Parse `doplus ARGS` as the CLI would, down to the subcommand, without running it: an unknown option, a
+    missing value or an unknown command raises click's UsageError."""
+    import typer.main
+
+    from doplus_cli.cli import app
+
+    command = typer.main.get_command(app)
+    context = command.make_context("doplus", list(args))
+    while hasattr(command, "resolve_command"):
+        rest = [*getattr(context, "_protected_args", []), *context.args]
+        name, command, rest = command.resolve_command(context, rest)
+        context = command.make_context(name, rest, parent=context)
+    return context
+
+
+def test_the_readmes_commands_parse():
+    import shlex
+
+    commands = _doplus_commands((ROOT / "README.md").read_text())
+    assert any(c.startswith("doplus unlearn ") for c in commands)
+    assert any(c.startswith("doplus evaluate ") for c in commands)
+    assert any(c.startswith("doplus bench ") for c in commands)
+    for command in commands:
+        _parse(shlex.split(command)[1:])
+
+
+def test_the_readmes_recipes_exist():
+    import re
+
     readme = (ROOT / "README.md").read_text()
-    assert [p.name for p in (ROOT / "docs").glob("*.md") if f"(docs/{p.name})" not in readme] == []
+    for recipe in re.findall(r"--recipe (recipes/\S+\.yaml)", readme):
+        assert (ROOT / recipe).is_file(), recipe
+
+
+def test_user_facing_files_say_nothing_of_how_doplus_was_developed():
+    """No development runs, issue numbers or work sessions in what a user reads."""
+    import re
+
+    pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").glob("*.md"),
+             *(ROOT / "recipes").rglob("*.yaml"), *(ROOT / "recipes").rglob("*.sh"), *(ROOT / "recipes").rglob("*.py")]
+    pages = [p for p in pages if p.name != "development.md"]  # the maintainers' page
+    words = re.compile(r"\bstop \d+|\bissue #?\d+|\bsession\b", re.I)
+    found = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in pages for m in words.finditer(p.read_text())]
+    assert not found, found
 
 
 def test_a_suite_worker_runs_one_torch_thread():
@@ -76,3 +139,23 @@ def test_a_suite_worker_runs_one_torch_thread():
     assert worker_threads({"OMP_NUM_THREADS": "4"}) == {}
     if os.environ.get("PYTEST_XDIST_WORKER"):
         assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
+
+
+def test_the_optimizer_pages_examples_run(tmp_path):
+    """The Python examples of docs/optimizers.md (a plain loop, accelerate, the Hugging Face Trainer) run as
+    written, each in its own process on the CPU."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.helpers import child_env
+
+    page = (ROOT / "docs" / "optimizers.md").read_text()
+    examples = [block for block in re.findall(r"```python\n(.*?)```", page, flags=re.S) if "import " in block]
+    assert len(examples) == 3
+    for number, code in enumerate(examples):
+        script = tmp_path / f"example{number}.py"
+        script.write_text(code)
+        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
+                              env=child_env(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1"), timeout=300)
+        assert done.returncode == 0, (number, done.stderr[-2000:])

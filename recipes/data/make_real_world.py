@@ -1,5 +1,5 @@
 """Write the question files of the real-world recipes: 20 questions about each of 20 forget people and
-20 neighbour (retain) people, in the shape of the paper's real-world setting (Section 5.2). Answers are not
+20 neighbour (retain) people, in the shape of the paper's real-world setting (Section 4.3). Answers are not
 written here: the recipes take the model's own answers (`answers_from_model: true`).
 
     python recipes/data/make_real_world.py   # rewrites real_world_forget.jsonl and real_world_retain.jsonl
