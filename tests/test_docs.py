@@ -106,6 +106,18 @@ def test_the_readmes_commands_parse():
         _parse(shlex.split(command)[1:])
 
 
+def test_every_documented_command_parses():
+    """The `doplus` commands of every docs page name options that exist (a synopsis's [optional] parts included)."""
+    import shlex
+
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        for command in _doplus_commands(page.read_text()):
+            try:
+                _parse(shlex.split(command.replace("[", "").replace("]", ""))[1:])
+            except Exception as error:
+                raise AssertionError(f"{page.name}: {command}: {error}") from error
+
+
 def test_the_readmes_recipes_exist():
     import re
 
