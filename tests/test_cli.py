@@ -69,16 +69,29 @@ def test_more_processes_than_visible_gpus_is_one_line_and_exit_code_2(tiny_llama
     assert not out.exists()  # nothing written
 
 
-@pytest.mark.parametrize("master_port", [None, "29611"], ids=["free port", "MASTER_PORT"])
+@pytest.mark.parametrize(
+    "master_port,launcher_code,worker_codes,expected",
+    [
+        (None, 0, {}, 0),  # a run that finished
+        ("29611", 0, {0: 130, 1: 130}, 130),  # stopped by Ctrl-C: the workers exit 0 and leave 128 + SIGINT
+        (None, 0, {1: 2}, 2),  # only worker 1 left a code (a user error it alone met)
+        (None, 1, {}, 1),  # torchrun itself failed: its code
+    ],
+    ids=["finished", "MASTER_PORT, interrupted", "a worker's user error", "launcher failed"],
+)
 def test_launch_asks_for_a_free_rendezvous_port_unless_the_job_sets_one(tiny_llama, tofu_dir, tmp_path, monkeypatch,
-                                                                        master_port):
+                                                                        capsys, master_port, launcher_code,
+                                                                        worker_codes, expected):
     """Seen on an H100 with tests side by side: two launches on accelerate's default port 29500 at once, and the
     second's workers stopped with "address already in use". `--main_process_port 0` makes accelerate pick a free
-    one; a job's MASTER_PORT (a cluster script's) is passed on as it is."""
+    one; a job's MASTER_PORT (a cluster script's) is passed on as it is. The launching process exits with the
+    code the first worker left (workers exit 0 so that torchrun prints no traceback), else the launcher's."""
+    import os
     import signal
 
     import torch
 
+    from doplus_cli.errors import EXIT_FILE_VARIABLE
     from tests.helpers import run_cli, write_sets
 
     launched = []
@@ -86,11 +99,15 @@ def test_launch_asks_for_a_free_rendezvous_port_unless_the_job_sets_one(tiny_lla
     class Launcher:
         pid = 0
 
-        def __init__(self, command, **_):
-            launched.append(command)
+        def __init__(self, command, env, **_):
+            launched.append((command, env))
 
-        def wait(self):
-            return 0
+        def wait(self):  # the workers' side: each leaves its code where `errors.worker_exit_code` puts it
+            exit_file = launched[-1][1][EXIT_FILE_VARIABLE]
+            for rank, code in worker_codes.items():
+                with open(f"{exit_file}.rank{rank}", "w") as handle:
+                    handle.write(str(code))
+            return launcher_code
 
     monkeypatch.setattr(subprocess, "Popen", Launcher)
     monkeypatch.setattr(signal, "signal", lambda *_: None)  # the launcher's handlers stay out of pytest's process
@@ -102,9 +119,17 @@ def test_launch_asks_for_a_free_rendezvous_port_unless_the_job_sets_one(tiny_lla
         monkeypatch.setenv("MASTER_PORT", master_port)
     (tmp_path / "data").mkdir()
     data = write_sets(tofu_dir, tmp_path / "data", 4, 4)
+    out = tmp_path / "run"
     code = run_cli("unlearn", "--model", tiny_llama, "--forget", data / "forget.jsonl", "--retain",
-                   data / "retain.jsonl", "--steps", 2, "--out", tmp_path / "run", "--num-processes", 2)
-    assert code == 0 and len(launched) == 1
-    command = launched[0]
+                   data / "retain.jsonl", "--steps", 2, "--out", out, "--num-processes", 2)
+    assert code == expected and len(launched) == 1
+    command, env = launched[0]
     assert command[command.index("--main_process_port") + 1] == (master_port or "0")
     assert command[command.index("--num_processes") + 1] == "2" and "--num-processes" not in command
+    # observable: the command line said once on stderr, nothing written by the launching process, the exit
+    # files' folder removed
+    err = capsys.readouterr().err
+    assert err.count("launching 2 processes: accelerate launch ... -m doplus_cli unlearn --model") == 1
+    assert "--num-processes" not in err
+    assert not out.exists()
+    assert not os.path.exists(os.path.dirname(env[EXIT_FILE_VARIABLE]))
