@@ -20,7 +20,8 @@ from doplus_cli.config import SCHEMES
 from doplus_cli.kinds import Metric
 
 UPDATE_COSINE = Metric("update_cosine", "update cos (mean over the 2nd half of steps)", None, ".3f")
-# Paper, Table 8: time and memory (the optimizer-state column's unit is chosen per table, see _state_metric).
+# The paper's memory and running-time table (Appendix): time and memory (the optimizer-state column's unit is
+# chosen per table, see _state_metric).
 RESOURCE_METRICS = (
     Metric("train_time_s", "train time (s)", False, ".1f"), Metric("peak_memory_gb", "peak memory (GB)", False),
 )
@@ -75,8 +76,9 @@ def collect(bench: Bench, index: dict[str, Any]) -> tuple[list[Result], list[str
 
 
 def resources(report: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Paper, Table 8: training time (the sum of the optimizer steps' seconds, so a resumed run counts every step
-    once and evaluation and loading are left out), peak memory over the steps, optimizer-state bytes."""
+    """As the paper's memory and running-time table (Appendix): training time (the sum of the optimizer steps'
+    seconds, so a resumed run counts every step once and evaluation and loading are left out), peak memory over the
+    steps, optimizer-state bytes."""
     seconds = [r["seconds"] for r in records if "seconds" in r]
     peaks = [r["peak_memory_gb"] for r in records if r.get("peak_memory_gb") is not None]
     return {"train_time_s": sum(seconds) if seconds else None,
