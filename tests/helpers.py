@@ -108,7 +108,7 @@ def wait_for_steps(out, n, process, timeout=180):
         path = out / "metrics.jsonl"
         if path.exists() and sum(1 for _ in open(path)) >= n:
             return
-        assert process.poll() is None, process.communicate()
+        assert process.poll() is None, process.communicate(timeout=60)
         time.sleep(0.01)
     raise AssertionError("the run did not reach the step in time")
 

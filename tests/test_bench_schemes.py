@@ -80,7 +80,7 @@ def test_killed_bench_resumes_and_reports_mean_and_std_over_seeds(tiny_llama, da
             assert time.time() < deadline, "the bench did not reach the second run in time"
             time.sleep(0.005)
         os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        process.wait(timeout=60)
     assert not (second / "report.json").exists() and not (out / "SCHEMES.json").exists()
 
     capsys.readouterr()

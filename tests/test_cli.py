@@ -11,7 +11,8 @@ from doplus_cli.cli import main
 
 
 def test_help_lists_every_subcommand():
-    result = subprocess.run([sys.executable, "-m", "doplus_cli", "--help"], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "doplus_cli", "--help"], capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 0
     out = result.stdout
     for name in ("unlearn", "align", "multitask", "evaluate", "bench", "recipes"):

@@ -150,7 +150,7 @@ def test_three_task_doplus_run_states_report_and_bit_identical_resume_after_sigk
     kill_after = random.Random(os.getpid()).randint(3, 18)
     wait_for_steps(out, kill_after, process)
     process.send_signal(signal.SIGKILL)
-    process.wait()
+    process.wait(timeout=60)
     assert not (out / "final").exists() and not (out / "report.json").exists()
     assert run_cli(*arguments, "--resume") == 0
     a, b = load_file(str(full / "final" / "model.safetensors")), load_file(str(out / "final" / "model.safetensors"))

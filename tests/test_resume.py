@@ -40,7 +40,7 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tiny_llama, data,
     kill_after = random.Random(os.getpid()).randint(3, steps - 10)
     wait_for_steps(out, kill_after, process)
     process.send_signal(signal.SIGKILL)
-    process.wait()
+    process.wait(timeout=60)
     # the kill lands at or after step `kill_after` (the run goes on while the test reads metrics.jsonl); to
     # replay a failure, set kill_after to the number in the message
     replay = f"SIGKILL after the run logged {kill_after} steps"

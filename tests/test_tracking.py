@@ -178,7 +178,7 @@ def test_a_killed_run_resumed_logs_each_step_exactly_once(tiny_llama, data, tmp_
     process = launch(command)
     wait_for_steps(out, 5, process)
     process.send_signal(signal.SIGKILL)
-    process.wait()
+    process.wait(timeout=60)
     kept = list_checkpoints(out / "checkpoints")
     assert kept and not (out / "final").exists()
     assert run_cli(*command, "--resume") == 0
