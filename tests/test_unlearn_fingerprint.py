@@ -164,3 +164,22 @@ def test_the_schemes_end_apart(finals):
         for second in runs[i + 1:]:
             a, b = finals[first][0], finals[second][0]
             assert any(not torch.equal(a[name], b[name]) for name in a), (first, second)
+
+
+@pytest.mark.parametrize("warmup,total", [(0, 10), (2, 6), (3, 3), (7, 5), (60, 300)])
+def test_the_schedule_gives_transformers_factors_bit_for_bit(warmup, total):
+    """doplus's linear warm-up schedule (which spares every run the import of transformers' Trainer utilities)
+    against transformers' own, step by step, past the end, and through a state_dict round trip."""
+    from doplus_cli.engine.schedule import linear_warmup_schedule
+
+    def optimizer():
+        return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-4)
+
+    ours, theirs = optimizer(), optimizer()
+    a, b = linear_warmup_schedule(ours, warmup, total), get_linear_schedule_with_warmup(theirs, warmup, total)
+    for _ in range(total + 3):
+        assert ours.param_groups[0]["lr"] == theirs.param_groups[0]["lr"]
+        ours.step(), theirs.step(), a.step(), b.step()
+    resumed = linear_warmup_schedule(optimizer(), warmup, total)
+    resumed.load_state_dict(b.state_dict())
+    assert resumed.get_last_lr() == b.get_last_lr()

@@ -38,7 +38,7 @@ from doplus_cli.data.sources import MixtureSource
 from doplus_cli.engine import checkpoint, model_card, outputs, precision, sharding, tracking
 from doplus_cli.engine.objectives import Objective, Plan, frequencies, lr_multipliers
 from doplus_cli.engine.optimizers import OptimizerSettings, build_optimizer
-from doplus_cli.engine.schedule import JOINT, objective_at, steps_per_objective
+from doplus_cli.engine.schedule import JOINT, linear_warmup_schedule, objective_at, steps_per_objective
 from doplus_cli.engine.similarity import UpdateSimilarity
 from doplus_cli.errors import RunError, UserError, worker_exit_code
 from doplus_cli.lora import LoraSettings, adapter_norms, apply_lora, final_model
@@ -177,8 +177,6 @@ def setup(config: TrainConfig, plan: Plan, console: Console) -> Iterator[Run]:
     """Build everything the loop steps with: the accelerator and the run's folder, the model, then (with the
     progress display live until the block ends) the plan's objectives, the reference model, LoRA, the shards,
     the optimizer and its LR schedule, a resumed run's state, the trackers and metrics.jsonl."""
-    from transformers import get_linear_schedule_with_warmup
-
     accelerator, out, resume_from, saved = _open_run(config, plan)
     main_process, world = accelerator.is_main_process, accelerator.num_processes
     sharded = config.fsdp and world > 1
@@ -207,7 +205,7 @@ def setup(config: TrainConfig, plan: Plan, console: Console) -> Iterator[Run]:
         names = tuple(o.name for o in objectives)
         optimizer, scheduled = build_optimizer(model, names, lr_multipliers(objectives), optimizer_settings(config),
                                                sharded=sharded)
-        scheduler = get_linear_schedule_with_warmup(scheduled, config.warmup_steps, config.steps)
+        scheduler = linear_warmup_schedule(scheduled, config.warmup_steps, config.steps)
         streams = {o.name: o.stream for o in objectives}
         processes = checkpoint.Processes(accelerator, sharded=sharded)
         start_step, records, evals = 0, [], []

@@ -56,3 +56,23 @@ def authors_epoch_steps(scheme: str, forget_rows: int, retain_rows: int, forget_
 def authors_warmup(epoch_steps: int) -> int:
     """The authors' warm-up: one epoch, none when an epoch is a single step."""
     return epoch_steps if epoch_steps > 1 else 0
+
+
+def _linear_warmup_factor(step: int, *, warmup_steps: int, total_steps: int) -> float:
+    if step < warmup_steps:
+        return float(step) / float(max(1, warmup_steps))
+    return max(0.0, float(total_steps - step) / float(max(1, total_steps - warmup_steps)))
+
+
+def linear_warmup_schedule(optimizer, warmup_steps: int, total_steps: int):
+    """The learning rate rises linearly from 0 over `warmup_steps`, then falls linearly to 0 at `total_steps`.
+
+    The same factors, in the same float arithmetic, as transformers' `get_linear_schedule_with_warmup`
+    (tests/test_unlearn_fingerprint.py trains against that function), on torch's `LambdaLR` with a partial of a
+    module-level function, so a checkpoint's scheduler state is the same too. Importing that function pulls in
+    transformers' Trainer utilities and with them peft and bitsandbytes, about a second of every run's start."""
+    from functools import partial
+
+    from torch.optim.lr_scheduler import LambdaLR
+
+    return LambdaLR(optimizer, partial(_linear_warmup_factor, warmup_steps=warmup_steps, total_steps=total_steps))
