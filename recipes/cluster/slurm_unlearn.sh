@@ -40,8 +40,8 @@ MASTER_PORT=${MASTER_PORT:-29500}
 PROCESSES=$((SLURM_NNODES * GPUS_PER_NODE))
 
 # --grad-accum that keeps the recipe's effective batch on $PROCESSES processes
-read -r BATCH ACCUM < <(python -c "import sys, yaml; r = yaml.safe_load(open(sys.argv[1])); \
-print(r.get('batch_size', 1), r.get('grad_accum', 1))" "$RECIPE")
+read -r BATCH ACCUM < <(python -c "import sys; from doplus_cli.config import resolve_config; \
+c = resolve_config(sys.argv[1], {}); print(c.batch_size, c.grad_accum)" "$RECIPE")
 EFFECTIVE_BATCH=${EFFECTIVE_BATCH:-$((BATCH * ACCUM))}
 if [ $((EFFECTIVE_BATCH % (BATCH * PROCESSES))) -ne 0 ]; then
     echo "effective batch $EFFECTIVE_BATCH is not a multiple of batch_size $BATCH x $PROCESSES processes" >&2
