@@ -23,19 +23,27 @@ def no_network(monkeypatch):
 
 
 def test_an_unresolvable_hub_loads_judges_from_the_cache_only(no_network, monkeypatch):
-    import transformers
+    """The real loaders, with huggingface_hub online (its offline switch, read at import, turned off): two judges
+    are given up at once, with one DNS lookup in all (the probe) and no request of huggingface_hub's own."""
+    import huggingface_hub.constants
 
-    calls = []
+    lookups = []
 
-    def from_pretrained(name, **kwargs):
-        calls.append(kwargs.get("local_files_only"))
-        raise OSError("not in the cache")
+    def refuse(host, *args, **kwargs):
+        lookups.append(host)
+        raise socket.gaierror(-2, "Name or service not known")
 
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     assert not models.hub_offline() and not models.hub_reachable() and models.judge_files_only()
+    assert lookups == ["huggingface.co"]
+    started = time.perf_counter()
     judge, reason = judges.load_nli("doplus-tests/no-such-nli-model")
-    assert judge is None and calls == [True]
-    assert "the hub's host does not resolve (no network)" in reason
+    embedder, embedder_reason = judges.load_embedder("doplus-tests/no-such-embedder")
+    assert time.perf_counter() - started < 10
+    assert judge is None and "the hub's host does not resolve (no network)" in reason
+    assert embedder is None and embedder_reason
+    assert lookups == ["huggingface.co"]  # huggingface_hub never tried the network
 
 
 def test_a_resolvable_hub_is_tried_and_the_answer_is_kept(monkeypatch):
