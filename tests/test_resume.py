@@ -30,6 +30,14 @@ def final_weights(out):
     return load_file(str(out / "final" / "model.safetensors"))
 
 
+def checkpoint_weights(checkpoint):
+    return load_file(str(next(checkpoint.glob("model*.safetensors"))))
+
+
+def largest_change(a, b) -> float:
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
 @pytest.mark.parametrize("extra", [[], ["--state-bits", "8"]], ids=["doplus-32bit", "doplus-8bit"])
 def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tiny_llama, data, tmp_path, extra):
     steps = 30
@@ -48,10 +56,14 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tiny_llama, data,
     kept = list_checkpoints(out / "checkpoints")
     assert 1 <= len(kept) <= 3, (replay, kept)  # --keep-last 3
     replay += f"; resumed from {kept[-1].name}"
+    at_resume = checkpoint_weights(kept[-1])
     assert run_cli(*args(tiny_llama, data, out, steps, "--save-every", 1, "--keep-last", 3, *extra),
                    "--resume") == 0, replay
     a, b = final_weights(reference), final_weights(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), replay
+    # the steps before and after the resume moved the weights (runs that never stepped would be equal too)
+    assert largest_change(at_resume, load_file(str(tiny_llama / "model.safetensors"))) > 1e-4, replay
+    assert largest_change(b, at_resume) > 1e-4, replay
     records = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in records] == list(range(1, steps + 1)), replay
     assert json.loads((out / "report.json").read_text())["losses"]["forget"]["steps"] == steps // 6  # 1:5
@@ -71,10 +83,14 @@ def test_sigterm_writes_a_checkpoint_and_the_resumed_run_ends_as_an_uninterrupte
     assert len(kept) == 1 and not (out / "final").exists()
     stopped_at = int(kept[0].name.removeprefix("step-"))
     assert stopped_at < steps
+    at_resume = checkpoint_weights(kept[0])
     assert run_cli(*args(tiny_llama, data, out, steps), "--resume", kept[0]) == 0
     assert len(open(out / "metrics.jsonl").readlines()) == steps
     a, b = final_weights(whole), final_weights(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"stopped after {kept[0].name}"
+    # the steps before and after the resume moved the weights (runs that never stepped would be equal too)
+    assert largest_change(at_resume, load_file(str(tiny_llama / "model.safetensors"))) > 1e-4
+    assert largest_change(b, at_resume) > 1e-4
 
 
 def _signal_self_then(function):
@@ -102,11 +118,15 @@ def test_sigterm_during_the_evaluation_after_the_last_step_checkpoints_it_and_re
     assert [p.name for p in list_checkpoints(out / "checkpoints")] == [f"step-{steps}"]
     assert not (out / "final").exists() and not (out / "report.json").exists()
     assert signal.getsignal(signal.SIGTERM) is handler  # the run's handler is gone with it
+    at_resume = checkpoint_weights(out / "checkpoints" / f"step-{steps}")
     assert run_cli(*args(tiny_llama, data, out, steps), "--resume") == 0  # no step left: evaluation and final/
     assert len(open(out / "metrics.jsonl").readlines()) == steps
     assert json.loads((out / "report.json").read_text())["status"] == "completed"
     a, b = final_weights(whole), final_weights(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the six steps moved the weights, and the resume, with no step left, saved the checkpoint's weights as they are
+    assert largest_change(b, load_file(str(tiny_llama / "model.safetensors"))) > 1e-4
+    assert all(torch.equal(b[k], at_resume[k]) for k in b)
 
 
 def test_sigterm_while_the_final_model_is_written_lets_the_run_complete(tiny_llama, data, tmp_path, capsys,
