@@ -384,6 +384,10 @@ def test_lora_checkpoints_hold_the_adapters_and_resume_exactly(tiny_llama, data,
     a = load_file(str(tmp_path / "a" / "final" / "adapter_model.safetensors"))
     b = load_file(str(out / "final" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the adapters moved before and after the resume point: lora_B starts at zero, and grew after step 2
+    size_at_2 = sum(t.abs().sum().item() for name, t in saved.items() if "lora_B" in name)
+    size_at_6 = sum(t.abs().sum().item() for name, t in b.items() if "lora_B" in name)
+    assert 0 < size_at_2 and abs(size_at_6 - size_at_2) > 1e-3 * size_at_2, (size_at_2, size_at_6)
 
 
 def test_reference_model_placements(tiny_llama, data, tmp_path):
