@@ -94,7 +94,7 @@ def make(name: str, case: dict) -> dict:
 
 def main() -> None:
     source = Path(doplus_cli.__file__).resolve().parents[1]
-    commit = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True,
+    commit = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=60,
                             check=True).stdout.strip()
     if not commit.startswith("d1bcf3d"):
         sys.exit(f"doplus_cli comes from {source} at {commit}, not release 0.1.0 (d1bcf3d): set PYTHONPATH")
