@@ -323,13 +323,8 @@ def test_bf16_parameters_and_non_contiguous_gradients_on_the_compiled_path(name)
     assert (bf16.detach().double() - reference.theta[2]).abs().max() > 1e-3  # the buffer holds what bf16 drops
 
 
-NON_CONTIGUOUS = [
-    pytest.param(name, fused, marks=[pytest.mark.xfail(
-        strict=True, raises=RuntimeError,
-        reason="DualOptimPlus._adamw_update flattens the weight with param.view(-1), which a transposed "
-               "weight refuses")] if name == "DualOptimPlus" else [], id=f"{name}-{'fused' if fused else 'eager'}")
-    for name in OPTIMIZERS for fused in (True, False)
-]
+NON_CONTIGUOUS = [pytest.param(name, fused, id=f"{name}-{'fused' if fused else 'eager'}")
+                  for name in OPTIMIZERS for fused in (True, False)]
 
 
 @pytest.mark.parametrize("name,fused", NON_CONTIGUOUS)
@@ -355,9 +350,9 @@ def test_a_non_contiguous_parameter_steps_by_the_rule_in_its_own_layout(name, fu
         torch.testing.assert_close(p.detach().double(), expected, rtol=0, atol=2e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="torch's fused AdamW, which DualOptim uses by default on CPU and CUDA, reads "
-                                       "the gradient in the weight's memory order")
 def test_dualoptim_steps_a_gradient_laid_out_unlike_its_weight():
+    """torch's fused AdamW, which DualOptim uses by default, reads the gradient in the weight's memory order: a
+    gradient laid out otherwise (assigned by hand) is copied into the weight's layout first."""
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(24, 16))
     opt, hps = build("DualOptim", [weight], split=1)
@@ -428,9 +423,6 @@ def test_state_dict_round_trip_continues_bit_identically(case):
     assert fresh.param_groups[1]["lr"] == OVERRIDE["lr"]
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="torch.optim.Optimizer.__getstate__ keeps only defaults, state and param_groups: the copy "
-                          "loses the attributes these optimizers set in their constructors")
 @pytest.mark.parametrize("case", CONTINUATION)
 def test_deepcopy_continues_bit_identically(case):
     name, options, params, opt = continuation_problem(case)

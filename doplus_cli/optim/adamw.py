@@ -103,6 +103,10 @@ class AdamW(Optimizer):
                 self._step_stats.append(stats)
         return loss
 
+    def __getstate__(self) -> dict:
+        # torch's Optimizer keeps only defaults, state and param_groups; a copy needs the compensation settings
+        return self.__dict__.copy()
+
     def step_diagnostics(self) -> dict[str, float]:
         """Of the last step: the largest |Δθ|/η and the number of elements above 10η, read from the master
         weight (θ_bf16 + c) inside the update kernel."""

@@ -104,6 +104,10 @@ class DualOptim(Optimizer):
             for param in group["params"]:
                 if param.grad is not None and param.grad.is_sparse:
                     raise ValueError("DualOptim does not support sparse gradients")
+                if param.grad is not None and param.grad.stride() != param.stride():
+                    # torch's fused AdamW reads the gradient in the weight's memory order; autograd's gradients
+                    # share the weight's layout, a gradient assigned by hand need not
+                    param.grad = torch.empty_like(param).copy_(param.grad)
         inner = self.inner[objective]
         self._last_objective = objective
         scale = self.lr_multipliers.get(objective, 1.0)
@@ -112,6 +116,10 @@ class DualOptim(Optimizer):
                 group[key] = outer[key]
             group["lr"] = outer["lr"] * scale
         return inner.step(closure)
+
+    def __getstate__(self) -> dict:
+        # torch's Optimizer keeps only defaults, state and param_groups; a copy needs the per-objective optimizers
+        return self.__dict__.copy()
 
     def step_diagnostics(self) -> dict[str, float]:
         """Largest |Δθ|/η and the number of elements above 10η of the last step (`diagnostics.py`)."""

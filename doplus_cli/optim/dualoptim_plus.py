@@ -307,6 +307,10 @@ class DualOptimPlus(Optimizer):
         return [self._adamw_update(local, grad, group, state, delta, lr_scale, hp_cache, compensation)
                 for local, grad, group, state, delta, compensation in entries]
 
+    def __getstate__(self) -> dict:
+        # torch's Optimizer keeps only defaults, state and param_groups; a copy needs the rule's settings too
+        return self.__dict__.copy()
+
     def step_diagnostics(self) -> dict[str, float]:
         """Of the last step, over this process's elements: ``max_update`` the largest |Δθ|/η, and
         ``big_updates`` the number of elements whose step exceeded 10η (`kernels.BIG_UPDATE`)."""
@@ -338,6 +342,14 @@ class DualOptimPlus(Optimizer):
         self, param: Tensor, grad: Tensor, group: dict, state: dict, delta: dict, lr_scale: float, hp_cache: dict,
         compensation: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
+        if not param.is_contiguous():
+            # a transposed or strided weight: the rule runs on a copy in logical element order, the order of the
+            # states and of the compensation buffer (both allocated contiguous), and the result goes back in place
+            work = param.contiguous()
+            stats = self._adamw_update(work, grad.contiguous(), group, state, delta, lr_scale, hp_cache,
+                                       compensation)
+            param.copy_(work)
+            return stats
         s = self._adamw_scalars(group, state, delta, lr_scale)
         # (container, name, signed map): the delta second moment can be negative, so it is signed too
         slots = [
