@@ -56,6 +56,13 @@ from tests.tiny_model import TOFU, build_tiny_llama  # noqa: E402
 torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests that start doplus processes first in each half of the collection (`tests/scheduling.py`)."""
+    from tests.scheduling import HEAVY_MARKERS, balanced_order
+
+    items[:] = balanced_order(items, lambda item: any(item.get_closest_marker(m) for m in HEAVY_MARKERS))
+
+
 @pytest.fixture(autouse=True)
 def _cpu_processes(request, monkeypatch):
     """Tests marked `cpu_processes` compare two processes with one: both run on the CPU (gloo, float32), as

@@ -17,8 +17,9 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 from doplus_cli.optim import DualOptimPlus, multi_tensor  # noqa: E402
 
-# sizes: several tiles (12,345 = 3 tiles + a partial one), one partial tile, a matrix, a 1-element tensor
-SHAPES = [(12345,), (1000,), (96, 80), (1,)]
+# sizes: a whole tile and a partial one (5,330 = 4,096 + 1,234, itself a whole block and a partial one), one
+# partial tile, a matrix, a 1-element tensor; five tiles in all, as the interpreter runs each tile in Python
+SHAPES = [(5330,), (1000,), (24, 40), (1,)]
 KWARGS = dict(lr=1e-2, betas=(0.9, 0.95), base_betas=(0.8, 0.99), eps=1e-8, weight_decay=0.1,
               lr_multipliers={"forget": 2.0})
 
@@ -139,7 +140,7 @@ def main(out: str) -> None:
             name = f"{str(dtype).removeprefix('torch.')}-{'compensated' if compensated else 'plain'}-{rule}"
             runs[name] = {multi: run(dtype, multi, rule, compensated) for multi in (True, False)}
     runs["groups"] = {multi: run(torch.float32, multi, groups=True) for multi in (True, False)}
-    multi_tensor.FLUSH_NUMEL = 13000  # 12,345 + 1,000 elements: the first two tensors, then the other two
+    multi_tensor.FLUSH_NUMEL = 6000  # 5,330 + 1,000 elements: the first two tensors, then the other two
     runs["flush"] = run(torch.float32, True)
     multi_tensor.FLUSH_NUMEL = 1 << 26
     runs["nan"] = {multi: run(torch.float32, multi, nan_at=5, steps=6) for multi in (True, False)}

@@ -197,6 +197,7 @@ def test_instruction_and_input_make_one_prompt_and_only_the_response_is_scored(t
 
 # ---- the evaluation after training ----
 
+@pytest.mark.processes
 def test_eval_suite_runs_doplus_evaluate_on_final(tiny_llama, tmp_path):
     out = tmp_path / "evaluated"
     assert run_cli(*align_args(tiny_llama, out, "--steps", 2, "--eval-suite", "safety", "--eval-max-samples", 1,
@@ -284,6 +285,7 @@ def test_bad_input_is_one_line_with_exit_code_2(tiny_llama, tmp_path, capsys, mo
 
 # ---- doplus bench schemes over an align recipe ----
 
+@pytest.mark.processes
 def test_bench_schemes_runs_an_align_recipe(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     recipe = tmp_path / "align.yaml"

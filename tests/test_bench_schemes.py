@@ -26,6 +26,7 @@ from doplus_cli.engine.checkpoint import list_checkpoints
 from doplus_cli.kinds import KINDS, kind_of
 from tests.helpers import run_cli, write_jsonl, write_sets
 
+pytestmark = pytest.mark.processes  # bench runs are doplus processes
 PNG = b"\x89PNG"
 
 

@@ -125,23 +125,35 @@ def test_fsdp_steps_on_shards_equal_steps_on_the_whole_weights(tiny_llama, inner
         assert row["max_difference"] == 0.0 and row["moved"] > 1e-3
 
 
+def resume_from_step_2(run, out, whole):
+    """`run` (2 processes, checkpoints every 2 steps) to the end, its final weights moved to `whole`, then resumed
+    from step 2 in `out`; returns the step-2 checkpoint. The run that writes the checkpoint is the uninterrupted
+    one: a second run without --save-every would repeat it at the cost of three processes."""
+    two_processes(run)
+    checkpoint = out / "checkpoints" / "step-2"
+    shutil.move(out / "final", whole)
+    (out / "report.json").unlink()
+    two_processes(run + ["--resume", checkpoint])
+    return checkpoint
+
+
+def assert_resumed_bit_identically(whole, out, start, moved_since):
+    a, b = load_file(str(whole / "model.safetensors")), weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert max_difference(a, start) > 1e-3  # the run moved the weights
+    if moved_since is not None:  # and moved them after the checkpoint it resumed from
+        assert max_difference(a, moved_since) > 1e-4
+
+
 def test_fsdp_run_with_8bit_states_resumes_bit_identically(tiny_llama, data, tmp_path):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    run = common(tiny_llama, data, whole, "--batch-size", 2, "--fsdp", "--state-bits", 8, "--loss", "NPO+GD")
-    two_processes(run)
     run = common(tiny_llama, data, resumed, "--batch-size", 2, "--fsdp", "--state-bits", 8, "--loss", "NPO+GD",
                  "--save-every", 2)
-    two_processes(run)
-    checkpoint = resumed / "checkpoints" / "step-2"
+    checkpoint = resume_from_step_2(run, resumed, whole)
     assert sorted(p.name for p in checkpoint.iterdir() if "rank" in p.name) == [
         "model.rank0.safetensors", "model.rank1.safetensors", "optimizer.rank0.pt", "optimizer.rank1.pt",
         "rng.rank0.pt", "rng.rank1.pt"]
-    shutil.rmtree(resumed / "final")
-    (resumed / "report.json").unlink()
-    two_processes(run + ["--resume", checkpoint])
-    a, b = weights(whole), weights(resumed)
-    assert all((a[k] == b[k]).all() for k in a)
-    assert max_difference(a, load_file(str(tiny_llama / "model.safetensors"))) > 1e-3
+    assert_resumed_bit_identically(whole, resumed, load_file(str(tiny_llama / "model.safetensors")), None)
 
 
 def test_resume_on_another_number_of_processes_is_refused(tiny_llama, data, tmp_path, capsys):
@@ -201,6 +213,7 @@ def test_sigterm_stops_an_fsdp_run_with_a_checkpoint_and_it_resumes(tiny_llama, 
     assert len(open(out / "metrics.jsonl").readlines()) == steps
     a, b = weights(whole), weights(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"stopped after {checkpoint.name}"
+    assert max_difference(a, load_file(str(tiny_llama / "model.safetensors"))) > 1e-3  # the run moved the weights
 
 
 def test_fsdp_lora_equals_one_process_and_merges_the_gathered_adapters(tiny_llama, data, tmp_path):
@@ -220,14 +233,10 @@ def test_fsdp_lora_equals_one_process_and_merges_the_gathered_adapters(tiny_llam
 
 def test_two_process_run_resumes_bit_identically(tiny_llama, data, tmp_path):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    two_processes(common(tiny_llama, data, whole, "--batch-size", 2))
-    two_processes(common(tiny_llama, data, resumed, "--batch-size", 2, "--save-every", 2))
-    checkpoint = resumed / "checkpoints" / "step-2"
-    shutil.rmtree(resumed / "final")
-    (resumed / "report.json").unlink()
-    two_processes(common(tiny_llama, data, resumed, "--batch-size", 2, "--save-every", 2) + ["--resume", checkpoint])
-    a, b = weights(whole), weights(resumed)
-    assert all((a[k] == b[k]).all() for k in a)
+    run = common(tiny_llama, data, resumed, "--batch-size", 2, "--save-every", 2)
+    checkpoint = resume_from_step_2(run, resumed, whole)
+    assert_resumed_bit_identically(whole, resumed, load_file(str(tiny_llama / "model.safetensors")),
+                                   load_file(str(checkpoint / "model.safetensors")))
 
 
 def test_fsdp_evaluates_during_training_like_one_process(tiny_llama, data, tofu_dir, tmp_path):

@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -132,9 +134,12 @@ def test_user_facing_files_say_nothing_of_how_doplus_was_developed():
 
     pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").glob("*.md"),
              *(ROOT / "recipes").rglob("*.yaml"), *(ROOT / "recipes").rglob("*.sh"), *(ROOT / "recipes").rglob("*.py")]
-    pages = [p for p in pages if p.name != "development.md"]  # the maintainers' page
     words = re.compile(r"\bstop \d+|\bissue #?\d+|\bsession\b", re.I)
     found = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in pages for m in words.finditer(p.read_text())]
+    # the code's comments, docstrings, help and errors too ("session" names process sessions there)
+    code = re.compile(r"\bstop \d+|\bissue #?\d+", re.I)
+    found += [f"{p.relative_to(ROOT)}: {m.group(0)}" for folder in ("doplus_cli", "tests")
+              for p in (ROOT / folder).rglob("*.py") for m in code.finditer(p.read_text())]
     assert not found, found
 
 
@@ -153,6 +158,7 @@ def test_a_suite_worker_runs_one_torch_thread():
         assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
 
 
+@pytest.mark.processes
 def test_the_optimizer_pages_examples_run(tmp_path):
     """The Python examples of docs/optimizers.md (a plain loop, accelerate, the Hugging Face Trainer) run as
     written, each in its own process on the CPU."""

@@ -84,7 +84,7 @@ def test_with_an_nli_model_every_indicator_and_aggregate_is_computed(tiny_llama,
                    "--max-new-tokens", 4, "--out", out, "--nli-model", tiny_nli, "--targeted") == 0
     elapsed = time.perf_counter() - started
     summary = json.loads((out / "SUMMARY.json").read_text())
-    assert summary.pop("forget_quality") is None  # no --retain-logs: absent, by design (issue #13)
+    assert summary.pop("forget_quality") is None  # no --retain-logs: absent, by design
     assert all(value is not None for value in summary.values())
     assert "OVR" in summary and "OVR_targeted" not in summary
     labels = [r["entailment_label"] for r in json.loads((out / "TOFU_EVAL.json").read_text())["sets"]["retain"]]
@@ -211,6 +211,7 @@ def test_bad_input_is_one_line_with_exit_code_2(tiny_llama, tofu_dir, tmp_path, 
     assert needle in err and err.count("\n") == 0 and "Traceback" not in err
 
 
+@pytest.mark.processes
 def test_tofu_and_lm_eval_in_one_call(tiny_llama, tofu_dir, tmp_path):
     tasks = write_parity_task(tmp_path / "tasks")
     out = tmp_path / "both"

@@ -29,7 +29,10 @@ from doplus_cli.optim import DualOptimPlus, multi_tensor
 from tests.helpers import Float64DualOptimPlus, child_env
 
 # Triton is a dev dependency on Linux x86_64 (pyproject.toml), where CI runs; it has no wheels elsewhere
-pytestmark = pytest.mark.skipif(not multi_tensor.triton_installed(), reason="Triton is not installed (no wheel here)")
+pytestmark = [
+    pytest.mark.skipif(not multi_tensor.triton_installed(), reason="Triton is not installed (no wheel here)"),
+    pytest.mark.processes,  # the Triton interpreter runs in a process of its own
+]
 WORKER = os.path.join(os.path.dirname(__file__), "multi_tensor_worker.py")
 CONFIGS = [f"{dtype}-{kind}-{rule}" for dtype, kind in (("float32", "plain"), ("bfloat16", "compensated"),
                                                        ("bfloat16", "plain")) for rule in ("safeguarded", "paper")]
@@ -102,7 +105,7 @@ def test_param_groups_and_skipped_tensors_share_one_launch(runs):
 
 
 def test_a_step_launches_again_each_time_enough_elements_are_ready(runs):
-    """With `FLUSH_NUMEL` at 13,000 the first two tensors (13,345 elements) are one launch and the other two
+    """With `FLUSH_NUMEL` at 6,000 the first two tensors (6,330 elements) are one launch and the other two
     another: two launches a step, the same numbers bit for bit."""
     flushed, once = runs["flush"], runs["float32-plain-safeguarded"][True]
     steps = len(flushed["steps"])

@@ -117,6 +117,7 @@ def test_a_joint_step_reads_one_batch_of_every_task(tiny_llama, tasks, tmp_path)
 
 # ---- a 3-task DualOptim+ run: states, report, resume after SIGKILL ----
 
+@pytest.mark.processes
 def test_three_task_doplus_run_states_report_and_bit_identical_resume_after_sigkill(tiny_llama, tasks, tmp_path):
     reference = tmp_path / "uninterrupted"
     assert run_cli(*mt_args(tiny_llama, tasks, reference, "--save-every", 4, "--eval-every", 4)) == 0
@@ -155,6 +156,8 @@ def test_three_task_doplus_run_states_report_and_bit_identical_resume_after_sigk
     assert run_cli(*arguments, "--resume") == 0
     a, b = load_file(str(full / "final" / "model.safetensors")), load_file(str(out / "final" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    start = load_file(str(tiny_llama / "model.safetensors"))
+    assert max((a[k] - start[k]).abs().max().item() for k in a) > 1e-4  # the runs moved the weights
     ra, rb = (json.loads((d / "report.json").read_text()) for d in (full, out))
     assert ra["scores"] == rb["scores"] and ra["evals"] == rb["evals"]
     assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == list(range(1, 25))

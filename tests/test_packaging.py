@@ -12,6 +12,8 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import REPO, run_cli
 
 TIMEOUT = 300  # seconds for each step (pip, venv, doplus): a hang guard
@@ -34,6 +36,7 @@ def data_files() -> list[str]:
                   if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts)
 
 
+@pytest.mark.processes
 def test_wheel_installed_without_editable_mode_has_its_data_and_runs(tmp_path):
     assert "doplus_cli/evaluation/refusal_judge.json" in data_files()
     source = tmp_path / "source"  # a copy: building in the repository would write build/ into the shared tree

@@ -39,6 +39,7 @@ def largest_change(a, b) -> float:
 
 
 @pytest.mark.parametrize("extra", [[], ["--state-bits", "8"]], ids=["doplus-32bit", "doplus-8bit"])
+@pytest.mark.processes
 def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tiny_llama, data, tmp_path, extra):
     steps = 30
     reference = tmp_path / "uninterrupted"
@@ -69,6 +70,7 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tiny_llama, data,
     assert json.loads((out / "report.json").read_text())["losses"]["forget"]["steps"] == steps // 6  # 1:5
 
 
+@pytest.mark.processes
 def test_sigterm_writes_a_checkpoint_and_the_resumed_run_ends_as_an_uninterrupted_one(tiny_llama, data, tmp_path):
     steps = 24
     out, whole = tmp_path / "preempted", tmp_path / "whole"

@@ -400,6 +400,7 @@ def test_xstest_and_safety_with_a_refusal_judge_model(stand_in_guard, judge_mode
     assert "refusal judge model" in err and "could not be loaded (no such folder)" in err and "\n" not in err
 
 
+@pytest.mark.processes
 def test_safety_and_lm_eval_give_the_overall_score(tiny_llama, tmp_path):
     tasks = write_parity_task(tmp_path / "tasks")
     responses = _write_responses(tmp_path / "r.jsonl", [{"prompt": "p", "response": FULL[0]},

@@ -39,3 +39,16 @@ def test_every_subprocess_a_test_starts_has_a_timeout():
     found = [hit for path in sorted(TESTS.glob("*.py"))
              for hit in calls_without_timeout(path.read_text(), path.name)]
     assert found == []
+
+
+def test_each_half_of_the_order_starts_with_half_of_the_heavy_tests():
+    """Nine items, four heavy (upper case): the first half (4 items, the first worker's under worksteal) starts
+    with heavy A and C, the second with B and D; every item once, the light ones in collection order."""
+    from tests.scheduling import balanced_order
+
+    items = ["a", "A", "b", "B", "c", "C", "d", "D", "e"]
+    order = balanced_order(items, str.isupper)
+    assert order == ["A", "C", "a", "b", "B", "D", "c", "d", "e"]
+    assert sorted(order) == sorted(items)
+    assert balanced_order(["a", "b"], str.isupper) == ["a", "b"]
+    assert balanced_order(["A", "B", "C"], str.isupper) == ["A", "C", "B"]

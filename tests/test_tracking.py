@@ -1,4 +1,4 @@
-"""--report-to (experiment trackers through accelerate) and the model card final/README.md (issue #29).
+"""--report-to (experiment trackers through accelerate) and the model card final/README.md.
 
 TensorBoard's events are read back with TensorBoard's own reader, MLflow's store with MlflowClient; both must
 hold what metrics.jsonl holds, at the same steps, once each (also across a kill and --resume, and on two
@@ -171,6 +171,7 @@ def test_hub_sources_become_base_model_and_datasets():
     assert _hub_dataset("hf:locuslab/TOFU:forget10@train") == "locuslab/TOFU"
 
 
+@pytest.mark.processes
 def test_a_killed_run_resumed_logs_each_step_exactly_once(tiny_llama, data, tmp_path):
     steps = 16  # the kill lands at step 5 or a little later, well before the end
     out = tmp_path / "killed"
@@ -197,6 +198,7 @@ def test_a_killed_run_resumed_logs_each_step_exactly_once(tiny_llama, data, tmp_
         assert history == [(r["step"], r[key]) for r in rows if r.get(key) is not None], (key, kept)
 
 
+@pytest.mark.processes
 def test_sigterm_then_resume_continues_the_same_tracker_run(tiny_llama, data, tmp_path):
     steps = 8
     out = tmp_path / "stopped"

@@ -1,0 +1,30 @@
+"""The order the suite hands its tests to pytest-xdist (conftest.py `pytest_collection_modifyitems`).
+
+The README runs two workers with `--dist worksteal` (pyproject.toml): each worker starts with one contiguous half
+of the collection and, when its half runs out, takes the second half of the other's queue. A few tests start
+doplus processes (multi-process runs, bench runs, killed and resumed runs) and take most of the suite's time. In
+collection order they cluster in a few modules, so one half would hold most of them and its worker would finish
+minutes after the other. Here each half starts with half of those tests and goes on with the light ones: the two
+workers start on heavy work together, and what is left at the end, for either worker to take, is light.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
+
+HEAVY_MARKERS = ("processes", "cpu_processes", "slow")
+
+
+def balanced_order(items: Sequence[T], heavy: Callable[[T], bool]) -> list[T]:
+    """`items` reordered into two halves of (nearly) equal length, each beginning with alternate heavy items
+    (in collection order) followed by light ones; every item kept once. Deterministic, since every worker must
+    collect the same list."""
+    heavy_items = [item for item in items if heavy(item)]
+    light = [item for item in items if not heavy(item)]
+    first_heavy, second_heavy = heavy_items[0::2], heavy_items[1::2]
+    half = len(items) // 2
+    split = max(0, min(len(light), half - len(first_heavy)))  # light items that fill the first half
+    return [*first_heavy, *light[:split], *second_heavy, *light[split:]]
