@@ -142,7 +142,7 @@ def cycle(frequencies: dict[str, int], steps: int) -> list[str]:
 
 
 class Float64DualOptimPlus:
-    """The issue #2 rule, one line per line, on float64 tensors; with `floor`/`bound` the issue #16 safeguard:
+    """The DualOptim+ AdamW rule, one line per line, on float64 tensors; with `floor`/`bound` the safeguard:
     the denominator's square at least floor·(v̂_B + |v̂_k|), each element's step at most bound·lr."""
 
     def __init__(self, params, lr, betas, base_betas, eps, weight_decay, lr_multipliers=None, floor=0.0,
@@ -301,7 +301,7 @@ def bnb_dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> t
 
 
 def float64_rule(theta, g, mb, vb, md, vd, t_base, t_delta, lr, betas, eps, wd, floor=0.05, bound=10.0):
-    """The DualOptim+ AdamW rule (issue #2, safeguard of issue #16) in float64, base and delta betas equal."""
+    """The DualOptim+ AdamW rule (with its safeguard) in float64, base and delta betas equal."""
     b1, b2 = betas
     theta = theta * (1 - lr * wd)
     mb_hat = mb / (1 - b1 ** (t_base - 1)) if t_base > 1 else torch.zeros_like(g)

@@ -1,4 +1,4 @@
-"""SimNPO, RMU (+ EMBED), UNDIAL, WGA, SatImp and CE-U (issue #28): each against a plain float64 loop on
+"""SimNPO, RMU (+ EMBED), UNDIAL, WGA, SatImp and CE-U: each against a plain float64 loop on
 hand-made logits and activations with a prompt, padding and the answer mask (-100 labels), values and
 gradients; RMU trains only its chosen modules; each loss steps under every scheme, with 8-bit states and LoRA,
 and on two processes; bad input is one line with exit code 2."""

@@ -1,4 +1,4 @@
-"""Issue #13: OpenUnlearning's metrics against values worked out by hand, the token statistics against a plain
+"""OpenUnlearning's metrics against values worked out by hand, the token statistics against a plain
 float64 forward, and a retain model's logs in OpenUnlearning's layout read and used end to end."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue #14: the authors' evaluation protocol. Prompt templates, scored tokens (the answer and its end token,
+"""The authors' evaluation protocol. Prompt templates, scored tokens (the answer and its end token,
 nothing after it), the real-world files' `golden_answer`, a run's template reused by its evaluation, and
 `--protocol paper`."""
 

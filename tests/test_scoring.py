@@ -1,4 +1,4 @@
-"""Issue #13: NLLs scored from each question's shared prompt equal the whole-sequence batched NLLs."""
+"""NLLs scored from each question's shared prompt equal the whole-sequence batched NLLs."""
 
 from __future__ import annotations
 

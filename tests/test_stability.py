@@ -1,4 +1,4 @@
-"""Issue #16: the safeguarded DualOptim+ rule, the step diagnostics of every scheme, 8-bit tracking.
+"""The safeguarded DualOptim+ rule, the step diagnostics of every scheme, 8-bit tracking.
 
 References are written here: float64 loops (`Float64DualOptimPlus`, with and without the safeguard), weights
 copied around a step, and the synthetic problem's float64 run."""
@@ -199,7 +199,7 @@ def test_dualoptim_diagnostics_follow_the_objective_stepped():
 
 
 def test_8bit_states_track_32bit_on_the_synthetic_problem():
-    """A small version of `doplus bench optimizer --stability` (issue #16's targets: 0.05 of the displacement)."""
+    """A small version of `doplus bench optimizer --stability` (0.05 of the displacement)."""
     shapes = ((64, 80), (5000,))
     start = torch.cat([w.view(-1) for w in start_weights(0, shapes)])
     paper64 = run(doplus_builder("paper"), torch.float64, shapes=shapes)
