@@ -1,9 +1,10 @@
 """Run under `torch.distributed.run --nproc_per_node 2` on a tiny Llama sharded as `doplus unlearn --fsdp`
-shards it. The first process prints one JSON line per process.
+shards it. The first process prints one JSON line per process and case.
 
-    fsdp_worker.py MODEL shards BITS   after a DualOptim+ step, how many state elements this process keeps
-    fsdp_worker.py MODEL step INNER    DualOptim+ (adamw or muon) steps on the shards, with given gradients,
-                                       against the same steps on an unsharded copy in this process
+    fsdp_worker.py MODEL CASE [CASE ...]
+      shards:BITS    after a DualOptim+ step, how many state elements this process keeps
+      step:INNER     DualOptim+ (adamw or muon) steps on the shards, with given gradients, against the same steps
+                     on an unsharded copy in this process
 """
 
 from __future__ import annotations
@@ -67,27 +68,35 @@ def compare_steps(model, plain, inner: str) -> dict:
 START: list[torch.Tensor] = []
 
 
-def main(model_dir: str, mode: str, option: str) -> None:
-    from accelerate import Accelerator
-
-    accelerator = Accelerator(cpu=True)
+def run_case(accelerator, model_dir: str, mode: str, option: str) -> dict:
+    """One case on a freshly loaded and sharded model: `shards BITS` or `step INNER`."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     plain = copy.deepcopy(model)
-    START.extend(p.detach().clone() for p in plain.parameters())
+    START[:] = [p.detach().clone() for p in plain.parameters()]
     model = shard_model(accelerator, model)
-    row = count_shards(model, int(option)) if mode == "shards" else compare_steps(model, plain, option)
-    rows = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, {"rank": dist.get_rank(), **row})
-    if dist.get_rank() == 0:  # one writer: two processes printing to one pipe can interleave their lines
-        for one in rows:
-            print(json.dumps(one), flush=True)
+    return count_shards(model, int(option)) if mode == "shards" else compare_steps(model, plain, option)
+
+
+def main(model_dir: str, *cases: str) -> None:
+    """Each case ("shards:32", "step:muon", ...) in turn in the same two processes: a launch costs more than the
+    cases it runs."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    for case in cases:
+        row = run_case(accelerator, model_dir, *case.split(":"))
+        rows = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, {"case": case, "rank": dist.get_rank(), **row})
+        if dist.get_rank() == 0:  # one writer: two processes printing to one pipe can interleave their lines
+            for one in rows:
+                print(json.dumps(one), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:])
     # Leave without interpreter finalization: a rank aborted there once in a CI run ("terminate called without an
     # active exception"; 16 repeats here passed), the shutdown race of gloo's worker threads described in
     # pytorch/pytorch#179291. The results are printed and the group is destroyed by now.

@@ -40,7 +40,7 @@ def grads_for(step, dtype, nan_at=None):
     return out
 
 
-def run(dtype, multi, rule="safeguarded", compensated=False, steps=8, nan_at=None, groups=False):
+def run(dtype, multi, rule="safeguarded", compensated=False, steps=6, nan_at=None, groups=False):
     """`groups`: two param groups (the second with its own lr factor and no weight decay), and the last tensor
     without a gradient on steps 2 and 5, so that tensors of one step have different scalars (lr, λ, t_B, t_k)."""
     params = [torch.nn.Parameter(t.clone()) for t in start(dtype)]

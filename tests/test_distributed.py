@@ -98,31 +98,28 @@ def test_fsdp_two_processes_equal_one_process(tiny_llama, data, tmp_path, name, 
     assert json.loads((two / "report.json").read_text())["reference"]["placement"] == "sharded"  # NPO's reference
 
 
-def torchrun_worker(tiny_llama, *arguments):
+def test_fsdp_keeps_each_optimizer_state_shard_on_its_process_and_steps_it_as_the_whole_weights(tiny_llama):
+    """`fsdp_worker.py`'s four cases in one torchrun launch of two processes (a launch costs more than its cases):
+    with 32- and 8-bit states each process holds half of every state; forget, retain, forget steps with the same
+    gradients leave each shard bit-identical to the same rows of an unsharded copy, for the AdamW and the Muon rule
+    (whose orthogonalisation gathers the whole matrix)."""
+    cases = ("shards:32", "shards:8", "step:adamw", "step:muon")
     worker = os.path.join(os.path.dirname(__file__), "fsdp_worker.py")
     # --standalone: a free rendezvous port (the default, 29500, collides with tests running side by side)
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             worker, str(tiny_llama), *arguments], env=child_env(), capture_output=True, text=True,
+                             worker, str(tiny_llama), *cases], env=child_env(), capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert sorted(r["rank"] for r in rows) == [0, 1]
-    return rows
-
-
-@pytest.mark.parametrize("bits", [32, 8])
-def test_fsdp_keeps_each_optimizer_state_shard_on_its_process(tiny_llama, bits):
-    for row in torchrun_worker(tiny_llama, "shards", str(bits)):
-        assert row["local"] * 2 == row["full"]  # each process holds half of every state (dimension 0 split)
-        assert (row["codes"] > 0) == (bits == 8)  # 8-bit codes for the shards of the large tensors
-
-
-@pytest.mark.parametrize("inner", ["adamw", "muon"])
-def test_fsdp_steps_on_shards_equal_steps_on_the_whole_weights(tiny_llama, inner):
-    """Forget, retain, forget steps with the same gradients: each shard ends bit-identical to the same rows of
-    an unsharded copy (Muon's orthogonalisation gathers the whole matrix)."""
-    for row in torchrun_worker(tiny_llama, "step", inner):
-        assert row["max_difference"] == 0.0 and row["moved"] > 1e-3
+    for case in cases:
+        assert sorted(r["rank"] for r in rows if r["case"] == case) == [0, 1], case
+    for row in rows:
+        mode, option = row["case"].split(":")
+        if mode == "shards":
+            assert row["local"] * 2 == row["full"]  # each process holds half of every state (dimension 0 split)
+            assert (row["codes"] > 0) == (option == "8")  # 8-bit codes for the shards of the large tensors
+        else:
+            assert row["max_difference"] == 0.0 and row["moved"] > 1e-3, row
 
 
 def resume_from_step_2(run, out, whole):
@@ -145,24 +142,26 @@ def assert_resumed_bit_identically(whole, out, start, moved_since):
         assert max_difference(a, moved_since) > 1e-4
 
 
-def test_fsdp_run_with_8bit_states_resumes_bit_identically(tiny_llama, data, tmp_path):
+def test_fsdp_run_with_8bit_states_resumes_bit_identically_on_its_number_of_processes(tiny_llama, data, tmp_path,
+                                                                                      capsys):
+    """The 2-process FSDP run with 8-bit states writes per-process shards; a resume on 1 process is refused in one
+    line naming the number to use, and the resume on 2 ends bit-identical to the uninterrupted run."""
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     run = common(tiny_llama, data, resumed, "--batch-size", 2, "--fsdp", "--state-bits", 8, "--loss", "NPO+GD",
                  "--save-every", 2)
-    checkpoint = resume_from_step_2(run, resumed, whole)
+    two_processes(run)
+    checkpoint = resumed / "checkpoints" / "step-2"
     assert sorted(p.name for p in checkpoint.iterdir() if "rank" in p.name) == [
         "model.rank0.safetensors", "model.rank1.safetensors", "optimizer.rank0.pt", "optimizer.rank1.pt",
         "rng.rank0.pt", "rng.rank1.pt"]
-    assert_resumed_bit_identically(whole, resumed, load_file(str(tiny_llama / "model.safetensors")), None)
-
-
-def test_resume_on_another_number_of_processes_is_refused(tiny_llama, data, tmp_path, capsys):
-    out = tmp_path / "run"
-    two_processes(common(tiny_llama, data, out, "--batch-size", 2, "--fsdp", "--save-every", 3))
+    shutil.move(resumed / "final", whole)
+    (resumed / "report.json").unlink()
     capsys.readouterr()
-    assert run_cli(*common(tiny_llama, data, out, "--batch-size", 2, "--fsdp"), "--resume") == 2
+    assert run_cli(*run, "--resume", checkpoint) == 2
     err = capsys.readouterr().err.strip()
     assert "written by 2 process(es), this run has 1; resume with --num-processes 2" in err and "\n" not in err
+    two_processes(run + ["--resume", checkpoint])
+    assert_resumed_bit_identically(whole, resumed, load_file(str(tiny_llama / "model.safetensors")), None)
 
 
 def test_accelerate_fsdp_config_shards_the_run(tiny_llama, data, tmp_path):

@@ -75,7 +75,7 @@ def test_one_launch_per_step_bit_identical_to_the_per_tensor_kernel(runs, config
 
 def test_float32_run_matches_a_float64_loop(runs):
     """The kernel's float32 weights against the float64 rule of tests/helpers.py (safeguard: floor 0.05,
-    bound 10 lr), over 8 steps of a 1:2 cycle with an lr schedule and a forget lr multiplier of 2. (Not the
+    bound 10 lr), over 6 steps of a 1:2 cycle with an lr schedule and a forget lr multiplier of 2. (Not the
     paper's rule: on these gradients its denominator cancels to float32 noise in 1% of the elements, where
     float32 and float64 give steps of different sizes on any implementation; the paper rule's kernel is
     checked bit for bit against the per-tensor path above.)"""
