@@ -37,13 +37,11 @@ def test_an_unresolvable_hub_loads_judges_from_the_cache_only(no_network, monkey
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     assert not models.hub_offline() and not models.hub_reachable() and models.judge_files_only()
     assert lookups == ["huggingface.co"]
-    started = time.perf_counter()
     judge, reason = judges.load_nli("doplus-tests/no-such-nli-model")
     embedder, embedder_reason = judges.load_embedder("doplus-tests/no-such-embedder")
-    assert time.perf_counter() - started < 10
     assert judge is None and "the hub's host does not resolve (no network)" in reason
     assert embedder is None and embedder_reason
-    assert lookups == ["huggingface.co"]  # huggingface_hub never tried the network
+    assert lookups == ["huggingface.co"]  # huggingface_hub never tried the network (its retries take ~30 s a model)
 
 
 def test_a_resolvable_hub_is_tried_and_the_answer_is_kept(monkeypatch):
