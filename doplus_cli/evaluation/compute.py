@@ -90,19 +90,26 @@ def _probe_packing(dtype: torch.dtype) -> str | None:
     return None
 
 
+def packing_blocked(dtype: torch.dtype) -> str | None:
+    """None where an evaluation's linear layers of `dtype` run packed here, else why not: the DOPLUS_ONEDNN switch
+    or a build without oneDNN, one process of several (the packed copies would not follow sharded weights), or
+    this CPU (`packing_unsupported`). The one decision `packed_linears`, `matmul_gflops` and the record share."""
+    if not onednn_linear_available():
+        return f"{ONEDNN_VARIABLE}=0 or no oneDNN in this build"
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return "one process of several"
+    return packing_unsupported(dtype)
+
+
 def linear_kernel(model: torch.nn.Module | None) -> dict[str, str | None] | None:
     """Which kernel an evaluation's linear layers ran on and why, for the compute record: {"kernel", "dtype",
     "reason"} (reason None where the packed product ran); None for no model or one off the CPU."""
     parameter = next(model.parameters(), None) if model is not None else None
     if parameter is None or parameter.device.type != "cpu":
         return None
-    dtype = str(parameter.dtype).removeprefix("torch.")
-    if not onednn_linear_available():
-        return {"kernel": TORCH_LINEAR, "dtype": dtype, "reason": f"{ONEDNN_VARIABLE}=0 or no oneDNN in this build"}
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return {"kernel": TORCH_LINEAR, "dtype": dtype, "reason": "one process of several"}
-    reason = packing_unsupported(parameter.dtype)
-    return {"kernel": TORCH_LINEAR if reason else ONEDNN_KERNEL, "dtype": dtype, "reason": reason}
+    reason = packing_blocked(parameter.dtype)
+    return {"kernel": TORCH_LINEAR if reason else ONEDNN_KERNEL, "dtype": str(parameter.dtype).removeprefix("torch."),
+            "reason": reason}
 
 
 def _pack(weight: torch.Tensor, rows: int = 64) -> torch.Tensor:
@@ -123,16 +130,15 @@ def _packable(module: torch.nn.Module) -> bool:
 @contextmanager
 def packed_linears(model: torch.nn.Module | None) -> Iterator[int]:
     """For the block: every plain `nn.Linear` of a CPU model (float32 or bfloat16) computes with its weight
-    packed for oneDNN; yields how many layers were swapped (0: none, e.g. on CUDA, with DOPLUS_ONEDNN=0, under
-    torch.distributed, or where this CPU cannot run the packed product for the layers' dtype:
-    `packing_unsupported`). The packed copies are snapshots, so the block must not change the weights, and they carry
-    no gradient: for inference only. Each layer's own forward is back on exit."""
+    packed for oneDNN; yields how many layers were swapped (0: none, e.g. on CUDA, or wherever `packing_blocked`
+    gives a reason: DOPLUS_ONEDNN=0, torch.distributed, a CPU that cannot run the packed product for the layers'
+    dtype). The packed copies are snapshots, so the block must not change the weights, and they carry no gradient:
+    for inference only. Each layer's own forward is back on exit."""
     swapped: list[torch.nn.Module] = []
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if model is not None and not distributed and onednn_linear_available():
+    if model is not None:
         seen: dict[int, torch.Tensor] = {}  # a weight shared by several layers packs once
         for module in model.modules():
-            if not _packable(module) or packing_unsupported(module.weight.dtype) is not None:
+            if not _packable(module) or packing_blocked(module.weight.dtype) is not None:
                 continue
             weight = module.weight
             if id(weight) not in seen:
@@ -159,8 +165,7 @@ def matmul_gflops(dtype: torch.dtype = torch.float32, device: str | torch.device
     b = torch.randn(size, size, device=device).to(dtype)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     kernels = {"matmul": lambda: a @ b}
-    if (torch.device(device).type == "cpu" and dtype in PACKED_DTYPES and onednn_linear_available()
-            and packing_unsupported(dtype) is None):
+    if torch.device(device).type == "cpu" and dtype in PACKED_DTYPES and packing_blocked(dtype) is None:
         packed = _pack(b.t().contiguous(), size)
         kernels[ONEDNN_KERNEL] = lambda: _packed_linear(packed, None, a)
     rates = {}
