@@ -124,6 +124,49 @@ def two_processes(arguments):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+def greedy_by_hand(model, formatter, question: str, max_new_tokens: int, penalty: float = 1.0) -> list[int]:
+    """Greedy decoding written out, independently of doplus's decoders: the whole unpadded sequence through the
+    model at every step (no cache, no padding, transformers' own attention), with a repetition penalty other than
+    1 on the last logits of every token already in the sequence, prompt included (CTRL's rule, as transformers
+    applies it: a positive logit divided by the penalty, a negative one multiplied); cut before the first stop
+    token."""
+    tokenizer = formatter.tokenizer
+    stop = {tokenizer.eos_token_id, tokenizer.pad_token_id}
+    ids = list(formatter.prompt_ids(question))
+    answer = []
+    for _ in range(max_new_tokens):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1].double()
+        if penalty != 1.0:
+            seen = torch.tensor(sorted(set(ids)))
+            logits[seen] = torch.where(logits[seen] > 0, logits[seen] / penalty, logits[seen] * penalty)
+        token = int(logits.argmax())
+        if token in stop:
+            break
+        answer.append(token)
+        ids.append(token)
+    return answer
+
+
+def resume_from_step_2(make_run, out, whole, before_resume=None):
+    """`make_run(out, extra)` to the end with a checkpoint every 2 steps, its final weights moved to `whole`, then
+    (after `before_resume(checkpoint)`, if given) resumed from step 2 in `out`: it must end bit-identical to
+    `whole`. The run that writes the checkpoint is the uninterrupted one: a second run without --save-every would
+    repeat it at the cost of its processes. Returns the step-2 checkpoint."""
+    import shutil
+
+    make_run(out, ["--save-every", 2])
+    checkpoint = out / "checkpoints" / "step-2"
+    shutil.move(out / "final", whole)
+    (out / "report.json").unlink()
+    if before_resume is not None:
+        before_resume(checkpoint)
+    make_run(out, ["--save-every", 2, "--resume", checkpoint])
+    a, b = load_file(str(whole / "model.safetensors")), weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return checkpoint
+
+
 def weights(out):
     return load_file(str(out / "final" / "model.safetensors"))
 

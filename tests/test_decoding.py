@@ -14,6 +14,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from doplus_cli import decoding, generation
 from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.optim import kernels
+from tests.helpers import greedy_by_hand
 
 
 def _reference(query, key, value, mask, scale):
@@ -221,22 +222,6 @@ def test_decoding_buffers_the_cache_and_restores_the_attention_implementation(mo
     assert decoding.KERNEL.compiled_calls == before + model.config.num_hidden_layers  # one call per layer
 
 
-def _greedy_without_cache(model, formatter, question: str, max_new_tokens: int) -> list[int]:
-    """Greedy decoding written out: the whole unpadded sequence through the model at every step (no cache, no
-    padding, transformers' own attention), cut before the first stop token."""
-    stop = {formatter.tokenizer.eos_token_id, formatter.tokenizer.pad_token_id}
-    ids = list(formatter.prompt_ids(question))
-    answer = []
-    for _ in range(max_new_tokens):
-        with torch.no_grad():
-            token = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
-        if token in stop:
-            break
-        answer.append(token)
-        ids.append(token)
-    return answer
-
-
 def test_greedy_answers_run_the_buffered_decoder(model_and_formatter):
     """Two prompts of different lengths (one row left-padded) decode on the buffers and the compiled attention to
     the tokens of a cache-free greedy loop, one layer call per decoding step."""
@@ -245,7 +230,7 @@ def test_greedy_answers_run_the_buffered_decoder(model_and_formatter):
     assert len(formatter.prompt_ids(questions[0])) != len(formatter.prompt_ids(questions[1]))
     before = decoding.KERNEL.compiled_calls
     texts, tokens = generation.greedy_generate(model, formatter, questions, 6, 2)
-    expected = [_greedy_without_cache(model, formatter, q, 6) for q in questions]
+    expected = [greedy_by_hand(model, formatter, q, 6) for q in questions]
     assert tokens == expected and all(expected)
     assert texts == [formatter.tokenizer.decode(t, skip_special_tokens=True).strip() for t in expected]
     # the first token comes from the prompt's pass (SDPA); each later step, while both rows run, calls the kernel

@@ -11,6 +11,7 @@ from doplus_cli import decoding, generation
 from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.generation import greedy_generate
 from doplus_cli.progress import counting_tokens
+from tests.helpers import greedy_by_hand
 
 QUESTIONS = ["Who is the author?", "Where was the author born, and in which year did the author write the first "
              "book?", "Name a book.", "What genre does the author write in most of the time?", "Why?",
@@ -76,28 +77,6 @@ def test_row_dropping_decoder_equals_generate_one_question_at_a_time(loaded, mon
     assert count.generated == expected[2]  # each row's tokens up to the one that ended it, no decoding after
 
 
-def _greedy_by_hand(model, formatter, question: str, max_new_tokens: int, penalty: float) -> list[int]:
-    """Greedy decoding written out: the whole sequence through the model at every step, and a repetition penalty
-    on the last logits of every token already in the sequence, prompt included (CTRL's rule, as transformers
-    applies it: a positive logit divided by the penalty, a negative one multiplied); cut before the first stop
-    token."""
-    tokenizer = formatter.tokenizer
-    stop = {tokenizer.eos_token_id, tokenizer.pad_token_id}
-    ids = list(formatter.prompt_ids(question))
-    answer = []
-    for _ in range(max_new_tokens):
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([ids])).logits[0, -1].double()
-        seen = torch.tensor(sorted(set(ids)))
-        logits[seen] = torch.where(logits[seen] > 0, logits[seen] / penalty, logits[seen] * penalty)
-        token = int(logits.argmax())
-        if token in stop:
-            break
-        answer.append(token)
-        ids.append(token)
-    return answer
-
-
 def test_a_repetition_penalty_in_the_generation_config_is_applied(loaded, monkeypatch):
     """A logits processor in the generation config takes `generate` (the row-dropping decoder has none), and the
     answers are the greedy choices with the penalty applied."""
@@ -106,10 +85,10 @@ def test_a_repetition_penalty_in_the_generation_config_is_applied(loaded, monkey
     monkeypatch.setattr(model.generation_config, "repetition_penalty", 1.3)
     monkeypatch.setattr(generation, "_decode_dropping", lambda *a: pytest.fail("fast path with a processor"))
     texts, tokens = greedy_generate(model, formatter, questions, new_tokens, 2)
-    expected = [_greedy_by_hand(model, formatter, q, new_tokens, 1.3) for q in questions]
+    expected = [greedy_by_hand(model, formatter, q, new_tokens, 1.3) for q in questions]
     assert tokens == expected
     assert texts == [formatter.tokenizer.decode(t, skip_special_tokens=True).strip() for t in expected]
-    unpenalised = [_greedy_by_hand(model, formatter, q, new_tokens, 1.0) for q in questions]
+    unpenalised = [greedy_by_hand(model, formatter, q, new_tokens, 1.0) for q in questions]
     assert unpenalised != expected  # the penalty changes these answers, so dropping it would fail above
 
 
