@@ -171,6 +171,15 @@ def _dataset_not_found_types() -> tuple[type[BaseException], ...]:
     return tuple(types)
 
 
+class DatasetUnreachable(UserError):
+    """A task's dataset is neither in the local HF datasets cache nor downloadable (offline, hub unreachable);
+    `task` names the task, so a suite built on these tasks can say which hub datasets it needs."""
+
+    def __init__(self, message: str, task: str) -> None:
+        super().__init__(message)
+        self.task = task
+
+
 def _one_line(error: BaseException) -> str:
     text = " ".join(str(error).split())
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
@@ -215,9 +224,9 @@ def load_tasks(task_manager: Any, tasks: Sequence[str]) -> list[Any]:
         except KeyError as error:
             raise _unknown_task(name, known) from error
         except offline_errors as error:
-            raise UserError(
+            raise DatasetUnreachable(
                 f"lm-eval task '{name}': its dataset cannot be downloaded, the Hugging Face hub is unreachable or "
-                f"offline mode is on, so it must already be in the local HF datasets cache ({_one_line(error)})"
+                f"offline mode is on, so it must already be in the local HF datasets cache ({_one_line(error)})", name
             ) from error
         except missing_errors as error:
             raise UserError(f"lm-eval task '{name}': its dataset was not found ({_one_line(error)})") from error
