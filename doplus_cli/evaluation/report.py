@@ -63,6 +63,11 @@ def render_eval_markdown(record: dict[str, Any]) -> str:
                 set_description(s) for s in section["sets"]), ""]
             lines += _openunlearning_lines(section["openunlearning"])
             continue
+        if suite == "wmdp":
+            from doplus_cli.evaluation.wmdp import render_markdown as render_wmdp
+
+            lines += render_wmdp(section)
+            continue
         if suite == "lm-eval":
             lines += ["", f"## lm-eval (limit {section['limit']})", ""]
             lines += ["| task | metric | value |", "| --- | --- | ---: |"]

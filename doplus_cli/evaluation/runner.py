@@ -24,6 +24,7 @@ from doplus_cli.evaluation.protocol import get_protocol
 from doplus_cli.evaluation.safety import SAFETY_SUITE, XSTEST_SUITE, overall_section
 from doplus_cli.evaluation.suite_api import EvalConfig, Suite, SuiteContext
 from doplus_cli.evaluation.suites import PRIVACY_SUITE, REAL_WORLD_SUITE, TOFU_SUITE, Judges, load_tofu_sets
+from doplus_cli.evaluation.wmdp import WMDP_SUITE
 from doplus_cli.files import write_json
 from doplus_cli.losses import FORGET_LOSSES
 from doplus_cli.optim import kernels
@@ -31,7 +32,7 @@ from doplus_cli.progress import counting_tokens, progress_bar
 
 # The suites of `doplus evaluate` by name, in the order `--suite` lists them.
 SUITE_REGISTRY: dict[str, Suite] = {suite.name: suite for suite in (
-    TOFU_SUITE, REAL_WORLD_SUITE, LM_EVAL_SUITE, PRIVACY_SUITE, SAFETY_SUITE, XSTEST_SUITE)}
+    TOFU_SUITE, REAL_WORLD_SUITE, LM_EVAL_SUITE, PRIVACY_SUITE, SAFETY_SUITE, XSTEST_SUITE, WMDP_SUITE)}
 SUITES = tuple(SUITE_REGISTRY)
 
 

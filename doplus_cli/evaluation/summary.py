@@ -11,6 +11,7 @@ from rich.table import Table
 
 from doplus_cli.evaluation.safety import console_lines
 from doplus_cli.evaluation.suites import INDICATORS
+from doplus_cli.evaluation.wmdp import print_section as print_wmdp_section
 
 
 def print_summary(record: dict[str, Any], console: Console) -> None:
@@ -72,4 +73,5 @@ SECTION_PRINTERS: dict[str, Callable[[dict[str, Any], Console], None]] = {
     "safety": _print_safety_section,
     "xstest": _print_safety_section,
     "safety-overall": _print_safety_section,
+    "wmdp": print_wmdp_section,
 }
