@@ -2,7 +2,9 @@
 
 - joint, alternate: one shared AdamW state (torch AdamW, or bitsandbytes AdamW8bit for 8-bit states);
 - dualoptim: one AdamW state per objective (`DualOptim`);
-- doplus: a shared base state plus one delta state per objective (`DualOptimPlus`), AdamW or Muon.
+- doplus: a shared base state plus one delta state per objective (`DualOptimPlus`), AdamW or Muon;
+- scaffold, fedcm, local-adam: the paper's federated-learning baselines (`optim.fl_schemes`), whose base update
+  or merge runs once per period of the objectives' cycle (`frequencies`).
 
 Biases and norm weights (every parameter with fewer than 2 dimensions) get no weight decay, as in the
 Hugging Face Trainer the paper's code ran on.
@@ -19,12 +21,13 @@ parameter of its own (`OnLocalShards`), which also lets bitsandbytes' 8-bit stat
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch.optim import Optimizer
 
-from doplus_cli.optim import DualOptim, DualOptimPlus, muon_param_groups, quant
+from doplus_cli.optim import DualOptim, DualOptimPlus, FedCM, LocalAdam, Scaffold, muon_param_groups, quant
 from doplus_cli.optim.adamw import AdamW
 from doplus_cli.optim.diagnostics import adamw_step_stats, reduce_step_stats
 from doplus_cli.optim.distributed import local_shard
@@ -78,9 +81,10 @@ class SharedState:
 @dataclass(frozen=True)
 class OptimizerSettings:
     """What a run's optimizer is built from: `--scheme`, `--optimizer`, `--lr`, `--betas`, `--weight-decay`,
-    `--state-bits`, `--doplus-rule`, and whether it keeps bf16 compensation buffers."""
+    `--state-bits`, `--doplus-rule`, `--base-update`, `--base-source`, and whether it keeps bf16 compensation
+    buffers."""
 
-    scheme: str  # joint, alternate, dualoptim or doplus
+    scheme: str  # joint, alternate, dualoptim, doplus, scaffold, fedcm or local-adam
     optimizer: str  # DualOptim+'s inner rule: adamw or muon
     lr: float
     betas: tuple[float, float]
@@ -88,6 +92,8 @@ class OptimizerSettings:
     state_bits: int  # 32, or 8: 8-bit states
     rule: str  # DualOptim+'s AdamW rule: safeguarded or paper
     compensated: bool  # a bf16 compensation buffer per weight (--precision bf16)
+    base_update: str = "after-param"  # DualOptim+'s ablations (paper, Tables 10, 11)
+    base_source: str = "grad"
 
 
 def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -152,22 +158,24 @@ def local_views(groups: list[dict]) -> tuple[list[dict], list[tuple[torch.Tensor
 
 def build_optimizer(
     model: torch.nn.Module, objectives: tuple[str, ...], multipliers: dict[str, float], settings: OptimizerSettings,
-    sharded: bool = False,
+    sharded: bool = False, frequencies: Sequence[tuple[str, int]] | None = None,
 ) -> tuple[object, Optimizer]:
     """(the optimizer the loop steps with an objective, the torch Optimizer the LR scheduler drives).
 
-    `objectives`: the objective names (dualoptim and doplus keep a state for each); `multipliers`: the
-    per-objective learning-rate factors; `sharded`: the model's parameters are FSDP shards (DTensors)."""
+    `objectives`: the objective names (dualoptim, doplus and the federated-learning schemes keep a state for
+    each); `multipliers`: the per-objective learning-rate factors; `sharded`: the model's parameters are FSDP
+    shards (DTensors); `frequencies`: the cycle [(objective, F_i), ...] the loop steps, which the
+    federated-learning schemes' periods follow (None: one step each)."""
     tables = {id(weight) for weight in quant.embedding_weights(model)}
     if sharded and settings.scheme != "doplus":
         groups, pairs = local_views(decay_groups(model, settings.weight_decay))
         kept = [view for param, view in pairs if id(param) in tables]
-        stepped, scheduled = _build_unsharded(settings, groups, objectives, multipliers, kept)
+        stepped, scheduled = _build_unsharded(settings, groups, objectives, multipliers, kept, frequencies)
         return OnLocalShards(stepped, pairs), scheduled
     if settings.scheme != "doplus":
         groups = decay_groups(model, settings.weight_decay)
         kept = [p for group in groups for p in group["params"] if id(p) in tables]
-        return _build_unsharded(settings, groups, objectives, multipliers, kept)
+        return _build_unsharded(settings, groups, objectives, multipliers, kept, frequencies)
     if settings.optimizer == "muon":
         groups = muon_param_groups(model)
     else:
@@ -175,18 +183,28 @@ def build_optimizer(
     optimizer = DualOptimPlus(
         groups, objectives=objectives, inner=settings.optimizer, state_bits=settings.state_bits, rule=settings.rule,
         lr_multipliers=multipliers, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay,
-        compensated=settings.compensated,
+        compensated=settings.compensated, base_update=settings.base_update, base_source=settings.base_source,
     )
     return optimizer, optimizer
 
 
+FL_OPTIMIZERS = {"scaffold": Scaffold, "fedcm": FedCM, "local-adam": LocalAdam}
+
+
 def _build_unsharded(
     settings: OptimizerSettings, groups: list[dict], objectives: tuple[str, ...], multipliers: dict[str, float],
-    tables: list[torch.Tensor],
+    tables: list[torch.Tensor], frequencies: Sequence[tuple[str, int]] | None = None,
 ) -> tuple[object, Optimizer]:
-    """joint / alternate (one shared state) and dualoptim (one state per objective) over `groups`; with 8-bit
-    states, `tables` (the embedding tables' parameters) keep 32-bit ones (`quant.adamw8bit`)."""
+    """joint / alternate (one shared state), dualoptim (one state per objective) and the federated-learning
+    schemes over `groups`; with 8-bit states, `tables` (the embedding tables' parameters) keep 32-bit ones
+    (`quant.adamw8bit`)."""
     common = dict(lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay)
+    if settings.scheme in FL_OPTIMIZERS:  # config.py keeps them at 32-bit states
+        cycle = dict(frequencies) if frequencies is not None else None
+        optimizer = FL_OPTIMIZERS[settings.scheme](groups, objectives=objectives, frequencies=cycle,
+                                                   lr_multipliers=multipliers, compensated=settings.compensated,
+                                                   **common)
+        return optimizer, optimizer
     if settings.scheme in ("joint", "alternate"):
         if settings.compensated:  # config.py refuses bf16 with these schemes' 8-bit states
             inner = AdamW(groups, compensated=True, **common)
@@ -201,3 +219,17 @@ def _build_unsharded(
     optimizer = DualOptim(groups, objectives=objectives, state_bits=settings.state_bits, lr_multipliers=multipliers,
                           compensated=settings.compensated, full_precision=tables, **common)
     return optimizer, optimizer
+
+
+def safeguard_fractions(counts: tuple[int, int, int] | None, device: torch.device) -> dict[str, float]:
+    """DualOptim+'s floor and clamp fractions over every process's shards (a collective: every process calls
+    it); {} when some process could not count (`DualOptimPlus.safeguard_counts` gave None)."""
+    import torch.distributed as dist
+
+    floored, clamped, elements = counts if counts is not None else (0, 0, 0)
+    totals = torch.tensor([floored, clamped, elements, int(counts is None)], dtype=torch.int64, device=device)
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    floored, clamped, elements, missing = totals.tolist()
+    if missing or not elements:
+        return {}
+    return {"floor_fraction": floored / elements, "clamp_fraction": clamped / elements}

@@ -58,6 +58,8 @@ from doplus_cli.optim.multi_tensor import triton_installed
 INNER_OPTIMIZERS = ("adamw", "muon")
 RULES = ("safeguarded", "paper")
 QUANTIZE_CHOICES = ("all", "base", "delta")
+BASE_UPDATES = ("after-param", "before-delta", "after-delta")  # the paper's Table 10; the first is the rule
+BASE_SOURCES = ("grad", "grad-minus-delta")  # the paper's Table 11; the first is the rule
 FUSED_8BIT_CHUNK_ROWS = 512  # 128k elements per call of the 8-bit kernel
 
 _ADAMW_STATES = ("exp_avg", "exp_avg_sq")
@@ -87,6 +89,12 @@ class DualOptimPlus(Optimizer):
             (`--precision bf16`); float32 weights have none and step exactly as without it.
         fused: use the compiled one-pass kernels (True), the eager reference (False), or decide per
             tensor by size (None).
+        base_update: when the base state takes the gradient (paper, Table 10): "after-param" (the rule,
+            Algorithm 1), "before-delta" or "after-delta" (`kernels.py` gives each rule).
+        base_source: what the base state takes (paper, Table 11): "grad" (the rule) or "grad-minus-delta"
+            (g − m̂_k, g² − v̂_k). Both ablations are AdamW-rule options that run on the eager reference
+            path: with a value other than the rule's, ``fused=None`` uses it for every tensor, and
+            ``fused=True``, ``multi_tensor=True`` or ``inner="muon"`` are refused.
         multi_tensor: update every eligible tensor of a step (float32 states, `multi_tensor.eligible`) in one
             Triton kernel launch (`multi_tensor.py`): None on CUDA when Triton is installed, True also on
             CPU tensors through Triton's interpreter (for tests; slow), False never. Ignored with
@@ -109,6 +117,8 @@ class DualOptimPlus(Optimizer):
         lr_multipliers: Mapping[str, float] | None = None,
         quantize: str = "all",
         rule: str = "safeguarded",
+        base_update: str = "after-param",
+        base_source: str = "grad",
         v_floor: float = 0.05,
         max_update: float = 10.0,
         fused: bool | None = None,
@@ -128,6 +138,16 @@ class DualOptimPlus(Optimizer):
             raise ValueError(f"quantize must be one of {list(QUANTIZE_CHOICES)}, got {quantize!r}")
         if rule not in RULES:
             raise ValueError(f"unknown rule {rule!r}: choose one of {list(RULES)}")
+        if base_update not in BASE_UPDATES:
+            raise ValueError(f"unknown base_update {base_update!r}: choose one of {list(BASE_UPDATES)}")
+        if base_source not in BASE_SOURCES:
+            raise ValueError(f"unknown base_source {base_source!r}: choose one of {list(BASE_SOURCES)}")
+        self.ablation = (base_update, base_source) != (BASE_UPDATES[0], BASE_SOURCES[0])
+        if self.ablation and (fused is True or multi_tensor is True or inner == "muon"):
+            raise ValueError(f"base_update={base_update!r}, base_source={base_source!r} run on the AdamW rule's "
+                             "eager reference path only: use fused=None or False, multi_tensor=None or False, "
+                             "inner='adamw'")
+        self.base_update, self.base_source = base_update, base_source
         if not 0.0 <= v_floor < 1.0:
             raise ValueError(f"v_floor must be in [0, 1), got {v_floor}")
         if not max_update > 0.0:
@@ -144,7 +164,10 @@ class DualOptimPlus(Optimizer):
         self.fused = fused
         self.multi_tensor = multi_tensor
         self.compensated = compensated
-        self._step_stats: list[tuple[Tensor, Tensor]] = []
+        # per tensor: (largest |Δθ|/η, count above 10η[, count floored, count clamped]) of the last step
+        self._step_stats: list[tuple[Tensor, ...]] = []
+        self._rule_elements = 0  # elements the AdamW rule updated in the last step
+        self._safeguard_counted = True  # False when some went through the multi-tensor kernel, which has no counts
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -159,6 +182,9 @@ class DualOptimPlus(Optimizer):
         )
         super().__init__(params, defaults)
         check_param_groups(self.param_groups, ("betas", "base_betas"))
+        if self.ablation and any(group.get("use_muon") for group in self.param_groups):
+            raise ValueError("base_update and base_source are options of the AdamW rule: a param group with "
+                             "use_muon=True cannot take them")
 
     # -- which rule, which storage -------------------------------------------------------------------
 
@@ -174,7 +200,7 @@ class DualOptimPlus(Optimizer):
         return self.quantize == "all" or (self.quantize == "base") == is_base
 
     def _use_fused(self, param: Tensor, grad: Tensor) -> bool:
-        if self.fused is False or not (param.is_contiguous() and grad.is_contiguous()):
+        if self.fused is False or self.ablation or not (param.is_contiguous() and grad.is_contiguous()):
             return False
         return self.fused is True or param.numel() >= FUSED_MIN_NUMEL
 
@@ -219,6 +245,7 @@ class DualOptimPlus(Optimizer):
                 loss = closure()
         lr_scale = self.lr_multipliers.get(objective, 1.0)
         self._step_stats = []
+        self._rule_elements, self._safeguard_counted = 0, True
         pending: list[tuple] = []  # (local, grad, group, state, delta, compensation) for the multi-tensor kernel
         pending_numel = 0
         for group in self.param_groups:
@@ -232,6 +259,8 @@ class DualOptimPlus(Optimizer):
                 state, delta = self._state_for(param, local, group, objective)
                 compensation = state.get("compensation")
                 uses_muon = self._uses_muon(param, group)
+                if not uses_muon:
+                    self._rule_elements += local.numel()
                 if not uses_muon and local.numel() and self._batchable(local, grad, state, delta, compensation):
                     pending.append((local, grad, group, state, delta, compensation))  # counted in _step_batched
                     pending_numel += local.numel()
@@ -251,7 +280,7 @@ class DualOptimPlus(Optimizer):
             self._step_stats.extend(self._step_batched(pending, lr_scale))
         return loss
 
-    def _step_batched(self, pending: list[tuple], lr_scale: float) -> list[tuple[Tensor, Tensor]]:
+    def _step_batched(self, pending: list[tuple], lr_scale: float) -> list[tuple[Tensor, ...]]:
         """The AdamW rule for the tensors the multi-tensor kernel takes: their step counters in one call, then
         one launch per weight and gradient dtype, each tensor reading its row of scalars (param group's learning
         rate and weight decay, its t_B and t_k). Host work per
@@ -284,7 +313,7 @@ class DualOptimPlus(Optimizer):
         return stats
 
     def _batchable(self, local: Tensor, grad: Tensor, state: dict, delta: dict, compensation: Tensor | None) -> bool:
-        if self.fused is False or self.multi_tensor is False:
+        if self.fused is False or self.multi_tensor is False or self.ablation:
             return False
         if self.multi_tensor is None and not multi_tensor.available(local.device):
             return False
@@ -293,14 +322,16 @@ class DualOptimPlus(Optimizer):
 
     def _launch_multi_tensor(
         self, hp: Tensor, compensated: bool, entries: list, rows: list[int], lr_scale: float
-    ) -> list[tuple[Tensor, Tensor]]:
+    ) -> list[tuple[Tensor, ...]]:
         """One launch of the multi-tensor kernel over `entries` (entry i with row `rows[i]` of the scalars `hp`,
         on the entries' device); if it cannot compile, the per-tensor path (`multi_tensor.disable` logs why, or
         raises under $DOPLUS_REQUIRE_COMPILED=1)."""
         tensors = [(local, grad, state["exp_avg"], state["exp_avg_sq"], delta["exp_avg"], delta["exp_avg_sq"],
                     compensation) for local, grad, _, state, delta, compensation in entries]
         try:
-            return [multi_tensor.launch(tensors, rows, hp, compensated)]
+            stats = [multi_tensor.launch(tensors, rows, hp, compensated)]
+            self._safeguard_counted = False
+            return stats
         except Exception as error:  # noqa: BLE001 - a compiler or driver error: stay correct, say so once
             multi_tensor.disable(error)
         hp_cache: dict[tuple, Tensor] = {}
@@ -313,8 +344,29 @@ class DualOptimPlus(Optimizer):
 
     def step_diagnostics(self) -> dict[str, float]:
         """Of the last step, over this process's elements: ``max_update`` the largest |Δθ|/η, and
-        ``big_updates`` the number of elements whose step exceeded 10η (`kernels.BIG_UPDATE`)."""
-        return reduce_step_stats(self._step_stats)
+        ``big_updates`` the number of elements whose step exceeded 10η (`kernels.BIG_UPDATE`); under the
+        safeguarded rule also ``floor_fraction`` and ``clamp_fraction``, the fractions of the AdamW rule's
+        elements where the floor and the clamp acted (`safeguard_counts`)."""
+        diagnostics = reduce_step_stats([(stats[0], stats[1]) for stats in self._step_stats])
+        counts = self.safeguard_counts()
+        if counts is not None:
+            floored, clamped, elements = counts
+            diagnostics.update(floor_fraction=floored / elements, clamp_fraction=clamped / elements)
+        return diagnostics
+
+    def safeguard_counts(self) -> tuple[int, int, int] | None:
+        """(elements floored, elements clamped, elements of the AdamW rule) of the last step, over this process's
+        elements; None under the paper's rule, when no element took the AdamW rule, or when the multi-tensor
+        kernel (which does not count them) updated some."""
+        if self.rule != "safeguarded" or not self._rule_elements or not self._safeguard_counted:
+            return None
+        counted = [stats for stats in self._step_stats if len(stats) == 4]
+        if not counted:
+            return 0, 0, self._rule_elements
+        device = counted[0][2].device
+        totals = torch.stack([torch.stack([stats[2], stats[3]]).to(device, torch.int64) for stats in counted])
+        floored, clamped = totals.sum(0).tolist()
+        return int(floored), int(clamped), self._rule_elements
 
     def _adamw_scalars(
         self, group: dict, state: dict, delta: dict, lr_scale: float, steps: tuple[int, int] | None = None
@@ -336,12 +388,14 @@ class DualOptimPlus(Optimizer):
             delta_step=steps[1],
             v_floor=self.v_floor,
             max_update=self.max_update,
+            base_update=self.base_update,
+            base_source=self.base_source,
         )
 
     def _adamw_update(
         self, param: Tensor, grad: Tensor, group: dict, state: dict, delta: dict, lr_scale: float, hp_cache: dict,
         compensation: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, ...]:
         if not param.is_contiguous():
             # a transposed or strided weight: the rule runs on a copy in logical element order, the order of the
             # states and of the compensation buffer (both allocated contiguous), and the result goes back in place
@@ -450,7 +504,7 @@ def _write_slot(container: dict, name: str, signed: bool, values: Tensor, start:
 def _adamw_reference_slots(
     flat_param: Tensor, flat_grad: Tensor, slots: list, s: AdamWPlusScalars, start: int, stop: int,
     flat_compensation: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, ...]:
     """Reference AdamW rule on elements [start, stop): dequantize (bitsandbytes), update, re-quantize."""
     values = [_read_slot(c, name, signed, start, stop) for c, name, signed in slots]
     param_part = flat_param[start:stop]
@@ -471,7 +525,7 @@ def rows_per_8bit_call(device: torch.device, rows: int) -> int:
 
 def _adamw_fused_8bit_slots(
     param: Tensor, grad: Tensor, slots: list, s: AdamWPlusScalars, hp: Tensor, compensation: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, ...]:
     """Compiled 8-bit kernel on the whole 256-blocks; the short last block (if any) takes the reference."""
     numel = param.numel()
     whole = numel // quant.BLOCKSIZE * quant.BLOCKSIZE
@@ -507,8 +561,8 @@ def _adamw_fused_8bit_slots(
         ))
     if whole < numel:
         stats.append(_adamw_reference_slots(flat_param, flat_grad, slots, s, whole, numel, flat_compensation))
-    largest = torch.stack([m for m, _ in stats]).amax()
-    return largest, torch.stack([c for _, c in stats]).sum()
+    largest = torch.stack([part[0] for part in stats]).amax()
+    return (largest, *(torch.stack([part[i] for part in stats]).sum() for i in (1, 2, 3)))
 
 
 def muon_param_groups(model: torch.nn.Module, **group_options: Any) -> list[dict]:

@@ -26,9 +26,21 @@ With V = v̂_B + v̂_k the paper's denominator and S = v̂_B + |v̂_k| the size 
 ρ = `v_floor` (0.05) and c = `max_update` (10). Where |V| ≥ ρ·S and the step is below c·η, the update is the
 paper's bit for bit; the paper's rule is ρ = 0, c = ∞ (`rule="paper"`).
 
+The ablations (paper, Tables 10 and 11; `base_update`, `base_source`) run on the reference path only:
+
+    base_update = "before-delta"   the base takes g first, then is read bias-corrected with t_B (not t_B − 1)
+    base_update = "after-delta"    Δ against the old base as above, then the base takes g, and θ's step
+                                   reads the new base (bias-corrected with t_B)
+    base_update = "after-param"    the rule above (the default)
+    base_source = "grad-minus-delta"  the base takes g − m̂_k and g² − v̂_k instead of g and g², with the
+                                   delta as it is at that moment (before this step's update for
+                                   "before-delta", bias-corrected with t_k − 1; after it otherwise)
+
 Every path also returns the step diagnostics, computed from the update itself (no copy of the
 weights): the largest |Δθ|/η over the tensor's elements and how many exceed `BIG_UPDATE` (10), where
-|Δθ|/η = |λ·θ + clamp((m̂_B + m̂_k)/(sqrt(D) + ε), −c, c)| is the step per unit learning rate.
+|Δθ|/η = |λ·θ + clamp((m̂_B + m̂_k)/(sqrt(D) + ε), −c, c)| is the step per unit learning rate. The AdamW
+rule's paths (not the multi-tensor kernel) also count the elements where the safeguard acted: the floor
+where |V| < ρ·S, the clamp where |m̂_B + m̂_k|/(sqrt(D) + ε) > c (both 0 under the paper's rule).
 
 Compensated summation (`--precision bf16`): with bfloat16 weights every rule takes an optional
 bf16 `compensation` buffer c the size of the parameter, and the same kernel reads and writes the weight as
@@ -76,6 +88,13 @@ class AdamWPlusScalars:
     delta_step: int  # t_k, already incremented
     v_floor: float = 0.0  # ρ: the safeguard's floor on the denominator, as a fraction of v̂_B + |v̂_k|
     max_update: float = math.inf  # c: the safeguard's bound on |Δθ| in learning rates (inf: none)
+    base_update: str = "after-param"  # when the base takes g: before-delta, after-delta, after-param (Table 10)
+    base_source: str = "grad"  # what the base takes: grad, or grad-minus-delta (g − Δ̂_k; Table 11)
+
+    @property
+    def default_base(self) -> bool:
+        """The base updated after θ by g: the rule of the compiled kernels (the ablations run on the reference)."""
+        return self.base_update == "after-param" and self.base_source == "grad"
 
     @property
     def inv_base_bc1(self) -> float:
@@ -85,6 +104,24 @@ class AdamWPlusScalars:
     @property
     def inv_base_bc2(self) -> float:
         return 0.0 if self.base_step <= 1 else 1.0 / (1.0 - self.base_beta2 ** (self.base_step - 1))
+
+    @property
+    def inv_base_bc1_now(self) -> float:
+        """1 / (1 − β1_B^t_B): the base read after this step's gradient entered it (ablations)."""
+        return 1.0 / (1.0 - self.base_beta1**self.base_step)
+
+    @property
+    def inv_base_bc2_now(self) -> float:
+        return 1.0 / (1.0 - self.base_beta2**self.base_step)
+
+    @property
+    def inv_delta_bc1_before(self) -> float:
+        """1 / (1 − β1^(t_k−1)), or 0 on objective k's first step: the delta as it was before this step."""
+        return 0.0 if self.delta_step <= 1 else 1.0 / (1.0 - self.beta1 ** (self.delta_step - 1))
+
+    @property
+    def inv_delta_bc2_before(self) -> float:
+        return 0.0 if self.delta_step <= 1 else 1.0 / (1.0 - self.beta2 ** (self.delta_step - 1))
 
     @property
     def inv_delta_bc1(self) -> float:
@@ -130,36 +167,72 @@ def adamw_plus_reference(
     exp_avg_sq: Tensor,
     s: AdamWPlusScalars,
     compensation: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """DualOptim+ AdamW rule in eager PyTorch, updating all tensors in place; math in the states' dtype.
     `compensation`: the bf16 weight's compensation buffer (module docstring), or None.
 
-    Returns the step diagnostics (largest |Δθ|/η, number of elements above `BIG_UPDATE`) as 0-d tensors."""
+    `s.base_update` and `s.base_source` select the paper's ablations of the base (module docstring, "The
+    ablations"); the defaults are the rule above.
+
+    Returns the step diagnostics (largest |Δθ|/η, number of elements above `BIG_UPDATE`, number where the
+    safeguard's floor acted, number where its clamp acted) as 0-d tensors."""
     # Products are written out (no alpha= fused multiply-adds) so that the compiled kernel, which rounds
     # each product separately, gives the same bits.
     g = grad.to(exp_avg.dtype)
     theta_old = read_master(param, compensation, exp_avg.dtype)
     theta = theta_old * (1.0 - s.lr * s.weight_decay)  # decoupled weight decay
-    base_m_hat = base_exp_avg * s.inv_base_bc1  # base read with the previous step's bias correction
-    base_v_hat = base_exp_avg_sq * s.inv_base_bc2
+    if s.base_update == "before-delta":  # Table 10, "Before Δ": the base takes g first and is read with it
+        _update_base(base_exp_avg, base_exp_avg_sq, g, exp_avg * s.inv_delta_bc1_before,
+                     exp_avg_sq * s.inv_delta_bc2_before, s)
+        base_m_hat = base_exp_avg * s.inv_base_bc1_now
+        base_v_hat = base_exp_avg_sq * s.inv_base_bc2_now
+    else:
+        base_m_hat = base_exp_avg * s.inv_base_bc1  # base read with the previous step's bias correction
+        base_v_hat = base_exp_avg_sq * s.inv_base_bc2
     exp_avg.copy_(s.beta1 * exp_avg + (1.0 - s.beta1) * (g - base_m_hat))  # delta: residual (Eq. 4)
     exp_avg_sq.copy_(s.beta2 * exp_avg_sq + (1.0 - s.beta2) * (g * g - base_v_hat))
-    m = base_m_hat + exp_avg * s.inv_delta_bc1  # base + delta (Alg. 1, line 16)
+    delta_m_hat = exp_avg * s.inv_delta_bc1
     delta_v_hat = exp_avg_sq * s.inv_delta_bc2
+    if s.base_update == "after-delta":  # Table 10, "After Δ": the base takes g between Δ and θ
+        _update_base(base_exp_avg, base_exp_avg_sq, g, delta_m_hat, delta_v_hat, s)
+        base_m_hat = base_exp_avg * s.inv_base_bc1_now
+        base_v_hat = base_exp_avg_sq * s.inv_base_bc2_now
+    m = base_m_hat + delta_m_hat  # base + delta (Alg. 1, line 16)
     v = base_v_hat + delta_v_hat
     denominator = v.abs()
+    floored = torch.zeros((), dtype=torch.int64, device=param.device)
     if s.v_floor > 0:  # safeguard: V known only to a fraction ρ of the terms it is the difference of
-        denominator = torch.maximum(denominator, s.v_floor * (base_v_hat + delta_v_hat.abs()))
+        floor = s.v_floor * (base_v_hat + delta_v_hat.abs())
+        floored = (denominator < floor).sum()
+        denominator = torch.maximum(denominator, floor)
     denominator = denominator.sqrt() + s.eps
     step = s.lr * m / denominator
+    clamped = torch.zeros((), dtype=torch.int64, device=param.device)
     if math.isfinite(s.max_update):
         step = step.clamp(-s.lr * s.max_update, s.lr * s.max_update)
+        clamped = ((m / denominator).abs() > s.max_update).sum()
     ratio = (s.weight_decay * theta_old + (m / denominator).clamp(-s.max_update, s.max_update)).abs()
     theta = theta - step
-    base_exp_avg.copy_(s.base_beta1 * base_exp_avg + (1.0 - s.base_beta1) * g)  # base after θ (Eq. 3)
-    base_exp_avg_sq.copy_(s.base_beta2 * base_exp_avg_sq + (1.0 - s.base_beta2) * (g * g))
+    if s.base_update == "after-param":
+        if s.base_source == "grad":
+            base_exp_avg.copy_(s.base_beta1 * base_exp_avg + (1.0 - s.base_beta1) * g)  # base after θ (Eq. 3)
+            base_exp_avg_sq.copy_(s.base_beta2 * base_exp_avg_sq + (1.0 - s.base_beta2) * (g * g))
+        else:
+            _update_base(base_exp_avg, base_exp_avg_sq, g, delta_m_hat, delta_v_hat, s)
     write_master(param, compensation, theta)
-    return _stats(ratio)
+    return (*_stats(ratio), floored, clamped)
+
+
+def _update_base(base_exp_avg: Tensor, base_exp_avg_sq: Tensor, g: Tensor, delta_m_hat: Tensor,
+                 delta_v_hat: Tensor, s: AdamWPlusScalars) -> None:
+    """m_B ← β1_B·m_B + (1 − β1_B)·x,  v_B ← β2_B·v_B + (1 − β2_B)·y with (x, y) = (g, g²), or with
+    `base_source="grad-minus-delta"` (g − m̂_k, g² − v̂_k) (Table 11)."""
+    if s.base_source == "grad":
+        x, y = g, g * g
+    else:
+        x, y = g - delta_m_hat, g * g - delta_v_hat
+    base_exp_avg.copy_(s.base_beta1 * base_exp_avg + (1.0 - s.base_beta1) * x)
+    base_exp_avg_sq.copy_(s.base_beta2 * base_exp_avg_sq + (1.0 - s.base_beta2) * y)
 
 
 def _stats(ratio: Tensor) -> tuple[Tensor, Tensor]:
@@ -200,7 +273,8 @@ def _adamw_plus_math(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Pure-function form of the rule on float32 inputs; `hp` is `AdamWPlusScalars.packed()`.
 
-    Returns the new θ, m_B, v_B, m_k, v_k and the step per unit learning rate |Δθ|/η (for diagnostics)."""
+    Returns the new θ, m_B, v_B, m_k, v_k, the step per unit learning rate |Δθ|/η (for diagnostics) and where
+    the safeguard's floor and clamp acted (boolean; never under the paper's rule)."""
     lr, decay, b1, c1, b2, c2, bb1, cb1, bb2, cb2, eps, ibb1, ibb2, ib1, ib2, floor, max_step, max_ratio, wd = (
         hp[i] for i in range(19)
     )
@@ -214,19 +288,22 @@ def _adamw_plus_math(
     vd_hat = vd * ib2
     v = vb_hat + vd_hat
     # floor 0 and bound inf (the paper's rule) leave |V| and the step unchanged, bit for bit
-    denominator = torch.maximum(v.abs(), floor * (vb_hat + vd_hat.abs())).sqrt() + eps
+    lower = floor * (vb_hat + vd_hat.abs())
+    floored = v.abs() < lower
+    denominator = torch.maximum(v.abs(), lower).sqrt() + eps
     theta = theta - torch.clamp(lr * m / denominator, -max_step, max_step)
+    clamped = (m / denominator).abs() > max_ratio
     ratio = (wd * theta_old + torch.clamp(m / denominator, -max_ratio, max_ratio)).abs()
     mb = bb1 * mb + cb1 * g
     vb = bb2 * vb + cb2 * (g * g)
-    return theta, mb, vb, md, vd, ratio
+    return theta, mb, vb, md, vd, ratio, floored, clamped
 
 
 def _adamw_plus_inplace(
     param: Tensor, grad: Tensor, mb: Tensor, vb: Tensor, md: Tensor, vd: Tensor, hp: Tensor,
     compensation: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    theta, mb_new, vb_new, md_new, vd_new, ratio = _adamw_plus_math(
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    theta, mb_new, vb_new, md_new, vd_new, ratio, floored, clamped = _adamw_plus_math(
         read_master(param, compensation, mb.dtype), grad.to(mb.dtype), mb, vb, md, vd, hp
     )
     write_master(param, compensation, theta)
@@ -234,7 +311,7 @@ def _adamw_plus_inplace(
     vb.copy_(vb_new)
     md.copy_(md_new)
     vd.copy_(vd_new)
-    return ratio.amax(), (ratio > BIG_UPDATE).sum()
+    return ratio.amax(), (ratio > BIG_UPDATE).sum(), floored.sum(), clamped.sum()
 
 
 REQUIRE_COMPILED_ENV = "DOPLUS_REQUIRE_COMPILED"  # "1": a kernel that fails to compile raises (the tests set it)
@@ -314,7 +391,7 @@ def adamw_plus_fused(
     exp_avg_sq: Tensor,
     hp: Tensor,
     compensation: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The AdamW rule as one compiled elementwise kernel over flattened tensors (all contiguous); returns
     the step diagnostics as `adamw_plus_reference` does. With a `compensation` buffer (bf16 weights) the
     same pass reads and writes it."""
@@ -416,7 +493,7 @@ def _adamw_plus_8bit_inplace(
     tables: tuple[tuple, tuple],
     hp: Tensor,
     compensation: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`states` = (m_B, v_B, m_k, v_k), each `(fp32,)` or `(codes, absmax)`; all shaped [blocks, 256], as is
     `compensation` (bf16 weights) when given.
 
@@ -427,8 +504,8 @@ def _adamw_plus_8bit_inplace(
         state[0] if len(state) == 1 else _dequantize_blocks(state[0], state[1], maps[which[i]])
         for i, state in enumerate(states)
     ]
-    theta, *new_values, ratio = _adamw_plus_math(read_master(param, compensation, torch.float32), grad.float(),
-                                                 *values, hp)
+    theta, *new_values, ratio, floored, clamped = _adamw_plus_math(
+        read_master(param, compensation, torch.float32), grad.float(), *values, hp)
     write_master(param, compensation, theta)
     for i, (state, value) in enumerate(zip(states, new_values)):
         if len(state) == 1:
@@ -437,7 +514,7 @@ def _adamw_plus_8bit_inplace(
             codes, absmax = _quantize_blocks(value, tables[which[i]])
             state[0].copy_(codes)
             state[1].copy_(absmax)
-    return ratio.amax(), (ratio > BIG_UPDATE).sum()
+    return ratio.amax(), (ratio > BIG_UPDATE).sum(), floored.sum(), clamped.sum()
 
 
 # The 8-bit AdamW rule over the whole 256-blocks of flattened tensors (the caller handles a short last block).
