@@ -119,6 +119,7 @@ class TrainConfig:
     save_every: int = 0  # 0: no checkpoints
     keep_last: int = 0  # 0: keep every checkpoint
     resume: str | None = None  # "latest" or a checkpoint folder
+    accept_changed: str | None = None  # "data,model,software" (or "all"): resume on inputs changed since the start
     # Evaluation during training, at every N-th step and at the end
     eval_every: int = 0  # 0: never
     # The paper's Figure 2 diagnostic: cosine of the objectives' latest updates and gradients, in metrics.jsonl
@@ -573,6 +574,8 @@ def validate_training(config: TrainConfig) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")
     if config.resume is not None and config.out is None:
         raise UserError("--resume needs --out: the folder of the run to continue")
+    if config.accept_changed and config.resume is None:
+        raise UserError("--accept-changed applies to a resumed run: add --resume")
     check_prompt_template(config.prompt_template)
     parse_report_to(config.report_to)  # an unknown tracker or a missing package: one line, before any model loads
     if config.optimizer == "muon" and config.scheme != "doplus":

@@ -196,6 +196,9 @@ UnlearnSaveEvery = Annotated[int | None, typer.Option(
 UnlearnResume = Annotated[str | None, typer.Option(
     "--resume", help="Continue the run in --out: `--resume` alone takes its latest checkpoint, `--resume PATH` the "
     "checkpoint folder given.")]
+AcceptChanged = Annotated[str | None, typer.Option(
+    "--accept-changed", help="With --resume: go on although these inputs changed since the run started: data, "
+    "model, software (comma-separated, or all). Without it such a resumption is refused, naming what changed.")]
 UnlearnEvalEvery = Annotated[int | None, typer.Option(
     "--eval-every", help="Evaluate every N steps (and at the end) into OUT/evals/step-N/ [default: never]")]
 UnlearnEvalSuite = Annotated[str | None, typer.Option("--eval-suite", help="Suite run during training."
@@ -313,7 +316,8 @@ COMMAND_OPTIONS: dict[str, dict[str, Any]] = {
         "lora_alpha": LoraAlpha, "lora_targets": UnlearnLoraTargets, "lora_dropout": LoraDropout,
         "gradient_checkpointing": UnlearnGradientCheckpointing, "save_adapter_only": SaveAdapterOnly,
         "ref_offload": RefOffload, "fsdp": Fsdp, "num_processes": UnlearnNumProcesses, "save_every": UnlearnSaveEvery,
-        "keep_last": KeepLast, "resume": UnlearnResume, "eval_every": UnlearnEvalEvery,
+        "keep_last": KeepLast, "resume": UnlearnResume, "accept_changed": AcceptChanged,
+        "eval_every": UnlearnEvalEvery,
         "eval_suite": UnlearnEvalSuite, "eval_split": EvalSplit, "eval_data_dir": EvalDataDir,
         "eval_max_samples": UnlearnEvalMaxSamples, "eval_max_new_tokens": UnlearnEvalMaxNewTokens,
         "eval_batch_size": UnlearnEvalBatchSize, "eval_nli_model": EvalNliModel,
@@ -332,7 +336,8 @@ COMMAND_OPTIONS: dict[str, dict[str, Any]] = {
         "overwrite": Overwrite, "lora_rank": LoraRank, "lora_alpha": LoraAlpha, "lora_targets": LoraTargets,
         "lora_dropout": LoraDropout, "gradient_checkpointing": GradientCheckpointing,
         "save_adapter_only": SaveAdapterOnly, "fsdp": Fsdp, "num_processes": NumProcesses, "save_every": SaveEvery,
-        "keep_last": KeepLast, "resume": Resume, "log_update_similarity": LogUpdateSimilarity, "report_to": ReportTo,
+        "keep_last": KeepLast, "resume": Resume, "accept_changed": AcceptChanged,
+        "log_update_similarity": LogUpdateSimilarity, "report_to": ReportTo,
     },
     "align": {
         "recipe": Recipe, "safety": Safety, "general": General, "instruction_key": InstructionKey,
@@ -346,6 +351,7 @@ COMMAND_OPTIONS: dict[str, dict[str, Any]] = {
         "lora_alpha": LoraAlpha, "lora_targets": LoraTargets, "lora_dropout": LoraDropout,
         "gradient_checkpointing": GradientCheckpointing, "save_adapter_only": SaveAdapterOnly, "fsdp": Fsdp,
         "num_processes": NumProcesses, "save_every": SaveEvery, "keep_last": KeepLast, "resume": Resume,
+        "accept_changed": AcceptChanged,
         "log_update_similarity": LogUpdateSimilarity, "report_to": ReportTo, "eval_batch_size": AlignEvalBatchSize,
         "eval_suite": AlignEvalSuite, "eval_max_samples": AlignEvalMaxSamples,
         "eval_max_new_tokens": AlignEvalMaxNewTokens, "eval_guard_model": EvalGuardModel,

@@ -6,6 +6,13 @@ scheduler, the data position of each set, the RNG states, the resolved configura
 It is written under a temporary name and renamed, so a folder named `step-N` is always complete. Everything
 loads through weights-only paths: safetensors, JSON and `torch.load(weights_only=True)`.
 
+Its `manifest.json`, written last, lists every file with its size and sha256, the format version, the doplus,
+torch, transformers and accelerate versions, the number of processes, the precision and the run's inputs
+(engine/inputs.py). A resumption checks every file against it first: a checkpoint damaged after it was written
+(a copy cut short, a storage fault, a flipped bit) is named with the file and what is wrong, and `--resume
+latest` passes over it to the newest intact one. A checkpoint without a manifest (doplus 0.2 wrote none) still
+resumes, with a line saying its files could not be verified.
+
 On several processes each one writes its own RNG states (`rng.rank{R}.pt`). Under FSDP each one also writes
 its shard of the weights and of the optimizer states (`model.rank{R}.safetensors`, `optimizer.rank{R}.pt`),
 nothing is gathered, and a resumption needs the same number of processes; the folder must be on a file
@@ -15,11 +22,13 @@ system every process sees (as a cluster's shared storage is).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +36,20 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from doplus_cli.errors import UserError, write_failure
+from doplus_cli.engine import inputs
+from doplus_cli.errors import RunError, UserError, write_failure
 from doplus_cli.losses import LossParams
 from doplus_cli.optim.distributed import local_shard
 
 # Options that may change between a run and its resumption: they do not change what is computed.
 RESUMABLE_CHANGES = {"resume", "overwrite", "save_every", "keep_last", "show_samples", "description", "out",
                      "log_update_similarity", "save_dtype", "report_to", "tracker_project", "tracker_run_name",
-                     "tracker_group", "tracker_dir"}
+                     "tracker_group", "tracker_dir", "accept_changed"}
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+MANIFEST = "manifest.json"
+# The manifest's format: a resumption reads formats up to this one and refuses a newer one.
+MANIFEST_FORMAT = 1
+_HASH_CHUNK = 16 << 20  # bytes read at a time: a checkpoint file is hashed without holding it in memory
 
 
 # A saved configuration that lacks one of these keys was written by a doplus without that option, and its run
@@ -83,6 +97,75 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             for name, p in model.named_parameters() if p.requires_grad}
 
 
+def trainable_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, parameter) of every weight a run changes, in the model's order."""
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def finite_probe(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One float32 value, on the tensors' device, that is finite when every element of `tensors` is: their sum (a
+    NaN or an infinity propagates through it). A sum that overflows on finite elements reads as non-finite too,
+    which `first_non_finite` then clears. No host synchronisation."""
+    floating = [t for t in tensors if t.is_floating_point() and t.numel()]
+    if not floating:
+        return torch.zeros(())
+    if floating[0].device.type == "cpu":
+        sums = [t.sum(dtype=torch.float32) for t in floating]  # a read of memory, no squares, on the CPU
+    else:
+        sums = [n.float() for n in torch._foreach_norm(floating)]  # one fused kernel over every tensor on a GPU
+    return torch.stack(sums).sum()
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element of `tensors` is finite (`finite_probe`; one host synchronisation)."""
+    return bool(torch.isfinite(finite_probe(tensors)).item())
+
+
+def first_non_finite(named: list[tuple[str, torch.Tensor]]) -> tuple[str, str] | None:
+    """(name, what) of the first tensor holding a NaN or an infinity, or None."""
+    for name, tensor in named:
+        if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+            nans = int(torch.isnan(tensor).sum())
+            infs = int(torch.isinf(tensor).sum())
+            return name, ", ".join(f"{n} {w}" for n, w in ((nans, "NaN"), (infs, "infinite")) if n)
+    return None
+
+
+def optimizer_tensors(optimizer, model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor of the optimizer's state dict (what a checkpoint saves), named by its path
+    with the parameter's name for a parameter's index."""
+    scheduled = getattr(optimizer, "optimizer", optimizer)
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    names = [by_id.get(id(p), str(i)) for i, p in
+             enumerate(p for group in getattr(scheduled, "param_groups", []) for p in group["params"])]
+    found: list[tuple[str, torch.Tensor]] = []
+
+    def walk(value: Any, path: str, indexed: bool) -> None:
+        if torch.is_tensor(value):
+            found.append((path, local_shard(value)))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                label = names[key] if indexed and isinstance(key, int) and 0 <= key < len(names) else str(key)
+                walk(item, f"{path}.{label}" if path else label, key in ("state", "compensation"))
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                walk(item, f"{path}.{index}", False)
+
+    walk(optimizer.state_dict(), "", False)
+    return found
+
+
+def non_finite_in(model: torch.nn.Module, optimizer, states: bool = True) -> tuple[str, str] | None:
+    """(where, what) of a NaN or infinity in the trainable weights (and the optimizer's states), or None: one
+    reduction, and only when it finds something a search for the tensor. On this process's shards under FSDP."""
+    weights = [(f"weight {name}", local_shard(p.detach())) for name, p in trainable_weights(model)]
+    named = weights + ([(f"optimizer state {name}", t) for name, t in optimizer_tensors(optimizer, model)]
+                       if states else [])
+    if all_finite([t for _, t in named]):
+        return None
+    return first_non_finite(named)
+
+
 class Processes:
     """Who writes what: this process's index, how many there are, a barrier, and whether weights and
     optimizer states are sharded (FSDP)."""
@@ -101,6 +184,22 @@ class Processes:
         if self.world > 1:
             self._accelerator.wait_for_everyone()
 
+    def gather(self, value: Any) -> list[Any]:
+        """Every process's `value`, in process order, on every process."""
+        if self.world == 1:
+            return [value]
+        from accelerate.utils import gather_object
+
+        return gather_object([value])
+
+    def broadcast(self, value: Any) -> Any:
+        """The main process's `value`, on every process."""
+        if self.world == 1:
+            return value
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([value])[0]
+
     def name(self, stem: str, suffix: str) -> str:
         """A file of this process's own: one per process when there are several."""
         return f"{stem}{suffix}" if self.world == 1 else f"{stem}.rank{self.rank}{suffix}"
@@ -114,6 +213,41 @@ def _fsync(paths) -> None:
     for path in paths:  # the data reach the disk before the rename makes the checkpoint visible
         with open(path, "rb") as handle:
             os.fsync(handle.fileno())
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file, read in chunks (hashlib releases the GIL on each)."""
+    digest = hashlib.sha256()
+    with open(path, "rb", buffering=0) as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _described(paths) -> dict[str, dict[str, Any]]:
+    """{file name: its size and sha256}, read back just after it was written (from the page cache)."""
+    return {path.name: {"size": path.stat().st_size, "sha256": file_sha256(path)} for path in paths}
+
+
+def _write_manifest(folder: Path, files: dict[str, dict[str, Any]], step: int, processes: Processes,
+                    config: dict[str, Any], run_inputs: dict[str, Any] | None) -> None:
+    """`folder/manifest.json`, the checkpoint's last file: written aside, synced, renamed."""
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "step": step,
+        "software": inputs.software_versions(),
+        "world_size": processes.world,
+        "sharded": processes.sharded,
+        "precision": config.get("precision"),
+        "files": dict(sorted(files.items())),
+        "inputs": run_inputs,
+    }
+    tmp = folder / (MANIFEST + ".tmp")
+    with open(tmp, "w") as handle:
+        json.dump(manifest, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, folder / MANIFEST)
 
 
 def save_checkpoint(
@@ -144,7 +278,9 @@ def save_checkpoint(
     torch.save(rng, rng_file)
     written.append(rng_file)
     _fsync(written)
-    processes.barrier()
+    files = {}  # every process hashes its own files; the main process lists them all in the manifest
+    for part in processes.gather(_described(written)):
+        files.update(part)
     if processes.main:
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         state = {
@@ -158,7 +294,9 @@ def save_checkpoint(
         (tmp / "state.json").write_text(json.dumps(state, indent=1, default=str))
         with open(tmp / "metrics.jsonl", "w") as handle:
             handle.writelines(json.dumps(r) + "\n" for r in records)
-        _fsync([tmp / "scheduler.pt", tmp / "state.json", tmp / "metrics.jsonl"])
+        own = [tmp / "scheduler.pt", tmp / "state.json", tmp / "metrics.jsonl"]
+        _fsync(own)
+        _write_manifest(tmp, {**files, **_described(own)}, step, processes, config, inputs.read(folder.parent))
         if final.exists():  # the same step saved again (SIGTERM right after a periodic save)
             _set_aside(final)
         # Pruning renames a checkpoint out of sight (atomic) before deleting it, so a kill never leaves a
@@ -191,7 +329,11 @@ class CheckpointWriter:
 
     def save(self, step: int, records: list[dict[str, Any]], extra: dict[str, Any]) -> Path:
         """Write `step-{step}` (every process takes part). A failed write (disk full, no permission) is one line
-        saying how to go on, and the half-written step is removed."""
+        saying how to go on, and the half-written step is removed. Weights or optimizer states holding a NaN or
+        an infinity are never saved: the run stops, its last checkpoint kept (`NonFiniteState`)."""
+        found = non_finite_in(self.model, self.optimizer)
+        if any(self.processes.gather(found is not None)):
+            raise NonFiniteState(step, found, self.folder)
         try:
             return save_checkpoint(self.folder, step, self.model, self.optimizer, self.scheduler, self.streams,
                                    self.config, records, extra, self.keep_last, self.processes)
@@ -202,6 +344,18 @@ class CheckpointWriter:
             for partial in self.folder.glob(f".step-{step}.tmp"):
                 shutil.rmtree(partial, ignore_errors=True)
             raise failure from error
+
+
+class NonFiniteState(RunError):
+    """A NaN or an infinity in the weights or the optimizer's states after a step: the run stops without saving
+    them (exit code 1), its newest checkpoint kept."""
+
+    def __init__(self, step: int, found: tuple[str, str] | None, folder: Path) -> None:
+        where = f"{found[0]} holds {found[1]}" if found else "another process's shard holds a NaN or an infinity"
+        kept = list_checkpoints(folder)
+        last = f"the last good checkpoint is {kept[-1]}" if kept else "no checkpoint was written (--save-every)"
+        super().__init__(f"step {step}: non-finite values after the optimizer step: {where}; nothing saved, "
+                         f"{last}; try a lower learning rate, or --precision fp32")
 
 
 def _how_to_go_on(folder: Path) -> str:
@@ -227,34 +381,118 @@ def list_checkpoints(folder: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def find_checkpoint(resume: str, out: Path) -> Path:
-    """`latest` -> the newest checkpoint under OUT/checkpoints; otherwise the given folder."""
-    if resume == "latest":
-        found = list_checkpoints(out / "checkpoints")
-        if not found:
-            raise UserError(f"{out}: no checkpoint to resume from (checkpoints/step-N/ is written by --save-every)")
-        return found[-1]
-    path = Path(resume)
-    if not (path / "state.json").is_file():
-        raise UserError(f"{resume}: not a doplus checkpoint folder (no state.json)")
-    return path
+class DamagedCheckpoint(UserError):
+    """A checkpoint whose files do not match its manifest (or whose manifest cannot be read)."""
+
+
+def verify_checkpoint(path: Path) -> dict[str, Any] | None:
+    """Check every file of checkpoint `path` against its manifest (size, then sha256); return the manifest, or
+    None for a checkpoint written without one. A mismatch is one line naming the file and what is wrong."""
+    manifest_file = path / MANIFEST
+    if not manifest_file.is_file():
+        if not (path / "state.json").is_file():
+            raise DamagedCheckpoint(f"{path}: not a doplus checkpoint folder (no {MANIFEST}, no state.json)")
+        return None
+    try:
+        manifest = json.loads(manifest_file.read_text())
+        version = int(manifest["format"])
+        listed = {str(name): (int(entry["size"]), str(entry["sha256"])) for name, entry in manifest["files"].items()}
+        if any("/" in name or name.startswith(".") for name in listed):
+            raise ValueError("a file name outside the folder")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        reason = " ".join(str(error).split())[:120] or type(error).__name__
+        raise DamagedCheckpoint(f"{manifest_file}: unreadable manifest ({reason})") from None
+    if version > MANIFEST_FORMAT:
+        raise DamagedCheckpoint(f"{manifest_file}: format {version}, written by a newer doplus (this one reads up "
+                                f"to format {MANIFEST_FORMAT}); resume it with that doplus")
+    for name, (size, sha256) in listed.items():
+        file = path / name
+        if not file.is_file():
+            raise DamagedCheckpoint(f"{file}: missing (the checkpoint's manifest lists it)")
+        actual = file.stat().st_size
+        if actual != size:
+            what = "truncated" if actual < size else "longer than written"
+            raise DamagedCheckpoint(f"{file}: {what}: {actual} bytes, the manifest says {size}")
+        if file_sha256(file) != sha256:
+            raise DamagedCheckpoint(f"{file}: its contents changed after it was written (sha256 differs from the "
+                                    "manifest's)")
+    return manifest
+
+
+def _say(message: str) -> None:
+    """One line on standard error, where the run's progress lines go."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def find_checkpoint(resume: str, out: Path) -> tuple[Path, dict[str, Any] | None]:
+    """(the checkpoint, its verified manifest or None): `latest` -> the newest intact checkpoint under
+    OUT/checkpoints, each damaged newer one passed over with a line saying why; otherwise the given folder, which
+    must be intact."""
+    if resume != "latest":
+        path = Path(resume)
+        if not path.is_dir():
+            raise UserError(f"{resume}: not a doplus checkpoint folder (no such folder)")
+        return path, verify_checkpoint(path)
+    found = list_checkpoints(out / "checkpoints")
+    if not found:
+        raise UserError(f"{out}: no checkpoint to resume from (checkpoints/step-N/ is written by --save-every)")
+    damaged = []
+    for path in reversed(found):
+        try:
+            manifest = verify_checkpoint(path)
+        except DamagedCheckpoint as error:
+            damaged.append(str(error))
+            continue
+        for problem in damaged:
+            _say(f"{problem}; passed over for the newest intact checkpoint, {path}")
+        return path, manifest
+    raise UserError(f"{out}: no intact checkpoint to resume from: {'; '.join(damaged)}")
 
 
 def read_state(path: Path) -> dict[str, Any]:
-    return json.loads((path / "state.json").read_text())
+    try:
+        return json.loads((path / "state.json").read_text())
+    except (OSError, ValueError) as error:
+        reason = " ".join(str(error).split())[:120]
+        raise UserError(f"{path / 'state.json'}: cannot read the checkpoint's state ({reason})") from None
 
 
-def open_resume(resume: str, out: Path, config: dict[str, Any], processes: Processes) -> tuple[Path, dict[str, Any]]:
-    """(the checkpoint `--resume` names, its saved state), refused when it was written by another process layout
-    or with a configuration that changes what is computed (`config`: this run's, resolved)."""
-    path = find_checkpoint(resume, out)
-    saved = read_state(path)
+def open_resume(resume: str, out: Path, config: dict[str, Any], processes: Processes,
+                accept_changed: str | None = None) -> tuple[Path, dict[str, Any]]:
+    """(the checkpoint `--resume` names, its saved state), after checking its files against its manifest; refused
+    when it was written by another process layout, with a configuration that changes what is computed
+    (`config`: this run's, resolved), or on inputs that changed since (data, model, software; engine/inputs.py)
+    unless `accept_changed` names them. The main process reads and hashes; every process gets its verdict."""
+    verdict, failure = None, None
+    if processes.main:
+        try:
+            verdict = ("ok", *_checked_resume(resume, out, config, accept_changed))
+        except Exception as error:  # every process ends, not only the main one
+            failure, verdict = error, ("error", type(error).__name__, str(error))
+    verdict = processes.broadcast(verdict)
+    if failure is not None:
+        raise failure
+    if verdict[0] == "error":
+        raise (DamagedCheckpoint if verdict[1] == DamagedCheckpoint.__name__ else UserError)(verdict[2])
+    path, saved = Path(verdict[1]), verdict[2]
     check_processes(path, saved, processes)
+    return path, saved
+
+
+def _checked_resume(resume: str, out: Path, config: dict[str, Any], accept_changed: str | None
+                    ) -> tuple[str, dict[str, Any]]:
+    path, manifest = find_checkpoint(resume, out)
+    if manifest is None:
+        _say(f"{path}: written without a {MANIFEST}, so its files could not be verified; resuming from it as it is")
+    saved = read_state(path)
     keys = differing_keys(saved["config"], config)
     if keys:
         changes = ", ".join(f"{k} ({saved['config'].get(k)!r} -> {config.get(k)!r})" for k in keys)
         raise UserError(f"{path}: cannot resume with a different configuration: {changes}")
-    return path, saved
+    recorded = (manifest or {}).get("inputs") or inputs.read(out)
+    software = (manifest or {}).get("software") or (recorded or {}).get("software")
+    inputs.check_unchanged(path, recorded, software, config, out, accept_changed, _say)
+    return str(path), saved
 
 
 def check_processes(path: Path, state: dict[str, Any], processes: Processes) -> None:
@@ -273,25 +511,80 @@ def load_checkpoint(
     path: Path, model: torch.nn.Module, optimizer, scheduler, streams: dict[str, Any],
     processes: Processes | None = None,
 ) -> dict:
-    """Restore weights, optimizer, scheduler, data positions and RNG states; return the saved state."""
+    """Restore weights, optimizer, scheduler, data positions and RNG states; return the saved state. A saved state
+    that does not fit this run (missing or unexpected names, other shapes) is one line naming the file."""
     processes = processes or Processes()
     state = read_state(path)
     check_processes(path, state, processes)
     model_file = path / processes.weights_name("model", ".safetensors")
     optimizer_file = path / processes.weights_name("optimizer", ".pt")
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    weights = load_file(str(model_file), device=str(local_shard(next(iter(params.values()))).device))
-    missing = [name for name in params if name not in weights]
-    if missing:
-        raise UserError(f"{path}: checkpoint lacks weights for {len(missing)} parameters (e.g. {missing[0]})")
+    weights = _loaded(model_file, lambda: load_file(
+        str(model_file), device=str(local_shard(next(iter(params.values()))).device)))
+    _check_weights(model_file, weights, {name: local_shard(p) for name, p in params.items()})
     with torch.no_grad():
         for name, tensor in weights.items():
             local_shard(params[name]).copy_(tensor)
-    optimizer.load_state_dict(torch.load(optimizer_file, weights_only=True))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    saved_optimizer = _loaded(optimizer_file, lambda: torch.load(optimizer_file, weights_only=True))
+    _loaded(optimizer_file, lambda: optimizer.load_state_dict(saved_optimizer), "does not fit this run's optimizer")
+    _check_optimizer_shapes(optimizer_file, optimizer)
+    scheduler_file = path / "scheduler.pt"
+    saved_scheduler = _loaded(scheduler_file, lambda: torch.load(scheduler_file, weights_only=True))
+    _loaded(scheduler_file, lambda: scheduler.load_state_dict(saved_scheduler), "does not fit this run's scheduler")
     for name, stream in streams.items():
-        stream.load_state_dict(state["streams"][name])
-    rng = torch.load(path / processes.name("rng", ".pt"), weights_only=True)
+        position = state.get("streams", {}).get(name)
+        if not isinstance(position, dict) or not {"epoch", "position"} <= set(position):
+            raise UserError(f"{path / 'state.json'}: no data position for the objective '{name}' (saved: "
+                            f"{', '.join(state.get('streams', {})) or 'none'})")
+        # a data set accepted with another row count (--accept-changed data) goes on from the same epoch
+        stream.load_state_dict({"epoch": position["epoch"], "position": min(int(position["position"]), stream.size)})
+    rng_file = path / processes.name("rng", ".pt")
+    rng = _loaded(rng_file, lambda: torch.load(rng_file, weights_only=True))
+    _loaded(rng_file, lambda: _set_rng_state(rng), "holds no usable RNG states")
+    return state
+
+
+def _loaded(file: Path, load, what: str = "cannot be read"):
+    """`load()`, with a file that is missing, unreadable or does not fit said in one line naming it."""
+    try:
+        return load()
+    except UserError:
+        raise
+    except Exception as error:
+        reason = " ".join(str(error).split())[:200] or type(error).__name__
+        raise UserError(f"{file}: {what} ({type(error).__name__}: {reason})") from error
+
+
+def _check_weights(file: Path, saved: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> None:
+    """The saved weights name exactly this run's trainable parameters, each with its shape."""
+    missing = [name for name in params if name not in saved]
+    unexpected = [name for name in saved if name not in params]
+    if missing or unexpected:
+        parts = ([f"lacks {len(missing)} of this run's parameters (e.g. {missing[0]})"] if missing else []) + (
+            [f"holds {len(unexpected)} this run does not train (e.g. {unexpected[0]})"] if unexpected else [])
+        raise UserError(f"{file}: {' and '.join(parts)}; was it written by a run of another model, LoRA or RMU "
+                        "setting?")
+    for name, tensor in saved.items():
+        if tensor.shape != params[name].shape:
+            raise UserError(f"{file}: {name} has shape {tuple(tensor.shape)}, this run's has "
+                            f"{tuple(params[name].shape)}")
+
+
+def _check_optimizer_shapes(file: Path, optimizer) -> None:
+    """The loaded moment tensors have their parameter's shape (torch's load_state_dict checks only the groups'
+    sizes, and a mismatch would otherwise surface as a traceback in the first step)."""
+    scheduled = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch optimizer
+    for group in getattr(scheduled, "param_groups", []):
+        for param in group["params"]:
+            shape = local_shard(param).shape
+            for key, value in scheduled.state.get(param, {}).items():
+                if (torch.is_tensor(value) and value.is_floating_point() and value.dim() == len(shape)
+                        and value.numel() > 1 and value.shape != shape):
+                    raise UserError(f"{file}: the optimizer state '{key}' has shape {tuple(value.shape)} for a "
+                                    f"parameter of shape {tuple(shape)}")
+
+
+def _set_rng_state(rng: dict[str, Any]) -> None:
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
@@ -299,7 +592,6 @@ def load_checkpoint(
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = rng["numpy"]
     np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    return state
 
 
 def saved_records(path: Path) -> list[dict[str, Any]]:

@@ -35,7 +35,7 @@ from doplus_cli.config import TrainConfig
 from doplus_cli.data.batches import IndexStream
 from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.data.sources import MixtureSource
-from doplus_cli.engine import checkpoint, model_card, outputs, precision, sharding, tracking
+from doplus_cli.engine import checkpoint, inputs, model_card, outputs, precision, sharding, tracking
 from doplus_cli.engine.objectives import Objective, Plan, frequencies, lr_multipliers
 from doplus_cli.engine.optimizers import OptimizerSettings, build_optimizer
 from doplus_cli.engine.schedule import JOINT, linear_warmup_schedule, objective_at, steps_per_objective
@@ -166,9 +166,12 @@ def _open_run(config: TrainConfig, plan: Plan) -> tuple[Accelerator, Path, Path 
     config.warmup_steps = min(config.warmup_steps, config.steps)
     config.out = config.out or _shared_default_out(accelerator, plan.command)
     if config.resume:
-        resume_from, saved = checkpoint.open_resume(config.resume, Path(config.out), config.to_dict(), processes)
+        resume_from, saved = checkpoint.open_resume(config.resume, Path(config.out), config.to_dict(), processes,
+                                                    config.accept_changed)
         return accelerator, Path(config.out), resume_from, saved
     out = outputs.prepare_out_dir(config.out, config.overwrite) if accelerator.is_main_process else Path(config.out)
+    if accelerator.is_main_process:  # what a resumption compares the data, model and software with
+        inputs.record(out, config.to_dict())
     return accelerator, out, None, None
 
 
@@ -241,6 +244,7 @@ def train(run: Run, config: TrainConfig, plan: Plan, console: Console, stop: Sto
     here and restored by the caller, which keeps it through the evaluation after training and the final save."""
     cycle = frequencies(run.objectives)
     log = StepLog(run, plan.activity, config.steps, console)
+    weights = [p for _, p in checkpoint.trainable_weights(run.accelerator.unwrap_model(run.model))]
     try:
         stop.install()
         for step in range(run.start_step, config.steps):
@@ -253,6 +257,7 @@ def train(run: Run, config: TrainConfig, plan: Plan, console: Console, stop: Sto
             if run.similarity is not None:
                 run.similarity.before_step(objective)
             run.optimizer.step(objective=objective)
+            _stop_if_weights_not_finite(run, step + 1, weights)
             update = _step_diagnostics(run, objective)
             run.scheduler.step()
             run.optimizer.zero_grad(set_to_none=True)
@@ -268,6 +273,7 @@ def train(run: Run, config: TrainConfig, plan: Plan, console: Console, stop: Sto
             if config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
                 run.save_checkpoint(step + 1)
             _stop_with_checkpoint(run, stop, step + 1)
+        _stop_if_states_not_finite(run, config.steps)
     except BaseException:
         run.tracker.close()  # flushed; the checkpoint keeps the tracker run ids for --resume
         raise
@@ -559,6 +565,38 @@ def _stop_if_not_finite(step: int, terms: dict[str, float | None], grad_norm: fl
         what = ", ".join(f"{k} = {v}" for k, v in bad.items())
         raise RunError(f"step {step}: non-finite {what}; stopped before the optimizer step; {kept}; "
                        f"try a lower {lr_options}, or --precision fp32")
+
+
+def _stop_if_weights_not_finite(run: Run, step: int, weights: list[torch.nn.Parameter]) -> None:
+    """After the optimizer step: a NaN or an infinity in the weights ends the run before anything saves them. One
+    reduction over every weight and one host synchronisation (with FSDP, one all-reduce of it); the tensor is
+    looked for only once that finds something."""
+    local = [local_shard(p.detach()) for p in weights]
+    probe = checkpoint.finite_probe(local)
+    if run.sharded:
+        probe = run.accelerator.reduce(probe.to(run.accelerator.device), reduction="sum")
+    if bool(torch.isfinite(probe).item()):
+        return
+    names = [name for name, _ in checkpoint.trainable_weights(run.accelerator.unwrap_model(run.model))]
+    found = checkpoint.first_non_finite([(f"weight {n}", t) for n, t in zip(names, local)])
+    if run.sharded:  # every process stops, or none (an overflowing sum of finite weights)
+        anywhere = run.accelerator.reduce(torch.tensor([float(found is not None)], device=run.accelerator.device),
+                                          reduction="sum")
+        if anywhere.item() == 0:
+            return
+    elif found is None:
+        return
+    raise checkpoint.NonFiniteState(step, found, run.out / "checkpoints")
+
+
+def _stop_if_states_not_finite(run: Run, step: int) -> None:
+    """After the last step, before final/: the optimizer's states too (each checkpoint checks them as it saves)."""
+    found = checkpoint.non_finite_in(run.accelerator.unwrap_model(run.model), run.optimizer)
+    flags = [found is not None]
+    if run.accelerator.num_processes > 1:
+        flags = run.accelerator.gather(torch.tensor([float(found is not None)], device=run.accelerator.device)).tolist()
+    if any(flags):
+        raise checkpoint.NonFiniteState(step, found, run.out / "checkpoints")
 
 
 def _plot_curves(evals: list[dict[str, Any]], out: Path, names: Sequence[str]) -> str | None:
