@@ -45,6 +45,10 @@ SCHEMES: dict[str, Scheme] = {
     "doplus-8bit": Scheme("DO+ 8bit", {"scheme": "doplus", "state_bits": 8}),
     "doplus-paper": Scheme("DO+ (paper rule)", {"scheme": "doplus", "doplus_rule": "paper"}),
     "doplus-muon": Scheme("DO+ Muon", {"scheme": "doplus", "optimizer": "muon"}),
+    # the paper's federated-learning baselines (its Table tab:fl; doplus_cli/optim/fl_schemes.py)
+    "scaffold": Scheme("SCAFFOLD", {"scheme": "scaffold"}),
+    "fedcm": Scheme("FedCM", {"scheme": "fedcm"}),
+    "local-adam": Scheme("Local Adam", {"scheme": "local-adam"}),
 }
 # What a scheme name fixes, whatever the recipe says: `doplus` is 32-bit AdamW-rule DualOptim+ even on a recipe
 # that sets state_bits: 8. The bench's --set and --sweep may not change these (choose other scheme names instead).
@@ -92,6 +96,9 @@ class TrainConfig:
     scheme: str = "doplus"
     optimizer: str = "adamw"
     doplus_rule: str = "safeguarded"  # or "paper": DualOptim+'s AdamW rule exactly as the paper writes it
+    # DualOptim+'s base state, the paper's ablations (Tables 10, 11): when it takes the gradient, and what it takes
+    base_update: str = "after-param"  # or before-delta, after-delta
+    base_source: str = "grad"  # or grad-minus-delta
     state_bits: int = 32
     betas: tuple[float, float] = (0.9, 0.95)
     # Training
@@ -492,6 +499,9 @@ def _choice(name: str, value: Any, choices: tuple) -> None:
 
 REF_OFFLOADS = (None, "cpu", "8bit")
 DOPLUS_RULES = ("safeguarded", "paper")
+BASE_UPDATES = ("after-param", "before-delta", "after-delta")  # optim.dualoptim_plus.BASE_UPDATES
+BASE_SOURCES = ("grad", "grad-minus-delta")  # optim.dualoptim_plus.BASE_SOURCES
+FL_SCHEMES = ("scaffold", "fedcm", "local-adam")  # their base update or merge runs once per period: 32-bit states
 
 # `--eval-protocol` / `doplus evaluate --protocol`: the protocols' settings are evaluation/protocol.py's PROTOCOLS
 PROTOCOL_NAMES = ("doplus", "paper")
@@ -551,6 +561,7 @@ def validate_training(config: TrainConfig) -> None:
     check_precision(config)
     _choice("state-bits", config.state_bits, STATE_BITS)
     _choice("doplus-rule", config.doplus_rule, DOPLUS_RULES)
+    check_scheme_options(config)
     for name in ("steps", "batch_size", "grad_accum", "max_length", "max_new_tokens"):
         if getattr(config, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
@@ -580,6 +591,21 @@ def validate_training(config: TrainConfig) -> None:
     parse_report_to(config.report_to)  # an unknown tracker or a missing package: one line, before any model loads
     if config.optimizer == "muon" and config.scheme != "doplus":
         raise UserError("--optimizer muon is built for --scheme doplus only; use adamw with the other schemes")
+
+
+def check_scheme_options(config: TrainConfig) -> None:
+    """The base-update ablations belong to DualOptim+'s AdamW rule; the federated-learning schemes keep 32-bit
+    states."""
+    _choice("base-update", config.base_update, BASE_UPDATES)
+    _choice("base-source", config.base_source, BASE_SOURCES)
+    ablation = (config.base_update, config.base_source) != (BASE_UPDATES[0], BASE_SOURCES[0])
+    if ablation and (config.scheme != "doplus" or config.optimizer != "adamw"):
+        raise UserError(f"--base-update {config.base_update} --base-source {config.base_source} change DualOptim+'s "
+                        f"AdamW rule: they need --scheme doplus --optimizer adamw, not --scheme {config.scheme} "
+                        f"--optimizer {config.optimizer}")
+    if config.scheme in FL_SCHEMES and config.state_bits != 32:
+        raise UserError(f"--scheme {config.scheme} keeps 32-bit states: use --state-bits 32 (8-bit states are "
+                        "for joint, alternate, dualoptim and doplus)")
 
 
 def check_precision(config: TrainConfig) -> None:

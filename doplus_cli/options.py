@@ -78,6 +78,12 @@ Fsdp = Annotated[bool | None, typer.Option(
 KeepLast = Annotated[int | None, typer.Option("--keep-last", help="Keep the newest K checkpoints [default: all]")]
 LogUpdateSimilarity = Annotated[bool | None, typer.Option("--log-update-similarity", help=SIMILARITY_HELP)]
 ReportTo = Annotated[str | None, typer.Option("--report-to", help=REPORT_TO_HELP)]
+BaseUpdate = Annotated[str | None, typer.Option(
+    "--base-update", help="DualOptim+'s base state takes the gradient after-param (the rule), before-delta or "
+    "after-delta (the paper's ablation)." + shown_default("base_update"))]
+BaseSource = Annotated[str | None, typer.Option(
+    "--base-source", help="DualOptim+'s base state takes grad (the rule) or grad-minus-delta, g minus the delta "
+    "(the paper's ablation)." + shown_default("base_source"))]
 
 # --- Worded the same by multitask and align (unlearn's own wording below) -----------------------------------------
 TrustRemoteCode = Annotated[bool | None, typer.Option(
@@ -99,8 +105,9 @@ Resume = Annotated[str | None, typer.Option(
     "--resume", help="Continue the run in --out (latest checkpoint, or the checkpoint folder given).")]
 
 # --- Worded the same by unlearn and multitask (align's own wording below) -----------------------------------------
-Scheme = Annotated[str | None, typer.Option("--scheme", help="joint, alternate, dualoptim or doplus." + shown_default(
-    "scheme"))]
+Scheme = Annotated[str | None, typer.Option(
+    "--scheme", help="joint, alternate, dualoptim, doplus, or the paper's federated-learning baselines scaffold, "
+    "fedcm, local-adam." + shown_default("scheme"))]
 Steps = Annotated[int | None, typer.Option("--steps", help="Optimizer steps." + shown_default("steps"))]
 
 # --- doplus unlearn ---------------------------------------------------------------------------------------------
@@ -269,7 +276,8 @@ HeldOut = Annotated[int | None, typer.Option(
 AlignMaxNewTokens = Annotated[int | None, typer.Option(
     "--max-new-tokens", help="Greedy tokens per held-out response." + shown_default("max_new_tokens"))]
 AlignScheme = Annotated[str | None, typer.Option(
-    "--scheme", help="joint (batches from the mixture of both sets), alternate, dualoptim or doplus."
+    "--scheme", help="joint (batches from the mixture of both sets), alternate, dualoptim, doplus, scaffold, fedcm "
+    "or local-adam."
     + shown_default("scheme"))]
 AlignSteps = Annotated[int | None, typer.Option("--steps", help="Optimizer steps (or --epochs)." + shown_default(
     "steps"))]
@@ -309,7 +317,8 @@ COMMAND_OPTIONS: dict[str, dict[str, Any]] = {
         "satimp_beta2": SatimpBeta2, "rmu_layer": RmuLayer, "rmu_coeff": RmuCoeff,
         "rmu_update_layers": RmuUpdateLayers, "rmu_modules": RmuModules, "forget_coeff": ForgetCoeff,
         "retain_coeff": RetainCoeff, "scheme": Scheme, "optimizer": Optimizer, "state_bits": StateBits,
-        "doplus_rule": UnlearnDoplusRule, "forget_freq": ForgetFreq, "retain_freq": RetainFreq, "betas": Betas,
+        "doplus_rule": UnlearnDoplusRule, "base_update": BaseUpdate,
+        "base_source": BaseSource, "forget_freq": ForgetFreq, "retain_freq": RetainFreq, "betas": Betas,
         "steps": Steps, "lr": Lr, "forget_lr": ForgetLr, "batch_size": BatchSize, "grad_accum": GradAccum,
         "warmup_steps": UnlearnWarmupSteps, "weight_decay": WeightDecay, "max_grad_norm": MaxGradNorm, "seed": Seed,
         "out": UnlearnOut, "overwrite": UnlearnOverwrite, "show_samples": ShowSamples, "lora_rank": UnlearnLoraRank,
@@ -330,7 +339,8 @@ COMMAND_OPTIONS: dict[str, dict[str, Any]] = {
         "eval_batch_size": MultitaskEvalBatchSize, "model": Model, "dtype": Dtype, "precision": Precision,
         "save_dtype": SaveDtype, "trust_remote_code": TrustRemoteCode, "max_length": MaxLength,
         "max_new_tokens": MultitaskMaxNewTokens, "scheme": Scheme, "optimizer": Optimizer, "state_bits": StateBits,
-        "doplus_rule": DoplusRule, "prompt_template": PromptTemplate, "betas": Betas, "steps": Steps, "lr": Lr,
+        "doplus_rule": DoplusRule, "base_update": BaseUpdate, "base_source": BaseSource,
+        "prompt_template": PromptTemplate, "betas": Betas, "steps": Steps, "lr": Lr,
         "batch_size": BatchSize, "grad_accum": GradAccum, "warmup_steps": MultitaskWarmupSteps,
         "weight_decay": WeightDecay, "max_grad_norm": MaxGradNorm, "seed": Seed, "out": MultitaskOut,
         "overwrite": Overwrite, "lora_rank": LoraRank, "lora_alpha": LoraAlpha, "lora_targets": LoraTargets,
@@ -345,7 +355,8 @@ COMMAND_OPTIONS: dict[str, dict[str, Any]] = {
         "model": Model, "dtype": Dtype, "precision": Precision, "save_dtype": SaveDtype,
         "trust_remote_code": TrustRemoteCode, "max_length": MaxLength, "max_new_tokens": AlignMaxNewTokens,
         "prompt_template": PromptTemplate, "scheme": AlignScheme, "optimizer": Optimizer, "state_bits": StateBits,
-        "doplus_rule": DoplusRule, "betas": Betas, "steps": AlignSteps, "lr": Lr, "batch_size": BatchSize,
+        "doplus_rule": DoplusRule, "base_update": BaseUpdate, "base_source": BaseSource, "betas": Betas,
+        "steps": AlignSteps, "lr": Lr, "batch_size": BatchSize,
         "grad_accum": GradAccum, "warmup_steps": AlignWarmupSteps, "weight_decay": WeightDecay,
         "max_grad_norm": MaxGradNorm, "seed": Seed, "out": AlignOut, "overwrite": Overwrite, "lora_rank": LoraRank,
         "lora_alpha": LoraAlpha, "lora_targets": LoraTargets, "lora_dropout": LoraDropout,

@@ -37,7 +37,7 @@ from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.data.sources import MixtureSource
 from doplus_cli.engine import checkpoint, inputs, model_card, outputs, precision, sharding, tracking
 from doplus_cli.engine.objectives import Objective, Plan, frequencies, lr_multipliers
-from doplus_cli.engine.optimizers import OptimizerSettings, build_optimizer
+from doplus_cli.engine.optimizers import OptimizerSettings, build_optimizer, safeguard_fractions
 from doplus_cli.engine.schedule import JOINT, linear_warmup_schedule, objective_at, steps_per_objective
 from doplus_cli.engine.similarity import UpdateSimilarity
 from doplus_cli.errors import RunError, UserError, worker_exit_code
@@ -207,7 +207,7 @@ def setup(config: TrainConfig, plan: Plan, console: Console) -> Iterator[Run]:
             model = sharding.shard_model(accelerator, model, mixed_precision=config.precision == "bf16-mixed")
         names = tuple(o.name for o in objectives)
         optimizer, scheduled = build_optimizer(model, names, lr_multipliers(objectives), optimizer_settings(config),
-                                               sharded=sharded)
+                                               sharded=sharded, frequencies=frequencies(objectives))
         scheduler = linear_warmup_schedule(scheduled, config.warmup_steps, config.steps)
         streams = {o.name: o.stream for o in objectives}
         processes = checkpoint.Processes(accelerator, sharded=sharded)
@@ -396,6 +396,7 @@ def optimizer_settings(config: TrainConfig) -> OptimizerSettings:
         scheme=config.scheme, optimizer=config.optimizer, lr=config.lr, betas=tuple(config.betas),
         weight_decay=config.weight_decay, state_bits=config.state_bits, rule=config.doplus_rule,
         compensated=config.precision == "bf16" and config.extra.get("compensation", True),
+        base_update=config.base_update, base_source=config.base_source,
     )
 
 
@@ -477,13 +478,18 @@ def _clip_gradients(run: Run, max_grad_norm: float) -> float:
 
 
 def _step_diagnostics(run: Run, objective: str) -> dict[str, float | None]:
-    """The step just taken: its largest |Δθ|/η and elements above 10η, with --log-update-similarity the cosine of
-    the objectives' latest updates and gradients; over every process's shards under FSDP."""
+    """The step just taken: its largest |Δθ|/η and elements above 10η, under DualOptim+'s safeguarded rule the
+    fractions of elements where its floor and clamp acted, with --log-update-similarity the cosine of the
+    objectives' latest updates and gradients; over every process's shards under FSDP."""
     update = run.optimizer.step_diagnostics()
     if run.similarity is not None:
         update.update(run.similarity.after_step(objective))
     if run.sharded:
+        safeguarded = getattr(run.optimizer, "rule", None) == "safeguarded"  # the same on every process
+        counts = run.optimizer.safeguard_counts() if safeguarded else None
         update = sharding.gather_step_diagnostics(update, run.accelerator.device)
+        if safeguarded:
+            update.update(safeguard_fractions(counts, run.accelerator.device))
     return update
 
 

@@ -154,16 +154,24 @@ def loss_summary(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def update_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Over the run, per objective and in all: the largest single-element step in learning rates
     (`max_update`), the median over steps of each step's largest, the steps with any element above 10η and
-    how many element-steps that was (the step diagnostics; AdamW's steps stay near 1)."""
+    how many element-steps that was (the step diagnostics; AdamW's steps stay near 1); under DualOptim+'s
+    safeguarded rule also the mean and largest per-step fractions of elements where its floor and clamp acted."""
     rows = [r for r in records if "max_update" in r]
     if not rows:
         return {}
 
     def summarise(part: list[dict[str, Any]]) -> dict[str, Any]:
         largest = sorted(r["max_update"] for r in part)
-        return {"steps": len(part), "max_update": largest[-1], "median_step_max_update": largest[len(largest) // 2],
-                "steps_over_10lr": sum(1 for r in part if r["big_updates"] > 0),
-                "updates_over_10lr": sum(r["big_updates"] for r in part)}
+        summary = {"steps": len(part), "max_update": largest[-1],
+                   "median_step_max_update": largest[len(largest) // 2],
+                   "steps_over_10lr": sum(1 for r in part if r["big_updates"] > 0),
+                   "updates_over_10lr": sum(r["big_updates"] for r in part)}
+        for name in ("floor", "clamp"):
+            fractions = [r[f"{name}_fraction"] for r in part if r.get(f"{name}_fraction") is not None]
+            if fractions:
+                summary[f"mean_{name}_fraction"] = sum(fractions) / len(fractions)
+                summary[f"max_{name}_fraction"] = max(fractions)
+        return summary
 
     summary = {"all": summarise(rows)}
     for objective in dict.fromkeys(r["objective"] for r in rows):
@@ -214,6 +222,14 @@ def update_lines(summary: dict[str, Any]) -> list[str]:
     for name, s in summary.items():
         lines.append(f"| {name} | {s['steps']} | {s['max_update']:.3g} | {s['median_step_max_update']:.3g} "
                      f"| {s['steps_over_10lr']} | {s['updates_over_10lr']:,} |")
+    if any("mean_floor_fraction" in s for s in summary.values()):
+        lines += ["", "Where DualOptim+'s safeguard acted: the share of elements per step whose denominator the floor "
+                  "raised and whose step the clamp bounded (docs/optimizers.md).", "",
+                  "| objective | floor acted, mean | floor acted, largest | clamp acted, mean | clamp acted, largest |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {name} | {s['mean_floor_fraction']:.3%} | {s['max_floor_fraction']:.3%} "
+                  f"| {s['mean_clamp_fraction']:.3%} | {s['max_clamp_fraction']:.3%} |"
+                  for name, s in summary.items() if "mean_floor_fraction" in s]
     warning = update_warning(summary)
     return lines + ([f"\n**{warning}**"] if warning else [])
 
