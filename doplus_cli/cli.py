@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from doplus_cli import options
+from doplus_cli import lifecycle, options
 from doplus_cli.bench.schemes import DEFAULT_SCHEMES, DEFAULT_SEEDS
 from doplus_cli.config import SCHEMES, resolve_config, task_from_option
 from doplus_cli.data.formatting import TEMPLATE_HELP
@@ -50,19 +50,27 @@ def _root(
 def _train(command: str, values: dict[str, Any]) -> None:
     """A training command: its options (named as the config's fields) over its kind's config (defaults, then the
     recipe, then the flags given), its teaching recipe run, then the kind's run and report. With --num-processes N,
-    this process relaunches the command on N processes instead."""
+    this process relaunches the command on N processes instead. The output folder is held, and SIGTERM and SIGINT
+    handled, from here to the end (`lifecycle`): a launch's processes leave the lock to this one."""
+    from doplus_cli.engine.loop import default_out_dir
     from doplus_cli.engine.teach import apply_teaching
 
     recipe, num_processes = values.pop("recipe"), values.pop("num_processes")
     kind = kind_named(command)
     config = resolve_config(recipe, values, kind.config)
-    launching = num_processes is not None and num_processes > 1 and "LOCAL_RANK" not in os.environ
+    launched = "LOCAL_RANK" in os.environ  # a worker of accelerate launch: the engine names and holds the folder
+    launching = num_processes is not None and num_processes > 1 and not launched
     if launching:
         _check_devices_for(num_processes)
-    apply_teaching(config, err_console)  # before a launch of N processes, so that it runs once
-    if launching:
-        _relaunch_with_accelerate(num_processes)
-    report = kind.run(config, err_console)
+    with lifecycle.run_guard():
+        if not launched:
+            config.out = config.out or default_out_dir(command)
+            lifecycle.hold(config.out, f"doplus {command}")
+        lifecycle.stage("teaching the starting model")
+        apply_teaching(config, err_console)  # before a launch of N processes, so that it runs once
+        if launching:
+            _relaunch_with_accelerate(num_processes, config.out)
+        report = kind.run(config, err_console)
     if report:
         kind.print_summary(report, Console(highlight=False))
 
@@ -100,7 +108,7 @@ def evaluate(
     ),
     suite: str = typer.Option(
         ",".join(EvalConfig.suites), "--suite",
-        help="tofu, real-world, lm-eval, privacy, safety, xstest, or several comma-separated.",
+        help="tofu, real-world, lm-eval, privacy, safety, xstest, muse, or several comma-separated.",
     ),
     split: str = typer.Option(EvalConfig.split, "--split", help="TOFU forget split: forget01, forget05, forget10."),
     task_id: int | None = typer.Option(None, "--task-id", help="TOFU files whose rows carry task_id (the DualOptim+ "
@@ -139,6 +147,8 @@ def evaluate(
     trust_remote_code: bool = typer.Option(EvalConfig.trust_remote_code, "--trust-remote-code",
                                            help="Allow the model's own code to run."),
     overwrite: bool = typer.Option(EvalConfig.overwrite, "--overwrite", help="Replace an evaluation already in --out."),
+    resume: bool = typer.Option(EvalConfig.resume, "--resume", help="Continue an interrupted evaluation in --out: "
+                                "the suites it finished are kept, the others run."),
     seed: int = typer.Option(EvalConfig.seed, "--seed", help="Seed (rejection answers drawn for TFE)."),
     prompt_template: str | None = typer.Option(
         None, "--prompt-template", help=TEMPLATE_HELP.replace("[default: ", "[default: a run's own template; else ")
@@ -146,7 +156,7 @@ def evaluate(
     protocol: str = typer.Option(EvalConfig.protocol, "--protocol", help=options.PROTOCOL_HELP),
     retain_logs: str | None = typer.Option(
         None, "--retain-logs", help="A retain model's TOFU_EVAL.json (doplus's or OpenUnlearning's): forget_quality "
-        "and privleak's reference AUC.",
+        "and privleak's reference AUC; muse: a retrained model's MUSE_EVAL.json.",
     ),
     holdout: str | None = typer.Option(
         None, "--holdout", help="Non-member rows (JSON lines with question, answer; TOFU's holdout10): the privacy "
@@ -172,6 +182,13 @@ def evaluate(
         None, "--responses", help="safety, xstest: judge the (prompt, response) rows of FILE.jsonl|csv instead of "
         "generating"
     ),
+    muse_corpus: str = typer.Option(EvalConfig.muse_corpus, "--muse-corpus", help="muse: news or books."),
+    muse_data: str | None = typer.Option(
+        None, "--muse-data", help="muse: a folder in MUSE's layout (<config>/<split>.jsonl) or hf:NAME [default: "
+        "hf:muse-bench/MUSE-News or MUSE-Books]"),
+    muse_retrained: str | None = typer.Option(
+        None, "--muse-retrained", help="muse: a retrained model (hub id or folder) whose Min-40% AUC is privleak's "
+        "reference [default: --retain-logs, else MUSE's published retrained AUC]"),
 ) -> None:
     """Evaluate a model: TOFU/real-world indicators and MU/UFE/TFE/OVR, lm-eval, safety and XSTest."""
     from doplus_cli.evaluation.report import compare_table
@@ -191,9 +208,11 @@ def evaluate(
         max_new_tokens=max_new_tokens,
         embedding_model=embedding_model, nli_model=nli_model, targeted=targeted, tasks=tasks, limit=limit,
         lm_eval_include=lm_eval_include, dtype=dtype, trust_remote_code=trust_remote_code, overwrite=overwrite,
+        resume=resume,
         seed=seed, prompt_template=prompt_template, protocol=protocol, retain_logs=retain_logs, holdout=holdout,
         guard_model=guard_model, refusal_model=refusal_model, refusal_model_prompt=refusal_model_prompt,
         safety_data_dir=safety_data_dir, responses=responses,
+        muse_corpus=muse_corpus, muse_data=muse_data, muse_retrained=muse_retrained,
     )
     config = resolve_eval_config(values)
     record = run_evaluate(config, err_console)
@@ -304,9 +323,11 @@ def bench_schemes(
     """Every scheme x seed on one recipe as ordinary runs, evaluated; mean ± std tables and plots."""
     from doplus_cli.bench.schemes import print_summary, run_schemes_bench
 
-    summary = run_schemes_bench(recipe, schemes, seeds, out, list(set_options or []), sweep, log_update_similarity,
-                                num_processes, fsdp, say=lambda line: err_console.print(Text(line)),
-                                task_ids=task_ids, keep_checkpoints=keep_checkpoints)
+    with lifecycle.run_guard():  # the bench holds its folder (bench/schemes/), each run its own
+        summary = run_schemes_bench(recipe, schemes, seeds, out, list(set_options or []), sweep,
+                                    log_update_similarity, num_processes, fsdp,
+                                    say=lambda line: err_console.print(Text(line)), task_ids=task_ids,
+                                    keep_checkpoints=keep_checkpoints)
     # Without a terminal (a batch job's log) rich would fold the table into 80 columns.
     print_summary(summary, Console(highlight=False, width=None if sys.stdout.isatty() else 200))
 
@@ -341,11 +362,12 @@ def _check_devices_for(num_processes: int) -> None:
         )
 
 
-def _relaunch_with_accelerate(num_processes: int) -> None:
+def _relaunch_with_accelerate(num_processes: int, out: str) -> None:
     """`doplus unlearn --num-processes N ...` = `accelerate launch --num_processes N -m doplus_cli unlearn ...`.
 
     accelerate's multi-process launcher (torchrun underneath) is used on CPU too: without CUDA the engine asks
-    accelerate for CPU processes, which then form a gloo group.
+    accelerate for CPU processes, which then form a gloo group. `out`: the folder this process named and holds,
+    passed on to the workers.
     """
     import signal
     import subprocess
@@ -361,6 +383,8 @@ def _relaunch_with_accelerate(num_processes: int) -> None:
         if arg.startswith("--num-processes="):
             continue
         args.append(arg)
+    if not any(a == "--out" or a.startswith("--out=") for a in args):
+        args += ["--out", out]
     # The rendezvous port: MASTER_PORT where the job sets one, else a free port that accelerate picks (0). Its
     # default, 29500, fails with "address already in use" when two runs start together on one node.
     port = os.environ.get("MASTER_PORT") or "0"
@@ -371,20 +395,24 @@ def _relaunch_with_accelerate(num_processes: int) -> None:
                            + " ".join(args)))
     with tempfile.TemporaryDirectory(prefix="doplus-launch-") as folder:
         exit_file = os.path.join(folder, "exit")
-        # Its own session: Ctrl-C in the terminal reaches this process only, which hands it to the workers.
-        process = subprocess.Popen(command, env={**os.environ, EXIT_FILE_VARIABLE: exit_file}, start_new_session=True)
+        launched: list[subprocess.Popen] = []
 
         def forward(received, _frame) -> None:
             """SIGTERM/SIGINT go to the workers, not to torchrun (which would answer with a traceback): they
-            finish the step, write a checkpoint and exit 0, leaving 128 + signal for this process."""
+            finish the step, write a checkpoint and exit 0, leaving 128 + signal for this process. Installed
+            before the launch, so that no signal ends this process while its workers go on."""
             import psutil
 
-            for worker in psutil.Process(process.pid).children(recursive=True):
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    worker.send_signal(received)
+            for process in launched:
+                for worker in psutil.Process(process.pid).children(recursive=True):
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        worker.send_signal(received)
 
         for number in (signal.SIGTERM, signal.SIGINT):  # a preempted job's signal reaches every process
             signal.signal(number, forward)
+        # Its own session: Ctrl-C in the terminal reaches this process only, which hands it to the workers.
+        process = subprocess.Popen(command, env={**os.environ, EXIT_FILE_VARIABLE: exit_file}, start_new_session=True)
+        launched.append(process)
         code = process.wait()
         left = {int(name.rsplit("rank", 1)[1]): int(open(os.path.join(folder, name)).read() or 1)
                 for name in os.listdir(folder) if name.startswith("exit.rank")}
@@ -394,7 +422,11 @@ def _relaunch_with_accelerate(num_processes: int) -> None:
 
 
 def _resume_defaults_to_latest(argv: list[str]) -> list[str]:
-    """`--resume` without a value (last, or followed by another option) means `--resume latest`."""
+    """`--resume` without a value (last, or followed by another option) means `--resume latest`; `doplus evaluate
+    --resume` is a switch."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command == "evaluate":
+        return argv
     result = []
     for i, arg in enumerate(argv):
         result.append(arg)
@@ -462,6 +494,7 @@ def main(argv: list[str] | None = None) -> None:
     _quiet_libraries()
     argv = _resume_defaults_to_latest(list(sys.argv[1:] if argv is None else argv))
     _argv["value"] = argv
+    lifecycle.set_command_line(argv)  # what a stopped run names to continue it
     try:
         code = app(args=argv, standalone_mode=False)
     except NoArgsIsHelpError as error:
@@ -475,8 +508,8 @@ def main(argv: list[str] | None = None) -> None:
             Text("error: ", style="bold red") + Text(f"{error.format_message()} (see `{command} --help`)")
         )
         sys.exit(getattr(error, "exit_code", 2))
-    except UserError as error:
-        if _debug["on"]:
+    except (UserError, lifecycle.Stopped) as error:
+        if _debug["on"] and not isinstance(error, lifecycle.Stopped):
             raise
         if not quiet_worker():
             err_console.print(Text("error: ", style="bold red") + Text(str(error)))

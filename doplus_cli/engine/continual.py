@@ -29,6 +29,7 @@ from doplus_cli.engine.loop import default_out_dir
 from doplus_cli.engine.unlearn import run_unlearn
 from doplus_cli.errors import UserError
 from doplus_cli.files import atomic_write_text
+from doplus_cli.lifecycle import folder_entries
 
 AGGREGATES = ("MU", "UFE", "TFE", "OVR")
 
@@ -49,7 +50,7 @@ def _prepare(config: UnlearnConfig, out: Path, order: list[int]) -> None:
     """A fresh OUT, or one this command may continue (--resume) or replace (--overwrite)."""
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: --out exists and is a file, not a folder")
-    if not out.is_dir() or not any(out.iterdir()):
+    if not out.is_dir() or not folder_entries(out):  # the lock's files do not count
         return
     if config.resume is not None:
         saved = out / "config.yaml"

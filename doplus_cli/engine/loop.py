@@ -11,12 +11,9 @@ Accelerate holds the device and process details, so the same loop runs on one CP
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
-import shlex
-import signal
-import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -31,6 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from doplus_cli import lifecycle
 from doplus_cli.config import TrainConfig
 from doplus_cli.data.batches import IndexStream
 from doplus_cli.data.formatting import PromptFormatter
@@ -41,6 +39,7 @@ from doplus_cli.engine.optimizers import OptimizerSettings, build_optimizer, saf
 from doplus_cli.engine.schedule import JOINT, linear_warmup_schedule, objective_at, steps_per_objective
 from doplus_cli.engine.similarity import UpdateSimilarity
 from doplus_cli.errors import RunError, UserError, worker_exit_code
+from doplus_cli.lifecycle import StopRequest
 from doplus_cli.lora import LoraSettings, adapter_norms, apply_lora, final_model
 from doplus_cli.losses import LossContext, PartTally, local_token_count
 from doplus_cli.models import load_model_8bit, load_model_and_tokenizer, resolve_dtype
@@ -121,31 +120,37 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
     """Train on `plan`'s objectives as configured; return the report (also written to `config.out`)."""
     console = console or Console(stderr=True)
     started = time.perf_counter()
-    stop = StopRequest()  # installed by `train` and kept to the report: a signal never kills the run mid-write
-    try:
-        with setup(config, plan, console) as run:  # the progress display is live inside the block
+    # From the run's first second: before the first step a signal ends the run at once (nothing needs saving, and
+    # --resume starts it again); from the first step to the report it is deferred, and the loop stops after the
+    # current step with a checkpoint, so a signal never kills the run mid-write.
+    with lifecycle.run_guard() as stop:
+        # the progress display is live inside the block
+        with setup(config, plan, console) as run, stop.deferred():
             train(run, config, plan, console, stop)
             unwrapped = run.accelerator.unwrap_model(run.model)
+            lifecycle.stage("evaluating after training")
             measured_after = plan.after(unwrapped, run.formatter, run.progress, run.accelerator, run.before)
             # a signal during that evaluation: the last step's checkpoint, and a resume redoes only what follows
             _stop_with_checkpoint(run, stop, config.steps)
             full_weights = sharding.full_state_dict(run.model) if run.sharded else None  # every process takes part
-        run.accelerator.wait_for_everyone()
-        if not run.accelerator.is_main_process:
-            return {}
-        report = finish(run, config, plan, measured_after, full_weights, started)
-    finally:
-        stop.restore()
+        with stop.deferred():
+            run.accelerator.wait_for_everyone()
+            if not run.accelerator.is_main_process:
+                return {}
+            report = finish(run, config, plan, measured_after, full_weights, started)
     if stop.signal_name is not None:  # it came while final/ and the report were written: they were finished
         console.print(f"{stop.signal_name} arrived while the final model and report were written; the run completed")
     return report
 
 
-def _open_run(config: TrainConfig, plan: Plan) -> tuple[Accelerator, Path, Path | None, dict[str, Any] | None]:
+def _open_run(config: TrainConfig, plan: Plan, console: Console
+              ) -> tuple[Accelerator, Path, Path | None, dict[str, Any] | None]:
     """(the accelerator, the run's folder, the checkpoint to resume from and its saved state, or None, None), with
-    `config`'s derived values resolved (FSDP, precision, steps, warm-up, out) and the folder prepared."""
+    `config`'s derived values resolved (FSDP, precision, steps, warm-up, out) and the folder locked and prepared."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
+
+    lifecycle.stage("opening the run")
 
     # cpu=True without CUDA: several processes started by `accelerate launch --multi_gpu` or torchrun then
     # form a gloo group on CPU (accelerate's own `--cpu` launcher needs MPI for more than one process).
@@ -165,6 +170,15 @@ def _open_run(config: TrainConfig, plan: Plan) -> tuple[Accelerator, Path, Path 
         config.warmup_steps = plan.default_warmup(effective_batch)
     config.warmup_steps = min(config.warmup_steps, config.steps)
     config.out = config.out or _shared_default_out(accelerator, plan.command)
+    lifecycle.hold(config.out, f"doplus {plan.command}")  # before anything in the folder is read or written
+    if config.resume and _interrupted_before_a_checkpoint(config, Path(config.out)):
+        if accelerator.is_main_process:
+            console.print(f"{config.out}: no checkpoint was written before the run stopped; starting it again from "
+                          "the beginning", highlight=False)
+            outputs.prepare_out_dir(config.out, overwrite=True)
+            inputs.record(Path(config.out), config.to_dict())
+        accelerator.wait_for_everyone()
+        return accelerator, Path(config.out), None, None
     if config.resume:
         resume_from, saved = checkpoint.open_resume(config.resume, Path(config.out), config.to_dict(), processes,
                                                     config.accept_changed)
@@ -175,25 +189,50 @@ def _open_run(config: TrainConfig, plan: Plan) -> tuple[Accelerator, Path, Path 
     return accelerator, out, None, None
 
 
+def _interrupted_before_a_checkpoint(config: TrainConfig, out: Path) -> bool:
+    """`--resume latest` on a folder without a checkpoint: a run stopped before its first one (a config.yaml at
+    most), which starts again from the beginning with the same configuration; a finished run or another
+    configuration is refused."""
+    if config.resume != "latest" or checkpoint.list_checkpoints(out / "checkpoints"):
+        return False
+    if (out / "report.json").is_file():
+        raise UserError(f"{out}: holds a finished run and no checkpoint to resume from; pass --overwrite to run it "
+                        "again")
+    saved = out / "config.yaml"
+    if saved.is_file():
+        import yaml
+
+        now = json.loads(json.dumps(config.to_dict(), default=str))
+        keys = checkpoint.differing_keys(yaml.safe_load(saved.read_text()) or {}, now)
+        if keys:
+            raise UserError(f"{saved}: the run in this folder was started with another configuration "
+                            f"({', '.join(keys)}); resume with the same options, or pass --overwrite")
+    return True
+
+
 @contextmanager
 def setup(config: TrainConfig, plan: Plan, console: Console) -> Iterator[Run]:
     """Build everything the loop steps with: the accelerator and the run's folder, the model, then (with the
     progress display live until the block ends) the plan's objectives, the reference model, LoRA, the shards,
     the optimizer and its LR schedule, a resumed run's state, the trackers and metrics.jsonl."""
-    accelerator, out, resume_from, saved = _open_run(config, plan)
+    accelerator, out, resume_from, saved = _open_run(config, plan, console)
     main_process, world = accelerator.is_main_process, accelerator.num_processes
     sharded = config.fsdp and world > 1
     lora = _lora_settings(config)
     weights_dtype = precision.weights_dtype(config.precision, config.dtype, lora=lora is not None)
+    lifecycle.stage("loading the model")
     model, tokenizer, model_name = load_model_and_tokenizer(config.model, weights_dtype, config.trust_remote_code)
     formatter = PromptFormatter(tokenizer, config.max_length, config.prompt_template)
     if main_process:
         outputs.write_config(out, {**config.to_dict(), "out": str(out)})
     model.to(accelerator.device)
     with _progress(console, main_process) as progress:
+        lifecycle.stage("preparing the data (with answers_from_model: the model's own answers)")
         objectives = plan.objectives(model, formatter, out, progress, accelerator, resumed=resume_from is not None)
+        lifecycle.stage("evaluating before training")
         before = plan.before(model, formatter, progress, accelerator,
                              saved["extra"].get("before", []) if saved is not None else None)
+        lifecycle.stage("preparing the reference model, the optimizer and the checkpoint")
         reference = None
         if any(o.loss.needs_reference for o in objectives):
             reference = _reference_model(config, model, accelerator, sharded)
@@ -514,49 +553,9 @@ class RunInterrupted(UserError):
     """SIGTERM or Ctrl-C: a checkpoint was written; say how to resume. Exit code 128 + signal number."""
 
     def __init__(self, stop: StopRequest, step: int, path: Path | None, processes: int = 1) -> None:
-        argv = [a for a in sys.argv[1:] if a != "--overwrite"]
-        if "--resume" not in argv:
-            argv.append("--resume")
-        if processes > 1 and not any(a.startswith("--num-processes") for a in argv):
-            argv += ["--num-processes", str(processes)]
-        command = "doplus " + " ".join(shlex.quote(a) for a in argv)
-        super().__init__(f"stopped by {stop.signal_name} after step {step}; checkpoint {path}; resume with: {command}")
+        super().__init__(f"stopped by {stop.signal_name} after step {step}; checkpoint {path}; resume with: "
+                         f"{lifecycle.resume_command(processes)}")
         self.exit_code = 128 + stop.signal_number
-
-
-class StopRequest:
-    """SIGTERM (a cluster preempting the job) and SIGINT (Ctrl-C) end the run after the current step, with a
-    checkpoint, instead of killing it mid-step."""
-
-    def __init__(self) -> None:
-        self.signal_name: str | None = None
-        self.signal_number = 0
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, number, frame) -> None:
-        self.signal_number, self.signal_name = number, signal.Signals(number).name
-
-    def requested(self, accelerator) -> bool:
-        """Whether any process was signalled: all processes stop after the same step."""
-        if accelerator.num_processes == 1:
-            return self.signal_name is not None
-        flag = torch.tensor([float(self.signal_name is not None)], device=accelerator.device)
-        if accelerator.reduce(flag, reduction="sum").item() > 0:
-            if self.signal_name is None:
-                self.signal_number, self.signal_name = int(signal.SIGTERM), "SIGTERM (on another process)"
-            return True
-        return False
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for number in (signal.SIGTERM, signal.SIGINT):
-            self._previous[number] = signal.signal(number, self._handle)
-
-    def restore(self) -> None:
-        for number, handler in self._previous.items():
-            signal.signal(number, handler)
-        self._previous.clear()
 
 
 def _stop_if_not_finite(step: int, terms: dict[str, float | None], grad_norm: float, out: Path,

@@ -21,6 +21,7 @@ import yaml
 from doplus_cli.errors import UserError, writing
 from doplus_cli.evaluation import compute
 from doplus_cli.files import atomic_write_text
+from doplus_cli.lifecycle import folder_entries
 from doplus_cli.optim import kernels, multi_tensor
 
 # Everything a run writes; `--overwrite` removes these and nothing else.
@@ -34,11 +35,11 @@ AGAIN = "; free space (or fix the permission), then run the same command again: 
 
 
 def prepare_out_dir(path: str, overwrite: bool) -> Path:
-    """Create `path`, or refuse an existing non-empty folder unless `overwrite`."""
+    """Create `path`, or refuse an existing non-empty folder unless `overwrite` (the lock's files do not count)."""
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise UserError(f"{path}: --out exists and is a file, not a folder")
-    if out.is_dir() and any(out.iterdir()):
+    if out.is_dir() and folder_entries(out):
         if not overwrite:
             raise UserError(f"{path}: output folder exists and is not empty (pass --overwrite to replace its run)")
         with writing(out):

@@ -7,6 +7,7 @@ chosen suites need and runs each one's `run(context)` in the order given."""
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -14,25 +15,26 @@ from typing import Any
 
 from rich.console import Console
 
-from doplus_cli import decoding
+from doplus_cli import decoding, lifecycle
 from doplus_cli.data.formatting import check_prompt_template
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.compute import compute_floor, linear_kernel, matmul_gflops, packed_linears
 from doplus_cli.evaluation.lm_eval_suite import LM_EVAL_SUITE
+from doplus_cli.evaluation.muse import MUSE_SUITE, check_muse_data
 from doplus_cli.evaluation.privacy import read_holdout, read_retain_logs
 from doplus_cli.evaluation.protocol import get_protocol
 from doplus_cli.evaluation.safety import SAFETY_SUITE, XSTEST_SUITE, overall_section
 from doplus_cli.evaluation.suite_api import EvalConfig, Suite, SuiteContext
 from doplus_cli.evaluation.suites import PRIVACY_SUITE, REAL_WORLD_SUITE, TOFU_SUITE, Judges, load_tofu_sets
 from doplus_cli.evaluation.wmdp import WMDP_SUITE
-from doplus_cli.files import write_json
+from doplus_cli.files import atomic_write_text, write_json
 from doplus_cli.losses import FORGET_LOSSES
 from doplus_cli.optim import kernels
 from doplus_cli.progress import counting_tokens, progress_bar
 
 # The suites of `doplus evaluate` by name, in the order `--suite` lists them.
 SUITE_REGISTRY: dict[str, Suite] = {suite.name: suite for suite in (
-    TOFU_SUITE, REAL_WORLD_SUITE, LM_EVAL_SUITE, PRIVACY_SUITE, SAFETY_SUITE, XSTEST_SUITE, WMDP_SUITE)}
+    TOFU_SUITE, REAL_WORLD_SUITE, LM_EVAL_SUITE, PRIVACY_SUITE, SAFETY_SUITE, XSTEST_SUITE, WMDP_SUITE, MUSE_SUITE)}
 SUITES = tuple(SUITE_REGISTRY)
 
 
@@ -103,19 +105,49 @@ def load_judges(config: EvalConfig, device: str, need: bool) -> Judges:
     return Judges(embedder, nli, embedder_reason, nli_reason)
 
 
-def prepare_eval_dir(path: str, overwrite: bool) -> Path:
+# The suites an evaluation has finished so far, with their results: what `--resume` keeps. Removed once eval.json,
+# the finished evaluation, is written.
+FINISHED_SUITES = "suites.partial.json"
+
+
+def prepare_eval_dir(path: str, overwrite: bool, resume: bool = False) -> Path:
+    """Create `path`, or refuse one holding an evaluation unless `overwrite` (replace it) or `resume` (an
+    interrupted one, continued)."""
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise UserError(f"{path}: --out exists and is a file, not a folder")
     names = (*(name for suite in SUITE_REGISTRY.values() for name in suite.files), "SUMMARY.json", "report.md",
-             "eval.json")
-    if out.is_dir() and any((out / n).exists() for n in names):
+             "eval.json", FINISHED_SUITES)
+    if resume and not overwrite and (out / "eval.json").is_file():
+        raise UserError(f"{path}: holds a finished evaluation, nothing to resume (pass --overwrite to run it again)")
+    if out.is_dir() and any((out / n).exists() for n in names) and not (resume and not overwrite):
         if not overwrite:
-            raise UserError(f"{path}: holds an evaluation already (pass --overwrite to replace it)")
+            raise UserError(f"{path}: holds an evaluation already (pass --overwrite to replace it, or --resume to "
+                            "continue an interrupted one)")
         for n in names:
             (out / n).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def _settings(config: EvalConfig, model_name: str, targeted: bool | None) -> dict[str, Any]:
+    """What decides the suites' results: an interrupted evaluation's finished suites are kept only for these."""
+    values = {k: v for k, v in asdict(config).items() if k not in ("extra", "overwrite", "resume", "out")}
+    return json.loads(json.dumps({**values, "model": model_name, "targeted": targeted}, default=str))
+
+
+def _finished_suites(out: Path, settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The suites an interrupted evaluation in `out` finished with the same settings; another setting is refused."""
+    path = out / FINISHED_SUITES
+    if not path.is_file():
+        return {}
+    saved = json.loads(path.read_text())
+    changed = sorted(k for k in set(saved["settings"]) | set(settings)
+                     if saved["settings"].get(k) != settings.get(k))
+    if changed:
+        raise UserError(f"{path}: the interrupted evaluation ran with other settings ({', '.join(changed)}); continue "
+                        "it with the same ones, or pass --overwrite")
+    return saved["suites"]
 
 
 def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: str, progress=None,
@@ -144,10 +176,11 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
                                           command["dtype"], packed, decoding.KERNEL.compiled_calls - decode_calls,
                                           kernels.fallbacks(), linear_kernel(model))
         record["compute"]["kernel_gflops_measured"] = measured
-    write_json(out / "eval.json", record)
     from doplus_cli.evaluation.report import render_eval_markdown
 
-    (out / "report.md").write_text(render_eval_markdown(record))
+    atomic_write_text(out / "report.md", render_eval_markdown(record))
+    write_json(out / "eval.json", record)  # last: an evaluation with eval.json is finished
+    (out / FINISHED_SUITES).unlink(missing_ok=True)
     return record
 
 
@@ -160,16 +193,19 @@ def _evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name:
     protocol = get_protocol(config.protocol)
     device = str(next(model.parameters()).device) if model is not None else "cpu"
     chosen = [SUITE_REGISTRY[name] for name in config.suites]
+    settings = _settings(config, model_name, targeted)
+    finished = _finished_suites(out, settings) if config.resume else {}
+    left = [suite for suite in chosen if suite.name not in finished]
     if judges is None:
         judges = load_judges(config, "cuda" if device.startswith("cuda") else "cpu",
-                             any(suite.needs_judges for suite in chosen))
+                             any(suite.needs_judges for suite in left))
     safety_judges = None
-    if any(suite.needs_safety_judges for suite in chosen):
+    if any(suite.needs_safety_judges for suite in left):
         from doplus_cli.evaluation.safety_judges import load_safety_judges
 
         safety_judges = load_safety_judges(config.guard_model, device, config.dtype, config.refusal_model,
                                            config.refusal_model_prompt,
-                                           need_guard=any(suite.needs_guard for suite in chosen))
+                                           need_guard=any(suite.needs_guard for suite in left))
     retain = read_retain_logs(config.retain_logs) if config.retain_logs else (None, None)
     context = SuiteContext(model, tokenizer, formatter, config, out, model_name, progress, targeted, judges,
                            safety_judges, retain)
@@ -178,13 +214,19 @@ def _evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name:
     timings: dict[str, float] = {}
     utility_avg = None  # lm-eval's mean headline metric, for the safety OVR
     for suite in chosen:
-        suite_started = time.perf_counter()
-        result = suite.run(context)
-        summary.update(result.summary)
-        sections.append(result.section)
-        if result.utility_avg is not None:
-            utility_avg = result.utility_avg
-        timings[suite.name] = time.perf_counter() - suite_started
+        if suite.name not in finished:
+            lifecycle.stage(f"running the {suite.name} suite")
+            suite_started = time.perf_counter()
+            result = suite.run(context)
+            finished[suite.name] = {"summary": result.summary, "section": result.section,
+                                    "utility_avg": result.utility_avg, "seconds": time.perf_counter() - suite_started}
+            write_json(out / FINISHED_SUITES, {"settings": settings, "suites": finished})
+        done = finished[suite.name]
+        summary.update(done["summary"])
+        sections.append(done["section"])
+        if done["utility_avg"] is not None:
+            utility_avg = done["utility_avg"]
+        timings[suite.name] = done["seconds"]
     overall = overall_section(summary, utility_avg)  # None without both a safety AVG and an lm-eval utility AVG
     if overall is not None:  # percent, like the other aggregates
         summary.update({"utility_avg": utility_avg, "SAFETY_OVR": 100 * overall["value"]})
@@ -223,9 +265,17 @@ def check_responses(config: EvalConfig) -> None:
 
 
 def run_evaluate(config: EvalConfig, console: Console | None = None) -> dict[str, Any]:
-    """Load the model, run the suites, write the outputs; return the eval record."""
+    """Load the model, run the suites, write the outputs; return the eval record. The output folder is held, and
+    SIGTERM and SIGINT end the evaluation at once (exit code 128 + the signal's number), from the start: `--resume`
+    then keeps the suites it finished."""
+    with lifecycle.run_guard():
+        return _run_evaluate(config, console)
+
+
+def _run_evaluate(config: EvalConfig, console: Console | None) -> dict[str, Any]:
     from doplus_cli.models import load_model_and_tokenizer
 
+    lifecycle.stage("checking the evaluation's files")
     started = time.perf_counter()
     console = console or Console(stderr=True)
     if config.max_samples is not None and config.max_samples < 1:
@@ -245,9 +295,13 @@ def run_evaluate(config: EvalConfig, console: Console | None = None) -> dict[str
         read_retain_logs(config.retain_logs)  # a bad file stops here, before the model loads
     if config.holdout:
         read_holdout(config.holdout, config.max_samples)
+    if "muse" in config.suites:  # a bad MUSE file or field stops here, before the model loads
+        check_muse_data(config)
     if config.responses is not None:
         check_responses(config)
-    out = prepare_eval_dir(config.out or "evals/" + time.strftime("%Y%m%d-%H%M%S"), config.overwrite)
+    out = lifecycle.hold(config.out or "evals/" + time.strftime("%Y%m%d-%H%M%S"), "doplus evaluate")
+    out = prepare_eval_dir(str(out), config.overwrite, config.resume)
+    lifecycle.stage("loading the model")
     if config.responses is not None and "lm-eval" not in config.suites:  # nothing to generate: no model
         model, tokenizer, name = None, None, f"responses from {config.responses}"
     else:

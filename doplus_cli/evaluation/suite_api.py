@@ -42,6 +42,7 @@ class EvalConfig:
     dtype: str = "auto"
     trust_remote_code: bool = False
     overwrite: bool = False
+    resume: bool = False  # keep the suites an interrupted evaluation in `out` finished
     seed: int = 0
     prompt_template: str | None = None  # None: the run's (a run's final/), else the chat template or question-answer
     protocol: str = "doplus"  # or "paper": the authors' embedding model, generation budget, Token Entropy input
@@ -52,6 +53,9 @@ class EvalConfig:
     refusal_model_prompt: str | None = None  # its prompt, a file with {question} and {response}
     safety_data_dir: str | None = None  # safety, xstest: None downloads the releases' files
     responses: str | None = None  # safety, xstest: judge these (prompt, response) rows instead of generating
+    muse_corpus: str = "news"  # muse: news or books
+    muse_data: str | None = None  # muse: a local folder in MUSE's layout or hf:NAME (None: the corpus's hub repo)
+    muse_retrained: str | None = None  # muse: a retrained model scored for privleak's reference AUC
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -53,6 +53,7 @@ from doplus_cli.bench.schemes.summary import (
 )
 from doplus_cli.config import SCHEMES
 from doplus_cli.files import atomic_write_text
+from doplus_cli.lifecycle import hold, run_guard
 
 __all__ = ["DEFAULT_SCHEMES", "DEFAULT_SEEDS", "SCHEMES", "Result", "mean_std", "plan_bench", "plot_update_similarity",
            "print_summary", "render_markdown", "run_schemes_bench", "second_half_mean", "summarise", "write_outputs"]
@@ -78,6 +79,13 @@ def run_schemes_bench(recipe: str, schemes: str, seeds: str, out: str | None, se
     """Plan and check everything, run what is missing, then write the tables and figures; return SCHEMES.json."""
     out = out or os.path.join("bench", Path(recipe).stem)
     bench = plan_bench(recipe, schemes, seeds, out, set_options, sweep, log_update_similarity, task_ids)
+    with run_guard():  # one bench per folder, and a signal from the start stops it (bench/schemes/running.py)
+        hold(bench.out, "doplus bench schemes")
+        return _run_bench(bench, task_ids, num_processes, fsdp, say, keep_checkpoints)
+
+
+def _run_bench(bench: Bench, task_ids: str | None, num_processes: int | None, fsdp: bool,
+               say: Callable[[str], None], keep_checkpoints: bool) -> dict[str, Any]:
     index = check_out(bench)
     record_runs(bench, index)
     tasks = f" x {len(bench.task_ids)} forget tasks" if task_ids is not None else ""

@@ -31,6 +31,7 @@ from doplus_cli.errors import UserError
 from doplus_cli.files import atomic_write_text
 from doplus_cli.kinds import Kind, kind_of
 from doplus_cli.kinds.base import read_json
+from doplus_cli.lifecycle import folder_entries
 
 BENCH_KEYS = ("seed", "out", "overwrite", "resume")  # the bench sets these for every run
 DEFAULT_SCHEMES = "joint,alternate,dualoptim,doplus"
@@ -317,7 +318,7 @@ def check_out(bench: Bench) -> dict[str, Any]:
                             f"{'; ...' if len(changed) > 3 else ''}); use another --out")
     elif bench.out.exists() and not bench.out.is_dir():
         raise UserError(f"{bench.out}: --out is a file, not a folder")
-    elif bench.out.is_dir() and any(bench.out.iterdir()):
+    elif bench.out.is_dir() and folder_entries(bench.out):  # the lock's files do not count
         raise UserError(f"{bench.out}: not empty and not a bench schemes folder (no bench.json); use another --out")
     for run in bench.runs:
         if run.recipe_path.is_file():

@@ -1,0 +1,243 @@
+"""A run's life in its output folder: one run per folder, and SIGTERM or Ctrl-C from the run's first second.
+
+One run per folder: the run holds an advisory lock on `OUT/.doplus.lock` (filelock's `UnixFileLock`, the
+operating system's `flock`) from its start to its end, so a second start on the same folder stops at once with one
+line naming the holder (host, process id, since when; from `OUT/.doplus-holder.json`). The operating system
+releases the lock when the holding process ends, however it ends, so a killed run leaves nothing to clear by hand.
+A launch of several processes is held by the process that launches them (doplus's `--num-processes`) or by the
+first process (`RANK` 0 under `accelerate launch` or torchrun): the others never wait on it.
+
+Signals: `run_guard()` installs the SIGTERM and SIGINT handler when a command starts. Until the run has something
+worth a checkpoint (loading, teaching, answers from the model, the evaluation before training; every moment of
+`doplus evaluate`) a signal ends it at once with `Stopped` (exit code 128 + the signal's number): nothing is lost,
+the same command with `--resume` starts it again. While it trains (`StopRequest.deferred()`) a signal only marks the
+stop, and the loop ends after the current step with a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+from doplus_cli.errors import EXIT_FILE_VARIABLE, UserError, writing
+from doplus_cli.files import atomic_write_text
+
+LOCK_NAME = ".doplus.lock"
+HOLDER_NAME = ".doplus-holder.json"
+LOCK_FILES = (LOCK_NAME, HOLDER_NAME)  # never part of a run: left out of "is the folder empty" and --overwrite
+# The folders this process holds, as `PATH=PID` entries: the processes it starts (the workers of a
+# `--num-processes` launch) inherit them and do not wait on their launcher's lock.
+HELD_VARIABLE = "DOPLUS_HELD_FOLDERS"
+# `off`: no lock, for a file system without working locks (Lustre mounted without `flock`); one run per folder is
+# then the user's to keep.
+LOCK_SWITCH = "DOPLUS_FOLDER_LOCK"
+
+
+class FolderInUse(UserError):
+    """Another run holds the folder: one line naming it, exit code 2."""
+
+
+class Stopped(BaseException):
+    """SIGTERM or SIGINT before anything needed a checkpoint: the command ends at once with 128 + the signal's
+    number. A BaseException, so that no `except Exception` on the way (a judge that may fail to load) takes it for
+    an ordinary failure and carries on."""
+
+    def __init__(self, number: int, stage: str | None) -> None:
+        during = f" while {stage}" if stage else ""
+        # a worker of `--num-processes N` (its launcher left it the exit file): the command takes N again
+        processes = int(os.environ.get("WORLD_SIZE", "1")) if os.environ.get(EXIT_FILE_VARIABLE) else 1
+        super().__init__(f"stopped by {signal.Signals(number).name}{during}; nothing was lost; continue with: "
+                         f"{resume_command(processes)}")
+        self.exit_code = 128 + number
+
+
+_COMMAND_LINE: list[list[str]] = []  # the arguments `doplus` parsed, when it was given them (cli.main)
+
+
+def set_command_line(argv: list[str]) -> None:
+    _COMMAND_LINE[:] = [list(argv)]
+
+
+def resume_command(processes: int = 1) -> str:
+    """The command line that continues this one: the same arguments with `--resume`, without `--overwrite` (a
+    bench continues by itself: the same arguments)."""
+    given = _COMMAND_LINE[0] if _COMMAND_LINE else sys.argv[1:]
+    argv = [str(a) for a in given if a != "--overwrite"]
+    if next((a for a in argv if not a.startswith("-")), None) == "bench":
+        return "doplus " + " ".join(shlex.quote(a) for a in argv)
+    if "--resume" not in argv:
+        argv.append("--resume")
+    if processes > 1 and not any(a.startswith("--num-processes") for a in argv):
+        argv += ["--num-processes", str(processes)]
+    return "doplus " + " ".join(shlex.quote(a) for a in argv)
+
+
+class StopRequest:
+    """The SIGTERM (a cluster preempting the job) and SIGINT (Ctrl-C) handler of one command. Outside `deferred()` a
+    signal raises `Stopped` at once; inside, it is recorded and the training loop stops after the current step,
+    with a checkpoint, instead of being killed mid-step."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self.signal_number = 0
+        self.stage: str | None = None  # what the command is doing, for the line a signal ends it with
+        self._deferring = 0
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, number, frame) -> None:
+        self.signal_number, self.signal_name = number, signal.Signals(number).name
+        if not self._deferring:
+            raise Stopped(number, self.stage)
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Inside: a signal is recorded for `requested`, the loop's check after each step."""
+        self._deferring += 1
+        try:
+            yield
+        finally:
+            self._deferring -= 1
+
+    def requested(self, accelerator) -> bool:
+        """Whether any process was signalled: all processes stop after the same step."""
+        if accelerator.num_processes == 1:
+            return self.signal_name is not None
+        import torch
+
+        flag = torch.tensor([float(self.signal_name is not None)], device=accelerator.device)
+        if accelerator.reduce(flag, reduction="sum").item() > 0:
+            if self.signal_name is None:
+                self.signal_number, self.signal_name = int(signal.SIGTERM), "SIGTERM (on another process)"
+            return True
+        return False
+
+    def install(self) -> None:
+        """The handler for SIGTERM and SIGINT (on the main thread only: Python delivers signals there); again is a
+        no-op."""
+        if self._previous or threading.current_thread() is not threading.main_thread():
+            return
+        for number in (signal.SIGTERM, signal.SIGINT):
+            self._previous[number] = signal.signal(number, self._handle)
+
+    def restore(self) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous.clear()
+
+
+class _Guard:
+    """The outermost `run_guard`: its stop handler and the folder locks taken under it."""
+
+    def __init__(self) -> None:
+        self.stop = StopRequest()
+        self.locks = ExitStack()
+        self.held: set[str] = set()
+
+
+_ACTIVE: list[_Guard] = []
+
+
+@contextmanager
+def run_guard() -> Iterator[StopRequest]:
+    """A command's stop handler and folder locks, from its first second to its end. A guard inside another (the
+    teaching stage's run inside a command, the engine's inside the CLI's) shares the outer one."""
+    if _ACTIVE:
+        yield _ACTIVE[0].stop
+        return
+    guard = _Guard()
+    _ACTIVE.append(guard)
+    try:
+        guard.stop.install()
+        with guard.locks:
+            yield guard.stop
+    finally:
+        guard.stop.restore()
+        _ACTIVE.remove(guard)
+
+
+def stage(what: str) -> None:
+    """Say what the command does now, for the line a signal ends it with."""
+    if _ACTIVE:
+        _ACTIVE[0].stop.stage = what
+
+
+def hold(folder: str | os.PathLike, command: str) -> Path:
+    """Lock `folder` (created if missing) for `command` until the outermost `run_guard` ends; refuse one another
+    run holds, in one line naming it. Not taken by a worker whose launcher or first process holds it."""
+    if not _ACTIVE:
+        raise RuntimeError("hold() needs an active run_guard()")
+    guard, path = _ACTIVE[0], Path(folder)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{folder}: --out exists and is a file, not a folder")
+    with writing(path, "; choose another --out"):
+        path.mkdir(parents=True, exist_ok=True)
+    key = os.path.realpath(path)
+    if key in guard.held or _held_by_launcher(key) or os.environ.get(LOCK_SWITCH, "").lower() == "off":
+        return path
+    if os.environ.get("RANK", "0") != "0":  # a worker of `accelerate launch`/torchrun: its first process holds it
+        return path
+    guard.locks.enter_context(_folder_lock(path, key, command))
+    guard.held.add(key)
+    return path
+
+
+def _held_by_launcher(key: str) -> bool:
+    entries = dict(entry.rsplit("=", 1) for entry in os.environ.get(HELD_VARIABLE, "").split(os.pathsep)
+                   if "=" in entry)
+    return key in entries and entries[key] != str(os.getpid())
+
+
+@contextmanager
+def _folder_lock(path: Path, key: str, command: str) -> Iterator[None]:
+    from filelock import Timeout, UnixFileLock
+
+    # preserve_lock_file: the lock file stays (unlinking a flock'd file races with the next taker); without a
+    # soft fallback a file system that cannot flock says so instead of leaving a marker a kill would strand
+    lock = UnixFileLock(str(path / LOCK_NAME), timeout=0, thread_local=False, preserve_lock_file=True,
+                        fallback_to_soft=False)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise FolderInUse(f"{path}: another doplus run holds this folder ({holder(path)}); wait for it to end, "
+                          "or choose another --out") from None
+    except OSError as error:
+        raise UserError(f"{path / LOCK_NAME}: cannot lock the folder ({error.strerror or error}); on Lustre mount "
+                        f"with -o flock, or set {LOCK_SWITCH}=off and keep to one run per folder yourself") from None
+    previous = os.environ.get(HELD_VARIABLE)
+    try:
+        atomic_write_text(path / HOLDER_NAME, json.dumps(
+            {"host": socket.gethostname(), "pid": os.getpid(), "command": command,
+             "since": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime())}) + "\n")
+        os.environ[HELD_VARIABLE] = os.pathsep.join(filter(None, (previous, f"{key}={os.getpid()}")))
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(HELD_VARIABLE, None)
+        else:
+            os.environ[HELD_VARIABLE] = previous
+        (path / HOLDER_NAME).unlink(missing_ok=True)  # still locked: no other run has written its own yet
+        lock.release()
+
+
+def holder(path: Path) -> str:
+    """`doplus unlearn on host H, process P, since T`, from the holder's side file."""
+    try:
+        info = json.loads((path / HOLDER_NAME).read_text())
+        return (f"{info['command']} on host {info['host']}, process {info['pid']}, since {info['since']}")
+    except (OSError, ValueError, KeyError):
+        return "its holder has not written who it is yet"
+
+
+def folder_entries(path: Path) -> list[Path]:
+    """The folder's entries other than the lock's files."""
+    return [p for p in path.iterdir() if p.name not in LOCK_FILES and not p.name.startswith(HOLDER_NAME)]

@@ -1,0 +1,182 @@
+"""A run's life in its folder: one run per output folder (a lock the operating system releases when its holder
+dies), and SIGTERM at any stage before training (model load, answers from the model, the evaluation before)
+stopping at once with 128 + 15, after which `--resume` ends bit-identical to an uninterrupted run; an interrupted
+`doplus evaluate` continuing the suites it had not finished."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from doplus_cli import lifecycle
+from doplus_cli.engine import loop, unlearn
+from doplus_cli.evaluation import runner
+from tests.helpers import run_cli, write_sets
+
+HOLD = """
+import sys, time
+from doplus_cli import lifecycle
+with lifecycle.run_guard():
+    lifecycle.hold(sys.argv[1], "doplus unlearn")
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+@pytest.fixture(scope="module")
+def data(tofu_dir, tmp_path_factory):
+    return write_sets(tofu_dir, tmp_path_factory.mktemp("lifecycle-data"), 6, 8)
+
+
+def args(model, data, out, *extra):
+    # answers_from_model: the targets are generated before training, a stage a signal can hit
+    return ["unlearn", "--model", model, "--forget", data / "forget.jsonl", "--retain", data / "retain.jsonl",
+            "--loss", "NPO+GD", "--steps", 4, "--lr", 1e-3, "--batch-size", 2, "--max-length", 48,
+            "--answers-from-model", "--max-new-tokens", 4, "--show-samples", 1, "--out", out, *extra]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_llama, data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lifecycle") / "uninterrupted"
+    assert run_cli(*args(tiny_llama, data, out)) == 0
+    return out
+
+
+def records(out):
+    return [{k: v for k, v in json.loads(line).items() if k not in ("seconds", "peak_memory_gb")}
+            for line in open(out / "metrics.jsonl")]
+
+
+def sigterm_first(function):
+    """`function`, but SIGTERM to this process first: the signal arrives at that stage of the run."""
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return function(*args, **kwargs)
+    return signalled
+
+
+@pytest.mark.parametrize("stage,target,attribute", [
+    ("loading the model", loop, "load_model_and_tokenizer"),
+    ("preparing the data", unlearn, "write_self_answered"),
+    ("evaluating before training", unlearn.UnlearnPlan, "before"),
+])
+def test_sigterm_before_training_stops_at_once_and_resume_is_bit_identical(tiny_llama, data, uninterrupted, tmp_path,
+                                                                            monkeypatch, capsys, stage, target,
+                                                                            attribute):
+    out, handler = tmp_path / "stopped", signal.getsignal(signal.SIGTERM)
+    with monkeypatch.context() as patch:
+        patch.setattr(target, attribute, sigterm_first(getattr(target, attribute)))
+        capsys.readouterr()
+        assert run_cli(*args(tiny_llama, data, out)) == 128 + signal.SIGTERM
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]  # no traceback
+    assert len(errors) == 1 and errors[0].startswith(f"error: stopped by SIGTERM while {stage}"), errors
+    assert errors[0].endswith("--resume")
+    assert not (out / "checkpoints").exists() and not (out / "final").exists()
+    assert signal.getsignal(signal.SIGTERM) == handler  # the run's handler is gone with the command
+    if stage != "loading the model":
+        assert (out / "config.yaml").is_file()  # the folder a requeued job finds: it resumes, not refused
+    assert run_cli(*args(tiny_llama, data, out, "--resume")) == 0
+    assert "no checkpoint was written before the run stopped; starting it again" in capsys.readouterr().err
+    a, b = load_file(str(uninterrupted / "final" / "model.safetensors")), load_file(str(out / "final" /
+                                                                                        "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert records(out) == records(uninterrupted)
+    assert (out / "data" / "forget.jsonl").read_text() == (uninterrupted / "data" / "forget.jsonl").read_text()
+
+
+def test_resume_without_a_checkpoint_refuses_another_configuration_and_a_finished_run(tiny_llama, data, uninterrupted,
+                                                                                      tmp_path, capsys):
+    out = tmp_path / "changed"
+    out.mkdir()
+    (out / "config.yaml").write_text((uninterrupted / "config.yaml").read_text().replace("lr: 0.001", "lr: 0.002"))
+    capsys.readouterr()
+    assert run_cli(*args(tiny_llama, data, out, "--resume")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "started with another configuration (lr)" in err and "\n" not in err
+    assert run_cli(*args(tiny_llama, data, uninterrupted, "--resume")) == 2  # finished, its checkpoints removed
+    assert "holds a finished run and no checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.processes
+def test_a_second_start_on_a_held_folder_is_one_line_naming_the_holder_and_a_kill_frees_it(tiny_llama, data,
+                                                                                           tmp_path, capsys):
+    """Another process holds OUT: `doplus unlearn`, `doplus evaluate` and `doplus bench schemes` on it are one line
+    each (host, process id, since when), exit 2, with nothing written; once the holder is killed with SIGKILL the
+    operating system has released the lock, and a run takes the folder."""
+    out = tmp_path / "held"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        capsys.readouterr()
+        assert run_cli(*args(tiny_llama, data, out)) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"another doplus run holds this folder (doplus unlearn on host {socket.gethostname()}, process " \
+               f"{holder.pid}, since {time.strftime('%Y-%m-%d')}" in err and "\n" not in err
+        assert run_cli(*args(tiny_llama, data, out, "--resume")) == 2
+        assert run_cli("evaluate", "--model", tiny_llama, "--out", out, "--suite", "tofu") == 2
+        recipe = tmp_path / "bench.yaml"
+        recipe.write_text(f"model: {tiny_llama}\nforget: {data / 'forget.jsonl'}\nretain: {data / 'retain.jsonl'}\n"
+                          "steps: 2\neval_suite: answers\n")
+        assert run_cli("bench", "schemes", "--recipe", recipe, "--schemes", "joint", "--seeds", "0",
+                       "--out", out) == 2
+        errors = capsys.readouterr().err.strip().splitlines()
+        assert len(errors) == 3 and all(f"process {holder.pid}" in line for line in errors), errors
+        assert sorted(p.name for p in out.iterdir()) == sorted(lifecycle.LOCK_FILES)  # nothing written
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=60)
+    assert run_cli(*args(tiny_llama, data, out, "--steps", 1)) == 0
+    assert (out / "report.json").is_file() and not (out / lifecycle.HOLDER_NAME).exists()  # released at the end
+
+
+def test_an_interrupted_evaluation_resumes_the_suites_it_had_not_finished(tiny_llama, tofu_dir, tmp_path,
+                                                                          monkeypatch, capsys):
+    forget, retain = tmp_path / "forget.jsonl", tmp_path / "neighbours.jsonl"
+    for path, names in ((forget, ["Ada Lovelace"]), (retain, ["Grace Hopper", "Emmy Noether"])):
+        path.write_text("".join(json.dumps({
+            "question": f"Where was {n} born?", "answer": f"{n} was born in Paris.",
+            "paraphrased_answer": f"Paris is where {n} was born.",
+            "perturbed_answer": [f"{n} was born in Rome."]}) + "\n" for n in names))
+
+    def evaluate(out, *extra):
+        # privacy (no judges, no generation) and real-world: the cheapest two suites
+        return run_cli("evaluate", "--model", tiny_llama, "--suite", "privacy,real-world", "--data-dir", tofu_dir,
+                       "--holdout", retain, "--forget", forget, "--retain", retain, "--max-samples", 2,
+                       "--max-new-tokens", 4,
+                       "--nli-model", tmp_path / "no-such-nli", "--embedding-model", tmp_path / "no-such-embedder",
+                       "--out", out, *extra)
+
+    whole, out = tmp_path / "whole", tmp_path / "stopped"
+    assert evaluate(whole) == 0
+    real_world = runner.SUITE_REGISTRY["real-world"]
+    with monkeypatch.context() as patch:
+        patch.setitem(runner.SUITE_REGISTRY, "real-world",
+                      dataclasses.replace(real_world, run=sigterm_first(real_world.run)))
+        capsys.readouterr()
+        assert evaluate(out) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err.strip()
+    assert "stopped by SIGTERM while running the real-world suite" in err and "evaluate" in err and "--resume" in err
+    assert not (out / "eval.json").exists() and not (out / "SUMMARY.json").exists()
+    assert list(json.loads((out / runner.FINISHED_SUITES).read_text())["suites"]) == ["privacy"]
+    assert evaluate(out) == 2  # a plain start does not take an interrupted evaluation for a fresh folder
+    privacy = runner.SUITE_REGISTRY["privacy"]
+    with monkeypatch.context() as patch:
+        def not_again(context):
+            raise AssertionError("a finished suite ran again")
+        patch.setitem(runner.SUITE_REGISTRY, "privacy", dataclasses.replace(privacy, run=not_again))
+        assert evaluate(out, "--resume") == 0
+    assert json.loads((out / "SUMMARY.json").read_text()) == json.loads((whole / "SUMMARY.json").read_text())
+    assert (out / "PRIVACY_EVAL.json").read_text() == (whole / "PRIVACY_EVAL.json").read_text()
+    assert (out / "REAL_WORLD_EVAL.json").read_text() == (whole / "REAL_WORLD_EVAL.json").read_text()
+    assert not (out / runner.FINISHED_SUITES).exists() and (out / "report.md").is_file()
+    assert evaluate(out, "--resume") == 2  # finished: nothing to resume
