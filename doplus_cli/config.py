@@ -165,6 +165,9 @@ class UnlearnConfig(TrainConfig):
     question_key: str = "question"
     answer_key: str = "answer"
     answers_from_model: bool = False  # targets are the starting model's own greedy answers (real-world setting)
+    # Sets of text rows cut into windows of this many tokens, joined first (MUSE trains on 2048; data/muse.py);
+    # None: each text row is one example, cut at max_length
+    text_window: int | None = None
     # Losses
     loss: str = "NPO+GD"
     beta: float = 0.1
@@ -730,6 +733,9 @@ def validate_unlearn(config: UnlearnConfig) -> None:
                         "(run `doplus evaluate --suite ...` on final/ afterwards for the others)")
     if config.forget is None:
         raise UserError("no forget set: pass --forget FILE.jsonl (or hf:NAME[:CONFIG][@SPLIT]) or set it in the recipe")
+    if config.text_window is not None and not 2 <= config.text_window <= config.max_length:
+        raise UserError(f"--text-window must be between 2 and --max-length ({config.max_length}), got "
+                        f"{config.text_window}")
     if config.task_id is not None and config.task_id < 0:
         raise UserError(f"--task-id must be a whole number >= 0, got {config.task_id}")
     if config.continual and config.task_ids is None:

@@ -133,6 +133,9 @@ AnswersFromModel = Annotated[bool | None, typer.Option(
     "--answers-from-model/--no-answers-from-model",
     help="Use the starting model's own greedy answers as targets (real-world setting)." + shown_default(
         "answers_from_model", UnlearnConfig))]
+TextWindow = Annotated[int | None, typer.Option(
+    "--text-window", help="Join the text rows of the forget and retain sets and cut them into windows of N tokens, "
+    "as MUSE trains (N=2048, with --max-length 2048) [default: each text row is one example]")]
 UnlearnMaxNewTokens = Annotated[int | None, typer.Option(
     "--max-new-tokens", help="Tokens generated per answer (targets, sample table)." + shown_default("max_new_tokens"))]
 Loss = Annotated[str | None, typer.Option(
@@ -311,8 +314,9 @@ COMMAND_OPTIONS: dict[str, dict[str, Any]] = {
         "recipe": Recipe, "model": Model, "dtype": Dtype, "precision": Precision, "save_dtype": SaveDtype,
         "trust_remote_code": UnlearnTrustRemoteCode, "forget": Forget, "retain": Retain, "task_id": TaskId,
         "task_ids": TaskIds, "continual": Continual, "question_key": QuestionKey, "answer_key": UnlearnAnswerKey,
-        "max_length": MaxLength, "prompt_template": PromptTemplate, "answers_from_model": AnswersFromModel,
-        "max_new_tokens": UnlearnMaxNewTokens, "loss": Loss, "beta": Beta, "simnpo_beta": SimnpoBeta,
+        "max_length": MaxLength, "text_window": TextWindow, "prompt_template": PromptTemplate,
+        "answers_from_model": AnswersFromModel, "max_new_tokens": UnlearnMaxNewTokens, "loss": Loss, "beta": Beta,
+        "simnpo_beta": SimnpoBeta,
         "simnpo_gamma": SimnpoGamma, "undial_beta": UndialBeta, "wga_beta": WgaBeta, "satimp_beta1": SatimpBeta1,
         "satimp_beta2": SatimpBeta2, "rmu_layer": RmuLayer, "rmu_coeff": RmuCoeff,
         "rmu_update_layers": RmuUpdateLayers, "rmu_modules": RmuModules, "forget_coeff": ForgetCoeff,

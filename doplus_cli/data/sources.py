@@ -390,10 +390,13 @@ class MixtureSource:
 
 
 def parse_hub_spec(spec: str) -> tuple[str, str | None, str]:
-    """`hf:NAME[:CONFIG][@SPLIT]` -> (name, config, split); the split defaults to train."""
+    """`hf:NAME[:CONFIG][@SPLIT]` or `hf:NAME:CONFIG/SPLIT` (MUSE's `hf:muse-bench/MUSE-News:raw/forget`) ->
+    (name, config, split); the split defaults to train."""
     body = spec[len("hf:"):]
     body, _, split = body.partition("@")
     name, _, config = body.partition(":")
+    if "/" in config and not split:
+        config, _, split = config.partition("/")
     if not name:
         raise UserError(f"{spec}: write a hub dataset as hf:NAME[:CONFIG][@SPLIT], e.g. hf:locuslab/TOFU:forget10")
     return name, config or None, split or "train"

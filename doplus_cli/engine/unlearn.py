@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from doplus_cli.config import UnlearnConfig, eval_batch_size, parse_task_ids
+from doplus_cli.data.muse import TextWindows
 from doplus_cli.data.sources import Keys, Source, available_tasks, open_source, task_rows
 from doplus_cli.data.tofu import AUTHORS_RETAIN, authors_retain, describe_retain
 from doplus_cli.engine import outputs
@@ -82,6 +83,8 @@ class UnlearnPlan(Plan):
                 self.retain_source = authors_retain(config.forget, forget_file, self.task.get("unlearned", []), keys)
             else:
                 self.retain_source = open_source(config.retain, "retain", keys)
+        if config.text_window is not None:  # MUSE's training windows over the joined text rows
+            self.forget_source, self.retain_source = _text_windows(config, self.forget_source, self.retain_source)
         if config.eval_every and config.eval_suite == "tofu":  # a missing file or task stops the run here
             load_tofu_sets(config.eval_split, config.eval_data_dir, config.eval_max_samples, self.task.get("task_id"),
                            get_protocol(config.eval_protocol).max_rows)
@@ -150,6 +153,20 @@ class UnlearnPlan(Plan):
 
     def render_markdown(self, report: dict[str, Any]) -> str:
         return outputs.render_markdown(report)
+
+
+def _text_windows(config: UnlearnConfig, forget: Source, retain: Source | None) -> tuple[Source, Source | None]:
+    """The forget and retain sets with text rows in `--text-window`-token windows (data/muse.py); a set of
+    question/answer rows stays as it is."""
+    from doplus_cli.models import load_tokenizer
+
+    tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+    windowed = [TextWindows(source, tokenizer, config.text_window)
+                if source is not None and getattr(source, "text_rows", 0) else source for source in (forget, retain)]
+    if windowed[0] is forget and windowed[1] is retain:
+        raise UserError("--text-window: neither the forget nor the retain set has text rows (rows with just a "
+                        "'text' field) to cut into windows")
+    return windowed[0], windowed[1]
 
 
 def _check_rows_fit(source: Source, loss: LossSpec) -> None:

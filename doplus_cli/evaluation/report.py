@@ -63,6 +63,11 @@ def render_eval_markdown(record: dict[str, Any]) -> str:
                 set_description(s) for s in section["sets"]), ""]
             lines += _openunlearning_lines(section["openunlearning"])
             continue
+        if suite == "muse":
+            from doplus_cli.evaluation.muse import render_markdown as render_muse
+
+            lines += render_muse(section)
+            continue
         if suite == "wmdp":
             from doplus_cli.evaluation.wmdp import render_markdown as render_wmdp
 

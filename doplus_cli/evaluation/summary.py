@@ -9,6 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from doplus_cli.evaluation.muse import print_section as print_muse_section
 from doplus_cli.evaluation.safety import console_lines
 from doplus_cli.evaluation.suites import INDICATORS
 from doplus_cli.evaluation.wmdp import print_section as print_wmdp_section
@@ -74,4 +75,5 @@ SECTION_PRINTERS: dict[str, Callable[[dict[str, Any], Console], None]] = {
     "xstest": _print_safety_section,
     "safety-overall": _print_safety_section,
     "wmdp": print_wmdp_section,
+    "muse": print_muse_section,
 }
