@@ -467,7 +467,7 @@ def open_resume(resume: str, out: Path, config: dict[str, Any], processes: Proce
     verdict, failure = None, None
     if processes.main:
         try:
-            verdict = ("ok", *_checked_resume(resume, out, config, accept_changed))
+            verdict = ("ok", *_checked_resume(resume, out, config, processes, accept_changed))
         except Exception as error:  # every process ends, not only the main one
             failure, verdict = error, ("error", type(error).__name__, str(error))
     verdict = processes.broadcast(verdict)
@@ -475,17 +475,16 @@ def open_resume(resume: str, out: Path, config: dict[str, Any], processes: Proce
         raise failure
     if verdict[0] == "error":
         raise (DamagedCheckpoint if verdict[1] == DamagedCheckpoint.__name__ else UserError)(verdict[2])
-    path, saved = Path(verdict[1]), verdict[2]
-    check_processes(path, saved, processes)
-    return path, saved
+    return Path(verdict[1]), verdict[2]
 
 
-def _checked_resume(resume: str, out: Path, config: dict[str, Any], accept_changed: str | None
-                    ) -> tuple[str, dict[str, Any]]:
+def _checked_resume(resume: str, out: Path, config: dict[str, Any], processes: Processes,
+                    accept_changed: str | None) -> tuple[str, dict[str, Any]]:
     path, manifest = find_checkpoint(resume, out)
     if manifest is None:
         _say(f"{path}: written without a {MANIFEST}, so its files could not be verified; resuming from it as it is")
     saved = read_state(path)
+    check_processes(path, saved, processes)  # first: another layout also derives other values (warm-up steps)
     keys = differing_keys(saved["config"], config)
     if keys:
         changes = ", ".join(f"{k} ({saved['config'].get(k)!r} -> {config.get(k)!r})" for k in keys)
