@@ -168,9 +168,14 @@ def test_accelerate_fsdp_config_shards_the_run(tiny_llama, data, tmp_path):
     assert report["config"]["fsdp"] is True and report["environment"]["world_size"] == 2
 
 
-def test_sigterm_stops_an_fsdp_run_with_a_checkpoint_and_it_resumes(tiny_llama, data, tmp_path):
+def test_sigterm_stops_an_fsdp_run_with_a_checkpoint_and_it_resumes(tiny_llama, data, tmp_path, capsys):
     """`--num-processes 2`: SIGTERM reaches both workers, they stop after the same step and write their shards;
-    the launching process exits 143 without torchrun's traceback and names the command that resumes."""
+    the launching process exits 143 without torchrun's traceback and names the command that resumes. The same
+    under a plain `accelerate launch` that receives SIGTERM itself (torchrun's agent forwards it to the workers and
+    kills them 30 s later): a checkpoint within that grace, and the resume bit-identical to the uninterrupted
+    run, which both preemptions share. While each trains, a second start on its folder is one line naming the
+    process that holds it (the launcher, or the first worker under `accelerate launch`), and its workers never
+    wait on that lock."""
 
     # Steps to spare after the signal: at 0.05 s a step, a run under the suite's -n 2 load once finished all 24
     # steps of an earlier version of this test before the forwarded signal reached its workers.
@@ -186,6 +191,9 @@ def test_sigterm_stops_an_fsdp_run_with_a_checkpoint_and_it_resumes(tiny_llama, 
     process = subprocess.Popen([sys.executable, "-m", "doplus_cli", *arguments], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_steps(out, 4, process)
+    capsys.readouterr()
+    assert run_cli(*arguments[:-2], "--resume") == 2
+    assert "another doplus run holds this folder (doplus unlearn on host" in capsys.readouterr().err
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
@@ -200,6 +208,28 @@ def test_sigterm_stops_an_fsdp_run_with_a_checkpoint_and_it_resumes(tiny_llama, 
     a, b = weights(whole), weights(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"stopped after {checkpoint.name}"
     assert max_difference(a, load_file(str(tiny_llama / "model.safetensors"))) > 1e-3  # the run moved the weights
+
+    # the preemption reaches `accelerate launch` itself, as from a job scheduler that signals the launcher
+    preempted = tmp_path / "accelerate"
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--main_process_port", "0", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "-m", "doplus_cli", *arguments[:-2]]
+    launch[launch.index("--out") + 1] = str(preempted)
+    process = subprocess.Popen(launch, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_steps(preempted, 4, process)
+    capsys.readouterr()
+    assert run_cli(*arguments[:-2], "--out", preempted) == 2  # the first worker holds the folder
+    held = capsys.readouterr().err
+    assert "another doplus run holds this folder" in held and f"process {process.pid}," not in held, held
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    (checkpoint,) = (preempted / "checkpoints").iterdir()
+    assert (checkpoint / "optimizer.rank1.pt").is_file() and not (preempted / "final").exists(), err[-3000:]
+    assert f"stopped by SIGTERM after step {checkpoint.name.removeprefix('step-')}" in err
+    result = subprocess.run([*launch, "--resume"], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    c = weights(preempted)
+    assert c.keys() == a.keys() and all(torch.equal(a[k], c[k]) for k in a), f"stopped after {checkpoint.name}"
 
 
 def test_fsdp_lora_equals_one_process_and_merges_the_gathered_adapters(tiny_llama, data, tmp_path):
