@@ -6,19 +6,23 @@
 #                                                                 # optimizer states (accelerate_fsdp.yaml)
 #
 # Effective batch: the recipe's batch_size x grad_accum is the effective batch on one process. On
-# NODES x GPUS_PER_NODE processes this script passes --grad-accum so that batch_size x grad_accum x processes
-# stays that number (llama2-7b: 4 x 32 = 128 on 1 GPU; 4 x 2 x 16 = 128 on 2 nodes of 8), and refuses to start
-# when it does not divide evenly. Set EFFECTIVE_BATCH to choose another.
+# NODES x GPUS_PER_NODE processes (GPUS_PER_NODE: SLURM's count for the node, else 8) this script passes
+# --grad-accum so that batch_size x grad_accum x processes stays that number (llama2-7b: 4 x 32 = 128 on 1 GPU;
+# 4 x 2 x 16 = 128 on 2 nodes of 8), and refuses to start (exit code 2) when it does not divide evenly. Set
+# EFFECTIVE_BATCH to choose another.
 #
 # Stopping and requeueing. SLURM's --requeue brings the job back after a preemption or a node failure, not after
 # its time limit (a TIMEOUT job ends for good). So the job asks for SIGUSR1 in the batch shell two minutes before
-# the limit (--signal=B:USR1@120); the trap below sends SIGTERM to the job's steps, every doplus process stops
-# after the same step and writes checkpoints/step-N/ (under FSDP each process its own shards), and the script then
-# requeues its own job with `scontrol requeue`. On preemption SLURM sends SIGTERM to the steps itself and requeues
-# the job (the cluster's PreemptMode must be REQUEUE, and its GraceTime long enough to write a checkpoint). When
-# the job starts again it finds the checkpoint and adds --resume, which continues bit-for-bit where it stopped (a
-# changed configuration or another number of processes is refused, naming what differs). OUT must be on storage
-# every node sees. Adapt the #SBATCH lines to your cluster.
+# the limit (--signal=B:USR1@120); the trap below sends SIGTERM to the job's steps (each node's `accelerate
+# launch`, which hands it to its workers), every doplus process stops after the same step and writes
+# checkpoints/step-N/ (under FSDP each process its own shards), and the script then requeues its own job with
+# `scontrol requeue`. On preemption SLURM sends SIGTERM to the steps itself and requeues the job (the cluster's
+# PreemptMode must be REQUEUE, and its GraceTime long enough to write a checkpoint). When the job starts again and
+# OUT holds the run's config.yaml, the script adds --resume: the run continues bit-for-bit from its newest
+# checkpoint, or starts again from the beginning when it was stopped before its first one (a changed
+# configuration or another number of processes is refused, naming what differs). OUT must be on storage every
+# node sees; the run holds it with a lock, so a requeued job that overlaps a manual start stops in one line.
+# Adapt the #SBATCH lines to your cluster.
 #SBATCH --job-name=doplus-unlearn
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
@@ -33,18 +37,21 @@ set -euo pipefail
 
 RECIPE=${RECIPE:?set RECIPE=recipes/...yaml}
 OUT=${OUT:-runs/${SLURM_JOB_NAME}}
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
 SAVE_EVERY=${SAVE_EVERY:-50}
-MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# the first node; sed reads the whole list (head would close the pipe early: SIGPIPE, fatal under pipefail)
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 MASTER_PORT=${MASTER_PORT:-29500}
 PROCESSES=$((SLURM_NNODES * GPUS_PER_NODE))
 
 # --grad-accum that keeps the recipe's effective batch on $PROCESSES processes
-read -r BATCH ACCUM < <(python -c "import sys; from doplus_cli.config import resolve_config; \
+RECIPE_BATCH=$(python -c "import sys; from doplus_cli.config import resolve_config; \
 c = resolve_config(sys.argv[1], {}); print(c.batch_size, c.grad_accum)" "$RECIPE")
+read -r BATCH ACCUM <<< "$RECIPE_BATCH"
 EFFECTIVE_BATCH=${EFFECTIVE_BATCH:-$((BATCH * ACCUM))}
 if [ $((EFFECTIVE_BATCH % (BATCH * PROCESSES))) -ne 0 ]; then
-    echo "effective batch $EFFECTIVE_BATCH is not a multiple of batch_size $BATCH x $PROCESSES processes" >&2
+    echo "effective batch $EFFECTIVE_BATCH is not a multiple of batch_size $BATCH x $PROCESSES processes" \
+         "($SLURM_NNODES nodes x $GPUS_PER_NODE GPUs); set EFFECTIVE_BATCH, or change the node or GPU count" >&2
     exit 2
 fi
 GRAD_ACCUM=$((EFFECTIVE_BATCH / (BATCH * PROCESSES)))
@@ -57,7 +64,7 @@ fi
 if [ "$SAVE_EVERY" != "0" ]; then
     EXTRA="$EXTRA --save-every $SAVE_EVERY --keep-last 2"
 fi
-if compgen -G "$OUT/checkpoints/step-*" > /dev/null; then
+if [ -f "$OUT/config.yaml" ]; then  # a run started here: from its newest checkpoint, or again from the start
     EXTRA="$EXTRA --resume"
 fi
 
