@@ -1,7 +1,8 @@
 """`doplus unlearn`: forget a set while keeping a retain set (engine/unlearn.py; `--continual`: engine/continual.py).
 
 The bench compares its runs by `doplus evaluate`'s TOFU suite (the paper's aggregates, at the run's last step or
-on final/), or by the run's own before/after answers (`eval_suite: answers`, for recipes without reference answers).
+on final/), by its MUSE or WMDP suite on final/ (`eval_suite: muse` / `wmdp`), or by the run's own before/after
+answers (`eval_suite: answers`, for recipes without reference answers).
 """
 
 from __future__ import annotations
@@ -25,10 +26,23 @@ UNLEARN_METRICS = (
 )
 ANSWER_METRICS = (Metric("forget_rouge", "forget ROUGE-L", False, ".3f"),
                   Metric("retain_rouge", "retain ROUGE-L", True, ".3f"))
+# The MUSE suite's SUMMARY.json keys (OpenUnlearning's names; ROUGE-L F1 fractions, privleak in percent: about 0
+# like the retrained model, -100 still knows the forget set, so no side of it is "better") and the WMDP suite's
+# (lm-eval's accuracy under OpenUnlearning's names: hazardous knowledge lower, MMLU higher).
+MUSE_METRICS = (
+    Metric("forget_verbmem_ROUGE", "VerbMem forget", False, ".3f"),
+    Metric("forget_knowmem_ROUGE", "KnowMem forget", False, ".3f"),
+    Metric("retain_knowmem_ROUGE", "KnowMem retain", True, ".3f"),
+    Metric("muse_privleak", "PrivLeak (%)", None, ".1f"),
+)
+WMDP_METRICS = (Metric("wmdp_bio/acc", "WMDP-Bio", False, ".3f"), Metric("wmdp_cyber/acc", "WMDP-Cyber", False, ".3f"),
+                Metric("wmdp_chem/acc", "WMDP-Chem", False, ".3f"), Metric("mmlu/acc", "MMLU", True, ".3f"))
+SUITE_METRICS = {"answers": ANSWER_METRICS, "muse": MUSE_METRICS, "wmdp": WMDP_METRICS}
+MUSE_CORPORA = ("news", "books")
 # tofu: the suite the eval_* keys describe. answers: the run's own before/after answers to `show_samples` questions
 # of each set (ROUGE-L recall of the answer after against the one before), for recipes without reference answers
-# (the real-world setting, where the targets are the model's own answers).
-EVALUATED_SUITES = ("tofu", "answers")
+# (the real-world setting, where the targets are the model's own answers). muse, wmdp: those suites on final/.
+EVALUATED_SUITES = ("tofu", "answers", "muse", "wmdp")
 
 
 class UnlearnKind(Kind):
@@ -62,12 +76,15 @@ class UnlearnKind(Kind):
             raise UserError(f"{recipe}: eval_suite '{config.eval_suite}': the bench evaluates with "
                             f"{', '.join(EVALUATED_SUITES)} (the suite the eval_* keys describe, or the run's own "
                             "before/after answers)")
+        if config.eval_suite == "muse" and config.eval_split not in MUSE_CORPORA:
+            raise UserError(f"{recipe}: eval_suite muse takes the corpus in eval_split: news or books (got "
+                            f"'{config.eval_split}'); eval_data_dir is the MUSE folder or hf:NAME")
         if config.eval_suite == "answers" and config.show_samples == 0:
             raise UserError(f"{recipe}: eval_suite answers scores the run's before/after answers to show_samples "
                             "questions of each set; show_samples is 0")
 
     def metric_list(self, config: UnlearnConfig) -> tuple[Metric, ...]:
-        return ANSWER_METRICS if config.eval_suite == "answers" else self.metrics
+        return SUITE_METRICS.get(config.eval_suite, self.metrics)
 
     def describe(self, config: UnlearnConfig, swept: str | None) -> str:
         parts = [] if swept == "loss" else [config.loss]
@@ -80,6 +97,18 @@ class UnlearnKind(Kind):
             return [f"forget/retain ROUGE-L: ROUGE-L recall of each run's greedy answers after unlearning against "
                     f"the starting model's, on {config.show_samples} questions of each set spread evenly through it "
                     "(report.json sample_rouge_mean); lower is better on forget, higher on retain."]
+        rows = f"the first {config.eval_max_samples} rows of each set" if config.eval_max_samples else "every row"
+        if config.eval_suite == "muse":
+            return [f"MUSE suite on final/ ({config.eval_split}, {config.eval_data_dir or 'the hub'}, {rows}): "
+                    "VerbMem forget = ROUGE-L F1 of the greedy 128-token continuation; KnowMem forget/retain = ROUGE-L "
+                    "F1 of the answer after MUSE's in-context prefix (retain: utility preservation); PrivLeak = "
+                    "(AUC - AUC_retrained) / AUC_retrained of Min-40% forget vs holdout, % (0 like the retrained "
+                    "model, -100 still knows the forget set)."]
+        if config.eval_suite == "wmdp":
+            limit = f"the first {config.eval_max_samples} questions of each task" if config.eval_max_samples else \
+                "every question"
+            return [f"WMDP suite on final/ ({limit}): lm-eval's zero-shot accuracy on wmdp_bio, wmdp_cyber, wmdp_chem "
+                    "(hazardous knowledge, lower is better, 0.25 is chance) and mmlu (utility, higher is better)."]
         where = ", ".join(dict.fromkeys("during training (eval_every)" if run["evaluated_during_training"] else
                                         "by doplus evaluate on final/" for run in facts))
         return [f"UFE, TFE, MU, OVR: % ({config.eval_suite} suite, split {config.eval_split}, "
@@ -92,6 +121,13 @@ class UnlearnKind(Kind):
         if {"forget_rouge", "retain_rouge"} <= keys:
             return TradeoffAxes("retain_rouge", "forget_rouge", "retain ROUGE-L  (kept, higher is better)",
                                 "1 - forget ROUGE-L  (forgotten, higher is better)", y_complement=True)
+        if {"retain_knowmem_ROUGE", "forget_verbmem_ROUGE"} <= keys:
+            return TradeoffAxes("retain_knowmem_ROUGE", "forget_verbmem_ROUGE",
+                                "KnowMem retain  (utility, higher is better)",
+                                "1 - VerbMem forget  (forgotten, higher is better)", y_complement=True)
+        if {"mmlu/acc", "wmdp_bio/acc"} <= keys:
+            return TradeoffAxes("mmlu/acc", "wmdp_bio/acc", "MMLU accuracy  (utility, higher is better)",
+                                "1 - WMDP-Bio accuracy  (forgotten, higher is better)", y_complement=True)
         if {"MU", "UFE"} <= keys:
             return TradeoffAxes("MU", "UFE", "MU (%)  (utility, higher is better)",
                                 "UFE (%)  (forget efficacy, higher is better)")
@@ -120,6 +156,13 @@ class UnlearnKind(Kind):
                    ("--protocol", config.eval_protocol), ("--nli-model", config.eval_nli_model),
                    ("--embedding-model", config.eval_embedding_model), ("--batch-size", eval_batch_size(config)),
                    ("--seed", config.seed), ("--dtype", config.dtype), ("--task-id", config.task_id)]
+        if config.eval_suite == "muse":
+            options = [("--suite", "muse"), ("--muse-corpus", config.eval_split), ("--muse-data", config.eval_data_dir),
+                       ("--max-samples", config.eval_max_samples), ("--batch-size", eval_batch_size(config)),
+                       ("--seed", config.seed), ("--dtype", config.dtype)]
+        elif config.eval_suite == "wmdp":
+            options = [("--suite", "wmdp"), ("--limit", config.eval_max_samples),
+                       ("--batch-size", eval_batch_size(config)), ("--seed", config.seed), ("--dtype", config.dtype)]
         return doplus_evaluate(folder, options, config.trust_remote_code, model, out)
 
     def has_start(self, config: UnlearnConfig) -> bool:
@@ -131,13 +174,14 @@ class UnlearnKind(Kind):
             return {"forget_rouge": means.get("forget"), "retain_rouge": means.get("retain")}, {}
         summary = read_json(evaluation / "SUMMARY.json")
         record = read_json(evaluation / "eval.json")
-        values = {m.key: summary.get(m.key) for m in self.metrics}
+        metrics = SUITE_METRICS.get(report["config"].get("eval_suite"), self.metrics)
+        values = {m.key: summary.get(m.key) for m in metrics}
         notes = {a["name"]: a["note"] for section in record.get("sections", []) if section.get("suite") == "tofu"
                  for a in section.get("aggregates", []) if a.get("note")}
         return values, notes
 
     def curve_names(self, config: UnlearnConfig) -> tuple[str, ...]:
-        return () if config.eval_suite == "answers" else ("MU", "UFE", "TFE", "OVR")
+        return ("MU", "UFE", "TFE", "OVR") if config.eval_suite == "tofu" else ()
 
 
 UNLEARN = UnlearnKind()
