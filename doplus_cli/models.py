@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from doplus_cli.errors import UserError
+from doplus_cli.hub_errors import hub_error
 
 log = logging.getLogger(__name__)
 
@@ -159,12 +160,14 @@ def judge_files_only() -> bool:
     return hub_offline() or not hub_reachable()
 
 
-def _hub_error(spec: str, error: Exception) -> UserError:
-    why = "HF_HUB_OFFLINE is set" if hub_offline() else "the hub could not be reached"
-    return UserError(
-        f"{spec}: not a local path and not in the Hugging Face cache ({why}); download it where you have "
-        f"access (`hf download {spec} --local-dir DIR`) and pass --model DIR [{type(error).__name__}]"
-    )
+def _hub_error(spec: str, error: Exception) -> UserError | None:
+    """The one line for a hub id that did not load (None: the hub answered and the files are not a model's)."""
+    return hub_error(spec, error, f"or download it where you have access (`hf download {spec} --local-dir DIR`) "
+                                  "and pass --model DIR")
+
+
+def _from_hub(spec: str | None, source: str) -> bool:
+    return spec is not None and source == spec and not os.path.isdir(os.path.expanduser(spec))
 
 
 def load_tokenizer(spec: str | None, trust_remote_code: bool = False):
@@ -175,8 +178,8 @@ def load_tokenizer(spec: str | None, trust_remote_code: bool = False):
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
-        if source == spec and not os.path.isdir(os.path.expanduser(spec)):
-            raise _hub_error(spec, error) from error
+        if _from_hub(spec, source) and (failure := _hub_error(source, error)) is not None:
+            raise failure from error
         raise UserError(f"{spec}: cannot load a tokenizer from it ({error})".splitlines()[0]) from error
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
@@ -199,6 +202,8 @@ def load_model_8bit(spec: str | None, dtype: str, trust_remote_code: bool, devic
             quantization_config=BitsAndBytesConfig(load_in_8bit=True), device_map={"": str(device)},
         )
     except (OSError, ValueError, ImportError) as error:
+        if _from_hub(spec, source) and (failure := _hub_error(source, error)) is not None:
+            raise failure from error
         raise UserError(f"{description}: cannot load the 8-bit reference model ({error})".splitlines()[0]) from error
     return model.eval().requires_grad_(False)
 
@@ -214,8 +219,8 @@ def load_model_and_tokenizer(spec: str | None, dtype: str = "auto", trust_remote
             source, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code
         )
     except (OSError, ValueError) as error:
-        if spec is not None and source == spec and not os.path.isdir(os.path.expanduser(spec)):
-            raise _hub_error(spec, error) from error
+        if _from_hub(spec, source) and (failure := _hub_error(source, error)) is not None:
+            raise failure from error
         raise UserError(f"{description}: cannot load a causal LM from it ({error})".splitlines()[0]) from error
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id

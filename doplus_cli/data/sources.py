@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from doplus_cli.errors import UserError
+from doplus_cli.hub_errors import dataset_error
 
 
 @dataclass(frozen=True)
@@ -271,13 +272,12 @@ class HubSource:
         try:
             self._data = datasets.load_dataset(name, config, split=split)
         except Exception as error:  # datasets raises many types for "not reachable" / "no such config"
-            from doplus_cli.models import hub_offline  # models imports torch; reading a local file does not need it
-
-            why = "offline mode is set" if hub_offline("HF_DATASETS_OFFLINE") else str(error).splitlines()[0][:200]
-            raise UserError(
-                f"{spec}: cannot load the hub dataset ({why}); export it to JSON lines where the hub is "
-                "reachable and pass the file instead"
-            ) from error
+            instead = "or export it to JSON lines where the hub is reachable and pass the file instead"
+            failure = dataset_error(spec, name, error, instead)
+            if failure is not None:
+                raise failure from failure.__cause__  # what the hub answered, itself chained to `error`
+            raise UserError(f"{spec}: cannot load the hub dataset ({str(error).splitlines()[0][:200]}); "
+                            f"{instead[3:]}") from error
         columns = set(self._data.column_names)
         if keys.question not in columns and (keys.text not in columns or not keys.text_rows):
             raise UserError(f"{spec}: missing field '{keys.question}' (columns: {', '.join(sorted(columns))})")
