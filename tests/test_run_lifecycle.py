@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from doplus_cli import lifecycle
 from doplus_cli.engine import loop, unlearn
+from doplus_cli.errors import UserError
 from doplus_cli.evaluation import runner
 from tests.helpers import run_cli, write_sets
 
@@ -180,3 +181,47 @@ def test_an_interrupted_evaluation_resumes_the_suites_it_had_not_finished(tiny_l
     assert (out / "REAL_WORLD_EVAL.json").read_text() == (whole / "REAL_WORLD_EVAL.json").read_text()
     assert not (out / runner.FINISHED_SUITES).exists() and (out / "report.md").is_file()
     assert evaluate(out, "--resume") == 2  # finished: nothing to resume
+
+
+def test_workers_leave_the_lock_to_their_launcher_and_a_file_system_without_locks_is_one_line(tmp_path,
+                                                                                              monkeypatch):
+    import errno
+    import fcntl
+
+    def held(folder) -> bool:
+        return (folder / lifecycle.HOLDER_NAME).is_file()
+
+    launcher, worker = tmp_path / "launched", tmp_path / "worker"
+    with monkeypatch.context() as patch:  # a worker of `--num-processes`: its launcher (another process) holds it
+        patch.setenv(lifecycle.HELD_VARIABLE, f"{os.path.realpath(launcher)}={os.getppid()}")
+        with lifecycle.run_guard():
+            lifecycle.hold(launcher, "doplus unlearn")
+            assert not held(launcher)
+            lifecycle.hold(tmp_path / "other", "doplus unlearn")  # another folder: held by this process
+            assert held(tmp_path / "other")
+        assert os.environ[lifecycle.HELD_VARIABLE] == f"{os.path.realpath(launcher)}={os.getppid()}"
+    with monkeypatch.context() as patch:  # a worker of `accelerate launch` other than the first
+        patch.setenv("RANK", "1")
+        with lifecycle.run_guard():
+            lifecycle.hold(worker, "doplus unlearn")
+            assert not held(worker)
+    with lifecycle.run_guard():  # the first process
+        lifecycle.hold(worker, "doplus unlearn")
+        assert json.loads((worker / lifecycle.HOLDER_NAME).read_text())["pid"] == os.getpid()
+        assert os.environ[lifecycle.HELD_VARIABLE] == f"{os.path.realpath(worker)}={os.getpid()}"
+    assert not held(worker) and lifecycle.HELD_VARIABLE not in os.environ
+
+    def no_flock(fd, operation):  # Lustre mounted without -o flock
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(fcntl, "flock", no_flock)
+        with pytest.raises(UserError, match=r"\.doplus\.lock: cannot lock the folder \(Function not "
+                                                      r"implemented\); on Lustre mount with -o flock, or set "
+                                                      r"DOPLUS_FOLDER_LOCK=off"):
+            with lifecycle.run_guard():
+                lifecycle.hold(tmp_path / "lustre", "doplus unlearn")
+        patch.setenv(lifecycle.LOCK_SWITCH, "off")
+        with lifecycle.run_guard():
+            lifecycle.hold(tmp_path / "lustre", "doplus unlearn")  # off: no lock taken, none refused
+            assert not held(tmp_path / "lustre")
