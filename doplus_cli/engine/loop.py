@@ -279,8 +279,8 @@ def setup(config: TrainConfig, plan: Plan, console: Console) -> Iterator[Run]:
 def train(run: Run, config: TrainConfig, plan: Plan, console: Console, stop: StopRequest) -> None:
     """Steps `run.start_step` to `config.steps`: pick the step's objective, backward its loss over `grad_accum`
     micro-batches, clip, `optimizer.step(objective=...)`, log; evaluate and checkpoint every N steps; SIGTERM or
-    Ctrl-C ends the run after the current step, the last one included, with a checkpoint. `stop` is installed
-    here and restored by the caller, which keeps it through the evaluation after training and the final save."""
+    Ctrl-C ends the run after the current step, the last one included, with a checkpoint. `stop`: the
+    command's handler (`lifecycle.run_guard`), which the caller keeps deferred from here to the report."""
     cycle = frequencies(run.objectives)
     log = StepLog(run, plan.activity, config.steps, console)
     weights = [p for _, p in checkpoint.trainable_weights(run.accelerator.unwrap_model(run.model))]
