@@ -195,6 +195,9 @@ def _copy(source: Path, target: Path, root: Path, overwrite: bool, result: CopyR
             _copy(file, placed, root, overwrite, result, seen)
         elif file.is_file():
             _write_file(file, placed, overwrite, result)
+        elif file.is_dir():  # a data folder (eval_data_dir: mini-MUSE's layout), with everything in it
+            for inner in sorted(path for path in file.rglob("*") if path.is_file()):
+                _write_file(inner, placed / inner.relative_to(file), overwrite, result)
     for path, keys in missing.items():
         result.missing.append(_missing_line(path, keys, label, target, main=target == result.recipe))
     if target != result.recipe and target.exists() and not overwrite:

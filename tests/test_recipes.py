@@ -36,9 +36,10 @@ def test_the_paper_settings_are_shipped():
 @pytest.mark.parametrize("shipped", RECIPES, ids=lambda p: str(p.relative_to(p.parents[1])))
 def test_recipe_resolves(shipped, tmp_path):
     path = recipe_beside_shared_data(_name(shipped), tmp_path)  # as a user runs it: copied, the data beside it
-    if path.name.endswith("_teach.yaml"):  # a teaching stage: one joint fine-tuning on two TOFU slices
+    if path.name.endswith("_teach.yaml"):  # a teaching stage: one joint fine-tuning on two TOFU or mini-MUSE slices
         config = resolve_config(str(path), {}, MultitaskConfig)
-        assert [t["name"] for t in config.tasks] == ["forget_authors", "retain_authors"]
+        assert [t["name"] for t in config.tasks] in (["forget_authors", "retain_authors"],
+                                                     ["forget_news", "retain_news"])
         assert all(Path(t["data"].partition("[")[0]).is_file() for t in config.tasks)
         return
     if "align" in shipped.parts:
@@ -80,8 +81,11 @@ def test_recipe_resolves(shipped, tmp_path):
             shipped.parent.name]
         assert config.forget_coeff == (0.1 if config.loss == "ME+GD" else 1.0)
     if "bench" in shipped.parts:  # `doplus bench schemes` needs an evaluation suite
-        assert config.eval_suite in ("tofu", "answers") and Path(config.forget.partition("[")[0]).is_file()
-        if config.eval_suite == "tofu":
+        assert config.eval_suite in ("tofu", "answers", "muse") and Path(config.forget.partition("[")[0]).is_file()
+        if config.eval_suite == "muse":  # mini-MUSE, copied with the recipe: the teaching stage and the MUSE folder
+            assert Path(config.teach).is_file() and (Path(config.eval_data_dir) / "verbmem" / "forget.jsonl").is_file()
+            assert config.eval_split == "news" and config.text_window == config.max_length
+        elif config.eval_suite == "tofu":
             assert Path(config.teach).is_file() and Path(config.eval_data_dir).is_dir()
         else:
             assert config.answers_from_model and config.show_samples > 0
@@ -89,6 +93,13 @@ def test_recipe_resolves(shipped, tmp_path):
         assert config.model == "meta-llama/Meta-Llama-3-8B-Instruct" and config.lr == 5e-6
         assert config.batch_size * config.grad_accum == 128 and config.answers_from_model
         assert Path(config.forget).is_file() and Path(config.retain).is_file()
+    if "wmdp" in shipped.parts:  # the WMDP authors' zephyr RMU run (rmu/unlearn.py, run_rmu_zephyr.ipynb)
+        assert config.model == "HuggingFaceH4/zephyr-7b-beta" and config.loss == "RMU+EMBED"
+        assert (config.rmu_layer, config.rmu_update_layers, config.rmu_coeff, config.retain_coeff) == (7, "5,6,7", 6.5,
+                                                                                                      1200.0)
+        assert (config.lr, config.batch_size, config.max_length, config.seed) == (5e-5, 4, 512, 42)
+        assert config.steps == {"joint": 150}.get(config.scheme, 300) and config.eval_suite == "wmdp"
+        assert "shared" not in config.forget and config.forget.endswith("data/wmdp/forget.jsonl")
     if path.name == "quickstart.yaml":
         assert config.model is None and config.answers_from_model  # the embedded model, its own answers
         assert Path(config.forget).is_file() and Path(config.retain).is_file()
