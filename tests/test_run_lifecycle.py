@@ -19,10 +19,10 @@ import torch
 from safetensors.torch import load_file
 
 from doplus_cli import lifecycle
-from doplus_cli.engine import loop, unlearn
+from doplus_cli.engine import align, loop, multitask, unlearn
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation import runner
-from tests.helpers import run_cli, write_sets
+from tests.helpers import align_args, run_cli, write_jsonl, write_sets
 
 HOLD = """
 import sys, time
@@ -93,6 +93,34 @@ def test_sigterm_before_training_stops_at_once_and_resume_is_bit_identical(tiny_
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert records(out) == records(uninterrupted)
     assert (out / "data" / "forget.jsonl").read_text() == (uninterrupted / "data" / "forget.jsonl").read_text()
+
+
+@pytest.mark.parametrize("command", ["align", "multitask"])
+def test_align_and_multitask_stopped_before_training_resume_bit_identically(tiny_llama, tmp_path, monkeypatch,
+                                                                            capsys, command):
+    """The same for the other training commands: SIGTERM while each measures its starting model."""
+    rows = [{"prompt": f"What is {a} plus {a}?", "answer": str(2 * a)} for a in range(10)]
+    task = write_jsonl(tmp_path / "sums.jsonl", rows)
+    plan = {"align": align.AlignPlan, "multitask": multitask.MultitaskPlan}[command]
+
+    def arguments(out, *extra):
+        if command == "align":
+            return align_args(tiny_llama, out, "--steps", 3, *extra)
+        return ["multitask", "--model", tiny_llama, "--task", f"sums={task},metric=exact", "--steps", 3, "--lr",
+                1e-3, "--batch-size", 2, "--max-length", 48, "--max-new-tokens", 4, "--eval-rows", 2, "--out", out,
+                *extra]
+
+    whole, out = tmp_path / "whole", tmp_path / "stopped"
+    assert run_cli(*arguments(whole)) == 0
+    with monkeypatch.context() as patch:
+        patch.setattr(plan, "before", sigterm_first(plan.before))
+        capsys.readouterr()
+        assert run_cli(*arguments(out)) == 128 + signal.SIGTERM
+    assert "error: stopped by SIGTERM while evaluating before training" in capsys.readouterr().err
+    assert run_cli(*arguments(out, "--resume")) == 0
+    a, b = (load_file(str(folder / "final" / "model.safetensors")) for folder in (whole, out))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert records(out) == records(whole)
 
 
 def test_resume_without_a_checkpoint_refuses_another_configuration_and_a_finished_run(tiny_llama, data, uninterrupted,
