@@ -189,12 +189,14 @@ def _seconds(name: str) -> str:
 
 def hub_line(spec: str, diagnosis: Diagnosis, then: str = "", repo: str | None = None, dataset: bool = False) -> str:
     """The one line for `spec` (what the user wrote: a hub id, `hf:NAME:CONFIG`) that failed as `diagnosis` says.
-    `repo`: the repository's id (default: `spec`); `dataset`: a dataset repository; `then`: what the user can do
-    instead where the hub cannot help (offline, unreachable, too slow); default: download it elsewhere."""
+    `repo`: the repository's id (default: `spec`; "": not known); `dataset`: a dataset repository; `then`: what
+    the user can do instead where the hub cannot help (offline, unreachable, too slow); default: download it
+    elsewhere."""
     kind, status, where = diagnosis.kind, diagnosis.status, endpoint()
-    repo = repo or spec
-    page = f"{where}/datasets/{repo}" if dataset else f"{where}/{repo}"
-    download = f"`hf download {repo} --repo-type dataset`" if dataset else f"`hf download {repo}`"
+    repo = spec if repo is None else repo
+    page = (f"{where}/datasets/{repo}" if dataset else f"{where}/{repo}") if repo else "its page on the hub"
+    flags = " --repo-type dataset" if dataset else ""
+    download = f"`hf download {repo or 'ID'}{flags}`"
     code = f" ({status})" if status else ""
     tail = f"; {then or f'or download it where the hub is reachable ({download})'}"
     if kind == OFFLINE:

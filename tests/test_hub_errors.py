@@ -238,3 +238,46 @@ def test_the_hubs_answers_win_over_what_wraps_them(monkeypatch):
     assert diagnose(dns) == hub_errors.Diagnosis(hub_errors.UNREACHABLE, None, "Name or service not known")
     # nothing from fetching: the caller's own message fits
     assert diagnose(ValueError("Unrecognized configuration class")) is None
+
+
+@pytest.mark.parametrize("case", [hub_errors.GATED, hub_errors.SERVER])
+def test_a_judge_model_that_does_not_load_says_why(case, monkeypatch, hub_server):
+    """An NLI judge is left out with the reason (the run goes on); a guard model is a one-line error."""
+    from doplus_cli.evaluation.judges import load_nli
+    from doplus_cli.evaluation.safety_judges import load_guard
+
+    spec, endpoint, line, original = arrange(case, monkeypatch, hub_server)
+    monkeypatch.setattr(models, "_REACHABLE", {})  # the judges' DNS probe: 127.0.0.1 resolves
+    judge, reason = load_nli(spec)
+    assert judge is None and reason.startswith(f"no NLI model: '{spec}' could not be loaded ({line}")
+    with pytest.raises(UserError) as raised:
+        load_guard(spec, "cpu")
+    assert str(raised.value).startswith(f"guard model '{spec}' could not be loaded ({line}")
+    assert original in " ".join(str(e) for e in error_chain(raised.value)[1:])
+
+
+def test_tofu_from_the_hub_says_the_hub_cannot_be_reached(monkeypatch, hub_server):
+    from doplus_cli.evaluation.suites import load_tofu_sets
+
+    spec, endpoint, line, original = arrange(hub_errors.UNREACHABLE, monkeypatch, hub_server, dataset=True)
+    with pytest.raises(HubError) as raised:
+        load_tofu_sets("forget01", None, max_samples=2)
+    message = str(raised.value)
+    assert message.startswith("hf:locuslab/TOFU:forget01_perturbed: ") and line in message
+    assert "or pass --data-dir with the TOFU JSON-lines files" in message
+
+
+def test_an_lm_eval_tasks_dataset_refused_by_the_hub_is_one_line(monkeypatch, hub_server, tmp_path):
+    """datasets raises the hub's 401 as it comes (it used to end in a traceback here)."""
+    from lm_eval.tasks import TaskManager
+
+    from doplus_cli.evaluation.lm_eval_suite import load_tasks
+
+    spec, endpoint, line, original = arrange(hub_errors.UNAUTHORISED + "-401", monkeypatch, hub_server)
+    (tmp_path / "refused.yaml").write_text(
+        f"task: refused_task\ndataset_path: {spec}\ntest_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: question\ndoc_to_choice: choices\ndoc_to_target: label\n")
+    with pytest.raises(HubError) as raised:
+        load_tasks(TaskManager(include_path=str(tmp_path), include_defaults=False), ["refused_task"])
+    assert str(raised.value).startswith(f"lm-eval task 'refused_task': its dataset: {line}")
+    assert "its page on the hub" in str(raised.value)

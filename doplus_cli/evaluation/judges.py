@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from doplus_cli.hub_errors import diagnose, hub_line
 from doplus_cli.models import hub_offline, judge_files_only, looks_like_path
 
 DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
@@ -116,7 +117,10 @@ def why_not_loaded(name: str, error: Exception) -> str:
         return "offline: not in the local cache"
     if judge_files_only():
         return "the hub's host does not resolve (no network): not in the local cache"
-    return f"not on the hub or the hub could not be reached: {type(error).__name__}"
+    diagnosis = diagnose(error)
+    if diagnosis is None:  # the hub answered, and what it gave is not this kind of model
+        return " ".join(str(error).split())[:200] or type(error).__name__
+    return hub_line(name, diagnosis, "or pass a local folder")[len(name) + 2:]
 
 
 def quiet_loading() -> None:

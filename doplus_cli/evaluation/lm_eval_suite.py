@@ -23,6 +23,7 @@ from typing import Any
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.suite_api import Suite, SuiteContext, SuiteResult
 from doplus_cli.files import write_json
+from doplus_cli.hub_errors import TIMEOUT, diagnose, hub_error
 
 DEFAULT_TASKS = ("arc_challenge", "mmlu", "truthfulqa_mc2", "triviaqa", "gsm8k")
 
@@ -223,15 +224,30 @@ def load_tasks(task_manager: Any, tasks: Sequence[str]) -> list[Any]:
             loaded = task_manager.load([name])
         except KeyError as error:
             raise _unknown_task(name, known) from error
-        except offline_errors as error:
-            raise DatasetUnreachable(
-                f"lm-eval task '{name}': its dataset cannot be downloaded, the Hugging Face hub is unreachable or "
-                f"offline mode is on, so it must already be in the local HF datasets cache ({_one_line(error)})", name
-            ) from error
-        except missing_errors as error:
-            raise UserError(f"lm-eval task '{name}': its dataset was not found ({_one_line(error)})") from error
+        except Exception as error:
+            failure = _dataset_failure(name, error, offline_errors, missing_errors)
+            if failure is None:
+                raise
+            raise failure from error
         built += _top_level(loaded, name)
     return built
+
+
+def _dataset_failure(name: str, error: Exception, offline_errors: tuple[type[BaseException], ...],
+                     missing_errors: tuple[type[BaseException], ...]) -> UserError | None:
+    """The one line for task `name` whose dataset did not load: what the hub answered (gated, refused, a server
+    error) or that it did not answer in time; else unreachable or offline, or not found; None: not a fetch."""
+    diagnosis = diagnose(error, "HF_DATASETS_OFFLINE")
+    if diagnosis is not None and (diagnosis.status is not None or diagnosis.kind == TIMEOUT):
+        return hub_error(f"lm-eval task '{name}': its dataset", error, repo="", dataset=True, diagnosis=diagnosis)
+    if isinstance(error, offline_errors):
+        return DatasetUnreachable(
+            f"lm-eval task '{name}': its dataset cannot be downloaded, the Hugging Face hub is unreachable or "
+            f"offline mode is on, so it must already be in the local HF datasets cache ({_one_line(error)})", name
+        )
+    if isinstance(error, missing_errors):
+        return UserError(f"lm-eval task '{name}': its dataset was not found ({_one_line(error)})")
+    return None
 
 
 def _item_name(item: Any) -> str:

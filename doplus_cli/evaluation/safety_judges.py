@@ -131,7 +131,7 @@ def load_chat_model(name: str, device: str, dtype: str, what: str, needs: str):
     except UserError:
         raise
     except Exception as error:
-        raise UserError(f"{what} '{name}' could not be loaded ({why_not_loaded(name, error)})") from None
+        raise UserError(f"{what} '{name}' could not be loaded ({why_not_loaded(name, error)})") from error
     return model.to(device), tokenizer
 
 

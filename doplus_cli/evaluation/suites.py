@@ -26,6 +26,7 @@ from doplus_cli.evaluation.scoring import shared_prefix_nlls
 from doplus_cli.evaluation.suite_api import EvalConfig, Suite, SuiteContext, SuiteResult
 from doplus_cli.files import write_json
 from doplus_cli.generation import greedy_generate
+from doplus_cli.hub_errors import dataset_error
 
 INDICATORS = ("rouge", "probability", "truth_ratio", "token_entropy", "cosine_similarity", "entailment")
 
@@ -185,6 +186,9 @@ def _hub_rows(config: str, need_paraphrase: bool, max_samples: int | None) -> tu
     try:
         data = datasets.load_dataset("locuslab/TOFU", config, split="train")
     except Exception as error:
+        failure = dataset_error(spec, "locuslab/TOFU", error, "or pass --data-dir with the TOFU JSON-lines files")
+        if failure is not None:
+            raise failure from failure.__cause__  # what the hub answered, itself chained to `error`
         raise UserError(f"{spec}: cannot load the hub dataset ({str(error).splitlines()[0][:160]}); pass "
                         "--data-dir with the TOFU JSON-lines files instead") from error
     rows = data if max_samples is None else data.select(range(min(max_samples, len(data))))
