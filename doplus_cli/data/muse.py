@@ -15,6 +15,7 @@ from pathlib import Path
 
 from doplus_cli.data.sources import Row, Source, read_json_lines
 from doplus_cli.errors import UserError
+from doplus_cli.hub_errors import dataset_error
 
 # The hub repositories of MUSE's two corpora.
 MUSE_HUB = {"news": "hf:muse-bench/MUSE-News", "books": "hf:muse-bench/MUSE-Books"}
@@ -84,6 +85,9 @@ def _hub_rows(name: str, config: str, split: str, fields: Sequence[str],
     try:
         table = datasets.load_dataset(name, config, split=split)
     except Exception as error:  # datasets raises many types for "not reachable" / "no such config or split"
+        instead = "or make a local MUSE folder where the hub is reachable (docs/evaluation.md), --muse-data FOLDER"
+        if (failure := dataset_error(spec, name, error, instead)) is not None:
+            raise failure from failure.__cause__  # what the hub answered, itself chained to `error`
         why = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
         raise UserError(f"{spec}: cannot load the hub dataset ({why}); make a local MUSE folder where the hub is "
                         "reachable (docs/evaluation.md) and pass --muse-data FOLDER") from error
