@@ -87,7 +87,7 @@ def _download(url: str, name: str, option: str = "--safety-data-dir") -> Path:
         with urllib.request.urlopen(url, timeout=30) as reply:
             data = reply.read()
     except OSError as error:
-        raise UserError(f"{url}: cannot download ({error}); {hint}") from None
+        raise UserError(f"{url}: cannot download ({error}); {hint}") from error  # --debug: the whole error
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_bytes(data)
