@@ -310,6 +310,7 @@ def test_unlearn_trains_on_muse_text_windows(tiny_llama, tmp_path, loss):
     ("missing_field", "verbmem/forget.jsonl:2: missing field 'gt'"),
     ("not_a_folder", "--muse-data is neither a folder nor hf:NAME"),
     ("corpus", "unknown --muse-corpus 'poems'"),
+    ("offline", "hf:muse-bench/MUSE-Books:verbmem@forget: not in the local Hugging Face cache, and offline mode"),
     ("window", "--text-window must be between 2 and --max-length (32), got 64"),
 ])
 def test_bad_muse_input_is_one_line_with_exit_code_2(tiny_llama, tmp_path, capsys, case, needle):
@@ -321,6 +322,8 @@ def test_bad_muse_input_is_one_line_with_exit_code_2(tiny_llama, tmp_path, capsy
         write_jsonl(folder / "verbmem" / "forget.jsonl", [{"prompt": "a", "gt": "b"}, {"prompt": "c"}])
     elif case == "not_a_folder":
         args[args.index(folder)] = tmp_path / "nowhere"
+    elif case == "offline":  # the default data is the corpus's hub repository, not reachable offline
+        args = args[:args.index("--muse-data")] + args[args.index("--muse-data") + 2:] + ["--muse-corpus", "books"]
     elif case == "corpus":
         args += ["--muse-corpus", "poems"]
     elif case == "window":
