@@ -170,6 +170,43 @@ def test_a_second_start_on_a_held_folder_is_one_line_naming_the_holder_and_a_kil
     assert (out / "report.json").is_file() and not (out / lifecycle.HOLDER_NAME).exists()  # released at the end
 
 
+@pytest.mark.processes
+def test_sigterm_to_a_bench_stops_its_run_with_a_checkpoint_and_the_same_command_resumes_it(tiny_llama, data,
+                                                                                             tmp_path, capsys):
+    """The bench hands the signal to the run it is running, which checkpoints and exits; the bench exits 143 and the
+    same command resumes that run from its checkpoint."""
+    import threading
+
+    recipe, out = tmp_path / "bench.yaml", tmp_path / "bench"
+    recipe.write_text(f"model: {tiny_llama}\nforget: {data / 'forget.jsonl'}\nretain: {data / 'retain.jsonl'}\n"
+                      "steps: 40\nbatch_size: 2\nmax_length: 48\nlr: 0.001\nshow_samples: 1\nmax_new_tokens: 4\n"
+                      "eval_suite: answers\n")
+    arguments = ("bench", "schemes", "--recipe", recipe, "--schemes", "doplus", "--seeds", "0", "--out", out)
+    run = out / "runs" / "doplus-s0"
+
+    def signal_once_training():  # as a scheduler would: to the bench process, once its run trains
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            if (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=signal_once_training, daemon=True)
+    watcher.start()
+    capsys.readouterr()
+    assert run_cli(*arguments) == 128 + signal.SIGTERM
+    watcher.join(timeout=60)
+    err = capsys.readouterr().err
+    assert "stopped by SIGTERM during run doplus-s0; run the same command again" in err
+    kept = [p.name for p in (run / "checkpoints").iterdir()]
+    assert len(kept) == 1 and not (run / "report.json").exists()
+    assert "stopped by SIGTERM after step" in (out / "runs" / "doplus-s0.log").read_text()
+    assert run_cli(*arguments) == 0
+    assert f"[1/1] doplus-s0: resumed from {kept[0]}" in capsys.readouterr().err
+    assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == list(range(1, 41))
+
+
 def test_an_interrupted_evaluation_resumes_the_suites_it_had_not_finished(tiny_llama, tofu_dir, tmp_path,
                                                                           monkeypatch, capsys):
     forget, retain = tmp_path / "forget.jsonl", tmp_path / "neighbours.jsonl"
