@@ -230,6 +230,16 @@ def _described(paths) -> dict[str, dict[str, Any]]:
     return {path.name: {"size": path.stat().st_size, "sha256": file_sha256(path)} for path in paths}
 
 
+def _synced_and_described(paths: list[Path]) -> dict[str, dict[str, Any]]:
+    """fsync `paths` and hash them at the same time: the hashing (CPU) runs while the disk takes the data."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        described = pool.submit(_described, paths)
+        _fsync(paths)
+        return described.result()
+
+
 def _write_manifest(folder: Path, files: dict[str, dict[str, Any]], step: int, processes: Processes,
                     config: dict[str, Any], run_inputs: dict[str, Any] | None) -> None:
     """`folder/manifest.json`, the checkpoint's last file: written aside, synced, renamed."""
@@ -278,9 +288,8 @@ def save_checkpoint(
     rng_file = tmp / processes.name("rng", ".pt")
     torch.save(rng, rng_file)
     written.append(rng_file)
-    _fsync(written)
     files = {}  # every process hashes its own files; the main process lists them all in the manifest
-    for part in processes.gather(_described(written)):
+    for part in processes.gather(_synced_and_described(written)):
         files.update(part)
     if processes.main:
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
@@ -296,8 +305,8 @@ def save_checkpoint(
         with open(tmp / "metrics.jsonl", "w") as handle:
             handle.writelines(json.dumps(r) + "\n" for r in records)
         own = [tmp / "scheduler.pt", tmp / "state.json", tmp / "metrics.jsonl"]
-        _fsync(own)
-        _write_manifest(tmp, {**files, **_described(own)}, step, processes, config, inputs.read(folder.parent))
+        files.update(_synced_and_described(own))
+        _write_manifest(tmp, files, step, processes, config, inputs.read(folder.parent))
         if final.exists():  # the same step saved again (SIGTERM right after a periodic save)
             _set_aside(final)
         # Pruning renames a checkpoint out of sight (atomic) before deleting it, so a kill never leaves a
