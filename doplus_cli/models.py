@@ -177,9 +177,11 @@ def load_tokenizer(spec: str | None, trust_remote_code: bool = False):
     source, _ = model_folder(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as error:
+    except Exception as error:  # a transport error (a proxy's) can come through unwrapped
         if _from_hub(spec, source) and (failure := _hub_error(source, error)) is not None:
             raise failure from error
+        if not isinstance(error, (OSError, ValueError)):
+            raise
         raise UserError(f"{spec}: cannot load a tokenizer from it ({error})".splitlines()[0]) from error
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
@@ -201,9 +203,11 @@ def load_model_8bit(spec: str | None, dtype: str, trust_remote_code: bool, devic
             source, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code,
             quantization_config=BitsAndBytesConfig(load_in_8bit=True), device_map={"": str(device)},
         )
-    except (OSError, ValueError, ImportError) as error:
+    except Exception as error:  # a transport error (a proxy's) can come through unwrapped
         if _from_hub(spec, source) and (failure := _hub_error(source, error)) is not None:
             raise failure from error
+        if not isinstance(error, (OSError, ValueError, ImportError)):
+            raise
         raise UserError(f"{description}: cannot load the 8-bit reference model ({error})".splitlines()[0]) from error
     return model.eval().requires_grad_(False)
 
@@ -218,9 +222,11 @@ def load_model_and_tokenizer(spec: str | None, dtype: str = "auto", trust_remote
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code
         )
-    except (OSError, ValueError) as error:
+    except Exception as error:  # a transport error (a proxy's) can come through unwrapped
         if _from_hub(spec, source) and (failure := _hub_error(source, error)) is not None:
             raise failure from error
+        if not isinstance(error, (OSError, ValueError)):
+            raise
         raise UserError(f"{description}: cannot load a causal LM from it ({error})".splitlines()[0]) from error
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
