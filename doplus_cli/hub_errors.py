@@ -134,7 +134,10 @@ def diagnose(error: BaseException, *offline_variables: str) -> Diagnosis | None:
         return next((e for e in chain if cls is not None and isinstance(e, cls)), None)
 
     answered = [e for e in chain if _status(e) is not None]
-    if first("OfflineModeIsEnabled") is not None or (offline_mode(*offline_variables) and not answered):
+    transport = _timeout_types() + _connection_types()
+    fetched = any(isinstance(e, transport) for e in chain) or any(
+        first(name) is not None for name in ("LocalEntryNotFoundError", "DatasetNotFoundError"))
+    if first("OfflineModeIsEnabled") is not None or (offline_mode(*offline_variables) and fetched and not answered):
         return Diagnosis(OFFLINE)
     if (gated := first("GatedRepoError")) is not None:
         return Diagnosis(GATED, _status(gated))

@@ -236,8 +236,11 @@ def test_the_hubs_answers_win_over_what_wraps_them(monkeypatch):
     # a name that does not resolve: unreachable, with the resolver's reason
     dns = chained(LocalEntryNotFoundError("no cache"), socket.gaierror(-2, "Name or service not known"))
     assert diagnose(dns) == hub_errors.Diagnosis(hub_errors.UNREACHABLE, None, "Name or service not known")
-    # nothing from fetching: the caller's own message fits
+    # nothing from fetching: the caller's own message fits, in offline mode too
     assert diagnose(ValueError("Unrecognized configuration class")) is None
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert diagnose(ValueError("Unrecognized configuration class")) is None
+    assert diagnose(chained(OSError("cannot load"), LocalEntryNotFoundError("no cache"))).kind == hub_errors.OFFLINE
 
 
 @pytest.mark.parametrize("case", [hub_errors.GATED, hub_errors.SERVER])
