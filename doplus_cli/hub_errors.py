@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 from doplus_cli.errors import UserError
 
+# The kinds of failure, each its own line (hub_line)
 NOT_FOUND, REVISION, FILE, GATED, UNAUTHORISED = "not found", "revision", "file", "gated", "unauthorised"
-RATE_LIMITED, SERVER, HTTP, TIMEOUT, OFFLINE, UNREACHABLE = "rate limited", "server", "http", "timeout", "offline", \
-    "unreachable"
+RATE_LIMITED, SERVER, HTTP = "rate limited", "server", "http"
+TIMEOUT, OFFLINE, UNREACHABLE = "timeout", "offline", "unreachable"
 KINDS = (NOT_FOUND, REVISION, FILE, GATED, UNAUTHORISED, RATE_LIMITED, SERVER, HTTP, TIMEOUT, OFFLINE, UNREACHABLE)
 
 LOGIN = "log in with `hf auth login` (or `huggingface-cli login`, or set HF_TOKEN)"
@@ -133,11 +134,11 @@ def diagnose(error: BaseException, *offline_variables: str) -> Diagnosis | None:
         cls = names.get(name)
         return next((e for e in chain if cls is not None and isinstance(e, cls)), None)
 
-    answered = [e for e in chain if _status(e) is not None]
+    statuses = [status for e in chain if (status := _status(e)) is not None]  # the hub's answers, outermost first
     transport = _timeout_types() + _connection_types()
     fetched = any(isinstance(e, transport) for e in chain) or any(
         first(name) is not None for name in ("LocalEntryNotFoundError", "DatasetNotFoundError"))
-    if first("OfflineModeIsEnabled") is not None or (offline_mode(*offline_variables) and fetched and not answered):
+    if first("OfflineModeIsEnabled") is not None or (offline_mode(*offline_variables) and fetched and not statuses):
         return Diagnosis(OFFLINE)
     if (gated := first("GatedRepoError")) is not None:
         return Diagnosis(GATED, _status(gated))
@@ -147,9 +148,7 @@ def diagnose(error: BaseException, *offline_variables: str) -> Diagnosis | None:
         return Diagnosis(NOT_FOUND, _status(missing))
     if (entry := first("RemoteEntryNotFoundError")) is not None:
         return Diagnosis(FILE, _status(entry), _missing_file(entry))
-    for answer in answered:
-        status = _status(answer)
-        assert status is not None
+    for status in statuses:
         if status in (401, 403):
             return Diagnosis(UNAUTHORISED, status)
         if status == 404:
