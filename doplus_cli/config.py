@@ -49,10 +49,14 @@ SCHEMES: dict[str, Scheme] = {
     "scaffold": Scheme("SCAFFOLD", {"scheme": "scaffold"}),
     "fedcm": Scheme("FedCM", {"scheme": "fedcm"}),
     "local-adam": Scheme("Local Adam", {"scheme": "local-adam"}),
+    # the paper's ablations of DualOptim+'s base state (its Tables tab:priority_base, tab:update_rule_base)
+    "doplus-before-delta": Scheme("DO+ (base before Δ)", {"scheme": "doplus", "base_update": "before-delta"}),
+    "doplus-after-delta": Scheme("DO+ (base after Δ)", {"scheme": "doplus", "base_update": "after-delta"}),
+    "doplus-grad-minus-delta": Scheme("DO+ (base by g − Δ̂)", {"scheme": "doplus", "base_source": "grad-minus-delta"}),
 }
 # What a scheme name fixes, whatever the recipe says: `doplus` is 32-bit AdamW-rule DualOptim+ even on a recipe
 # that sets state_bits: 8. The bench's --set and --sweep may not change these (choose other scheme names instead).
-SCHEME_KEYS = ("scheme", "state_bits", "optimizer", "doplus_rule")
+SCHEME_KEYS = ("scheme", "state_bits", "optimizer", "doplus_rule", "base_update", "base_source")
 UPDATE_SCHEMES = tuple(dict.fromkeys(scheme.values["scheme"] for scheme in SCHEMES.values()))  # joint ... doplus
 
 OPTIMIZERS = ("adamw", "muon")

@@ -445,3 +445,19 @@ def test_scaffold_on_two_processes_equals_one_process_at_twice_the_batch(tiny_ll
     start = load_file(str(tiny_llama / "model.safetensors"))
     assert max_difference(weights(one), start) > 1e-3
     assert max_difference(weights(one), weights(two)) < 1e-5
+
+
+def test_bench_scheme_names_fix_the_scheme_and_the_switches():
+    from doplus_cli.bench.schemes.planning import scheme_values
+    from doplus_cli.config import TrainConfig, validate_training
+
+    expected = {"scaffold": ("scaffold", "after-param", "grad"), "fedcm": ("fedcm", "after-param", "grad"),
+                "local-adam": ("local-adam", "after-param", "grad"),
+                "doplus-before-delta": ("doplus", "before-delta", "grad"),
+                "doplus-after-delta": ("doplus", "after-delta", "grad"),
+                "doplus-grad-minus-delta": ("doplus", "after-param", "grad-minus-delta"),
+                "doplus": ("doplus", "after-param", "grad")}
+    for name, (scheme, base_update, base_source) in expected.items():
+        values = scheme_values(name)
+        assert (values["scheme"], values["base_update"], values["base_source"]) == (scheme, base_update, base_source)
+        validate_training(TrainConfig(**values))
