@@ -100,6 +100,15 @@ def test_recipe_resolves(shipped, tmp_path):
         assert (config.lr, config.batch_size, config.max_length, config.seed) == (5e-5, 4, 512, 42)
         assert config.steps == {"joint": 150}.get(config.scheme, 300) and config.eval_suite == "wmdp"
         assert "shared" not in config.forget and config.forget.endswith("data/wmdp/forget.jsonl")
+    if "muse" in shipped.parts:  # MUSE's baselines/scripts and OpenUnlearning's unlearn/muse experiments
+        corpus = "books" if path.name.startswith("books") else "news"
+        assert config.eval_suite == "muse" and config.eval_split == corpus and config.loss in ("NPO+GD", "GA+GD")
+        assert (config.lr, config.batch_size, config.text_window, config.max_length) == (1e-5, 4, 2048, 2048)
+        assert config.betas == (0.9, 0.999) and config.weight_decay == 0.0 and config.beta == 0.1
+        assert config.forget.startswith(f"hf:muse-bench/MUSE-{corpus.capitalize()}:")
+        assert config.retain == f"hf:muse-bench/MUSE-{corpus.capitalize()}:raw@retain1"
+        if "news_sust" not in shipped.parts or path.stem.endswith("_1"):
+            assert config.model == f"muse-bench/MUSE-{corpus.capitalize()}_target"
     if path.name == "quickstart.yaml":
         assert config.model is None and config.answers_from_model  # the embedded model, its own answers
         assert Path(config.forget).is_file() and Path(config.retain).is_file()
