@@ -181,6 +181,40 @@ def _transport_reason(chain: list[BaseException]) -> str:
     return innermost[:120]
 
 
+_WAITS = {"bounded": False}
+
+
+def bound_hub_waits() -> None:
+    """Give each request huggingface_hub sends without a timeout one: transformers looks a model's revision up
+    (`HfApi.repo_info`) with none, so a hub that accepts the connection and never answers would hold a load for
+    good, and the timeout line would never be said. Such a request now waits at most HF_HUB_DOWNLOAD_TIMEOUT
+    seconds (read at each request) to connect and for each part of the answer; a request with its own timeout
+    keeps it. Installed once per process, through huggingface_hub's client factory, before doplus loads from the
+    hub; a huggingface_hub without that factory is left as it is."""
+    if _WAITS["bounded"]:
+        return
+    try:
+        from huggingface_hub import constants
+        from huggingface_hub.utils import set_client_factory
+        from huggingface_hub.utils._http import default_client_factory  # the client huggingface_hub would build
+    except ImportError:
+        return
+
+    def bound(request) -> None:
+        timeout = request.extensions.get("timeout")
+        if isinstance(timeout, dict) and None in timeout.values():
+            seconds = float(constants.HF_HUB_DOWNLOAD_TIMEOUT)
+            request.extensions["timeout"] = {key: seconds if value is None else value for key, value in timeout.items()}
+
+    def bounded_client():
+        client = default_client_factory()
+        client.event_hooks = {**client.event_hooks, "request": [*client.event_hooks["request"], bound]}
+        return client
+
+    set_client_factory(bounded_client)
+    _WAITS["bounded"] = True
+
+
 def _seconds(name: str) -> str:
     with contextlib.suppress(ImportError):
         from huggingface_hub import constants

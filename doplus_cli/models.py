@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from doplus_cli.errors import UserError
-from doplus_cli.hub_errors import hub_error
+from doplus_cli.hub_errors import bound_hub_waits, hub_error
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,7 @@ def model_folder(spec: str | None) -> tuple[str, str]:
         return expanded, spec
     if looks_like_path(spec):
         raise UserError(f"{spec}: model path does not exist")
+    bound_hub_waits()  # a hub id: no request to the hub may wait without end
     return spec, spec
 
 

@@ -1,12 +1,13 @@
 """Each way a hub fetch fails is its own line: a local HTTP server on 127.0.0.1 stands in for the hub, reached
 through huggingface_hub's own endpoint setting, and answers as the hub does (404 with X-Error-Code: RepoNotFound,
-403 with X-Error-Code: GatedRepo, a bare 401 or 403, 500) or holds file requests past the client's timeout. The model
-loader the commands use and an `hf:` data source are loaded through it; no request leaves the machine."""
+403 with X-Error-Code: GatedRepo, a bare 401 or 403, 500) or holds every request past the client's timeout
+(transformers' revision look-up included, which huggingface_hub sends without a timeout of its own: doplus
+bounds it). The model loader the commands use and an `hf:` data source are loaded through it; no request leaves
+the machine."""
 
 from __future__ import annotations
 
 import http.server
-import json
 import socket
 import threading
 
@@ -18,7 +19,8 @@ from doplus_cli.errors import UserError
 from doplus_cli.hub_errors import HubError, diagnose, error_chain
 from tests.helpers import run_cli
 
-HOLD_S = 2.0  # how long the "never answers" repository holds a request (the client gives up after 1 s)
+WAIT_S = 0.5  # huggingface_hub's timeouts here (HF_HUB_ETAG_TIMEOUT, HF_HUB_DOWNLOAD_TIMEOUT)
+HOLD_S = 1.5  # how long the "never answers" repository holds a request before it closes the connection
 
 # The repository's name says how the stand-in hub answers every request about it: (status, headers).
 ANSWERS = {
@@ -41,18 +43,12 @@ class StandInHub(http.server.BaseHTTPRequestHandler):
     def answer(self):
         type(self).requests.append(f"{self.command} {self.path}")
         body = b'{"error": "stand-in hub"}'
-        if "answers-never" in self.path and self.path.startswith("/api/models/"):
-            # transformers asks for the model's revision without a timeout (huggingface_hub's repo_info): a hub
-            # that never answered it would hang the load for good, so that request is answered
-            name, status, headers = None, 200, {}
-            body = json.dumps({"id": "doplus-tests/answers-never", "sha": "0" * 40}).encode()
-        elif "answers-never" in self.path:
+        if "answers-never" in self.path:
             self.release.wait(HOLD_S)  # then close without a word
             self.close_connection = True
             return
-        else:
-            name = next((n for n in ANSWERS if n in self.path), None)
-            status, headers = ANSWERS[name] if name else (404, {})  # anything else (the agents registry): 404
+        name = next((n for n in ANSWERS if n in self.path), None)
+        status, headers = ANSWERS[name] if name else (404, {})  # anything else (the agents registry): 404
         self.send_response(status)
         for key, value in {**headers, "Content-Type": "application/json", "Content-Length": str(len(body))}.items():
             self.send_header(key, value)
@@ -99,12 +95,12 @@ def point_the_hub_at(monkeypatch, endpoint: str) -> None:
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", endpoint)
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
-    monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 1)
-    monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", 1)
+    monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", WAIT_S)  # the variables take whole seconds; 0.5 s here
+    monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", WAIT_S)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(datasets.config, "HF_ENDPOINT", endpoint)
     monkeypatch.setattr(datasets.config, "HUB_DATASETS_URL", endpoint + "/datasets/{repo_id}/resolve/{revision}/{path}")
-    monkeypatch.setattr(file_download, "_ETAG_RETRY_TIMEOUT", 1)
+    monkeypatch.setattr(file_download, "_ETAG_RETRY_TIMEOUT", WAIT_S)
     monkeypatch.setattr(_http.http_backoff, "__kwdefaults__", {**_http.http_backoff.__kwdefaults__, "max_retries": 0})
     # transformers keeps one HfApi, made with the endpoint of its first use (one per process outside the tests)
     monkeypatch.setattr(transformers.utils.hub, "_hf_api", None)
@@ -124,7 +120,7 @@ CASES = {
     hub_errors.SERVER: ("answers-500", "the hub at {endpoint} answered with a server error (500): retry later",
                         "500 Internal Server Error", "500 Internal Server Error"),
     hub_errors.TIMEOUT: ("answers-never", "the hub at {endpoint} did not answer in time: retry, or allow longer "
-                         "with HF_HUB_ETAG_TIMEOUT (now 1 s) and HF_HUB_DOWNLOAD_TIMEOUT (now 1 s)",
+                         "with HF_HUB_ETAG_TIMEOUT (now 0.5 s) and HF_HUB_DOWNLOAD_TIMEOUT (now 0.5 s)",
                          "timed out", "timed out"),
     hub_errors.UNREACHABLE: ("anything", "not in the local Hugging Face cache and the hub at {endpoint} cannot be "
                              "reached (Connection refused): check the network", "[Errno", "[Errno"),
@@ -284,3 +280,16 @@ def test_an_lm_eval_tasks_dataset_refused_by_the_hub_is_one_line(monkeypatch, hu
         load_tasks(TaskManager(include_path=str(tmp_path), include_defaults=False), ["refused_task"])
     assert str(raised.value).startswith(f"lm-eval task 'refused_task': its dataset: {line}")
     assert "its page on the hub" in str(raised.value)
+
+
+def test_a_request_sent_without_a_timeout_gets_one(monkeypatch, hub_server):
+    """huggingface_hub's repo_info (transformers' revision look-up) sends no timeout: without doplus's bound it
+    would wait until the stand-in closes the connection (HOLD_S) and end as a dropped connection; with it, it
+    times out after HF_HUB_DOWNLOAD_TIMEOUT."""
+    from huggingface_hub import HfApi
+
+    spec, endpoint, line, original = arrange(hub_errors.TIMEOUT, monkeypatch, hub_server)
+    hub_errors.bound_hub_waits()
+    with pytest.raises(Exception) as raised:
+        HfApi(endpoint=endpoint).model_info(spec)
+    assert diagnose(raised.value) == hub_errors.Diagnosis(hub_errors.TIMEOUT, None, "timed out")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from doplus_cli.data.sources import Row, Source, read_json_lines
 from doplus_cli.errors import UserError
-from doplus_cli.hub_errors import dataset_error
+from doplus_cli.hub_errors import bound_hub_waits, dataset_error
 
 # The hub repositories of MUSE's two corpora.
 MUSE_HUB = {"news": "hf:muse-bench/MUSE-News", "books": "hf:muse-bench/MUSE-Books"}
@@ -82,6 +82,7 @@ def _hub_rows(name: str, config: str, split: str, fields: Sequence[str],
     import datasets
 
     spec = f"hf:{name}:{config}@{split}"
+    bound_hub_waits()
     try:
         table = datasets.load_dataset(name, config, split=split)
     except Exception as error:  # datasets raises many types for "not reachable" / "no such config or split"

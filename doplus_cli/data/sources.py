@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from doplus_cli.errors import UserError
-from doplus_cli.hub_errors import dataset_error
+from doplus_cli.hub_errors import bound_hub_waits, dataset_error
 
 
 @dataclass(frozen=True)
@@ -269,6 +269,7 @@ class HubSource:
         name, config, split = parse_hub_spec(spec)
         import datasets
 
+        bound_hub_waits()
         try:
             self._data = datasets.load_dataset(name, config, split=split)
         except Exception as error:  # datasets raises many types for "not reachable" / "no such config"

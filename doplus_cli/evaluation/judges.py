@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from doplus_cli.hub_errors import diagnose, hub_line
+from doplus_cli.hub_errors import bound_hub_waits, diagnose, hub_line
 from doplus_cli.models import hub_offline, judge_files_only, looks_like_path
 
 DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
@@ -124,7 +124,9 @@ def why_not_loaded(name: str, error: Exception) -> str:
 
 
 def quiet_loading() -> None:
-    """No download/loading progress bars, no bitsandbytes notice about an optional CPU kernel."""
+    """No download/loading progress bars, no bitsandbytes notice about an optional CPU kernel; and, as every
+    judge loader starts here, no wait on the hub without end (`bound_hub_waits`)."""
+    bound_hub_waits()
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
         from huggingface_hub.utils import disable_progress_bars

@@ -23,7 +23,7 @@ from typing import Any
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.suite_api import Suite, SuiteContext, SuiteResult
 from doplus_cli.files import write_json
-from doplus_cli.hub_errors import TIMEOUT, diagnose, hub_error
+from doplus_cli.hub_errors import TIMEOUT, bound_hub_waits, diagnose, hub_error
 
 DEFAULT_TASKS = ("arc_challenge", "mmlu", "truthfulqa_mc2", "triviaqa", "gsm8k")
 
@@ -216,6 +216,7 @@ def load_tasks(task_manager: Any, tasks: Sequence[str]) -> list[Any]:
     """
     known = task_manager.all_tasks
     offline_errors, missing_errors = _offline_error_types(), _dataset_not_found_types()
+    bound_hub_waits()
     built: list[Any] = []
     for name in tasks:
         if name not in task_manager.task_index and not (name.endswith((".yaml", ".yml")) and Path(name).is_file()):

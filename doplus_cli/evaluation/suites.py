@@ -26,7 +26,7 @@ from doplus_cli.evaluation.scoring import shared_prefix_nlls
 from doplus_cli.evaluation.suite_api import EvalConfig, Suite, SuiteContext, SuiteResult
 from doplus_cli.files import write_json
 from doplus_cli.generation import greedy_generate
-from doplus_cli.hub_errors import dataset_error
+from doplus_cli.hub_errors import bound_hub_waits, dataset_error
 
 INDICATORS = ("rouge", "probability", "truth_ratio", "token_entropy", "cosine_similarity", "entailment")
 
@@ -183,6 +183,7 @@ def _hub_rows(config: str, need_paraphrase: bool, max_samples: int | None) -> tu
     import datasets
 
     spec = f"hf:locuslab/TOFU:{config}"
+    bound_hub_waits()
     try:
         data = datasets.load_dataset("locuslab/TOFU", config, split="train")
     except Exception as error:
