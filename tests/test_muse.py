@@ -143,7 +143,11 @@ def test_scored_tokens_match_a_plain_float64_loop(tiny_llama):
 # ------------------------------------------------------------------------------------------- the suite, end to end
 
 
-def test_muse_suite_end_to_end_on_a_local_folder(tiny_llama, tmp_path):
+def test_muse_suite_end_to_end_on_a_local_folder(tiny_llama, tmp_path, monkeypatch):
+    # MUSE's budgets, shortened here so that the tiny model's decoding stays cheap; the suite reads them at run time
+    assert (muse.VERBMEM_TOKENS, muse.KNOWMEM_TOKENS) == (128, 32)
+    monkeypatch.setattr(muse, "VERBMEM_TOKENS", 24)
+    monkeypatch.setattr(muse, "KNOWMEM_TOKENS", 12)
     folder, rows = write_muse_folder(tmp_path / "muse")
     out = tmp_path / "eval"
     assert run_cli("evaluate", "--model", tiny_llama, "--suite", "muse", "--muse-data", folder, "--out", out,
@@ -156,14 +160,14 @@ def test_muse_suite_end_to_end_on_a_local_folder(tiny_llama, tmp_path):
     raw = PromptFormatter(tokenizer, max_length=2048, template="{question}")
 
     # VerbMem: every row's greedy continuation (checked against a hand-written decoder on the first), the gt cut to
-    # its first 128 tokens, ROUGE-L F1 recomputed from the written texts
+    # its first VERBMEM_TOKENS tokens, ROUGE-L F1 recomputed from the written texts
     verbmem = logs["forget_verbmem_ROUGE"]["value_by_index"]
     assert len(verbmem) == 3
     first = rows[("verbmem", "forget")][0]
     by_hand = greedy_by_hand(model, raw, first["prompt"], muse.VERBMEM_TOKENS)
     assert verbmem["0"]["generation"] == tokenizer.decode(by_hand, skip_special_tokens=True)
     assert verbmem["0"]["ground_truth"] == tokenizer.decode(
-        tokenizer(first["gt"])["input_ids"][:128], skip_special_tokens=True)
+        tokenizer(first["gt"])["input_ids"][:24], skip_special_tokens=True)
     from rouge_score import rouge_scorer
 
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
