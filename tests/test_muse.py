@@ -211,12 +211,21 @@ def test_muse_suite_end_to_end_on_a_local_folder(tiny_llama, tmp_path, monkeypat
 
 
 
-def test_privleak_reference_from_retain_logs_else_muse_constants():
+def test_privleak_reference_from_a_retrained_model_retain_logs_or_muse_constants(tiny_llama):
     from types import SimpleNamespace
 
-    def context(retain_auc, corpus_logs=None):
-        config = SimpleNamespace(muse_retrained=None, retain_logs=corpus_logs)
-        return SimpleNamespace(config=config, retain=(None, retain_auc))
+    def context(retain_auc, corpus_logs=None, retrained=None):
+        config = SimpleNamespace(muse_retrained=retrained, retain_logs=corpus_logs, dtype="float32",
+                                 trust_remote_code=False)
+        return SimpleNamespace(config=config, retain=(None, retain_auc), model=torch.nn.Linear(1, 1))
+
+    # a retrained model given: its own Min-40% AUC on the same texts, whatever else is given
+    forget, holdout = [town_text(i) for i in range(3)], [town_text(i + 20) for i in range(3)]
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    want = muse.muse_auc(muse.min_k_scores(model, tokenizer, forget), muse.min_k_scores(model, tokenizer, holdout))
+    auc, where = muse.reference_auc(context(0.3, "x.json", str(tiny_llama)), "news", forget, holdout)
+    assert auc == pytest.approx(want, abs=1e-12) and str(tiny_llama) in where
 
     # a retrained model's MUSE_EVAL.json holds mia_min_k in OpenUnlearning's orientation: MUSE's is 1 - it
     auc, where = muse.reference_auc(context(0.3, "retrained/MUSE_EVAL.json"), "news", [], [])
