@@ -239,7 +239,8 @@ def hub_line(spec: str, diagnosis: Diagnosis, then: str = "", repo: str | None =
         return (f"{spec}: not in the local Hugging Face cache, and offline mode is set (HF_HUB_OFFLINE): unset it "
                 f"to fetch it{tail}")
     if kind == GATED:
-        return f"{spec}: a gated repository on the hub{code}: {LOGIN} with an account that accepted its terms on {page}"
+        return (f"{spec}: a gated repository on the hub{code}: {LOGIN} with an account that accepted its licence "
+                f"on {page}")
     if kind == REVISION:
         return f"{spec}: the hub has the repository but not this revision{code}: check the revision's spelling"
     if kind == NOT_FOUND:
@@ -251,7 +252,7 @@ def hub_line(spec: str, diagnosis: Diagnosis, then: str = "", repo: str | None =
     if kind == UNAUTHORISED:
         why = "refused without a valid login" if status == 401 else "refused this account"
         return (f"{spec}: the hub {why}{code}: {LOGIN}; a token needs read access, and a gated repository "
-                f"needs its terms accepted on {page}")
+                f"needs its licence accepted on {page}")
     if kind == RATE_LIMITED:
         return f"{spec}: the hub's rate limit was reached{code}: retry later, or {LOGIN} for a higher limit"
     if kind == SERVER:

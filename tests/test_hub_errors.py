@@ -182,7 +182,7 @@ def test_an_hf_data_source_that_does_not_load_says_why_in_one_line(case, monkeyp
     assert "export it to JSON lines" in str(raised.value) or kind_of(case) not in (
         hub_errors.OFFLINE, hub_errors.UNREACHABLE, hub_errors.TIMEOUT)
     if kind_of(case) in (hub_errors.GATED, hub_errors.UNAUTHORISED):
-        assert f"{endpoint}/datasets/{spec}" in str(raised.value)  # where to accept its terms: the dataset's page
+        assert f"{endpoint}/datasets/{spec}" in str(raised.value)  # where to accept its licence: the dataset's page
 
 
 def test_the_command_exits_2_with_one_line_and_debug_shows_the_hubs_message(monkeypatch, hub_server, tmp_path,
