@@ -203,7 +203,8 @@ def test_muse_suite_end_to_end_on_a_local_folder(tiny_llama, tmp_path, monkeypat
     assert 0 <= summary["muse_extraction_strength"] <= 1
     section = next(s for s in record["sections"] if s["suite"] == "muse")
     assert set(muse.OU_KEYS) <= set(section["values"]) and section["muse"]["auc_retrained"] == 0.4772
-    assert "## MUSE (news" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "## MUSE (news" in report and "- prompt template:" not in report  # MUSE feeds raw text
     from doplus_cli.evaluation.privacy import read_retain_logs
 
     # this MUSE_EVAL.json, as another evaluation's --retain-logs, gives privleak's reference AUC

@@ -346,8 +346,9 @@ def render_markdown(section: dict[str, Any]) -> list[str]:
     lines += ["", f"- PrivLeak's retrained AUC {muse['auc_retrained']:.4f}: {section['reference']}",
               f"- rows: {sets}",
               "- prompts: raw text with the tokenizer's special tokens, as MUSE feeds them (no prompt template)",
-              "- ROUGE: ROUGE-L F1 (rouge-score, no stemmer); VerbMem 128 new tokens against gt's first 128 tokens; "
-              "KnowMem 32 new tokens after the in-context examples, cut at MUSE's stop strings"]
+              f"- ROUGE: ROUGE-L F1 (rouge-score, no stemmer); VerbMem {VERBMEM_TOKENS} new tokens against gt's first "
+              f"{VERBMEM_TOKENS} tokens; KnowMem {KNOWMEM_TOKENS} new tokens after the in-context examples, cut at "
+              "MUSE's stop strings"]
     return lines
 
 

@@ -47,9 +47,9 @@ def render_eval_markdown(record: dict[str, Any]) -> str:
     if suites & {"safety", "xstest"}:
         lines.append(f"- guard model: {judges.get('guard_model') or judges.get('guard_missing')}")
         lines.append(f"- refusal judge: {judges.get('refusal_judge')}")
-    if "protocol" in record:
+    if "protocol" in record and suites != {"muse"}:  # MUSE fixes its own budgets and feeds raw text
         lines.append(f"- protocol {record['protocol']}")
-    if record.get("prompt_template"):
+    if record.get("prompt_template") and suites != {"muse"}:
         lines.append(f"- prompt template: {record['prompt_template']!r}")
     for section in record["sections"]:
         suite = section["suite"]
