@@ -461,3 +461,22 @@ def test_bench_scheme_names_fix_the_scheme_and_the_switches():
         values = scheme_values(name)
         assert (values["scheme"], values["base_update"], values["base_source"]) == (scheme, base_update, base_source)
         validate_training(TrainConfig(**values))
+
+
+def test_fedcm_steps_grow_with_the_periods_as_the_rule_says():
+    """A constant gradient g = 1, lr 1, ε 0, a 1:5 cycle: after n periods FedCM's base is n (both moments), so its
+    step is (n + 1)/sqrt(n + 1) = sqrt(n + 1); SCAFFOLD's base tracks the mean momentum and its steps stay near 1."""
+    for cls in (FedCM, Scaffold):
+        p = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
+        opt = cls([p], lr=1.0, eps=0.0, frequencies={"forget": 1, "retain": 5})
+        steps = []
+        for objective in cycle({"forget": 1, "retain": 5}, 60):
+            before = p.item()
+            p.grad = torch.ones(1, dtype=torch.float64)
+            opt.step(objective=objective)
+            steps.append(before - p.item())
+        if cls is FedCM:
+            for n in range(10):
+                assert steps[6 * n: 6 * n + 6] == pytest.approx([(n + 1) ** 0.5] * 6, rel=1e-12)
+        else:
+            assert max(steps) < 1.5

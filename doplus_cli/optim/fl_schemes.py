@@ -30,8 +30,9 @@ resumes it. Objectives with F_k = 0 take no steps and are not part of a period.
 * *The update.* As DualOptim+ forms it (Algorithm 1, line 16), base plus bias-corrected delta, for the first
   moment and the second alike: θ ← θ·(1 − ηλ) − η·(B_m + m̂_k) / (sqrt(|B_v + v̂_k|) + ε). For FedCM, whose
   delta already follows the whole gradient, this counts the base on top of it, and the base sums the
-  objectives' mean momenta of every period so far: its steps grow with the number of periods. That is the
-  rule as the paper writes it; doplus does not change it.
+  objectives' mean momenta of every period so far: its steps grow with the number of periods (a constant
+  gradient moves it sqrt(n + 1) learning rates after n periods). That is the rule as the paper writes it;
+  doplus does not change it.
 * *Adam's second moment.* Treated exactly as the first: its own base and deltas (Scaffold, FedCM; the delta's
   input is g² − B_v or g²), merged like the first moment (LocalAdam: v_k ← mean_j v̂_j, re-biased below).
 * *Step counters after a boundary.* Kept: t_k counts objective k's steps over the whole run. After the merge,
