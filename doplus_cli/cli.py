@@ -56,8 +56,14 @@ def _train(command: str, values: dict[str, Any]) -> None:
     from doplus_cli.engine.teach import apply_teaching
 
     recipe, num_processes = values.pop("recipe"), values.pop("num_processes")
+    dry_run, gpu_memory = values.pop("dry_run"), values.pop("gpu_memory")
     kind = kind_named(command)
     config = resolve_config(recipe, values, kind.config)
+    if dry_run:  # the memory plan from the model's config alone: nothing trained, loaded or written
+        from doplus_cli.engine.memory_plan import dry_run as memory_plan
+
+        print(memory_plan(config, num_processes, gpu_memory))
+        return
     launched = "LOCAL_RANK" in os.environ  # a worker of accelerate launch: the engine names and holds the folder
     launching = num_processes is not None and num_processes > 1 and not launched
     if launching:
