@@ -133,6 +133,9 @@ class TrainConfig:
     accept_changed: str | None = None  # "data,model,software" (or "all"): resume on inputs changed since the start
     # Evaluation during training, at every N-th step and at the end
     eval_every: int = 0  # 0: never
+    # Keep the evaluated step that is best by this metric as OUT/best/ (unlearn: MU, UFE, TFE, OVR; multitask: a
+    # task's name or average); METRIC:max or METRIC:min names the direction, else the metric's own
+    select_by: str | None = None
     # The paper's Figure 2 diagnostic: cosine of the objectives' latest updates and gradients, in metrics.jsonl
     log_update_similarity: bool = False  # recorded in metrics.jsonl: update_cosine, grad_cosine
     # Experiment trackers through accelerate (engine/tracking.py): none, or tensorboard, wandb, mlflow, trackio, all
@@ -654,6 +657,40 @@ def validate_align(config: AlignConfig) -> None:
         raise UserError(f"--eval-max-new-tokens must be at least 1, got {config.eval_max_new_tokens}")
 
 
+# The values of an evaluation during training `--select-by` can keep the best of, and which way is better: unlearn's
+# TOFU aggregates (percent; engine/unlearn.py), multitask's task scores and their average (engine/multitask.py).
+UNLEARN_SELECTABLE = {"MU": True, "UFE": True, "TFE": True, "OVR": True}
+DIRECTIONS = {"max": True, "min": False}
+
+
+def parse_select_by(text: str, known: dict[str, bool]) -> tuple[str, bool]:
+    """`--select-by METRIC[:max|:min]` -> (metric, higher is better); one line for an unknown metric."""
+    metric, _, direction = str(text).partition(":")
+    metric = metric.strip()
+    if metric not in known:
+        raise UserError(f"--select-by {text}: unknown metric '{metric}': choose one of {', '.join(known)} (the "
+                        "values the evaluation during training reports)")
+    if direction and direction.strip() not in DIRECTIONS:
+        raise UserError(f"--select-by {text}: the direction after ':' is max or min, got '{direction}'")
+    return metric, DIRECTIONS[direction.strip()] if direction else known[metric]
+
+
+def selectable_metrics(config: TrainConfig) -> dict[str, bool]:
+    """The metrics `--select-by` takes for `config`'s command, each with whether higher is better."""
+    if isinstance(config, MultitaskConfig):
+        return {**{task["name"]: True for task in config.tasks}, AVERAGE: True}
+    return dict(UNLEARN_SELECTABLE)
+
+
+def check_select_by(config: TrainConfig) -> None:
+    """`--select-by`: a metric the evaluation during training reports, and an evaluation during training."""
+    if config.select_by is None:
+        return
+    parse_select_by(config.select_by, selectable_metrics(config))
+    if not config.eval_every:
+        raise UserError(f"--select-by {config.select_by}: nothing is evaluated during training; add --eval-every N")
+
+
 def validate_multitask(config: MultitaskConfig) -> None:
     """The tasks of `doplus multitask`: at least one, distinct names, `--freq` with one number per task."""
     if not config.tasks:
@@ -683,6 +720,7 @@ def validate_multitask(config: MultitaskConfig) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")
     if config.eval_batch_size < 1:
         raise UserError(f"--eval-batch-size must be at least 1, got {config.eval_batch_size}")
+    check_select_by(config)
 
 
 def validate_loss_params(config: UnlearnConfig) -> None:
@@ -735,6 +773,7 @@ def validate_unlearn(config: UnlearnConfig) -> None:
     if config.eval_every and config.eval_suite != "tofu":
         raise UserError(f"unknown --eval-suite '{config.eval_suite}' for evaluation during training: only tofu "
                         "(run `doplus evaluate --suite ...` on final/ afterwards for the others)")
+    check_select_by(config)
     if config.forget is None:
         raise UserError("no forget set: pass --forget FILE.jsonl (or hf:NAME[:CONFIG][@SPLIT]) or set it in the recipe")
     if config.text_window is not None and not 2 <= config.text_window <= config.max_length:

@@ -101,6 +101,13 @@ GradientCheckpointing = Annotated[bool | None, typer.Option(
 NumProcesses = Annotated[int | None, typer.Option("--num-processes", min=1,
                                                   help="Run on N processes through `accelerate launch`.")]
 SaveEvery = Annotated[int | None, typer.Option("--save-every", help="Write checkpoints/step-N/ every N steps.")]
+DryRun = Annotated[bool | None, typer.Option(
+    "--dry-run", help="Print the run's memory plan (parameters; bytes of weights, gradients, optimizer states, "
+    "activations; the total per process under DDP and FSDP for --num-processes) from the model's config alone, "
+    "and exit without training or writing anything.")]
+GpuMemory = Annotated[float | None, typer.Option(
+    "--gpu-memory", min=0, help="With --dry-run: the GPU memory (GiB) the plan is checked against [default: the "
+    "visible GPU's]")]
 Resume = Annotated[str | None, typer.Option(
     "--resume", help="Continue the run in --out (latest checkpoint, or the checkpoint folder given).")]
 
@@ -211,6 +218,9 @@ AcceptChanged = Annotated[str | None, typer.Option(
     "model, software (comma-separated, or all). Without it such a resumption is refused, naming what changed.")]
 UnlearnEvalEvery = Annotated[int | None, typer.Option(
     "--eval-every", help="Evaluate every N steps (and at the end) into OUT/evals/step-N/ [default: never]")]
+UnlearnSelectBy = Annotated[str | None, typer.Option(
+    "--select-by", help="Keep the evaluated step that is best by METRIC as OUT/best/ beside final/: MU, UFE, TFE or "
+    "OVR (higher is better); METRIC:max or METRIC:min sets the direction [default: keep none]")]
 UnlearnEvalSuite = Annotated[str | None, typer.Option("--eval-suite", help="Suite run during training."
                                                       + shown_default("eval_suite", UnlearnConfig))]
 EvalSplit = Annotated[str | None, typer.Option("--eval-split", help="TOFU forget split." + shown_default(
@@ -249,6 +259,9 @@ EvalRows = Annotated[int | None, typer.Option(
     + shown_default("eval_rows", MultitaskConfig))]
 MultitaskEvalEvery = Annotated[int | None, typer.Option(
     "--eval-every", help="Score every task every N steps (and at the end) [default: never]")]
+MultitaskSelectBy = Annotated[str | None, typer.Option(
+    "--select-by", help="Keep the evaluated step that is best by METRIC as OUT/best/ beside final/: a task's name "
+    "or average (higher is better); METRIC:max or METRIC:min sets the direction [default: keep none]")]
 MultitaskMaxNewTokens = Annotated[int | None, typer.Option(
     "--max-new-tokens", help="Greedy tokens per evaluated answer." + shown_default("max_new_tokens"))]
 MultitaskEvalBatchSize = Annotated[int | None, typer.Option(
@@ -307,8 +320,9 @@ EvalSafetyDataDir = Annotated[str | None, typer.Option(
     "--eval-safety-data-dir", help="Folder with I-*.json, Q-Harm.json, xstest_prompts.csv [default: download the "
     "releases' files]")]
 
-# Each training command's options, by parameter name (a config key, but for recipe, num_processes and multitask's
-# task), in the order of its help; cli.py's signatures take the same (tests/test_cli.py checks).
+# Each training command's options, by parameter name (a config key, but for recipe, num_processes, dry_run,
+# gpu_memory and multitask's task), in the order of its help; cli.py's signatures take the same (tests/test_cli.py
+# checks).
 COMMAND_OPTIONS: dict[str, dict[str, Any]] = {
     "unlearn": {
         "recipe": Recipe, "model": Model, "dtype": Dtype, "precision": Precision, "save_dtype": SaveDtype,
@@ -328,9 +342,10 @@ COMMAND_OPTIONS: dict[str, dict[str, Any]] = {
         "out": UnlearnOut, "overwrite": UnlearnOverwrite, "show_samples": ShowSamples, "lora_rank": UnlearnLoraRank,
         "lora_alpha": LoraAlpha, "lora_targets": UnlearnLoraTargets, "lora_dropout": LoraDropout,
         "gradient_checkpointing": UnlearnGradientCheckpointing, "save_adapter_only": SaveAdapterOnly,
-        "ref_offload": RefOffload, "fsdp": Fsdp, "num_processes": UnlearnNumProcesses, "save_every": UnlearnSaveEvery,
+        "ref_offload": RefOffload, "fsdp": Fsdp, "num_processes": UnlearnNumProcesses, "dry_run": DryRun,
+        "gpu_memory": GpuMemory, "save_every": UnlearnSaveEvery,
         "keep_last": KeepLast, "resume": UnlearnResume, "accept_changed": AcceptChanged,
-        "eval_every": UnlearnEvalEvery,
+        "eval_every": UnlearnEvalEvery, "select_by": UnlearnSelectBy,
         "eval_suite": UnlearnEvalSuite, "eval_split": EvalSplit, "eval_data_dir": EvalDataDir,
         "eval_max_samples": UnlearnEvalMaxSamples, "eval_max_new_tokens": UnlearnEvalMaxNewTokens,
         "eval_batch_size": UnlearnEvalBatchSize, "eval_nli_model": EvalNliModel,
@@ -340,6 +355,7 @@ COMMAND_OPTIONS: dict[str, dict[str, Any]] = {
     "multitask": {
         "recipe": MultitaskRecipe, "task": Task, "freq": MultitaskFreq, "prompt_key": PromptKey,
         "answer_key": MultitaskAnswerKey, "eval_rows": EvalRows, "eval_every": MultitaskEvalEvery,
+        "select_by": MultitaskSelectBy,
         "eval_batch_size": MultitaskEvalBatchSize, "model": Model, "dtype": Dtype, "precision": Precision,
         "save_dtype": SaveDtype, "trust_remote_code": TrustRemoteCode, "max_length": MaxLength,
         "max_new_tokens": MultitaskMaxNewTokens, "scheme": Scheme, "optimizer": Optimizer, "state_bits": StateBits,
@@ -349,7 +365,8 @@ COMMAND_OPTIONS: dict[str, dict[str, Any]] = {
         "weight_decay": WeightDecay, "max_grad_norm": MaxGradNorm, "seed": Seed, "out": MultitaskOut,
         "overwrite": Overwrite, "lora_rank": LoraRank, "lora_alpha": LoraAlpha, "lora_targets": LoraTargets,
         "lora_dropout": LoraDropout, "gradient_checkpointing": GradientCheckpointing,
-        "save_adapter_only": SaveAdapterOnly, "fsdp": Fsdp, "num_processes": NumProcesses, "save_every": SaveEvery,
+        "save_adapter_only": SaveAdapterOnly, "fsdp": Fsdp, "num_processes": NumProcesses, "dry_run": DryRun,
+        "gpu_memory": GpuMemory, "save_every": SaveEvery,
         "keep_last": KeepLast, "resume": Resume, "accept_changed": AcceptChanged,
         "log_update_similarity": LogUpdateSimilarity, "report_to": ReportTo,
     },
@@ -365,7 +382,8 @@ COMMAND_OPTIONS: dict[str, dict[str, Any]] = {
         "max_grad_norm": MaxGradNorm, "seed": Seed, "out": AlignOut, "overwrite": Overwrite, "lora_rank": LoraRank,
         "lora_alpha": LoraAlpha, "lora_targets": LoraTargets, "lora_dropout": LoraDropout,
         "gradient_checkpointing": GradientCheckpointing, "save_adapter_only": SaveAdapterOnly, "fsdp": Fsdp,
-        "num_processes": NumProcesses, "save_every": SaveEvery, "keep_last": KeepLast, "resume": Resume,
+        "num_processes": NumProcesses, "dry_run": DryRun, "gpu_memory": GpuMemory, "save_every": SaveEvery,
+        "keep_last": KeepLast, "resume": Resume,
         "accept_changed": AcceptChanged,
         "log_update_similarity": LogUpdateSimilarity, "report_to": ReportTo, "eval_batch_size": AlignEvalBatchSize,
         "eval_suite": AlignEvalSuite, "eval_max_samples": AlignEvalMaxSamples,

@@ -37,6 +37,7 @@ from doplus_cli.engine import checkpoint, inputs, model_card, outputs, precision
 from doplus_cli.engine.objectives import Objective, Plan, frequencies, lr_multipliers
 from doplus_cli.engine.optimizers import OptimizerSettings, build_optimizer, safeguard_fractions
 from doplus_cli.engine.schedule import JOINT, linear_warmup_schedule, objective_at, steps_per_objective
+from doplus_cli.engine.selection import BEST, Selection, selection_for
 from doplus_cli.engine.similarity import UpdateSimilarity
 from doplus_cli.errors import RunError, UserError, worker_exit_code
 from doplus_cli.lifecycle import StopRequest
@@ -284,6 +285,7 @@ def train(run: Run, config: TrainConfig, plan: Plan, console: Console, stop: Sto
     cycle = frequencies(run.objectives)
     log = StepLog(run, plan.activity, config.steps, console)
     weights = [p for _, p in checkpoint.trainable_weights(run.accelerator.unwrap_model(run.model))]
+    selection = selection_for(config, run.evals)  # a resumed run's best so far, from its recorded evaluations
     try:
         stop.install()
         for step in range(run.start_step, config.steps):
@@ -308,6 +310,8 @@ def train(run: Run, config: TrainConfig, plan: Plan, console: Console, stop: Sto
                 run.evals.append(plan.evaluate(step + 1, run.model, run.tokenizer, run.formatter, run.out,
                                                run.progress, run.accelerator))
                 run.tracker.evaluation(run.evals[-1])
+                if selection is not None and _new_best(run, selection):
+                    _save_best(run, config)
             log.line(record)
             if config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
                 run.save_checkpoint(step + 1)
@@ -319,6 +323,31 @@ def train(run: Run, config: TrainConfig, plan: Plan, console: Console, stop: Sto
     finally:
         if run.metrics is not None:
             run.metrics.close()
+
+
+def _new_best(run: Run, selection: Selection) -> bool:
+    """Whether the latest evaluation is the best so far by --select-by, as the main process finds it (it alone
+    holds every evaluation's values); every process takes its decision."""
+    improved = selection.offer(run.evals[-1])
+    if run.accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        decision = broadcast_object_list([improved, selection.step, selection.value])
+        improved, selection.step, selection.value = decision
+    return bool(improved)
+
+
+def _save_best(run: Run, config: TrainConfig) -> None:
+    """OUT/best/: the model after this step, in --save-dtype (the LoRA adapter alone under LoRA). Every process
+    takes part in gathering a sharded model's weights; the main process writes."""
+    full_weights = sharding.full_state_dict(run.model) if run.sharded else None
+    if run.accelerator.is_main_process:
+        model = run.accelerator.unwrap_model(run.model)
+        dtype = resolve_dtype(config.save_dtype)
+        state = full_weights if full_weights is not None else model.state_dict()
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        outputs.save_final(model, run.tokenizer, run.out, state, name=BEST)
+    run.accelerator.wait_for_everyone()
 
 
 def _stop_with_checkpoint(run: Run, stop: StopRequest, step: int) -> None:
@@ -369,6 +398,8 @@ def finish(run: Run, config: TrainConfig, plan: Plan, measured_after: dict[str, 
     if run.evals:
         report["evals"] = run.evals
         report["eval_curves"] = _plot_curves(run.evals, run.out, plan.curve_names)
+    if config.select_by:
+        report["best"] = selection_for(config, run.evals).report(run.out)
     outputs.write_report(run.out, report, plan.render_markdown)
     model_card.write_model_card(final, report, run.objectives, plan.command)
     run.tracker.finish(report, config.steps)

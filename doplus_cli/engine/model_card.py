@@ -21,6 +21,7 @@ import yaml
 from doplus_cli import __version__
 from doplus_cli.config import AlignConfig, MultitaskConfig, UnlearnConfig, default_of
 from doplus_cli.engine.outputs import cell
+from doplus_cli.engine.selection import best_lines
 from doplus_cli.engine.tracking import numbers
 from doplus_cli.files import atomic_write_text
 from doplus_cli.options import command_flags
@@ -175,6 +176,7 @@ def render_model_card(report: dict[str, Any], objectives: Sequence[Any], command
                   f"{', '.join(map(str, task['unlearned']))}" if len(task.get("unlearned", [])) > 1 else "")]
     lines += ["", "## Training", "", *_training_lines(command, cfg, report)]
     lines += _results_lines(report)
+    lines += best_lines(report)
     lines += ["", "## Reproduce", "", f"doplus {__version__}; {env.get('device')}, world size "
               f"{env.get('world_size')}, seed {env.get('seed')}."]
     if line:

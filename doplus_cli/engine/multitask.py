@@ -20,6 +20,7 @@ from doplus_cli.data.sources import Keys, RowRange, Source, open_source
 from doplus_cli.engine import outputs
 from doplus_cli.engine.loop import run_training
 from doplus_cli.engine.objectives import Objective, Plan
+from doplus_cli.engine.selection import best_lines
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.task_metrics import TASK_METRICS, task_score
 from doplus_cli.generation import greedy_generate
@@ -200,6 +201,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {e['step']} | " + " | ".join(_number(e.get(n)) for n in names) + " |")
         if report.get("eval_curves"):
             lines += ["", "![curves](evals/curves.png)"]
+    lines += best_lines(report)
     samples = [(t["name"], s) for t in report["tasks"] for s in t["samples"]]
     if samples:
         lines += ["", "## Held-out answers before and after", "", "| task | prompt | reference | before | after |",

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import yaml
 
+from doplus_cli.engine.selection import best_lines
 from doplus_cli.errors import UserError, writing
 from doplus_cli.evaluation import compute
 from doplus_cli.files import atomic_write_text
@@ -25,7 +26,7 @@ from doplus_cli.lifecycle import folder_entries
 from doplus_cli.optim import kernels, multi_tensor
 
 # Everything a run writes; `--overwrite` removes these and nothing else.
-RUN_FILES = ("config.yaml", "metrics.jsonl", "report.json", "report.md", "final", "data", "evals", "eval",
+RUN_FILES = ("config.yaml", "metrics.jsonl", "report.json", "report.md", "final", "best", "data", "evals", "eval",
              "checkpoints", "trackers")
 
 
@@ -83,10 +84,11 @@ class MetricsWriter:
         self._handle.close()
 
 
-def save_final(model: torch.nn.Module, tokenizer, out: Path, state_dict: dict | None = None) -> Path:
-    """final/: the model (safetensors) and tokenizer, written to final.tmp and renamed. `state_dict`: the
-    full weights of a sharded (FSDP) model, gathered beforehand."""
-    tmp, final = out / "final.tmp", out / "final"
+def save_final(model: torch.nn.Module, tokenizer, out: Path, state_dict: dict | None = None,
+               name: str = "final") -> Path:
+    """final/ (or `name`/: best/ of --select-by): the model (safetensors) and tokenizer, written to NAME.tmp and
+    renamed. `state_dict`: the weights to write instead of the model's own (a sharded model's, gathered)."""
+    tmp, final = out / f"{name}.tmp", out / name
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         with writing(final, AGAIN):
@@ -334,6 +336,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += [f"\nCoverage: {note}" for note in sorted(notes)]
         if report.get("eval_curves"):
             lines += ["", "![curves](evals/curves.png)"]
+    lines += best_lines(report)
     lines += environment_lines(env)
     return "\n".join(lines) + "\n"
 

@@ -1,0 +1,84 @@
+"""`--select-by`: the step kept as best/ is the best of a known evaluation curve by the metric's direction, a
+resumed run keeps the best it had before, and a metric the evaluation does not report is one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import run_cli, write_sets
+from tests.tiny_model import TOFU
+
+# The metric at each step: the highest at step 2, the lowest at step 6; every step after 2 is below it
+CURVE = {1: 10.0, 2: 50.0, 3: 20.0, 4: 30.0, 5: 40.0, 6: 5.0}
+
+
+@pytest.fixture
+def known_curve(monkeypatch):
+    """The evaluation during training replaced by CURVE; the weights each evaluation saw, by step."""
+    import doplus_cli.engine.unlearn as unlearn
+
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+
+    def evaluate(step, accelerator, model, *rest):
+        state = accelerator.unwrap_model(model).state_dict()
+        seen[step] = {name: tensor.detach().clone() for name, tensor in state.items()}
+        return {"step": step, "MU": CURVE[step], "UFE": CURVE[step]}
+
+    monkeypatch.setattr(unlearn, "_evaluate_tofu", evaluate)
+    return seen
+
+
+def unlearn_args(model, data, out, *extra):
+    return ["unlearn", "--eval-data-dir", TOFU, "--model", model, "--forget", data / "forget.jsonl",
+            "--retain", data / "retain.jsonl",
+            "--steps", 6, "--batch-size", 2, "--max-length", 32, "--show-samples", 0, "--eval-every", 1,
+            "--lr", 1e-3, "--out", out, *extra]
+
+
+def assert_best_is(out, seen, step):
+    report = json.loads((out / "report.json").read_text())
+    assert report["best"]["step"] == step and report["best"]["value"] == CURVE[step]
+    assert f"by MU (max): step {step} " in (out / "final" / "README.md").read_text()
+    assert f"by MU (max): step {step} " in (out / "report.md").read_text()
+    kept = load_file(str(out / "best" / "model.safetensors"))
+    assert kept and all(torch.equal(kept[name], seen[step][name]) for name in kept)
+    assert not torch.equal(kept["lm_head.weight"], seen[6]["lm_head.weight"])  # not final/'s weights
+
+
+def test_best_by_the_metric_direction_and_kept_over_a_resume(tiny_llama, tofu_dir, tmp_path, known_curve):
+    data = write_sets(tofu_dir, tmp_path, 4, 8)
+    out = tmp_path / "run"
+    assert run_cli(*unlearn_args(tiny_llama, data, out, "--select-by", "MU", "--save-every", 2)) == 0
+    assert_best_is(out, known_curve, 2)
+    first = {step: weights for step, weights in known_curve.items()}
+
+    # resumed from step 2: steps 3-6 all score below step 2's 50, so best/ stays step 2's
+    (out / "report.json").unlink()
+    assert run_cli(*unlearn_args(tiny_llama, data, out, "--select-by", "MU", "--save-every", 2, "--resume",
+                                 out / "checkpoints" / "step-2")) == 0
+    known_curve.update({2: first[2]})
+    assert_best_is(out, known_curve, 2)
+
+    # the other direction: the lowest UFE is the last step's
+    other = tmp_path / "min"
+    assert run_cli(*unlearn_args(tiny_llama, data, other, "--select-by", "UFE:min")) == 0
+    report = json.loads((other / "report.json").read_text())
+    assert report["best"] == {"metric": "UFE", "direction": "min", "step": 6, "value": 5.0,
+                              "folder": str(other / "best")}
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    (["--select-by", "accuracy", "--eval-every", 1], "unknown metric 'accuracy'"),
+    (["--select-by", "MU:up", "--eval-every", 1], "max or min"),
+    (["--select-by", "MU"], "add --eval-every N"),
+])
+def test_a_metric_not_evaluated_is_one_line_and_exit_2(tiny_llama, tofu_dir, tmp_path, capsys, extra, says):
+    data = write_sets(tofu_dir, tmp_path, 4, 8)
+    args = ["unlearn", "--model", tiny_llama, "--forget", data / "forget.jsonl", "--out", tmp_path / "run", *extra]
+    assert run_cli(*args) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1 and not (tmp_path / "run").exists()
