@@ -7,8 +7,9 @@ Each scheme runs 3 steps of `doplus unlearn` (NPO+GD on TOFU's forget10 and reta
 every batch fills the plan's sequence length and both objectives step) in a process of its own. That process
 imports what a run imports first, reads its resident set (VmRSS), runs the command, and reports its peak resident
 set (ru_maxrss) less that baseline: what the run added to the process, which is what the plan counts, plus what it
-does not (the tokenizer and data, the allocator's free lists, torch.compile's work for DualOptim+'s fused kernels,
-the optimizer step's temporaries). Not part of the suite: it takes minutes.
+does not (the tokenizer and data, torch.compile's work for DualOptim+'s fused kernels, the optimizer step's
+temporaries). glibc's allocator is told to return freed blocks (`ALLOCATOR_ENV`). Not part of the suite: it takes
+minutes.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ TOFU = SHARED / "data" / "tofu"
 FLAGS = ["--forget", str(TOFU / "forget10.json"), "--retain", str(TOFU / "retain90.json"), "--loss", "NPO+GD",
          "--steps", "3", "--batch-size", "4", "--max-length", "64", "--show-samples", "0", "--forget-freq", "1",
          "--retain-freq", "2", "--warmup-steps", "1", "--precision", "fp32", "--dtype", "float32"]
+
+# glibc's malloc serves blocks under its dynamic mmap threshold (it grows to 32 MiB as large blocks are freed) from
+# its heap, and keeps them there once freed: the peak resident set would count tensors long gone. A fixed threshold
+# of 128 KiB gives every tensor of any size its own mapping, returned to the system when the tensor is freed.
+ALLOCATOR_ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 
 CHILD = r"""
 import json, resource, sys
@@ -81,7 +87,7 @@ def main(names: list[str]) -> None:
         flags = FLAGS + scheme_flags(name)
         with tempfile.TemporaryDirectory() as out:
             done = subprocess.run([sys.executable, "-c", CHILD, "unlearn", *flags, "--out", out + "/run"],
-                                  capture_output=True, text=True, timeout=1800, cwd=ROOT)
+                                  capture_output=True, text=True, timeout=1800, cwd=ROOT, env=ALLOCATOR_ENV)
         if done.returncode:
             print(f"| {name} | failed: {done.stderr.strip().splitlines()[-1:]} |")
             continue

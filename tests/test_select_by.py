@@ -82,3 +82,18 @@ def test_a_metric_not_evaluated_is_one_line_and_exit_2(tiny_llama, tofu_dir, tmp
     assert run_cli(*args) == 2
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_multitask_selects_by_a_task_name_or_the_average(tiny_llama, tofu_dir, tmp_path, capsys):
+    """multitask's metrics are its task names and average: another name is one line, exit 2."""
+    from doplus_cli.config import MultitaskConfig, resolve_config, selectable_metrics, task_from_option
+
+    task = f"facts={tofu_dir / 'forget01.json'}"
+    args = ["multitask", "--model", tiny_llama, "--task", task, "--prompt-key", "question", "--eval-every", 1,
+            "--select-by", "MU", "--out", tmp_path / "run"]
+    assert run_cli(*args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "unknown metric 'MU': choose one of facts, average" in err and len(err.splitlines()) == 1
+    config = resolve_config(None, {"tasks": [task_from_option(task)], "eval_every": 1, "select_by": "facts:min"},
+                            MultitaskConfig)
+    assert selectable_metrics(config) == {"facts": True, "average": True}
