@@ -325,6 +325,10 @@ def bench_schemes(
         False, "--keep-checkpoints", help="Keep each run's checkpoints once it is evaluated (by default they are "
         "removed, so the bench needs the disk of one run's checkpoints plus every run's final/)."
     ),
+    summarize_from: str = typer.Option(
+        "final", "--summarize-from", help="Score each run by its final model, or by its best step (best: the runs "
+        "evaluate during training and keep their best step, --set select_by=METRIC --set eval_every=N)."
+    ),
 ) -> None:
     """Every scheme x seed on one recipe as ordinary runs, evaluated; mean ± std tables and plots."""
     from doplus_cli.bench.schemes import print_summary, run_schemes_bench
@@ -333,7 +337,7 @@ def bench_schemes(
         summary = run_schemes_bench(recipe, schemes, seeds, out, list(set_options or []), sweep,
                                     log_update_similarity, num_processes, fsdp,
                                     say=lambda line: err_console.print(Text(line)), task_ids=task_ids,
-                                    keep_checkpoints=keep_checkpoints)
+                                    keep_checkpoints=keep_checkpoints, summarize_from=summarize_from)
     # Without a terminal (a batch job's log) rich would fold the table into 80 columns.
     print_summary(summary, Console(highlight=False, width=None if sys.stdout.isatty() else 200))
 

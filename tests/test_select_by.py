@@ -97,3 +97,39 @@ def test_multitask_selects_by_a_task_name_or_the_average(tiny_llama, tofu_dir, t
     config = resolve_config(None, {"tasks": [task_from_option(task)], "eval_every": 1, "select_by": "facts:min"},
                             MultitaskConfig)
     assert selectable_metrics(config) == {"facts": True, "average": True}
+
+
+def test_bench_scores_each_run_at_its_best_step(tiny_llama, tofu_dir, tmp_path):
+    """`bench schemes --summarize-from best`: refused for runs that keep no best step; an unlearn run is scored by
+    its evaluation at the best step, a multitask run by that step's task scores."""
+    from doplus_cli.bench.schemes import plan_bench
+    from doplus_cli.bench.schemes.summary import check_summarize_from
+    from doplus_cli.errors import UserError
+    from doplus_cli.kinds import kind_named
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model: {tiny_llama}\nforget: {tofu_dir / 'forget01.json'}\n"
+                      f"retain: {tofu_dir / 'retain90.json'}\neval_suite: tofu\neval_data_dir: {tofu_dir}\n")
+    bench = plan_bench(str(recipe), "joint,doplus", "0", str(tmp_path / "bench"), [], None, False)
+    with pytest.raises(UserError, match="keep no best step"):
+        check_summarize_from(bench, "best")
+    with pytest.raises(UserError, match="choose final or best"):
+        check_summarize_from(bench, "last")
+    bench = plan_bench(str(recipe), "joint,doplus", "0", str(tmp_path / "bench"),
+                       ["select_by=MU", "eval_every=2"], None, False)
+    assert check_summarize_from(bench, "best") == "best"
+
+    folder = tmp_path / "run"
+    (folder / "evals" / "step-4").mkdir(parents=True)
+    (folder / "evals" / "step-4" / "eval.json").write_text("{}")
+    report = {"best": {"metric": "MU", "step": 4}, "evals": [{"step": 4}, {"step": 6}], "steps": 6}
+    assert kind_named("unlearn").at_best(folder, report) == (report, folder / "evals" / "step-4")
+    assert kind_named("unlearn").at_best(folder, {**report, "best": {"step": 2}}) is None  # not evaluated there
+
+    report = {"best": {"step": 2}, "evals": [{"step": 2, "a": 50.0, "average": 50.0},
+                                             {"step": 4, "a": 10.0, "average": 10.0}],
+              "scores": {"before": {"a": 0.0, "average": 0.0}, "after": {"a": 10.0, "average": 10.0}}}
+    view, where = kind_named("multitask").at_best(folder, report)
+    assert view["scores"]["after"] == {"a": 50.0, "average": 50.0} and where == folder
+    assert kind_named("multitask").scores(view, where)[0] == {"a": 50.0, "average": 50.0}
+    assert kind_named("align").at_best(folder, report) is None

@@ -101,6 +101,13 @@ class Kind:
         """The command that evaluates the run in `folder` (or `model` into `out`: the starting model)."""
         raise NotImplementedError
 
+    keeps_best = False  # its runs evaluate during training and keep the best step (--select-by): --summarize-from
+
+    def at_best(self, folder: Path, report: dict[str, Any]) -> tuple[dict[str, Any], Path] | None:
+        """(the report as the bench reads it at the run's best step, that step's evaluation); None when the run
+        kept no best step."""
+        return None
+
     def has_start(self, config: TrainConfig) -> bool:
         """Whether the bench evaluates the starting model too (the first point of every run's curve)."""
         return False

@@ -43,6 +43,17 @@ class MultitaskKind(Kind):
     def score_definitions(self, config: MultitaskConfig, facts: list[dict[str, Any]]) -> list[str]:
         return ["Task scores: % on each task's held-out rows after training (its metric); average: their mean."]
 
+    keeps_best = True
+
+    def at_best(self, folder: Path, report: dict[str, Any]) -> tuple[dict[str, Any], Path] | None:
+        """The report with the scores of the best step's evaluation during training in place of the final ones."""
+        step = (report.get("best") or {}).get("step")
+        row = next((e for e in report.get("evals") or [] if e.get("step") == step), None)
+        if step is None or row is None:
+            return None
+        after = {name: row.get(name) for name in report["scores"]["after"]}
+        return {**report, "scores": {**report["scores"], "after": after}}, folder
+
     def scores(self, report: dict[str, Any], evaluation: Path) -> tuple[dict[str, Any], dict[str, str]]:
         """The held-out scores after training (report.json, like the paper's Table 4)."""
         return dict(report["scores"]["after"]), {}

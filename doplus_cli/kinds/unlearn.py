@@ -146,6 +146,14 @@ class UnlearnKind(Kind):
         after = folder / "eval"
         return after if (after / "eval.json").is_file() else None
 
+    keeps_best = True
+
+    def at_best(self, folder: Path, report: dict[str, Any]) -> tuple[dict[str, Any], Path] | None:
+        """The evaluation during training at the best step (OUT/evals/step-N/), which scored best/."""
+        step = (report.get("best") or {}).get("step")
+        own = folder / "evals" / f"step-{step}"
+        return (report, own) if step is not None and (own / "eval.json").is_file() else None
+
     def evaluate_command(self, config: UnlearnConfig, folder: Path, model: str | None = None,
                          out: Path | None = None) -> list[str]:
         """`doplus evaluate` of final/ (or of `model` into `out`: the starting model) with the recipe's eval_*

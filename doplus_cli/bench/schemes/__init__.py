@@ -44,6 +44,7 @@ from doplus_cli.bench.schemes.plots import plot_curves, plot_tradeoff, plot_trad
 from doplus_cli.bench.schemes.running import Runner
 from doplus_cli.bench.schemes.summary import (
     Result,
+    check_summarize_from,
     collect,
     mean_std,
     print_summary,
@@ -75,10 +76,11 @@ def write_outputs(bench: Bench, index: dict[str, Any]) -> dict[str, Any]:
 def run_schemes_bench(recipe: str, schemes: str, seeds: str, out: str | None, set_options: list[str],
                       sweep: str | None, log_update_similarity: bool, num_processes: int | None, fsdp: bool,
                       say: Callable[[str], None], task_ids: str | None = None,
-                      keep_checkpoints: bool = False) -> dict[str, Any]:
+                      keep_checkpoints: bool = False, summarize_from: str = "final") -> dict[str, Any]:
     """Plan and check everything, run what is missing, then write the tables and figures; return SCHEMES.json."""
     out = out or os.path.join("bench", Path(recipe).stem)
     bench = plan_bench(recipe, schemes, seeds, out, set_options, sweep, log_update_similarity, task_ids)
+    bench.summarize_from = check_summarize_from(bench, summarize_from)
     with run_guard():  # one bench per folder, and a signal from the start stops it (bench/schemes/running.py)
         hold(bench.out, "doplus bench schemes")
         return _run_bench(bench, task_ids, num_processes, fsdp, say, keep_checkpoints)

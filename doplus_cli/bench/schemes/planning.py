@@ -82,6 +82,7 @@ class Bench:
     log_update_similarity: bool
     runs: list[Run] = field(default_factory=list)
     task_ids: list[int | None] = field(default_factory=lambda: [None])  # --task-ids: forget tasks, an axis
+    summarize_from: str = "final"  # --summarize-from: each run's final model, or its best/ step (--select-by)
 
     def experiment(self) -> dict[str, Any]:
         """What every run of OUT shares; a later command into the same OUT must give the same."""

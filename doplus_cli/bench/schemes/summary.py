@@ -17,6 +17,7 @@ from doplus_cli.bench.schemes.planning import Bench, completed_report, plain, st
 from doplus_cli.bench.tradeoff import ordered, summarise_tradeoff
 from doplus_cli.bench.tradeoff import render as render_tradeoff
 from doplus_cli.config import SCHEMES
+from doplus_cli.errors import UserError
 from doplus_cli.kinds import Metric
 
 UPDATE_COSINE = Metric("update_cosine", "update cos (mean over the 2nd half of steps)", None, ".3f")
@@ -49,13 +50,35 @@ class Result:
         return ordered(self.start, self.evals)
 
 
+SUMMARIZE_FROM = ("final", "best")
+
+
+def check_summarize_from(bench: Bench, value: str) -> str:
+    """`--summarize-from final|best`: best needs a kind that evaluates during training and runs that keep their
+    best step (`select_by` in the recipe or --set); one line otherwise."""
+    if value not in SUMMARIZE_FROM:
+        raise UserError(f"--summarize-from {value}: choose final or best")
+    if value == "best":
+        if not bench.kind.keeps_best:
+            raise UserError(f"--summarize-from best: doplus {bench.kind.command} does not evaluate during training, "
+                            "so its runs keep no best step")
+        if not all(run.config.select_by and run.config.eval_every for run in bench.runs):
+            raise UserError("--summarize-from best: the runs keep no best step; set select_by and eval_every in the "
+                            "recipe or with --set select_by=METRIC --set eval_every=N")
+    return value
+
+
 def collect(bench: Bench, index: dict[str, Any]) -> tuple[list[Result], list[str]]:
     """(results of every finished and evaluated run in OUT, names of its other runs)."""
     results, unfinished = [], []
     for name, entry in index["runs"].items():
         folder = bench.out / "runs" / name
         report = completed_report(folder)
-        evaluation = bench.kind.evaluation(folder, report) if report is not None else None
+        evaluation = None
+        if report is not None and bench.summarize_from == "best":
+            report, evaluation = bench.kind.at_best(folder, report) or (report, None)
+        elif report is not None:
+            evaluation = bench.kind.evaluation(folder, report)
         if report is None or evaluation is None:
             unfinished.append(name)
             continue
