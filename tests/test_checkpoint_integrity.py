@@ -209,6 +209,9 @@ def test_changed_data_model_or_software_is_refused_on_resume_and_accepted_with_t
     assert "resuming on changed inputs, accepted with --accept-changed" in err and "edited, same 10 rows" in err
     # the accepted inputs are the run's from now on: a later checkpoint records them
     assert json.loads((out / "inputs.json").read_text())["data"]["forget"]["sha256"] == sha256(forget)
+    # the model card's command reproduces the run from the start, where no change is there to accept
+    card = (out / "final" / "README.md").read_text()
+    assert "--lr" in card and "--accept-changed" not in card
 
 
 def test_a_shrunk_multitask_file_is_refused_and_resumes_once_accepted(tiny_llama, tmp_path, capsys):
