@@ -143,3 +143,14 @@ def test_the_sizing_configs_give_the_published_parameter_counts(tofu_dir, folder
     model = Path(__file__).parent / "data" / "model-configs" / folder
     plan = plan_of(model, tofu_dir)
     assert plan.model.trainable == published
+
+
+def test_rmu_trains_its_modules_only_and_the_reference_offloads(config_only_model, tofu_dir):
+    # RMU on this 2-layer model: layer 0 (7/32 of the depth), its MLP output projection alone trains
+    rmu = plan_of(config_only_model, tofu_dir, loss="RMU+EMBED", scheme="joint")
+    assert rmu.model.trainable == MLP and rmu.model.frozen == N - MLP
+    assert rmu.parts["optimizer states"] == 8 * MLP and rmu.parts["reference model"] == 4 * N  # EMBED's reference
+    # the reference on the host: none on the device; LLM.int8: a byte per linear weight, the rest at --dtype
+    assert plan_of(config_only_model, tofu_dir, loss="NPO+GD", ref_offload="cpu").parts["reference model"] == 0
+    int8 = plan_of(config_only_model, tofu_dir, loss="NPO+GD", ref_offload="8bit")
+    assert int8.parts["reference model"] == LINEAR + 4 * (N - LINEAR)
