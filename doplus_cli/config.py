@@ -597,10 +597,29 @@ def validate_training(config: TrainConfig) -> None:
         raise UserError("--resume needs --out: the folder of the run to continue")
     if config.accept_changed and config.resume is None:
         raise UserError("--accept-changed applies to a resumed run: add --resume")
+    parse_accept_changed(config.accept_changed)
     check_prompt_template(config.prompt_template)
     parse_report_to(config.report_to)  # an unknown tracker or a missing package: one line, before any model loads
     if config.optimizer == "muon" and config.scheme != "doplus":
         raise UserError("--optimizer muon is built for --scheme doplus only; use adamw with the other schemes")
+
+
+# What `--accept-changed` may accept on resume (engine/inputs.py records and compares them)
+ACCEPT_CHANGED_KINDS = ("data", "model", "software")
+
+
+def parse_accept_changed(text: str | None) -> set[str]:
+    """`--accept-changed data,model` -> {"data", "model"}; `all` is every kind."""
+    if not text:
+        return set()
+    kinds = {k.strip() for k in str(text).split(",") if k.strip()}
+    if "all" in kinds:
+        return set(ACCEPT_CHANGED_KINDS)
+    unknown = sorted(kinds - set(ACCEPT_CHANGED_KINDS))
+    if unknown:
+        raise UserError(f"--accept-changed {text}: unknown kind '{unknown[0]}' (choose from "
+                        f"{', '.join(ACCEPT_CHANGED_KINDS)}, all; comma-separated)")
+    return kinds
 
 
 def check_scheme_options(config: TrainConfig) -> None:

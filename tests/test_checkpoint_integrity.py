@@ -214,6 +214,45 @@ def test_changed_data_model_or_software_is_refused_on_resume_and_accepted_with_t
     assert "--lr" in card and "--accept-changed" not in card
 
 
+def test_a_file_edited_with_its_modification_time_set_back_is_hashed_again(tmp_path, monkeypatch):
+    """The recorded hash is reused only for a file with the recorded size, inode, mtime and ctime, changed well
+    before it was hashed; an edit that keeps the size and sets the mtime back still changes the ctime, which no user
+    tool sets back."""
+    import os
+    import time
+
+    data = tmp_path / "forget.jsonl"
+    data.write_text('{"question": "q", "answer": "a"}\n' * 3)
+    recorded = inputs.describe_file(data, rows=True)
+    assert recorded["sha256"] == sha256(data) and recorded["rows"] == 3
+    # changed less than 2 s before it was hashed: hashed again (a later hashing time), the same contents
+    again = inputs.describe_file(data, recorded, rows=True)
+    assert again["hashed_at_ns"] > recorded["hashed_at_ns"] and again["sha256"] == recorded["sha256"]
+    monkeypatch.setattr(inputs, "_RACY_NS", 0)  # as if the file had been hashed long after its last change
+    assert inputs.describe_file(data, recorded, rows=True) == recorded  # not written since: its record stands
+    before = data.stat()
+    time.sleep(0.05)  # a later ctime, even on a file system with a coarse clock
+    data.write_text('{"question": "q", "answer": "b"}\n' * 3)  # same size
+    os.utime(data, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert data.stat().st_size == before.st_size and data.stat().st_mtime_ns == before.st_mtime_ns
+    now = inputs.describe_file(data, recorded, rows=True)
+    assert now["sha256"] == sha256(data) != recorded["sha256"]
+    assert inputs.changes({"data": {"forget": recorded}}, {"data": {"forget": now}}) == {
+        "data": [f"forget {data} (edited, same 3 rows)"]}
+
+
+def test_accept_changed_is_checked_before_anything_runs(tiny_llama, data, tmp_path, capsys):
+    run = args(tiny_llama, data / "forget.jsonl", data / "retain.jsonl", tmp_path / "run", 2)
+    for extra, said in ((["--accept-changed", "data"], "--accept-changed applies to a resumed run: add --resume"),
+                        (["--resume", "--accept-changed", "data,weights"],
+                         "--accept-changed data,weights: unknown kind 'weights' (choose from data, model, software")):
+        capsys.readouterr()
+        assert run_cli(*run, *extra) == 2
+        lines = last_lines(capsys)
+        assert len(lines) == 1 and said in lines[0], lines
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_shrunk_multitask_file_is_refused_and_resumes_once_accepted(tiny_llama, tmp_path, capsys):
     rows = [{"prompt": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(16)]
     task = write_jsonl(tmp_path / "sums.jsonl", rows)

@@ -13,7 +13,9 @@ A resumption compares them with what it finds now and refuses a change, naming i
 names its kind (`data`, `model`, `software`). A file is hashed again only when its size, inode, modification
 time or change time differ from the recorded ones: the change time (ctime) is set by the file system on every
 write and cannot be set back by a user, so an unchanged stat means unchanged contents, and resuming on a large
-model costs a `stat` per file. A copied or moved file is hashed again and passes if its contents are the same.
+model costs a `stat` per file. A file changed less than two seconds before it was hashed is hashed again (an
+edit within the same tick of the file system's clock would keep its ctime). A copied or moved file is hashed
+again and passes if its contents are the same.
 """
 
 from __future__ import annotations
@@ -22,21 +24,22 @@ import hashlib
 import json
 import os
 import re
+import time
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from doplus_cli.config import PATH_KEYS, TASK_PATH_KEYS
+from doplus_cli.config import PATH_KEYS, TASK_PATH_KEYS, parse_accept_changed
 from doplus_cli.errors import UserError
 from doplus_cli.files import write_json
 
 INPUTS_FILE = "inputs.json"
-KINDS = ("data", "model", "software")
 SOFTWARE = ("doplus", "torch", "transformers", "accelerate")
 _DATA_KEYS = tuple(k for k in PATH_KEYS if k not in ("model", "teach"))
 _ROW_RANGE = re.compile(r"^(?P<base>.+)\[(?P<start>-?\d*):(?P<stop>-?\d*)\]$")
 _CHUNK = 16 << 20
+_RACY_NS = 2_000_000_000  # ctime within 2 s of the hashing: hashed again on the next check
 
 
 def software_versions() -> dict[str, str | None]:
@@ -52,20 +55,6 @@ def software_versions() -> dict[str, str | None]:
     return versions
 
 
-def parse_accept(text: str | None) -> set[str]:
-    """`--accept-changed data,model` -> {"data", "model"}; `all` is every kind."""
-    if not text:
-        return set()
-    kinds = {k.strip() for k in str(text).split(",") if k.strip()}
-    if "all" in kinds:
-        return set(KINDS)
-    unknown = sorted(kinds - set(KINDS))
-    if unknown:
-        raise UserError(f"--accept-changed {text}: unknown kind '{unknown[0]}' (choose from {', '.join(KINDS)}, "
-                        "all; comma-separated)")
-    return kinds
-
-
 def _stat_key(stat: os.stat_result) -> list[int]:
     return [stat.st_size, stat.st_ino, stat.st_mtime_ns, stat.st_ctime_ns]
 
@@ -75,11 +64,15 @@ def describe_file(path: Path, recorded: dict[str, Any] | None = None, rows: bool
     recorded one (see the module's docstring)."""
     stat = path.stat()
     entry: dict[str, Any] = {"path": str(path), "size": stat.st_size, "stat": _stat_key(stat)}
-    if recorded and recorded.get("stat") == entry["stat"] and "sha256" in recorded:
-        entry["sha256"] = recorded["sha256"]
+    # as git's "racily clean" files: a file changed in the last seconds before it was hashed could change again
+    # within the same tick of the file system's clock, so its record is trusted only for a change well before
+    settled = stat.st_ctime_ns < (recorded or {}).get("hashed_at_ns", 0) - _RACY_NS
+    if recorded and recorded.get("stat") == entry["stat"] and "sha256" in recorded and settled:
+        entry["sha256"], entry["hashed_at_ns"] = recorded["sha256"], recorded["hashed_at_ns"]
         if "rows" in recorded:
             entry["rows"] = recorded["rows"]
         return entry
+    entry["hashed_at_ns"] = time.time_ns()
     digest = hashlib.sha256()
     count = 0
     with open(path, "rb") as handle:
@@ -270,7 +263,7 @@ def check_unchanged(checkpoint: Path, recorded: dict[str, Any] | None, software:
                     say: Callable[[str], None]) -> None:
     """Refuse to resume `checkpoint` on inputs other than those recorded, in one line naming each change and the
     flag that accepts it; with that flag, say what changed, record the inputs as they are now and go on."""
-    accepted = parse_accept(accept_changed)
+    accepted = parse_accept_changed(accept_changed)
     if recorded is None and software is None:
         say(f"{checkpoint}: the run's inputs were not recorded (no {INPUTS_FILE}), so changed data, model or "
             "software could not be checked; recording them now for the checkpoints to come")
