@@ -97,6 +97,10 @@ def test_precisions_activations_reference_and_sharding(config_only_model, tofu_d
     assert mixed.parts["weights"] == 4 * N and mixed.parts["compute copies"] == 2 * LINEAR
     assert mixed.parts["activations"] == L * 2 * 8 * per_token * 2
     assert mixed.parts["reference model"] == 2 * N  # at --dtype
+    # FSDP gathers bf16 parameters itself: no autocast copies, the gathered root and two layers at 2 B
+    split = sum(-(-b // 2) for b in (4 * N, 4 * N, 24 * N, 2 * N))
+    assert mixed.total(2, fsdp=True) == (split + (2 * TABLE + NORM + 2 * LAYER) * 2
+                                         + L * 2 * 8 * per_token * 2 + 2 * 8 * V * (2 + 8))
     # bf16: bf16 weights and gradients, a bf16 compensation buffer, float32 states
     bf16 = plan_of(config_only_model, tofu_dir, precision="bf16", dtype="bfloat16")
     assert (bf16.parts["weights"], bf16.parts["gradients"], bf16.parts["compensation"]) == (2 * N, 2 * N, 2 * N)

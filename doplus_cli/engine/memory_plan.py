@@ -21,7 +21,8 @@ it as a run applies them, and each parameter is then counted once per place a ru
 A process holds all of it under DDP (with DDP's gradient buckets, a second gradient-sized buffer); under FSDP
 the weights, gradients, states, compensation and reference are split over the N processes, and each holds
 besides the gathered parameters of the root module and of two decoder layers (the one computed and the one
-prefetched), in the compute dtype. Activations and logits are per process either way: --batch-size is per
+prefetched), in the compute dtype (FSDP's mixed-precision policy gathers them in bf16 under bf16-mixed, so
+autocast makes no copies there). Activations and logits are per process either way: --batch-size is per
 process.
 
 Not counted: the CUDA context and the caching allocator's slack (`OVERHEAD_GIB` is reserved for them in the
@@ -105,9 +106,9 @@ class MemoryPlan:
 
     def total(self, processes: int, fsdp: bool) -> int:
         """Bytes one of `processes` processes holds (DDP when not `fsdp`)."""
-        if fsdp and processes > 1:
+        if fsdp and processes > 1:  # FSDP gathers bf16 parameters itself under bf16-mixed: no autocast copies
             return sum(math.ceil(b / processes) if name in self.sharded else b
-                       for name, b in self.parts.items()) + self.fsdp_extra
+                       for name, b in self.parts.items() if name != "compute copies") + self.fsdp_extra
         return sum(self.parts.values()) + (self.ddp_extra if processes > 1 else 0)
 
 
