@@ -311,9 +311,10 @@ def build_plan(config: TrainConfig, model: ModelPlan, cuda: bool) -> MemoryPlan:
         plan.sharded.add("reference model")
     plan.ddp_extra = parts["gradients"]
     plan.fsdp_extra = (model.root_params + 2 * model.layer_params) * compute
-    count = max(1, len(trainable) and sum(p.numel for p in trainable))
+    # bytes per parameter: the weights' over every parameter, the others' over the trainable ones
+    every, trained_count = max(1, sum(p.numel for p in model.params)), max(1, model.trainable)
     for name in ("weights", "gradients", "optimizer states", "compensation"):
-        plan.per_param[name] = parts[name] / (sum(p.numel for p in model.params) if name == "weights" else count)
+        plan.per_param[name] = parts[name] / (every if name == "weights" else trained_count)
     return plan
 
 
