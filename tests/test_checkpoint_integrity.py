@@ -322,3 +322,28 @@ def test_an_infinite_optimizer_state_is_never_saved_in_a_checkpoint(tiny_llama, 
         in lines[-1] and "holds 1 infinite" in lines[-1] and "checkpoints/step-1" in lines[-1], lines
     assert [p.name for p in ckpt.list_checkpoints(out / "checkpoints")] == ["step-1"]
     assert not (out / "final").exists() and not (out / "report.json").exists()
+
+
+def test_the_state_shape_check_reads_through_the_shared_state_wrapper_and_passes_8bit_block_scales(tmp_path):
+    """Alternate and Joint hand the loop a wrapper around one torch optimizer; 8-bit states keep one absmax per
+    block of 256 elements, so a 1-D weight of 4096 elements has a (16,) absmax beside its (4096,) codes."""
+    from doplus_cli.engine.optimizers import SharedState
+    from doplus_cli.optim import DualOptimPlus
+
+    weight = torch.nn.Parameter(torch.ones(4096))
+    optimizer = DualOptimPlus([weight], lr=0.1, objectives=("forget", "retain"), state_bits=8)
+    weight.grad = torch.full_like(weight, 0.5)
+    optimizer.step(objective="forget")
+    absmax = [key for key, value in optimizer.state[weight].items() if "absmax" in key and value.shape == (16,)]
+    assert absmax  # the case the check must pass: block scales of another length than the weight
+    ckpt.check_optimizer_shapes(tmp_path / "optimizer.pt", optimizer)
+
+    linear = torch.nn.Linear(3, 2)
+    inner = torch.optim.AdamW(linear.parameters(), lr=0.1)
+    linear(torch.ones(1, 3)).sum().backward()
+    inner.step()
+    wrapped = SharedState(inner)
+    ckpt.check_optimizer_shapes(tmp_path / "optimizer.pt", wrapped)
+    inner.state[linear.weight]["exp_avg"] = torch.zeros(5, 7)
+    with pytest.raises(UserError, match=r"the optimizer state 'exp_avg' has shape \(5, 7\)"):
+        ckpt.check_optimizer_shapes(tmp_path / "optimizer.pt", wrapped)

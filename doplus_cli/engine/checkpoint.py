@@ -536,7 +536,7 @@ def load_checkpoint(
             local_shard(params[name]).copy_(tensor)
     saved_optimizer = _loaded(optimizer_file, lambda: torch.load(optimizer_file, weights_only=True))
     _loaded(optimizer_file, lambda: optimizer.load_state_dict(saved_optimizer), "does not fit this run's optimizer")
-    _check_optimizer_shapes(optimizer_file, optimizer)
+    check_optimizer_shapes(optimizer_file, optimizer)
     scheduler_file = path / "scheduler.pt"
     saved_scheduler = _loaded(scheduler_file, lambda: torch.load(scheduler_file, weights_only=True))
     _loaded(scheduler_file, lambda: scheduler.load_state_dict(saved_scheduler), "does not fit this run's scheduler")
@@ -579,16 +579,32 @@ def _check_weights(file: Path, saved: dict[str, torch.Tensor], params: dict[str,
                             f"{tuple(params[name].shape)}")
 
 
-def _check_optimizer_shapes(file: Path, optimizer) -> None:
+def check_optimizer_shapes(file: Path, optimizer) -> None:
     """The loaded moment tensors have their parameter's shape (torch's load_state_dict checks only the groups'
-    sizes, and a mismatch would otherwise surface as a traceback in the first step)."""
-    scheduled = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch optimizer
-    for group in getattr(scheduled, "param_groups", []):
+    sizes, and a mismatch would otherwise surface as a traceback in the first step). Per-objective states
+    (DualOptim's) are nested one level down; 8-bit block scales (`*_absmax`, bitsandbytes' `absmax1`, `qmap1`) hold
+    one value per block of 256 elements, not one per element, so they are not compared with the parameter."""
+    inner = optimizer
+    for wrapper in ("optimizer", "inner"):  # accelerate's wrapper, then the engine's shared-state wrapper
+        if not isinstance(getattr(inner, "state", None), dict) and hasattr(inner, wrapper):
+            inner = getattr(inner, wrapper)
+    states = getattr(inner, "state", None)
+    if not isinstance(states, dict):
+        return
+
+    def moments(entry: dict, prefix: str = ""):
+        for key, value in entry.items():
+            if isinstance(value, dict):
+                yield from moments(value, f"{prefix}{key}.")
+            elif torch.is_tensor(value) and not ("absmax" in str(key) or str(key).startswith("qmap")):
+                yield prefix + str(key), value
+
+    for group in getattr(inner, "param_groups", []):
         for param in group["params"]:
             shape = local_shard(param).shape
-            for key, value in scheduled.state.get(param, {}).items():
-                if (torch.is_tensor(value) and value.is_floating_point() and value.dim() == len(shape)
-                        and value.numel() > 1 and value.shape != shape):
+            for key, value in moments(states.get(param, {})):
+                if (value.is_floating_point() and value.dim() == len(shape) and value.numel() > 1
+                        and value.shape != shape):
                     raise UserError(f"{file}: the optimizer state '{key}' has shape {tuple(value.shape)} for a "
                                     f"parameter of shape {tuple(shape)}")
 
