@@ -133,6 +133,12 @@ def test_resume_without_a_checkpoint_refuses_another_configuration_and_a_finishe
     assert "started with another configuration (lr)" in err and "\n" not in err
     assert run_cli(*args(tiny_llama, data, uninterrupted, "--resume")) == 2  # finished, its checkpoints removed
     assert "holds a finished run and no checkpoint" in capsys.readouterr().err
+    unrelated = tmp_path / "unrelated"
+    unrelated.mkdir()
+    (unrelated / "notes.txt").write_text("not a run")
+    assert run_cli(*args(tiny_llama, data, unrelated, "--resume")) == 2  # never trains among someone's files
+    assert "holds no doplus run to resume" in capsys.readouterr().err
+    assert sorted(p.name for p in unrelated.iterdir() if not p.name.startswith(".doplus")) == ["notes.txt"]
 
 
 @pytest.mark.processes
