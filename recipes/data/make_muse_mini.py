@@ -62,6 +62,24 @@ REMARKS = ["the work had been planned for nearly a decade", "the money came from
            "the site had flooded twice in recent years", "the opening would be marked by a fair"]
 
 
+# Each sentence of an article in one of three phrasings, so that forget, retain and held-out articles share
+# their facts' slots but not one fixed wording.
+SENTENCES = [
+    ["{person}, the {role} of {town}, announced on {day} that work on {project} would begin this spring.",
+     "Speaking on {day}, {person}, {role} of {town}, confirmed that building {project} will start within weeks.",
+     "{town}'s {role}, {person}, told reporters on {day} that the council had approved {project}."],
+    ["The project will cost {cost} thousand pounds and is expected to finish in {month}.",
+     "Its budget is {cost} thousand pounds, and the builders hope to hand it over in {month}.",
+     "Planners put the price at {cost} thousand pounds, with completion pencilled in for {month}."],
+    ["According to {speaker}, a spokesperson for {org}, {remark}.",
+     "{speaker} of {org} said that {remark}.",
+     "A statement from {org}, signed by {speaker}, noted that {remark}."],
+    ["On the evening of the announcement, residents gathered at the {place} to {activity}.",
+     "Later that day, dozens of people met at the {place} to {activity}.",
+     "Neighbours were invited to the {place} to {activity}."],
+]
+
+
 def articles(count: int, rng: random.Random, used: set[str]) -> list[dict]:
     """`count` articles, each about a town not used before, with the facts its questions ask about."""
     made = []
@@ -77,13 +95,7 @@ def articles(count: int, rng: random.Random, used: set[str]) -> list[dict]:
                  "speaker": f"{rng.choice(FIRST)} {rng.choice(LAST)}", "org": rng.choice(ORGS),
                  "remark": rng.choice(REMARKS), "place": rng.choice(PLACES), "activity": rng.choice(ACTIVITIES)}
         headline = f"{town} to build {project}"
-        first = f"{facts['person']}, the {facts['role']} of {town}, announced on {facts['day']} that work on " \
-                f"{project} would begin this spring."
-        rest = [f"The project will cost {facts['cost']} thousand pounds and is expected to finish in "
-                f"{facts['month']}.",
-                f"According to {facts['speaker']}, a spokesperson for {facts['org']}, {facts['remark']}.",
-                f"On the evening of the announcement, residents gathered at the {facts['place']} to "
-                f"{facts['activity']}."]
+        first, *rest = (rng.choice(variants).format(**facts) for variants in SENTENCES)
         prompt = f"{headline}\n{first}"
         gt = " " + " ".join(rest)
         made.append({**facts, "prompt": prompt, "gt": gt, "text": prompt + gt})
@@ -95,7 +107,7 @@ def question(article: dict, rng: random.Random) -> dict:
     town, short = article["town"], article["short"]
     kind = rng.randrange(3)
     if kind == 0:
-        return {"question": f"Who announced that work on {short} in {town} would begin this spring?",
+        return {"question": f"Who announced the plans for {short} in {town}?",
                 "answer": article["person"]}
     if kind == 1:
         return {"question": f"How much will {short} in {town} cost?", "answer": f"{article['cost']} thousand pounds"}
