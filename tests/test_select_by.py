@@ -133,3 +133,13 @@ def test_bench_scores_each_run_at_its_best_step(tiny_llama, tofu_dir, tmp_path):
     assert view["scores"]["after"] == {"a": 50.0, "average": 50.0} and where == folder
     assert kind_named("multitask").scores(view, where)[0] == {"a": 50.0, "average": 50.0}
     assert kind_named("align").at_best(folder, report) is None
+
+
+def test_under_lora_best_holds_the_adapter(tiny_llama, tofu_dir, tmp_path, known_curve):
+    data = write_sets(tofu_dir, tmp_path, 4, 8)
+    out = tmp_path / "run"
+    assert run_cli(*unlearn_args(tiny_llama, data, out, "--select-by", "MU", "--lora-rank", 4)) == 0
+    kept = load_file(str(out / "best" / "adapter_model.safetensors"))
+    lora = {name: tensor for name, tensor in known_curve[2].items() if "lora_" in name}
+    assert kept and len(kept) == len(lora)
+    assert all(torch.equal(kept[name], lora[name.replace(".weight", ".default.weight")]) for name in kept)
