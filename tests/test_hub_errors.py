@@ -267,7 +267,7 @@ def test_tofu_from_the_hub_says_the_hub_cannot_be_reached(monkeypatch, hub_serve
 
 
 def test_an_lm_eval_tasks_dataset_refused_by_the_hub_is_one_line(monkeypatch, hub_server, tmp_path):
-    """datasets raises the hub's 401 as it comes (it used to end in a traceback here)."""
+    """datasets raises the hub's 401 as it comes: one line, never a traceback."""
     from lm_eval.tasks import TaskManager
 
     from doplus_cli.evaluation.lm_eval_suite import load_tasks
