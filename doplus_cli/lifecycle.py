@@ -179,8 +179,11 @@ def hold(folder: str | os.PathLike, command: str) -> Path:
     guard, path = _ACTIVE[0], Path(folder)
     if path.exists() and not path.is_dir():
         raise UserError(f"{folder}: --out exists and is a file, not a folder")
+    created = not path.exists()
     with writing(path, "; choose another --out"):
         path.mkdir(parents=True, exist_ok=True)
+    if created:  # a run that fails before writing anything (bad input) leaves no folder behind
+        guard.locks.callback(_remove_if_unused, path)
     key = os.path.realpath(path)
     if key in guard.held or _held_by_launcher(key) or os.environ.get(LOCK_SWITCH, "").lower() == "off":
         return path
@@ -189,6 +192,19 @@ def hold(folder: str | os.PathLike, command: str) -> Path:
     guard.locks.enter_context(_folder_lock(path, key, command))
     guard.held.add(key)
     return path
+
+
+def _remove_if_unused(path: Path) -> None:
+    """Remove a folder this command created and wrote nothing into but the lock's files, once its lock is released
+    (the callback runs after the lock's context, in the exit stack's reverse order). A start in the same instant
+    would find its folder gone and fail in one line; nothing of a run is ever removed."""
+    try:
+        if path.is_dir() and not folder_entries(path):
+            for name in LOCK_FILES:
+                (path / name).unlink(missing_ok=True)
+            path.rmdir()
+    except OSError:
+        pass  # a file appeared, or the folder is not ours to remove: leave it
 
 
 def _held_by_launcher(key: str) -> bool:

@@ -208,7 +208,8 @@ def _interrupted_before_a_checkpoint(config: TrainConfig, out: Path) -> bool:
         if keys:
             raise UserError(f"{saved}: the run in this folder was started with another configuration "
                             f"({', '.join(keys)}); resume with the same options, or pass --overwrite")
-    elif out.is_dir() and lifecycle.folder_entries(out):  # files that no doplus run wrote: never train among them
+    elif out.is_dir() and any(entry.name not in outputs.RUN_FILES for entry in lifecycle.folder_entries(out)):
+        # files that no doplus run wrote: never train among them
         raise UserError(f"{out}: holds no doplus run to resume (no config.yaml, no checkpoint) and is not empty; "
                         "choose another --out")
     return True

@@ -27,7 +27,7 @@ from doplus_cli.optim import kernels, multi_tensor
 
 # Everything a run writes; `--overwrite` removes these and nothing else.
 RUN_FILES = ("config.yaml", "metrics.jsonl", "report.json", "report.md", "final", "best", "data", "evals", "eval",
-             "checkpoints", "trackers")
+             "checkpoints", "trackers", "inputs.json")
 
 
 # what a run that failed to write says next (errors.WriteError)
