@@ -420,7 +420,8 @@ def _relaunch_with_accelerate(num_processes: int, out: str) -> None:
 
         for number in (signal.SIGTERM, signal.SIGINT):  # a preempted job's signal reaches every process
             signal.signal(number, forward)
-        # Its own session: Ctrl-C in the terminal reaches this process only, which hands it to the workers.
+        # In a process session of its own (start_new_session): Ctrl-C in the terminal reaches this process only,
+        # which hands it to the workers.
         process = subprocess.Popen(command, env={**os.environ, EXIT_FILE_VARIABLE: exit_file}, start_new_session=True)
         launched.append(process)
         code = process.wait()

@@ -22,7 +22,6 @@ system every process sees (as a cluster's shared storage is).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import random
@@ -38,6 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from doplus_cli.engine import inputs
 from doplus_cli.errors import RunError, UserError, write_failure
+from doplus_cli.files import file_sha256
 from doplus_cli.losses import LossParams
 from doplus_cli.optim.distributed import local_shard
 
@@ -49,7 +49,6 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"
 # The manifest's format: a resumption reads formats up to this one and refuses a newer one.
 MANIFEST_FORMAT = 1
-_HASH_CHUNK = 16 << 20  # bytes read at a time: a checkpoint file is hashed without holding it in memory
 
 
 # A saved configuration that lacks one of these keys was written by a doplus without that option, and its run
@@ -214,15 +213,6 @@ def _fsync(paths) -> None:
     for path in paths:  # the data reach the disk before the rename makes the checkpoint visible
         with open(path, "rb") as handle:
             os.fsync(handle.fileno())
-
-
-def file_sha256(path: Path) -> str:
-    """The sha256 of a file, read in chunks (hashlib releases the GIL on each)."""
-    digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as handle:
-        while chunk := handle.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _described(paths) -> dict[str, dict[str, Any]]:

@@ -32,13 +32,12 @@ from typing import Any
 
 from doplus_cli.config import PATH_KEYS, TASK_PATH_KEYS, parse_accept_changed
 from doplus_cli.errors import UserError
-from doplus_cli.files import write_json
+from doplus_cli.files import file_sha256, write_json
 
 INPUTS_FILE = "inputs.json"
 SOFTWARE = ("doplus", "torch", "transformers", "accelerate")
 _DATA_KEYS = tuple(k for k in PATH_KEYS if k not in ("model", "teach"))
 _ROW_RANGE = re.compile(r"^(?P<base>.+)\[(?P<start>-?\d*):(?P<stop>-?\d*)\]$")
-_CHUNK = 16 << 20
 _RACY_NS = 2_000_000_000  # ctime within 2 s of the hashing: hashed again on the next check
 
 
@@ -73,18 +72,15 @@ def describe_file(path: Path, recorded: dict[str, Any] | None = None, rows: bool
             entry["rows"] = recorded["rows"]
         return entry
     entry["hashed_at_ns"] = time.time_ns()
-    digest = hashlib.sha256()
-    count = 0
-    with open(path, "rb") as handle:
-        if rows and path.suffix == ".jsonl":
+    if rows and path.suffix == ".jsonl":
+        digest, count = hashlib.sha256(), 0
+        with open(path, "rb") as handle:
             for line in handle:  # one pass: the hash and the rows (non-blank lines) of a JSON-lines file
                 digest.update(line)
                 count += bool(line.strip())
-            entry["rows"] = count
-        else:
-            while chunk := handle.read(_CHUNK):
-                digest.update(chunk)
-    entry["sha256"] = digest.hexdigest()
+        entry["rows"], entry["sha256"] = count, digest.hexdigest()
+    else:
+        entry["sha256"] = file_sha256(path)
     if rows and path.suffix == ".json":
         try:
             data = json.loads(path.read_text())
