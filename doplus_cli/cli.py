@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import sys
 import tempfile
 from typing import Any
@@ -329,17 +330,68 @@ def bench_schemes(
         "final", "--summarize-from", help="Score each run by its final model, or by its best step (best: the runs "
         "evaluate during training and keep their best step, --set select_by=METRIC --set eval_every=N)."
     ),
+    list_runs: bool = typer.Option(
+        False, "--list-runs", help="Print the grid (index, scheme, seed, task, sweep value, state: pending, running, "
+        "done or failed) and run nothing."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="With --list-runs: the grid as JSON, with each run's folder "
+                                 "and command."),
+    indexes: str | None = typer.Option(
+        None, "--indexes", help="With --list-runs: only the indexes of the runs in these states (e.g. pending,failed) "
+        "as SLURM's --array takes them (0-3,5); nothing when there are none."
+    ),
+    run_index: int | None = typer.Option(
+        None, "--run-index", help="Run only run K of the grid (--list-runs numbers them from 0) into the same --out: "
+        "one task of a job array. Many may run at once; the one that ends the grid writes the tables."
+    ),
+    summarize: bool = typer.Option(
+        False, "--summarize", help="Write the tables and figures from the runs that are done, and run nothing else."
+    ),
 ) -> None:
     """Every scheme x seed on one recipe as ordinary runs, evaluated; mean ± std tables and plots."""
-    from doplus_cli.bench.schemes import print_summary, run_schemes_bench
+    from doplus_cli.bench.schemes import (
+        array_syntax,
+        list_grid,
+        listing,
+        parse_states,
+        plan,
+        print_listing,
+        print_summary,
+        run_schemes_bench,
+    )
 
+    modes = [flag for flag, given in (("--list-runs", list_runs), ("--run-index", run_index is not None),
+                                      ("--summarize", summarize)) if given]
+    if len(modes) > 1:
+        raise UserError(f"{' and '.join(modes)}: give one of them")
+    if (as_json or indexes is not None) and not list_runs:
+        raise UserError(f"{'--json' if as_json else '--indexes'} goes with --list-runs")
+    # Without a terminal (a batch job's log) rich would fold the tables into 80 columns.
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    if list_runs:
+        states_wanted = parse_states(indexes) if indexes is not None else None
+        bench = plan(recipe, schemes, seeds, out, list(set_options or []), sweep, log_update_similarity, task_ids,
+                     summarize_from)
+        states = list_grid(bench)
+        if states_wanted is not None:
+            chosen = array_syntax([s.index for s in states if s.state in states_wanted])
+            sys.stdout.write(chosen + "\n" if chosen else "")
+        elif as_json:
+            import json
+
+            sys.stdout.write(json.dumps(listing(bench, states), indent=2) + "\n")
+        else:
+            given = [a for a in _argv["value"] if a != "--list-runs"]
+            print_listing(bench, states, "doplus " + shlex.join(given), console)
+        return
     with lifecycle.run_guard():  # the bench holds its folder (bench/schemes/), each run its own
         summary = run_schemes_bench(recipe, schemes, seeds, out, list(set_options or []), sweep,
                                     log_update_similarity, num_processes, fsdp,
                                     say=lambda line: err_console.print(Text(line)), task_ids=task_ids,
-                                    keep_checkpoints=keep_checkpoints, summarize_from=summarize_from)
-    # Without a terminal (a batch job's log) rich would fold the table into 80 columns.
-    print_summary(summary, Console(highlight=False, width=None if sys.stdout.isatty() else 200))
+                                    keep_checkpoints=keep_checkpoints, summarize_from=summarize_from,
+                                    run_index=run_index, summarize=summarize)
+    if summary is not None:
+        print_summary(summary, console)
 
 
 def _quiet_libraries() -> None:

@@ -34,7 +34,10 @@ from doplus_cli.files import atomic_write_text
 
 LOCK_NAME = ".doplus.lock"
 HOLDER_NAME = ".doplus-holder.json"
-LOCK_FILES = (LOCK_NAME, HOLDER_NAME)  # never part of a run: left out of "is the folder empty" and --overwrite
+# Several processes that share a folder (the workers of a bench grid run as a job array) take this one in turn, for
+# the moment they write what they share (the bench's index, its tables).
+SHARED_LOCK_NAME = ".doplus-shared.lock"
+LOCK_FILES = (LOCK_NAME, HOLDER_NAME, SHARED_LOCK_NAME)  # never part of a run: left out of "is the folder empty"
 # The folders this process holds, as `PATH=PID` entries: the processes it starts (the workers of a
 # `--num-processes` launch) inherit them and do not wait on their launcher's lock.
 HELD_VARIABLE = "DOPLUS_HELD_FOLDERS"
@@ -192,6 +195,88 @@ def hold(folder: str | os.PathLike, command: str) -> Path:
     guard.locks.enter_context(_folder_lock(path, key, command))
     guard.held.add(key)
     return path
+
+
+@contextmanager
+def holding(folder: str | os.PathLike, command: str) -> Iterator[Path]:
+    """`hold()` for part of a command: the folder is released when the block ends (a bench holds each run's folder
+    while it runs that run, and the run's own process, which inherits the hold, does not wait on it)."""
+    if not _ACTIVE:
+        raise RuntimeError("holding() needs an active run_guard()")
+    guard, path = _ACTIVE[0], Path(folder)
+    created = not path.exists()
+    with writing(path, "; choose another --out"):
+        path.mkdir(parents=True, exist_ok=True)
+    key = os.path.realpath(path)
+    try:
+        if key in guard.held or os.environ.get(LOCK_SWITCH, "").lower() == "off":
+            yield path
+            return
+        with _folder_lock(path, key, command):
+            guard.held.add(key)
+            try:
+                yield path
+            finally:
+                guard.held.discard(key)
+    finally:
+        if created:
+            _remove_if_unused(path)
+
+
+def in_use(folder: str | os.PathLike) -> str | None:
+    """Who holds `folder` (as `holder()` says it), or None when no process does. The lock is tried and at once let
+    go; a folder without a lock file was never held. Another process's start in that same instant would find the
+    folder held, so this is for listing, never called on a folder a run is about to take."""
+    from filelock import Timeout, UnixFileLock
+
+    path = Path(folder)
+    if not (path / LOCK_NAME).is_file() or os.environ.get(LOCK_SWITCH, "").lower() == "off":
+        return None
+    if os.path.realpath(path) in (_ACTIVE[0].held if _ACTIVE else set()):
+        return holder(path)
+    lock = UnixFileLock(str(path / LOCK_NAME), timeout=0, thread_local=False, preserve_lock_file=True,
+                        fallback_to_soft=False)
+    try:
+        lock.acquire()
+    except Timeout:
+        return holder(path)
+    except OSError:
+        return None
+    lock.release()
+    return None
+
+
+@contextmanager
+def shared_turn(folder: str | os.PathLike) -> Iterator[None]:
+    """The turn of this process among those that share `folder` (a bench's job-array workers): it waits for the
+    others' (each a moment's writing, or the starting model's one evaluation). Not the folder's run lock: a folder
+    one process holds for hours can still be shared this way."""
+    from filelock import UnixFileLock
+
+    path = Path(folder)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{folder}: --out exists and is a file, not a folder")
+    created = not path.exists()
+    with writing(path, "; choose another --out"):
+        path.mkdir(parents=True, exist_ok=True)
+    try:
+        if os.environ.get(LOCK_SWITCH, "").lower() == "off":
+            yield
+            return
+        lock = UnixFileLock(str(path / SHARED_LOCK_NAME), timeout=-1, thread_local=False, preserve_lock_file=True,
+                            fallback_to_soft=False)
+        try:
+            lock.acquire()
+        except OSError as error:
+            raise UserError(f"{path / SHARED_LOCK_NAME}: cannot lock the folder ({error.strerror or error}); on "
+                            f"Lustre mount with -o flock, or set {LOCK_SWITCH}=off") from None
+        try:
+            yield
+        finally:
+            lock.release()
+    finally:
+        if created:  # bad input found in its turn leaves no folder behind
+            _remove_if_unused(path)
 
 
 def _remove_if_unused(path: Path) -> None:

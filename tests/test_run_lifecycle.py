@@ -168,7 +168,8 @@ def test_a_second_start_on_a_held_folder_is_one_line_naming_the_holder_and_a_kil
                        "--out", out) == 2
         errors = capsys.readouterr().err.strip().splitlines()
         assert len(errors) == 3 and all(f"process {holder.pid}" in line for line in errors), errors
-        assert sorted(p.name for p in out.iterdir()) == sorted(lifecycle.LOCK_FILES)  # nothing written
+        # nothing written but the holder's lock
+        assert sorted(p.name for p in out.iterdir()) == sorted([lifecycle.LOCK_NAME, lifecycle.HOLDER_NAME])
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=60)

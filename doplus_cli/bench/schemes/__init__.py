@@ -11,15 +11,18 @@ recipe's suite:
     OUT/runs/NAME/                the run itself (config.yaml, metrics.jsonl, report.json, final/, and its
                                   checkpoints/ until it is evaluated; --keep-checkpoints keeps them)
     OUT/runs/NAME.log             its output (and its evaluation's), appended at every start
+    OUT/runs/NAME.failed.json     why its last attempt failed, until it starts again
     OUT/runs/NAME/eval/           `doplus evaluate` of final/ (unlearn, unless the run evaluated at its last step;
                                   align with eval_suite, written by the run itself)
     OUT/SCHEMES.json, SCHEMES.md  per scheme (and sweep value): mean and sample standard deviation over seeds
     OUT/tradeoff.png, curves.png, update_similarity.png
 
 NAME is SCHEME-sSEED, or SCHEME-KEY=VALUE-sSEED with --sweep. The same command run again continues: a run
-that finished and was evaluated is skipped, one with a checkpoint resumes, anything else starts afresh.
+that finished and was evaluated is skipped, one with a checkpoint resumes, anything else starts afresh. The grid can
+also be run as a job array, one run per process (`--run-index K`, grid.py).
 
-The package follows the command: planning.py (the runs and OUT), running.py (the subprocesses), summary.py (the
+The package follows the command: planning.py (the runs and OUT), running.py (the subprocesses), grid.py (each
+run's state, --list-runs and the job array), summary.py (the
 statistics, SCHEMES.json/md, the console table), plots.py (the figures); what differs between unlearn, multitask and
 align recipes is their kind's (doplus_cli/kinds/).
 """
@@ -32,6 +35,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from doplus_cli.bench.schemes.grid import (
+    RunState,
+    array_syntax,
+    check_run_index,
+    counts_line,
+    grid_states,
+    listing,
+    parse_states,
+    print_listing,
+)
 from doplus_cli.bench.schemes.planning import (
     DEFAULT_SCHEMES,
     DEFAULT_SEEDS,
@@ -53,10 +66,12 @@ from doplus_cli.bench.schemes.summary import (
     summarise,
 )
 from doplus_cli.config import SCHEMES
+from doplus_cli.errors import UserError
 from doplus_cli.files import atomic_write_text
-from doplus_cli.lifecycle import hold, run_guard
+from doplus_cli.lifecycle import hold, run_guard, shared_turn
 
-__all__ = ["DEFAULT_SCHEMES", "DEFAULT_SEEDS", "SCHEMES", "Result", "mean_std", "plan_bench", "plot_update_similarity",
+__all__ = ["DEFAULT_SCHEMES", "DEFAULT_SEEDS", "SCHEMES", "Result", "RunState", "array_syntax", "list_grid", "listing",
+           "mean_std", "parse_states", "plan", "plan_bench", "plot_update_similarity", "print_listing",
            "print_summary", "render_markdown", "run_schemes_bench", "second_half_mean", "summarise", "write_outputs"]
 
 
@@ -76,26 +91,78 @@ def write_outputs(bench: Bench, index: dict[str, Any]) -> dict[str, Any]:
 def run_schemes_bench(recipe: str, schemes: str, seeds: str, out: str | None, set_options: list[str],
                       sweep: str | None, log_update_similarity: bool, num_processes: int | None, fsdp: bool,
                       say: Callable[[str], None], task_ids: str | None = None,
-                      keep_checkpoints: bool = False, summarize_from: str = "final") -> dict[str, Any]:
-    """Plan and check everything, run what is missing, then write the tables and figures; return SCHEMES.json."""
+                      keep_checkpoints: bool = False, summarize_from: str = "final", run_index: int | None = None,
+                      summarize: bool = False) -> dict[str, Any] | None:
+    """Plan and check everything, run what is missing (every run, or run `run_index` alone), then write the tables
+    and figures when every run is done (or `summarize`: from those that are); return SCHEMES.json, or None when
+    the tables wait for runs still to be done."""
+    bench = plan(recipe, schemes, seeds, out, set_options, sweep, log_update_similarity, task_ids, summarize_from)
+    if run_index is not None:
+        check_run_index(bench, run_index)
+    runner = Runner(bench, say, num_processes, fsdp, keep_checkpoints)
+    with run_guard():  # a signal from the start stops it (bench/schemes/running.py)
+        if run_index is None and not summarize:  # one sequential bench per folder; workers hold only their runs
+            hold(bench.out, "doplus bench schemes")
+        if summarize:
+            return _summarize_done(bench, runner, say)
+        with shared_turn(bench.out):
+            index = check_out(bench)
+            record_runs(bench, index)
+        if run_index is not None:
+            runner.run_index(run_index)
+        else:
+            tasks = f" x {len(bench.task_ids)} forget tasks" if task_ids is not None else ""
+            say(f"{len(bench.runs)} runs ({len(bench.schemes)} schemes{tasks} x {len(bench.seeds)} seeds"
+                + (f" x {len(bench.sweep_values)} values of {bench.sweep_key}" if bench.sweep_key else "")
+                + f") of doplus {bench.kind.command} into {bench.out}")
+            runner.run_all()
+        left = [s for s in grid_states(bench) if s.state != "done"]
+        if left:
+            say(f"the tables wait for {len(left)} run{'s' if len(left) > 1 else ''} not done ("
+                + ", ".join(f"{s.index} {s.run.name}: {s.state}" for s in left[:6]) + (", ..." if len(left) > 6
+                                                                                      else "")
+                + "); the process that ends the last writes them, or --summarize writes them from the runs done")
+            return None
+        return _summarize(bench, runner, index, say)
+
+
+def plan(recipe: str, schemes: str, seeds: str, out: str | None, set_options: list[str], sweep: str | None,
+         log_update_similarity: bool, task_ids: str | None = None, summarize_from: str = "final") -> Bench:
+    """The bench a command asks for, checked, before anything is written."""
     out = out or os.path.join("bench", Path(recipe).stem)
     bench = plan_bench(recipe, schemes, seeds, out, set_options, sweep, log_update_similarity, task_ids)
     bench.summarize_from = check_summarize_from(bench, summarize_from)
-    with run_guard():  # one bench per folder, and a signal from the start stops it (bench/schemes/running.py)
-        hold(bench.out, "doplus bench schemes")
-        return _run_bench(bench, task_ids, num_processes, fsdp, say, keep_checkpoints)
+    return bench
 
 
-def _run_bench(bench: Bench, task_ids: str | None, num_processes: int | None, fsdp: bool,
-               say: Callable[[str], None], keep_checkpoints: bool) -> dict[str, Any]:
+def list_grid(bench: Bench) -> list[RunState]:
+    """`--list-runs`: each run's state, read from OUT (nothing is written; OUT must hold this bench or nothing)."""
+    if bench.out.is_dir():
+        check_out(bench)
+    return grid_states(bench)
+
+
+def _summarize_done(bench: Bench, runner: Runner, say: Callable[[str], None]) -> dict[str, Any]:
+    """`--summarize`: the tables from the runs that are done, the others named."""
+    if not (bench.out / "bench.json").is_file():
+        raise UserError(f"{bench.out}: no run of this bench has started here (no bench.json); run the grid first")
     index = check_out(bench)
-    record_runs(bench, index)
-    tasks = f" x {len(bench.task_ids)} forget tasks" if task_ids is not None else ""
-    say(f"{len(bench.runs)} runs ({len(bench.schemes)} schemes{tasks} x {len(bench.seeds)} seeds"
-        + (f" x {len(bench.sweep_values)} values of {bench.sweep_key}" if bench.sweep_key else "")
-        + f") of doplus {bench.kind.command} into {bench.out}")
-    Runner(bench, say, num_processes, fsdp, keep_checkpoints).run_all()
-    summary = write_outputs(bench, index)
+    states = grid_states(bench)
+    if not any(s.state == "done" for s in states):
+        raise UserError(f"{bench.out}: no run is done yet ({counts_line(states)}); --list-runs shows the grid")
+    left = [s for s in states if s.state != "done"]
+    if left:
+        say(f"the tables leave out {len(left)} run{'s' if len(left) > 1 else ''} not done: "
+            + ", ".join(f"{s.index} {s.run.name} ({s.state})" for s in left))
+    return _summarize(bench, runner, index, say)
+
+
+def _summarize(bench: Bench, runner: Runner, index: dict[str, Any], say: Callable[[str], None]) -> dict[str, Any]:
+    """The starting models' evaluations and the tables, in this process's turn: two workers that end the grid
+    together write them one after the other, the second the same bytes again."""
+    with shared_turn(bench.out):
+        runner.starting_models()
+        summary = write_outputs(bench, index)
     say(f"tables: {bench.out / 'SCHEMES.md'}, {bench.out / 'SCHEMES.json'}; figures: "
         + ", ".join(str(bench.out / f) for f in summary["figures"]))
     return summary

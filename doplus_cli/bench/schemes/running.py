@@ -1,5 +1,6 @@
-"""Running the runs: each an ordinary `doplus COMMAND` subprocess, its output appended to its log, one at a time;
-then the starting model's evaluation; SIGTERM and Ctrl-C checkpoint the current run and stop the bench."""
+"""Running the runs: each an ordinary `doplus COMMAND` subprocess, its output appended to its log, one at a time,
+its folder held meanwhile (a run another process holds is left to it); then the starting model's evaluation;
+SIGTERM and Ctrl-C checkpoint the current run and stop the bench."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from doplus_cli.bench.schemes.grid import failure_record, record_failure
 from doplus_cli.bench.schemes.planning import Bench, Run, completed_report, start_folder
 from doplus_cli.engine.checkpoint import list_checkpoints
 from doplus_cli.errors import RunError, UserError, writing
-from doplus_cli.lifecycle import folder_entries
+from doplus_cli.lifecycle import FolderInUse, folder_entries, holding, in_use
 
 
 class Stopped(UserError):
@@ -65,13 +68,43 @@ class Runner:
         self.keep_checkpoints = keep_checkpoints
         self.signals = _Signals()
 
-    def run_all(self) -> None:
+    def run_all(self) -> list[str]:
+        """Every run in order; the names of those left to another process that holds them (a job array's
+        worker)."""
+        elsewhere = []
         with self.signals:
             total = len(self.bench.runs)
             for number, run in enumerate(self.bench.runs, start=1):
-                if self.signals.received:
-                    raise Stopped(self.signals.received, None)
-                self.run_one(run, f"[{number}/{total}] {run.name}")
+                if not self.run_held(run, f"[{number}/{total}] {run.name}"):
+                    elsewhere.append(run.name)
+        return elsewhere
+
+    def run_index(self, index: int) -> None:
+        """Run `index` of the grid alone (`--run-index`)."""
+        run = self.bench.runs[index]
+        with self.signals:
+            if not self.run_held(run, f"run {index} ({run.name})"):
+                raise FolderInUse(f"{run.folder}: run {index} ({run.name}) is running in another process "
+                                  f"({in_use(run.folder) or 'it has just ended'}); --list-runs shows the grid")
+
+    def run_held(self, run: Run, label: str) -> bool:
+        """`run_one` holding the run's folder all along (its training and its evaluation); False, said in one line,
+        when another process holds it."""
+        if self.signals.received:
+            raise Stopped(self.signals.received, None)
+        stack = ExitStack()
+        try:
+            stack.enter_context(holding(run.folder, f"doplus bench schemes, run {run.name}"))
+        except FolderInUse:
+            self._say(label, f"left to the process that holds it ({in_use(run.folder) or 'it has just ended'})")
+            return False
+        with stack:
+            self.run_one(run, label)
+        return True
+
+    def starting_models(self) -> None:
+        """`evaluate_starts` with the bench's signal handling."""
+        with self.signals:
             self.evaluate_starts()
 
     def evaluate_starts(self) -> None:
@@ -108,15 +141,20 @@ class Runner:
             self._say(label, "skipped: finished and evaluated")
             self._remove_checkpoints(run, label)
             return
-        if report is None:
-            report = self._train(run, label)
-        if kind.evaluation(run.folder, report) is None:
-            self._say(label, "evaluating")
-            command = kind.evaluate_command(run.config, run.folder)
-            seconds = self._call(command, run.log, f"the evaluation of {run.name}")
+        failure_record(run).unlink(missing_ok=True)  # a new attempt: the last one's failure is history
+        try:
+            if report is None:
+                report = self._train(run, label)
             if kind.evaluation(run.folder, report) is None:
-                raise RunError(f"the evaluation of {run.name} wrote no eval.json; see its log {run.log}")
-            self._say(label, f"evaluated in {_duration(seconds)}")
+                self._say(label, "evaluating")
+                command = kind.evaluate_command(run.config, run.folder)
+                seconds = self._call(command, run.log, f"the evaluation of {run.name}")
+                if kind.evaluation(run.folder, report) is None:
+                    raise RunError(f"the evaluation of {run.name} wrote no eval.json; see its log {run.log}")
+                self._say(label, f"evaluated in {_duration(seconds)}")
+        except RunError as error:  # listed as failed (--list-runs) until an attempt starts again
+            record_failure(run, str(error))
+            raise
         self._remove_checkpoints(run, label)
 
     def _remove_checkpoints(self, run: Run, label: str) -> None:
