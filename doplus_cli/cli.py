@@ -243,14 +243,20 @@ def bench_optimizer(
         help="Instead of speed: the paper's and the safeguarded DualOptim+ rule on a synthetic two-objective "
         "problem where v̂_B + v̂_k passes through zero (largest step, float32 against float64, 8-bit against 32-bit).",
     ),
+    v_floor: str | None = typer.Option(
+        None, "--v-floor", help="With --stability: the safeguarded rule's floors to run, comma-separated, each in "
+        "[0, 1) (0: the clamp alone), e.g. 0,0.01,0.02,0.05 [default: the default floor]"),
 ) -> None:
     """Step time, state bytes and bandwidth of DualOptim+ against torch AdamW on synthetic parameters."""
     from doplus_cli.bench.optimizer import BenchConfig, print_table, run_optimizer_bench
 
+    if v_floor is not None and not stability:
+        raise UserError("--v-floor sets the floors of --stability's safeguarded rows: add --stability")
     if stability:
-        from doplus_cli.bench.stability import print_stability, stability_rows
+        from doplus_cli.bench.stability import parse_floors, print_stability, stability_rows
 
-        rows = stability_rows(seed, progress=None if as_json else err_console.print)
+        floors = parse_floors(v_floor)
+        rows = stability_rows(seed, progress=None if as_json else err_console.print, floors=floors)
         if as_json:
             import json
 

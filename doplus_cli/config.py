@@ -100,6 +100,9 @@ class TrainConfig:
     scheme: str = "doplus"
     optimizer: str = "adamw"
     doplus_rule: str = "safeguarded"  # or "paper": DualOptim+'s AdamW rule exactly as the paper writes it
+    # the safeguarded rule's floor ρ on its denominator, a fraction of v̂_B + |v̂_k| (0: the clamp alone);
+    # chosen by the criterion in docs/optimizers.md, "Choosing the floor"
+    v_floor: float = 0.05
     # DualOptim+'s base state, the paper's ablations (Tables 10, 11): when it takes the gradient, and what it takes
     base_update: str = "after-param"  # or before-delta, after-delta
     base_source: str = "grad"  # or grad-minus-delta
@@ -627,6 +630,12 @@ def check_scheme_options(config: TrainConfig) -> None:
     states."""
     _choice("base-update", config.base_update, BASE_UPDATES)
     _choice("base-source", config.base_source, BASE_SOURCES)
+    if not 0.0 <= config.v_floor < 1.0:  # also refuses NaN
+        raise UserError(f"--v-floor must be a number in [0, 1), got {config.v_floor}")
+    if config.v_floor != TrainConfig.v_floor and (config.scheme != "doplus" or config.doplus_rule != "safeguarded"):
+        raise UserError(f"--v-floor {config.v_floor:g} sets the floor of DualOptim+'s safeguarded rule: it needs "
+                        f"--scheme doplus --doplus-rule safeguarded, not --scheme {config.scheme} --doplus-rule "
+                        f"{config.doplus_rule}")
     ablation = (config.base_update, config.base_source) != (BASE_UPDATES[0], BASE_SOURCES[0])
     if ablation and (config.scheme != "doplus" or config.optimizer != "adamw"):
         raise UserError(f"--base-update {config.base_update} --base-source {config.base_source} change DualOptim+'s "

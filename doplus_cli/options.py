@@ -81,6 +81,9 @@ ReportTo = Annotated[str | None, typer.Option("--report-to", help=REPORT_TO_HELP
 BaseUpdate = Annotated[str | None, typer.Option(
     "--base-update", help="DualOptim+'s base state takes the gradient after-param (the rule), before-delta or "
     "after-delta (the paper's ablation)." + shown_default("base_update"))]
+VFloor = Annotated[float | None, typer.Option(
+    "--v-floor", help="DualOptim+'s safeguarded rule: the floor rho on its denominator, as a fraction of "
+    "v_B + |v_k|, in [0, 1) (0: the clamp at 10 lr alone)." + shown_default("v_floor"))]
 BaseSource = Annotated[str | None, typer.Option(
     "--base-source", help="DualOptim+'s base state takes grad (the rule) or grad-minus-delta, g minus the delta "
     "(the paper's ablation)." + shown_default("base_source"))]
@@ -335,7 +338,7 @@ COMMAND_OPTIONS: dict[str, dict[str, Any]] = {
         "satimp_beta2": SatimpBeta2, "rmu_layer": RmuLayer, "rmu_coeff": RmuCoeff,
         "rmu_update_layers": RmuUpdateLayers, "rmu_modules": RmuModules, "forget_coeff": ForgetCoeff,
         "retain_coeff": RetainCoeff, "scheme": Scheme, "optimizer": Optimizer, "state_bits": StateBits,
-        "doplus_rule": UnlearnDoplusRule, "base_update": BaseUpdate,
+        "doplus_rule": UnlearnDoplusRule, "v_floor": VFloor, "base_update": BaseUpdate,
         "base_source": BaseSource, "forget_freq": ForgetFreq, "retain_freq": RetainFreq, "betas": Betas,
         "steps": Steps, "lr": Lr, "forget_lr": ForgetLr, "batch_size": BatchSize, "grad_accum": GradAccum,
         "warmup_steps": UnlearnWarmupSteps, "weight_decay": WeightDecay, "max_grad_norm": MaxGradNorm, "seed": Seed,
@@ -359,7 +362,7 @@ COMMAND_OPTIONS: dict[str, dict[str, Any]] = {
         "eval_batch_size": MultitaskEvalBatchSize, "model": Model, "dtype": Dtype, "precision": Precision,
         "save_dtype": SaveDtype, "trust_remote_code": TrustRemoteCode, "max_length": MaxLength,
         "max_new_tokens": MultitaskMaxNewTokens, "scheme": Scheme, "optimizer": Optimizer, "state_bits": StateBits,
-        "doplus_rule": DoplusRule, "base_update": BaseUpdate, "base_source": BaseSource,
+        "doplus_rule": DoplusRule, "v_floor": VFloor, "base_update": BaseUpdate, "base_source": BaseSource,
         "prompt_template": PromptTemplate, "betas": Betas, "steps": Steps, "lr": Lr,
         "batch_size": BatchSize, "grad_accum": GradAccum, "warmup_steps": MultitaskWarmupSteps,
         "weight_decay": WeightDecay, "max_grad_norm": MaxGradNorm, "seed": Seed, "out": MultitaskOut,
@@ -376,7 +379,8 @@ COMMAND_OPTIONS: dict[str, dict[str, Any]] = {
         "model": Model, "dtype": Dtype, "precision": Precision, "save_dtype": SaveDtype,
         "trust_remote_code": TrustRemoteCode, "max_length": MaxLength, "max_new_tokens": AlignMaxNewTokens,
         "prompt_template": PromptTemplate, "scheme": AlignScheme, "optimizer": Optimizer, "state_bits": StateBits,
-        "doplus_rule": DoplusRule, "base_update": BaseUpdate, "base_source": BaseSource, "betas": Betas,
+        "doplus_rule": DoplusRule, "v_floor": VFloor, "base_update": BaseUpdate, "base_source": BaseSource,
+        "betas": Betas,
         "steps": AlignSteps, "lr": Lr, "batch_size": BatchSize,
         "grad_accum": GradAccum, "warmup_steps": AlignWarmupSteps, "weight_decay": WeightDecay,
         "max_grad_norm": MaxGradNorm, "seed": Seed, "out": AlignOut, "overwrite": Overwrite, "lora_rank": LoraRank,

@@ -8,7 +8,8 @@ A synthetic two-objective problem, fixed so anyone can rerun it:
   retain scale (1, or 0.01 for the harder variant where the retain gradients are 100x smaller);
 * the forget-first 1:5 cycle, 120 steps, lr 1e-3, betas (0.9, 0.95), no weight decay.
 
-For each rule it reports, from the optimizer's own step diagnostics:
+The safeguarded rule runs at each floor ρ asked for (`--v-floor 0,0.01,0.02,0.05`; the default floor alone
+without it); ρ = 0 is the clamp alone. For each rule it reports, from the optimizer's own step diagnostics:
 
 * ``max_update``: the largest single-element step over the run, in learning rates (AdamW's is about 1);
 * ``big_updates``: the number of element-steps larger than 10 learning rates;
@@ -22,6 +23,7 @@ on the same gradients, to show what quantisation alone costs a rule without the 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,6 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from doplus_cli.config import TrainConfig
+from doplus_cli.errors import UserError
 from doplus_cli.optim import DualOptim, DualOptimPlus, quant
 
 SHAPES = ((400, 250), (300, 200), (40_000,))
@@ -99,9 +103,9 @@ class _Shared:
         self.inner.step()
 
 
-def doplus_builder(rule: str, state_bits: int = 32, quantize: str = "all"):
+def doplus_builder(rule: str, state_bits: int = 32, quantize: str = "all", v_floor: float = TrainConfig.v_floor):
     return lambda params: DualOptimPlus(params, lr=LR, betas=BETAS, rule=rule, state_bits=state_bits,
-                                        quantize=quantize)
+                                        quantize=quantize, v_floor=v_floor)
 
 
 def _dualoptim(state_bits: int):
@@ -120,20 +124,41 @@ def _adamw(state_bits: int):
     return build
 
 
-def stability_rows(seed: int = 0, progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """One row per (rule, retain scale): step extremes and the float32/float64 and 8-bit/32-bit distances."""
+def parse_floors(text: str | None) -> tuple[float, ...]:
+    """`--v-floor 0,0.01,0.05`: the safeguarded rule's floors to run, each in [0, 1); None: the default floor."""
+    if text is None:
+        return (TrainConfig.v_floor,)
+    floors = []
+    for item in str(text).split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            value = math.nan
+        if not 0.0 <= value < 1.0:
+            raise UserError(f"--v-floor {text}: '{item.strip()}' is not a number in [0, 1) (comma-separated floors, "
+                            "e.g. 0,0.01,0.05)")
+        floors.append(value)
+    return tuple(dict.fromkeys(floors))
+
+
+def stability_rows(seed: int = 0, progress: Callable[[str], None] | None = None,
+                   floors: Sequence[float] = (TrainConfig.v_floor,)) -> list[dict[str, Any]]:
+    """One row per (rule, retain scale), the safeguarded rule once per floor in `floors`: step extremes and the
+    float32/float64 and 8-bit/32-bit distances."""
     rows = []
     start = torch.cat([w.view(-1) for w in start_weights(seed)])
     for retain_scale in RETAIN_SCALES:
-        candidates = [("doplus paper", "paper"), ("doplus safeguarded", "safeguarded")]
-        for name, rule in candidates:
+        candidates = [("doplus paper", "paper", 0.0)] + [("doplus safeguarded", "safeguarded", v) for v in floors]
+        for name, rule, v_floor in candidates:
             began = time.perf_counter()
             if progress:
-                progress(f"{name}, retain scale {retain_scale:g}")
-            exact = run(doplus_builder(rule), torch.float64, seed, retain_scale)
-            single = run(doplus_builder(rule), torch.float32, seed, retain_scale)
+                progress(f"{name}{f' v_floor {v_floor:g}' if rule == 'safeguarded' else ''}, "
+                         f"retain scale {retain_scale:g}")
+            exact = run(doplus_builder(rule, v_floor=v_floor), torch.float64, seed, retain_scale)
+            single = run(doplus_builder(rule, v_floor=v_floor), torch.float32, seed, retain_scale)
             row = {
                 "rule": name,
+                "v_floor": v_floor if rule == "safeguarded" else None,
                 "retain_scale": retain_scale,
                 "max_update_float64": exact["max_update"],
                 "max_update_float32": single["max_update"],
@@ -141,7 +166,7 @@ def stability_rows(seed: int = 0, progress: Callable[[str], None] | None = None)
                 "float32_vs_float64": relative_distance(single["weights"], exact["weights"], start),
             }
             for mode in ("all", "base", "delta"):
-                eight = run(doplus_builder(rule, 8, mode), torch.float32, seed, retain_scale)
+                eight = run(doplus_builder(rule, 8, mode, v_floor), torch.float32, seed, retain_scale)
                 row[f"8bit_{mode}_vs_32bit"] = relative_distance(eight["weights"], single["weights"], start)
                 row[f"max_update_8bit_{mode}"] = eight["max_update"]
             row["seconds"] = time.perf_counter() - began
@@ -163,6 +188,7 @@ def stability_rows(seed: int = 0, progress: Callable[[str], None] | None = None)
 
 STABILITY_COLUMNS = (
     ("rule", "rule"),
+    ("v_floor", "ρ"),
     ("retain_scale", "retain ×"),
     ("max_update_float64", "max step/lr fp64"),
     ("max_update_float32", "max step/lr fp32"),

@@ -53,9 +53,9 @@ MANIFEST_FORMAT = 1
 
 # A saved configuration that lacks one of these keys was written by a doplus without that option, and its run
 # behaved as this value: DualOptim+ with the paper's rule, and training in the load dtype (a CUDA run in
-# uncompensated bf16, which no precision reproduces, is refused on resume)
+# uncompensated bf16, which no precision reproduces, is refused on resume), and the safeguard's floor at 0.05
 IMPLIED_BEFORE_ADDED = {"doplus_rule": "paper", "precision": "fp32", "base_update": "after-param",
-                        "base_source": "grad"}
+                        "base_source": "grad", "v_floor": 0.05}
 # nor did such a run use the newer losses' hyper-parameters (LossParams): their defaults stand in
 IMPLIED_BEFORE_ADDED.update({f.name: f.default for f in dataclasses.fields(LossParams) if f.name != "seed"})
 

@@ -469,6 +469,7 @@ def optimizer_settings(config: TrainConfig) -> OptimizerSettings:
     return OptimizerSettings(
         scheme=config.scheme, optimizer=config.optimizer, lr=config.lr, betas=tuple(config.betas),
         weight_decay=config.weight_decay, state_bits=config.state_bits, rule=config.doplus_rule,
+        v_floor=config.v_floor,
         compensated=config.precision == "bf16" and config.extra.get("compensation", True),
         base_update=config.base_update, base_source=config.base_source,
     )

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim import Optimizer
 
+from doplus_cli.config import TrainConfig
 from doplus_cli.optim import DualOptim, DualOptimPlus, FedCM, LocalAdam, Scaffold, muon_param_groups, quant
 from doplus_cli.optim.adamw import AdamW
 from doplus_cli.optim.diagnostics import adamw_step_stats, reduce_step_stats
@@ -81,8 +82,8 @@ class SharedState:
 @dataclass(frozen=True)
 class OptimizerSettings:
     """What a run's optimizer is built from: `--scheme`, `--optimizer`, `--lr`, `--betas`, `--weight-decay`,
-    `--state-bits`, `--doplus-rule`, `--base-update`, `--base-source`, and whether it keeps bf16 compensation
-    buffers."""
+    `--state-bits`, `--doplus-rule`, `--v-floor`, `--base-update`, `--base-source`, and whether it keeps bf16
+    compensation buffers."""
 
     scheme: str  # joint, alternate, dualoptim, doplus, scaffold, fedcm or local-adam
     optimizer: str  # DualOptim+'s inner rule: adamw or muon
@@ -94,6 +95,7 @@ class OptimizerSettings:
     compensated: bool  # a bf16 compensation buffer per weight (--precision bf16)
     base_update: str = "after-param"  # DualOptim+'s ablations (paper, Tables 10, 11)
     base_source: str = "grad"
+    v_floor: float = TrainConfig.v_floor  # the safeguarded rule's floor ρ on its denominator
 
 
 def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -184,6 +186,7 @@ def build_optimizer(
         groups, objectives=objectives, inner=settings.optimizer, state_bits=settings.state_bits, rule=settings.rule,
         lr_multipliers=multipliers, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay,
         compensated=settings.compensated, base_update=settings.base_update, base_source=settings.base_source,
+        v_floor=settings.v_floor,
     )
     return optimizer, optimizer
 
