@@ -196,6 +196,16 @@ def evaluate(
     muse_retrained: str | None = typer.Option(
         None, "--muse-retrained", help="muse: a retrained model (hub id or folder) whose Min-40% AUC is privleak's "
         "reference [default: --retain-logs, else MUSE's published retrained AUC]"),
+    attacks: str | None = typer.Option(
+        None, "--attacks", help="Run the forget suites again on attacked copies of the model and report the change: "
+        "relearn, relearn-lora, quant-8bit, quant-4bit, probe (probe-prefix, probe-roleplay, probe-incontext, "
+        "probe-paraphrase) or all, comma-separated (docs/attacks.md). The model on disk is never changed."),
+    relearn_data: str | None = typer.Option(
+        None, "--relearn-data", help="Relearning attacks: JSON lines with question, answer to fine-tune on "
+        "[default: the first half of the forget rows; the other half is reported apart]"),
+    relearn_steps: str | None = typer.Option(
+        None, "--relearn-steps", help="Relearning attacks: K optimizer steps, or several comma-separated (one "
+        "relearned copy each; the published presets are 50, 100, 150) [default: 50]"),
 ) -> None:
     """Evaluate a model: TOFU/real-world indicators and MU/UFE/TFE/OVR, lm-eval, safety and XSTest."""
     from doplus_cli.evaluation.report import compare_table
@@ -220,9 +230,15 @@ def evaluate(
         guard_model=guard_model, refusal_model=refusal_model, refusal_model_prompt=refusal_model_prompt,
         safety_data_dir=safety_data_dir, responses=responses,
         muse_corpus=muse_corpus, muse_data=muse_data, muse_retrained=muse_retrained,
+        attacks=attacks, relearn_data=relearn_data, relearn_steps=relearn_steps,
     )
     config = resolve_eval_config(values)
-    record = run_evaluate(config, err_console)
+    runner = None
+    if config.attacks:  # relearning trains through the engine, which the evaluation layer cannot import
+        from doplus_cli.engine.attacks import attack_runner
+
+        runner = attack_runner(err_console)
+    record = run_evaluate(config, err_console, runner)
     print_summary(record, Console(highlight=False))
 
 

@@ -107,6 +107,10 @@ def render_eval_markdown(record: dict[str, Any]) -> str:
                   "Ratio, Cosine Similarity, Entailment); TFE: harmonic mean(forget Token Entropy, entailment of "
                   "the generation with a rejection answer); OVR: 0.25 (TFE + UFE) + 0.5 MU (targeted), 0.5 (UFE + "
                   "MU) (untargeted)"]
+    if record.get("attacks"):
+        from doplus_cli.evaluation.attacks import render_attack_lines
+
+        lines += render_attack_lines(record["attacks"])
     seconds = ", ".join(f"{k} {v:.1f} s" for k, v in record["seconds"].items())
     lines += ["", f"Time: {seconds} (total {record['wall_time_s']:.1f} s)."]
     per_set = [f"{s['name']} ({s['n']} questions): " + ", ".join(f"{k} {v:.1f} s" for k, v in s["seconds"].items())

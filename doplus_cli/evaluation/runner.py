@@ -8,7 +8,9 @@ chosen suites need and runs each one's `run(context)` in the order given."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from rich.console import Console
 from doplus_cli import decoding, lifecycle
 from doplus_cli.data.formatting import check_prompt_template
 from doplus_cli.errors import UserError
+from doplus_cli.evaluation.attacks import ATTACKS, QA_SUITES, parse_attacks, parse_relearn_steps
 from doplus_cli.evaluation.compute import compute_floor, linear_kernel, matmul_gflops, packed_linears
 from doplus_cli.evaluation.lm_eval_suite import LM_EVAL_SUITE
 from doplus_cli.evaluation.muse import MUSE_SUITE, check_muse_data
@@ -36,6 +39,9 @@ from doplus_cli.progress import counting_tokens, progress_bar
 SUITE_REGISTRY: dict[str, Suite] = {suite.name: suite for suite in (
     TOFU_SUITE, REAL_WORLD_SUITE, LM_EVAL_SUITE, PRIVACY_SUITE, SAFETY_SUITE, XSTEST_SUITE, WMDP_SUITE, MUSE_SUITE)}
 SUITES = tuple(SUITE_REGISTRY)
+# What runs the attacks once the suites are done (`engine.attacks.attack_runner`): the relearning attacks train
+# through the engine, a layer above, so the command hands it in.
+AttackRunner = Callable[[SuiteContext, dict[str, Any]], dict[str, Any]]
 
 
 def parse_suites(text: str) -> tuple[str, ...]:
@@ -56,6 +62,8 @@ def resolve_eval_config(options: dict[str, Any]) -> EvalConfig:
     values = dict(options)
     values["suites"] = parse_suites(values.pop("suite"))
     values["tasks"] = tuple(task.strip() for task in values["tasks"].split(",") if task.strip())
+    values["attacks"] = parse_attacks(values.get("attacks"), values["suites"])
+    values["relearn_steps"] = parse_relearn_steps(values.get("relearn_steps"))
     config = EvalConfig(**values)
     check_prompt_template(config.prompt_template)
     get_protocol(config.protocol)
@@ -126,6 +134,7 @@ def prepare_eval_dir(path: str, overwrite: bool, resume: bool = False) -> Path:
                             "continue an interrupted one)")
         for n in names:
             (out / n).unlink(missing_ok=True)
+        shutil.rmtree(out / "attacks", ignore_errors=True)  # the attacked runs' files
     out.mkdir(parents=True, exist_ok=True)
     return out
 
@@ -152,18 +161,21 @@ def _finished_suites(out: Path, settings: dict[str, Any]) -> dict[str, dict[str,
 
 def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: str, progress=None,
                    targeted: bool | None = None, judges: Judges | None = None,
-                   command: dict[str, Any] | None = None) -> dict[str, Any]:
+                   command: dict[str, Any] | None = None, attacks: AttackRunner | None = None) -> dict[str, Any]:
     """Run the suites on a loaded model and write the outputs into `out`; return the eval record.
 
     `judges` (the embedding and NLI models) can be passed in, so evaluations during training load them once.
     `command` ({"started": perf_counter at the command's start, "rates": `matmul_gflops`, "dtype"}), from `doplus
     evaluate`: the record gets the compute floor of the tokens the suites pushed through the model, over each
     kernel's faster rate of the command's start and the suites' end.
+    `attacks` (`engine.attacks.attack_runner`, for `config.attacks`): once the suites are done, and outside their
+    timing, it runs them again on attacked copies of the model and gives eval.json's "attacks" section.
     """
     started = time.perf_counter()
     decode_calls = decoding.KERNEL.compiled_calls
     with counting_tokens() as tokens, packed_linears(model) as packed:
-        record = _evaluate_model(model, tokenizer, config, out, model_name, progress, targeted, judges, started)
+        record, context = _evaluate_model(model, tokenizer, config, out, model_name, progress, targeted, judges,
+                                          started)
     if command is not None and model is not None:
         parameters = sum(p.numel() for p in model.parameters())
         # measured again at the end, each kernel's faster rate kept: one second of timings can read a rate a fifth
@@ -176,6 +188,11 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
                                           command["dtype"], packed, decoding.KERNEL.compiled_calls - decode_calls,
                                           kernels.fallbacks(), linear_kernel(model))
         record["compute"]["kernel_gflops_measured"] = measured
+    if config.attacks:
+        if attacks is None:
+            raise RuntimeError("config.attacks needs an attack runner (engine.attacks.attack_runner)")
+        lifecycle.stage("running the attacks")
+        record["attacks"] = attacks(context, record)
     from doplus_cli.evaluation.report import render_eval_markdown
 
     atomic_write_text(out / "report.md", render_eval_markdown(record))
@@ -185,7 +202,7 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
 
 
 def _evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: str, progress, targeted,
-                    judges: Judges | None, started: float) -> dict[str, Any]:
+                    judges: Judges | None, started: float) -> tuple[dict[str, Any], SuiteContext]:
     from doplus_cli.data.formatting import PromptFormatter
 
     formatter = PromptFormatter(tokenizer, max_length=512, template=config.prompt_template) if tokenizer is not None \
@@ -250,7 +267,7 @@ def _evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name:
         "wall_time_s": time.perf_counter() - started,
     }
     write_json(out / "SUMMARY.json", summary)
-    return record
+    return record, context
 
 
 def check_responses(config: EvalConfig) -> None:
@@ -264,15 +281,30 @@ def check_responses(config: EvalConfig) -> None:
     read_responses(config.responses)
 
 
-def run_evaluate(config: EvalConfig, console: Console | None = None) -> dict[str, Any]:
+def run_evaluate(config: EvalConfig, console: Console | None = None,
+                 attacks: AttackRunner | None = None) -> dict[str, Any]:
     """Load the model, run the suites, write the outputs; return the eval record. The output folder is held, and
     SIGTERM and SIGINT end the evaluation at once (exit code 128 + the signal's number), from the start: `--resume`
     then keeps the suites it finished."""
     with lifecycle.run_guard():
-        return _run_evaluate(config, console)
+        return _run_evaluate(config, console, attacks)
 
 
-def _run_evaluate(config: EvalConfig, console: Console | None) -> dict[str, Any]:
+def check_attacks(config: EvalConfig) -> None:
+    """The attacks' own inputs, before the model loads: the relearning file's rows, or a QA suite to take the
+    default relearning rows from."""
+    if not any(ATTACKS[name].kind == "relearn" for name in config.attacks):
+        return
+    if config.relearn_data is not None:
+        from doplus_cli.data.sources import Keys, open_source
+
+        open_source(config.relearn_data, "--relearn-data", Keys(text_rows=False))
+    elif not set(QA_SUITES) & set(config.suites):
+        raise UserError("--attacks relearn needs --relearn-data FILE with --suite " + ",".join(config.suites)
+                        + " (the default relearning rows are half of the tofu or real-world forget rows)")
+
+
+def _run_evaluate(config: EvalConfig, console: Console | None, attacks: AttackRunner | None) -> dict[str, Any]:
     from doplus_cli.models import load_model_and_tokenizer
 
     lifecycle.stage("checking the evaluation's files")
@@ -299,6 +331,7 @@ def _run_evaluate(config: EvalConfig, console: Console | None) -> dict[str, Any]
         check_muse_data(config)
     if config.responses is not None:
         check_responses(config)
+    check_attacks(config)
     out = lifecycle.hold(config.out or "evals/" + time.strftime("%Y%m%d-%H%M%S"), "doplus evaluate")
     out = prepare_eval_dir(str(out), config.overwrite, config.resume)
     lifecycle.stage("loading the model")
@@ -320,4 +353,5 @@ def _run_evaluate(config: EvalConfig, console: Console | None) -> dict[str, Any]
                    "rates": matmul_gflops(parameter.dtype, parameter.device)}
     progress = progress_bar(console)
     with progress:
-        return evaluate_model(model, tokenizer, config, out, name, progress, targeted, command=command)
+        return evaluate_model(model, tokenizer, config, out, name, progress, targeted, command=command,
+                              attacks=attacks)

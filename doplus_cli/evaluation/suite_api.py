@@ -56,6 +56,9 @@ class EvalConfig:
     muse_corpus: str = "news"  # muse: news or books
     muse_data: str | None = None  # muse: a local folder in MUSE's layout or hf:NAME (None: the corpus's hub repo)
     muse_retrained: str | None = None  # muse: a retrained model scored for privleak's reference AUC
+    attacks: tuple[str, ...] = ()  # the forget suites run again on attacked copies (evaluation/attacks.py)
+    relearn_data: str | None = None  # relearning attacks: (question, answer) rows; None: half the forget rows
+    relearn_steps: tuple[int, ...] = (50,)  # relearning attacks: K, one relearned copy per value
     extra: dict[str, Any] = field(default_factory=dict)
 
 

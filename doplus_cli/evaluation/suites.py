@@ -58,6 +58,7 @@ class QASample:
     entailment_reference: str | None = None
     fields: dict[str, str] = field(default_factory=dict)  # indicator -> the row field that fed it
     extra: dict[str, Any] = field(default_factory=dict)
+    paraphrased_question: str | None = None  # TOFU's own rephrasing of the question (the paraphrase probe)
 
 
 @dataclass
@@ -141,7 +142,10 @@ def _sample(row: Any, where: str, need_paraphrase: bool) -> QASample:
     fields = references["fields"]
     paraphrase = "paraphrased_answer" if isinstance(row.get("paraphrased_answer"), str) else fields["rouge"]
     fields["truth_ratio"] = f"{paraphrase} vs perturbed_answer"
-    return QASample(row["question"], answer, row.get("paraphrased_answer"), perturbed, extra=extra, **references)
+    paraphrased_question = row.get("paraphrased_question")
+    return QASample(row["question"], answer, row.get("paraphrased_answer"), perturbed, extra=extra,
+                    paraphrased_question=paraphrased_question if isinstance(paraphrased_question, str) else None,
+                    **references)
 
 
 def _references(row: dict, where: str) -> dict[str, Any]:

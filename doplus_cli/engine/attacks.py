@@ -1,0 +1,184 @@
+"""`doplus evaluate --attacks`: the chosen forget suites run again on attacked copies of the model, after the
+unattacked ones (which they never change), into `OUT/attacks/ATTACK/`; eval.json's "attacks" section compares.
+
+The relearning attacks train here, through the engine's one loop (a one-task `multitask` run, the teaching
+stage's path: plain AdamW, the CE loss of the answer tokens), on a copy written into a temporary folder; the
+model on disk is only read. The quantization and probe attacks are the evaluation layer's
+(`evaluation/attacks.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from doplus_cli.config import TASK_DEFAULTS, MultitaskConfig
+from doplus_cli.evaluation import attacks as registry
+from doplus_cli.evaluation.compute import packed_linears
+from doplus_cli.evaluation.protocol import get_protocol
+from doplus_cli.evaluation.runner import SUITE_REGISTRY
+from doplus_cli.evaluation.suite_api import EvalConfig, SuiteContext
+from doplus_cli.evaluation.suites import QASet, load_real_world_sets, load_tofu_sets
+from doplus_cli.files import write_json
+
+# The relearning run's optimizer: torch.optim.AdamW's defaults for betas and weight decay, no warm-up (a
+# constant-then-linear-decay schedule over K steps), one objective, so the step is plain AdamW.
+RELEARN_BETAS = (0.9, 0.999)
+RELEARN_WEIGHT_DECAY = 0.01
+
+
+def attack_runner(console: Console | None = None) -> Callable[[SuiteContext, dict[str, Any]], dict[str, Any]]:
+    """The hook `runner.evaluate_model` calls once the unattacked suites are done: it returns the attacks section."""
+    def run(context: SuiteContext, record: dict[str, Any]) -> dict[str, Any]:
+        return run_attacks(context, record, console or Console(stderr=True))
+    return run
+
+
+def qa_sets(config: EvalConfig, suite: str) -> list[QASet]:
+    """A QA suite's sets as it loads them (forget first, then retain or neighbour)."""
+    if suite == "tofu":
+        return load_tofu_sets(config.split, config.data_dir, config.max_samples, config.task_id,
+                              get_protocol(config.protocol).max_rows)
+    return load_real_world_sets(config.forget, config.retain, config.max_samples)
+
+
+def relearn_rows(config: EvalConfig) -> tuple[list[dict[str, str]], str, str | None, int | None]:
+    """(rows to relearn on, where they come from, the QA suite whose held-out half is reported, its first held-out
+    row). Default: the first half of the forget rows of the first chosen QA suite; `--relearn-data`: that file."""
+    suite = next((s for s in config.suites if s in registry.QA_SUITES), None)
+    if config.relearn_data is not None:
+        from doplus_cli.data.sources import Keys, open_source
+
+        source = open_source(config.relearn_data, "--relearn-data", Keys(text_rows=False))
+        rows = [{"question": source[i].question, "answer": source[i].answer} for i in range(len(source))]
+        return rows, config.relearn_data, None, None
+    forget = qa_sets(config, suite)[0]
+    half = max(1, len(forget.samples) // 2)
+    rows = [{"question": s.question, "answer": s.answer} for s in forget.samples[:half]]
+    return rows, f"the first {half} of {len(forget.samples)} forget rows of the {suite} suite ({forget.source})", \
+        suite, half
+
+
+def relearn_config(model: str | None, attack: str, steps: int, data: str, out: str, eval_config: EvalConfig,
+                   prompt_template: str | None) -> MultitaskConfig:
+    """The relearning run: one task of (question, answer) rows, `attack`'s preset, K = `steps`."""
+    lr, batch_size, rank = registry.RELEARN_PRESETS[attack]
+    config = MultitaskConfig(
+        model=model, dtype=eval_config.dtype, trust_remote_code=eval_config.trust_remote_code,
+        prompt_template=prompt_template, max_length=512, scheme="joint", optimizer="adamw", state_bits=32,
+        betas=RELEARN_BETAS, weight_decay=RELEARN_WEIGHT_DECAY, steps=steps, lr=lr, batch_size=batch_size,
+        warmup_steps=0, seed=eval_config.seed, out=out, overwrite=True, lora_rank=rank,
+        lora_alpha=float(rank or 16), tasks=[{**TASK_DEFAULTS, "name": "relearn", "data": data}],
+        prompt_key="question", answer_key="answer", eval_rows=0,
+    )
+    config.validate()
+    return config
+
+
+@contextmanager
+def relearned_copy(context: SuiteContext, attack: str, steps: int, rows: list[dict[str, str]],
+                   console: Console) -> Iterator[Any]:
+    """The model fine-tuned by `attack` for `steps` steps on `rows`, trained and saved in a temporary folder
+    (removed afterwards) and loaded from there; the evaluated model on disk is only read."""
+    from doplus_cli.engine.multitask import run_multitask
+    from doplus_cli.models import load_model_and_tokenizer
+
+    config = context.config
+    with tempfile.TemporaryDirectory(prefix="doplus-relearn-") as folder:
+        data = os.path.join(folder, "relearn.jsonl")
+        with open(data, "w") as handle:
+            handle.writelines(json.dumps(row) + "\n" for row in rows)
+        template = context.formatter.template_name if context.formatter is not None else None
+        run = relearn_config(config.model, attack, steps, data, os.path.join(folder, "run"), config,
+                             None if template == "chat" else template)
+        if context.progress is not None:  # one live display at a time: the run shows its own
+            context.progress.stop()
+        try:
+            run_multitask(run, console)
+        finally:
+            if context.progress is not None:
+                context.progress.start()
+        model, _, _ = load_model_and_tokenizer(os.path.join(folder, "run", "final"), config.dtype,
+                                               config.trust_remote_code)
+        model.to(next(context.model.parameters()).device)
+        model.eval()
+        yield model
+
+
+def run_attacks(context: SuiteContext, record: dict[str, Any], console: Console) -> dict[str, Any]:
+    """Each chosen attack on the model, each forget suite on the attacked copy: the attacks section."""
+    config = context.config
+    unattacked = json.loads((context.out / "SUMMARY.json").read_text())
+    suites = [s for s in config.suites if s in registry.FORGET_METRICS]
+    runs: list[dict[str, Any]] = []
+    summaries: dict[str, dict[str, Any]] = {}
+    held_out: dict[str, dict[str, dict[str, float]]] = {}  # suite -> attack id -> values on the held-out half
+    relearn = None
+    for attack_name in config.attacks:
+        attack = registry.ATTACKS[attack_name]
+        steps = config.relearn_steps if attack.kind == "relearn" else (None,)
+        for k in steps:
+            attack_id = attack_name if k is None else f"{attack_name}-k{k}"
+            folder = context.out / "attacks" / attack_id
+            folder.mkdir(parents=True, exist_ok=True)
+            started = time.perf_counter()
+            entry: dict[str, Any] = {"id": attack_id, "attack": attack_name, "what": attack.what,
+                                     "source": attack.source, "suites": [s for s in suites if s in attack.suites]}
+            if attack.kind == "relearn":
+                if relearn is None:
+                    relearn = relearn_rows(config)
+                rows, where, held_suite, start = relearn
+                entry["relearn"] = {"data": where, "rows": len(rows), "steps": k,
+                                    "lr": registry.RELEARN_PRESETS[attack_name][0],
+                                    "batch_size": registry.RELEARN_PRESETS[attack_name][1],
+                                    "lora_rank": registry.RELEARN_PRESETS[attack_name][2],
+                                    "held_out_from": None if start is None else
+                                    f"{held_suite} forget rows {start} to the end"}
+                with relearned_copy(context, attack_name, k, rows, console) as model:
+                    summary = _run_suites(context, model, folder, entry["suites"], attack_name)
+                if held_suite is not None:
+                    eval_rows = json.loads((folder / registry.FORGET_ROWS[held_suite]).read_text())
+                    held_out.setdefault(held_suite, {})[attack_id] = registry.held_out_values(
+                        eval_rows["sets"]["forget"], start)
+            elif attack.kind == "quant":
+                model = registry.quantized_copy(context.model, attack_name)
+                summary = _run_suites(context, model, folder, entry["suites"], attack_name)
+                del model
+            else:
+                summary = _run_suites(context, context.model, folder, entry["suites"], attack_name)
+            write_json(folder / "SUMMARY.json", summary)
+            entry["seconds"] = time.perf_counter() - started
+            runs.append(entry)
+            summaries[attack_id] = summary
+    rows = []
+    for suite in suites:
+        taken = {run["id"]: summaries[run["id"]] for run in runs if suite in run["suites"]}
+        rows += registry.metric_rows(suite, unattacked, taken, registry.FORGET_METRICS[suite])
+    for suite, by_attack in held_out.items():
+        start = relearn[3]
+        base = registry.held_out_values(json.loads((context.out / registry.FORGET_ROWS[suite]).read_text())
+                                        ["sets"]["forget"], start)
+        rows += registry.metric_rows(f"{suite} held-out half", base, by_attack, registry.HELD_OUT_METRICS)
+    return {"runs": runs, "metrics": rows}
+
+
+def _run_suites(context: SuiteContext, model, folder: Path, suites: list[str], attack: str) -> dict[str, Any]:
+    """The forget suites on an attacked model (or through a probe's prompts), their files into `folder`."""
+    summary: dict[str, Any] = {}
+    for name in suites:
+        formatter = context.formatter
+        if registry.ATTACKS[attack].kind == "probe":
+            formatter = registry.probe_formatter(attack, context.formatter, qa_sets(context.config, name))
+        attacked = replace(context, model=model, formatter=formatter, out=folder)
+        with packed_linears(model):
+            summary.update(SUITE_REGISTRY[name].run(attacked).summary)
+    return summary
