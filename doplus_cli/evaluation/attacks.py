@@ -141,7 +141,10 @@ def nf4_blockwise(weight: torch.Tensor, blocksize: int = 64) -> torch.Tensor:
     values; returned dequantized in the weight's dtype."""
     import bitsandbytes.functional as F
 
-    data = weight.detach().float().contiguous()
+    # flattened first: bitsandbytes' CPU dequantization reads the wrong block's absmax for a 2-D weight whose rows
+    # are shorter than a block (tests/test_attacks.py compares with a reference); NF4's blocks are over the
+    # flattened weight either way
+    data = weight.detach().float().flatten().contiguous()
     codes, state = F.quantize_4bit(data, blocksize=blocksize, quant_type="nf4")
     return F.dequantize_4bit(codes, state).reshape(weight.shape).to(weight.dtype)
 
