@@ -209,6 +209,7 @@ class UnlearnConfig(TrainConfig):
     eval_embedding_model: str | None = None
     eval_protocol: str = "doplus"  # or "paper": the DualOptim+ authors' judges and generation budget
     eval_batch_size: int | None = None  # prompts per batch of the evaluation during training; None: max(batch_size, 8)
+    eval_attacks: str | None = None  # `doplus evaluate --attacks` for the last evaluation (comma-separated names)
 
     @property
     def forget_loss(self) -> str:

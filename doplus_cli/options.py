@@ -243,6 +243,10 @@ EvalEmbeddingModel = Annotated[str | None, typer.Option(
     "--eval-embedding-model", help="Embedding model [default: the protocol's]")]
 EvalProtocol = Annotated[str | None, typer.Option("--eval-protocol", help=PROTOCOL_HELP + shown_default(
     "eval_protocol", UnlearnConfig))]
+EvalAttacks = Annotated[str | None, typer.Option(
+    "--eval-attacks", help="The last evaluation (--eval-every) also runs on attacked copies of the final weights: "
+    "relearn, relearn-lora, quant-8bit, quant-4bit, probe or all, comma-separated (docs/attacks.md) "
+    "[default: none]")]
 
 # --- doplus multitask -------------------------------------------------------------------------------------------
 MultitaskRecipe = Annotated[str | None, typer.Option("--recipe",
@@ -352,7 +356,7 @@ COMMAND_OPTIONS: dict[str, dict[str, Any]] = {
         "eval_suite": UnlearnEvalSuite, "eval_split": EvalSplit, "eval_data_dir": EvalDataDir,
         "eval_max_samples": UnlearnEvalMaxSamples, "eval_max_new_tokens": UnlearnEvalMaxNewTokens,
         "eval_batch_size": UnlearnEvalBatchSize, "eval_nli_model": EvalNliModel,
-        "eval_embedding_model": EvalEmbeddingModel, "eval_protocol": EvalProtocol,
+        "eval_embedding_model": EvalEmbeddingModel, "eval_protocol": EvalProtocol, "eval_attacks": EvalAttacks,
         "log_update_similarity": LogUpdateSimilarity, "report_to": ReportTo,
     },
     "multitask": {

@@ -236,3 +236,21 @@ def test_relearning_half_brings_the_held_out_half_back(unlearned_tiny, tofu_dir,
     assert held["probability"]["attacks"]["relearn-k10"]["value"] == pytest.approx(probability(relearned))
     assert probability(relearned) > 2 * probability(plain)  # the held-out half comes back
     assert record["attacks"]["runs"][0]["relearn"]["rows"] == 4
+
+
+def test_unlearn_runs_its_last_evaluation_under_attack(tiny_llama, tofu_dir, tmp_path, capsys):
+    forget = tmp_path / "f.jsonl"
+    forget.write_text("".join(list(open(tofu_dir / "forget01.json"))[:6]))
+    base = ["unlearn", "--model", tiny_llama, "--forget", forget, "--loss", "GA", "--steps", 2, "--eval-data-dir",
+            tofu_dir, "--eval-max-samples", 2, "--eval-max-new-tokens", 2, "--eval-nli-model", tmp_path / "no-nli",
+            "--eval-embedding-model", tmp_path / "no-embedder", "--show-samples", 0]
+    assert run_cli(*base, "--eval-attacks", "quant-8bit", "--out", tmp_path / "no-eval") == 2
+    assert "--eval-attacks needs --eval-every" in capsys.readouterr().err
+    assert run_cli(*base, "--eval-attacks", "quant-3bit", "--eval-every", 1, "--out", tmp_path / "bad") == 2
+    assert "unknown attack 'quant-3bit'" in capsys.readouterr().err
+    out = tmp_path / "run"
+    assert run_cli(*base, "--eval-every", 1, "--eval-attacks", "quant-4bit", "--out", out) == 0
+    assert "attacks" not in json.loads((out / "evals" / "step-1" / "eval.json").read_text())
+    last = json.loads((out / "evals" / "step-2" / "eval.json").read_text())
+    assert [run["id"] for run in last["attacks"]["runs"]] == ["quant-4bit"]
+    assert (out / "evals" / "step-2" / "attacks" / "quant-4bit" / "TOFU_EVAL.json").is_file()

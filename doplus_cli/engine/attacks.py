@@ -87,8 +87,9 @@ def relearn_config(model: str | None, attack: str, steps: int, data: str, out: s
 @contextmanager
 def relearned_copy(context: SuiteContext, attack: str, steps: int, rows: list[dict[str, str]],
                    console: Console) -> Iterator[Any]:
-    """The model fine-tuned by `attack` for `steps` steps on `rows`, trained and saved in a temporary folder
-    (removed afterwards) and loaded from there; the evaluated model on disk is only read."""
+    """The model fine-tuned by `attack` for `steps` steps on `rows`: the weights in memory (those the suites just
+    evaluated, also during training) saved into a temporary folder, trained from there, the result loaded; the
+    folder is removed afterwards and the evaluated model's own files are never opened for writing."""
     from doplus_cli.engine.multitask import run_multitask
     from doplus_cli.models import load_model_and_tokenizer
 
@@ -97,8 +98,11 @@ def relearned_copy(context: SuiteContext, attack: str, steps: int, rows: list[di
         data = os.path.join(folder, "relearn.jsonl")
         with open(data, "w") as handle:
             handle.writelines(json.dumps(row) + "\n" for row in rows)
+        start = os.path.join(folder, "start")
+        context.model.save_pretrained(start)
+        context.tokenizer.save_pretrained(start)
         template = context.formatter.template_name if context.formatter is not None else None
-        run = relearn_config(config.model, attack, steps, data, os.path.join(folder, "run"), config,
+        run = relearn_config(start, attack, steps, data, os.path.join(folder, "run"), config,
                              None if template == "chat" else template)
         if context.progress is not None:  # one live display at a time: the run shows its own
             context.progress.stop()

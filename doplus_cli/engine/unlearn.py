@@ -27,6 +27,7 @@ from doplus_cli.engine.loop import run_training
 from doplus_cli.engine.objectives import Objective, Plan
 from doplus_cli.engine.schedule import authors_epoch_steps, authors_warmup
 from doplus_cli.errors import UserError
+from doplus_cli.evaluation.attacks import parse_attacks
 from doplus_cli.evaluation.metrics import rouge_l_recall
 from doplus_cli.evaluation.protocol import get_protocol
 from doplus_cli.evaluation.runner import EvalConfig, evaluate_model, load_judges
@@ -85,6 +86,8 @@ class UnlearnPlan(Plan):
                 self.retain_source = open_source(config.retain, "retain", keys)
         if config.text_window is not None:  # MUSE's training windows over the joined text rows
             self.forget_source, self.retain_source = _text_windows(config, self.forget_source, self.retain_source)
+        if config.eval_attacks:  # a bad name stops the run here
+            _check_eval_attacks(config)
         if config.eval_every and config.eval_suite == "tofu":  # a missing file or task stops the run here
             load_tofu_sets(config.eval_split, config.eval_data_dir, config.eval_max_samples, self.task.get("task_id"),
                            get_protocol(config.eval_protocol).max_rows)
@@ -191,6 +194,12 @@ def _evaluate_tofu(step, accelerator, model, tokenizer, config, out, progress, s
             nli_model=config.eval_nli_model, seed=config.seed, prompt_template=config.prompt_template,
             protocol=config.eval_protocol, task_id=state.get("task_id"),
         )
+        attacks = None
+        if config.eval_attacks and step == config.steps:  # the last evaluation, also under attack
+            from doplus_cli.engine.attacks import attack_runner
+
+            eval_config.attacks = parse_attacks(config.eval_attacks, eval_config.suites)
+            attacks = attack_runner(progress.console if progress is not None else None)
         unwrapped = accelerator.unwrap_model(model)
         if "judges" not in state:
             device = "cuda" if accelerator.device.type == "cuda" else "cpu"
@@ -202,7 +211,7 @@ def _evaluate_tofu(step, accelerator, model, tokenizer, config, out, progress, s
             folder = Path(tempfile.mkdtemp(prefix="doplus-eval-"))
         targeted = FORGET_LOSSES[config.forget_loss].targeted
         record = evaluate_model(unwrapped, tokenizer, eval_config, folder, f"step {step}", progress, targeted,
-                                state["judges"])
+                                state["judges"], attacks=attacks)
         unwrapped.train()
         if not accelerator.is_main_process:
             shutil.rmtree(folder, ignore_errors=True)
@@ -214,6 +223,16 @@ def _evaluate_tofu(step, accelerator, model, tokenizer, config, out, progress, s
         row["folder"] = str(folder)
     accelerator.wait_for_everyone()
     return row
+
+
+def _check_eval_attacks(config: UnlearnConfig) -> None:
+    """--eval-attacks: known names, an evaluation to attack, one process (the attacked copies are whole models)."""
+    parse_attacks(config.eval_attacks, (config.eval_suite,))
+    if not config.eval_every:
+        raise UserError("--eval-attacks needs --eval-every N (the last evaluation is the one run under attack)")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("--eval-attacks runs in one process; run `doplus evaluate --attacks ...` on final/ after a "
+                        "run of several processes")
 
 
 def _self_answer(model, formatter, config, out, forget_source, retain_source, progress, accelerator, reuse=False):
