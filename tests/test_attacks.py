@@ -166,6 +166,27 @@ def test_attacks_leave_the_unattacked_numbers_bit_identical(tiny_llama, tofu_dir
     assert entry["worst"]["attack"] == worst
     assert "## Attacks" in (tmp_path / "attacked" / "report.md").read_text()
 
+    # bench schemes' columns: the headline forget metric (UFE) after each attack and its worst case (the lowest UFE)
+    from doplus_cli.bench.schemes.plots import plot_attacks
+    from doplus_cli.bench.schemes.summary import Result, attack_columns, attack_values
+
+    values = attack_values(tmp_path / "attacked")
+    attacked_ufe = {a: json.loads((tmp_path / "attacked" / "attacks" / a / "SUMMARY.json").read_text())["UFE"]
+                    for a in ("quant-8bit", "probe-prefix")}
+    assert values == {"UFE after quant-8bit": attacked_ufe["quant-8bit"],
+                      "UFE after probe-prefix": attacked_ufe["probe-prefix"],
+                      "UFE worst attack": min(attacked_ufe.values())}
+    assert attack_values(tmp_path / "plain") == {}
+    result = Result("run", "doplus", 0, None, values, {}, [], [], {})
+    columns = attack_columns([result])
+    assert [c.key for c in columns] == ["UFE after quant-8bit", "UFE after probe-prefix", "UFE worst attack"]
+    assert all(c.higher_is_better for c in columns)  # a higher UFE under attack: still forgotten
+    stats = {"mean": 50.0, "std": 1.0}
+    summary = {"columns": [{"key": "UFE", "role": "score"}, *({"key": c.key, "role": "attack"} for c in columns)],
+               "rows": [{"label": label, "sweep_value": None, "metrics": {k: stats for k in ["UFE", *values]}}
+                        for label in ("DO+", "Joint")], "sweep": None}
+    assert plot_attacks(summary, tmp_path) == "attacks.png" and (tmp_path / "attacks.png").stat().st_size > 0
+
 
 def file_hashes(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}

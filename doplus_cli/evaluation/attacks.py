@@ -76,6 +76,8 @@ FORGET_METRICS: dict[str, dict[str, int]] = {
     "real-world": {"rw_forget_Q_A_ROUGE": 1, "rw_forget_Q_A_Prob": 1, "rw_forget_Truth_Ratio": 1, "rw_UFE": -1},
     "muse": {"forget_verbmem_ROUGE": 1, "forget_knowmem_ROUGE": 1, "privleak": -1},
 }
+# Each forget suite's headline forget metric: the one `bench schemes` gives per attack and in the worst case.
+HEADLINE = {"tofu": "UFE", "real-world": "rw_UFE", "muse": "forget_knowmem_ROUGE"}
 # The per-row file and the key under which a QA suite's forget rows are, for the held-out half of relearning.
 FORGET_ROWS = {"tofu": "TOFU_EVAL.json", "real-world": "REAL_WORLD_EVAL.json"}
 HELD_OUT_METRICS = {"rouge": 1, "probability": 1, "truth_ratio": 1}

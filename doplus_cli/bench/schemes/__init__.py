@@ -53,7 +53,13 @@ from doplus_cli.bench.schemes.planning import (
     plan_bench,
     record_runs,
 )
-from doplus_cli.bench.schemes.plots import plot_curves, plot_tradeoff, plot_tradeoff_curves, plot_update_similarity
+from doplus_cli.bench.schemes.plots import (
+    plot_attacks,
+    plot_curves,
+    plot_tradeoff,
+    plot_tradeoff_curves,
+    plot_update_similarity,
+)
 from doplus_cli.bench.schemes.running import Runner
 from doplus_cli.bench.schemes.summary import (
     Result,
@@ -81,7 +87,7 @@ def write_outputs(bench: Bench, index: dict[str, Any]) -> dict[str, Any]:
     summary = summarise(bench, results, unfinished)
     figures = [f for f in (plot_tradeoff(summary, bench.out), plot_tradeoff_curves(summary, bench.out),
                            plot_curves(summary, results, bench.kind.curve_names(bench.runs[0].config), bench.out),
-                           plot_update_similarity(summary, results, bench.out)) if f]
+                           plot_update_similarity(summary, results, bench.out), plot_attacks(summary, bench.out)) if f]
     summary["figures"] = figures
     atomic_write_text(bench.out / "SCHEMES.json", json.dumps(summary, indent=2) + "\n")
     atomic_write_text(bench.out / "SCHEMES.md", render_markdown(summary, figures))

@@ -69,6 +69,32 @@ def plot_tradeoff(summary: dict[str, Any], out: Path) -> str | None:
     return _save(fig, out / "tradeoff.png")
 
 
+def plot_attacks(summary: dict[str, Any], out: Path) -> str | None:
+    """attacks.png: the headline forget metric before and after each attack, one colour per scheme, error bars the
+    std over seeds (and tasks); None when the runs ran no attacks."""
+    attacked = [c for c in summary["columns"] if c["role"] == "attack"]
+    if not attacked:
+        return None
+    metric = attacked[0]["key"].split(" ")[0]
+    keys = [metric, *(c["key"] for c in attacked)]
+    labels = ["unattacked", *(c["key"].split(" ", 1)[1].removeprefix("after ") for c in attacked)]
+    plt = _pyplot()
+    rows = summary["rows"]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(keys)), 4.5))
+    width = 0.8 / max(1, len(rows))
+    for i, row in enumerate(rows):
+        stats = [row["metrics"].get(k, {"mean": None, "std": None}) for k in keys]
+        ax.bar([x + (i - (len(rows) - 1) / 2) * width for x in range(len(keys))],
+               [s["mean"] if s["mean"] is not None else 0.0 for s in stats], width,
+               yerr=[s["std"] or 0.0 for s in stats], capsize=3, label=row_label(row, summary["sweep"]))
+    ax.set_xticks(range(len(keys)), labels, rotation=20)
+    ax.set_ylabel(f"{metric} of the last evaluation")
+    ax.set_title(f"{metric} before and after each attack; error bars: sample std over {summary.get('over', 'seeds')}")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    return _save(fig, out / "attacks.png")
+
+
 def plot_tradeoff_curves(summary: dict[str, Any], out: Path) -> str | None:
     """Each run's path through (MU, UFE), from the starting model through its evaluations, one colour per
     scheme; the dotted lines are the matched levels of the trade-off tables."""

@@ -18,6 +18,7 @@ from doplus_cli.bench.tradeoff import ordered, summarise_tradeoff
 from doplus_cli.bench.tradeoff import render as render_tradeoff
 from doplus_cli.config import SCHEMES
 from doplus_cli.errors import UserError
+from doplus_cli.evaluation.attacks import FORGET_METRICS, HEADLINE
 from doplus_cli.kinds import Metric
 
 UPDATE_COSINE = Metric("update_cosine", "update cos (mean over the 2nd half of steps)", None, ".3f")
@@ -84,7 +85,7 @@ def collect(bench: Bench, index: dict[str, Any]) -> tuple[list[Result], list[str
             continue
         records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
         scores, notes = bench.kind.scores(report, evaluation)
-        values = {**scores, **resources(report, records)}
+        values = {**scores, **resources(report, records), **attack_values(evaluation)}
         cosines = [(r["step"], r["update_cosine"]) for r in records if r.get("update_cosine") is not None]
         values[UPDATE_COSINE.key] = second_half_mean(cosines, report["steps"])
         env = report.get("environment", {})
@@ -107,6 +108,37 @@ def resources(report: dict[str, Any], records: list[dict[str, Any]]) -> dict[str
     return {"train_time_s": sum(seconds) if seconds else None,
             "peak_memory_gb": max(peaks) if peaks else report.get("peak_memory_gb"),
             "optimizer_state_bytes": report.get("optimizer_state_bytes")}
+
+
+WORST = "worst attack"
+
+
+def attack_values(evaluation: Path) -> dict[str, Any]:
+    """The run's headline forget metric on each attacked copy and its worst case, where its evaluation ran
+    attacks (`eval_attacks`, docs/attacks.md): {"UFE after quant-4bit": value, ..., "UFE worst attack": value}."""
+    path = evaluation / "eval.json"
+    section = json.loads(path.read_text()).get("attacks") if path.is_file() else None
+    values: dict[str, Any] = {}
+    for row in (section or {}).get("metrics", []):
+        if HEADLINE.get(row["suite"]) != row["metric"]:
+            continue
+        for attack, cell in row["attacks"].items():
+            values[f"{row['metric']} after {attack}"] = cell["value"]
+        values[f"{row['metric']} {WORST}"] = row["worst"]["value"]
+    return values
+
+
+def attack_columns(results: list[Result]) -> list[Metric]:
+    """One column per attack of the headline forget metric, then its worst case; better is the way that means
+    the model still does not know the forget set."""
+    keys = list(dict.fromkeys(key for r in results for key in r.values if " after " in key or key.endswith(WORST)))
+    keys = [k for k in keys if not k.endswith(WORST)] + [k for k in keys if k.endswith(WORST)]
+    columns = []
+    for key in keys:
+        metric = key.split(" ")[0]
+        direction = next(d[metric] for d in FORGET_METRICS.values() if metric in d)
+        columns.append(Metric(key, key, direction < 0))
+    return columns
 
 
 def second_half_mean(points: list[tuple[int, float]], steps: int) -> float | None:
@@ -135,8 +167,10 @@ def summarise(bench: Bench, results: list[Result], unfinished: list[str]) -> dic
     scores = [m for m in bench.kind.metric_list(bench.runs[0].config)
               if any(r.values.get(m.key) is not None for r in results)]
     state, unit = _state_metric(results)
-    columns = [*scores, *RESOURCE_METRICS, state]
-    roles = {**{m.key: "score" for m in scores}, **{m.key: "resource" for m in (*RESOURCE_METRICS, state)}}
+    attacked = attack_columns(results)
+    columns = [*scores, *attacked, *RESOURCE_METRICS, state]
+    roles = {**{m.key: "score" for m in scores}, **{m.key: "attack" for m in attacked},
+             **{m.key: "resource" for m in (*RESOURCE_METRICS, state)}}
     if bench.log_update_similarity or any(r.values.get(UPDATE_COSINE.key) is not None for r in results):
         columns.append(UPDATE_COSINE)
         roles[UPDATE_COSINE.key] = "similarity"
@@ -183,7 +217,10 @@ def summarise(bench: Bench, results: list[Result], unfinished: list[str]) -> dic
         "partial": partial,
         "runs_total": len(results),
         "unfinished": unfinished,
-        "definitions": definitions(bench, results, UPDATE_COSINE in columns),
+        "definitions": definitions(bench, results, UPDATE_COSINE in columns) + (
+            ["METRIC after ATTACK: the forget metric of the run's last evaluation on the attacked copy "
+             "(`eval_attacks`, docs/attacks.md); METRIC worst attack: the attack that moved it furthest toward "
+             "knowing the forget set, per run."] if attacked else []),
         "tradeoff": tradeoff,
         "over": over(results),
         "runs": {r.name: {"scheme": r.scheme, "seed": r.seed, "sweep_value": r.sweep_value, "task_id": r.task_id,
