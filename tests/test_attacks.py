@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,10 @@ def test_probe_prompts_are_built_as_documented_at_token_level(tiny_chat_llama, p
         scored = [t for t, label in zip(encoded.input_ids, encoded.labels) if label != -100]
         assert encoded.input_ids[:len(expected[name])] == expected[name]
         assert scored == plain_answer, name  # the same answer tokens are scored, after the probe's prompt
+    # rows without a paraphrased question cannot take the paraphrase probe (the suite is left out of it)
+    bare = [replace(qa_set, samples=[replace(s, paraphrased_question=None) for s in qa_set.samples])
+            for qa_set in probe_sets]
+    assert attacks.probe_formatter("probe-paraphrase", formatter, bare) is None
 
 
 def test_bad_attack_input_is_one_line_with_exit_code_2(tiny_llama, tofu_dir, tmp_path, capsys):

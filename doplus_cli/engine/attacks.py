@@ -148,17 +148,17 @@ def run_attacks(context: SuiteContext, record: dict[str, Any], console: Console)
                                     "held_out_from": None if start is None else
                                     f"{held_suite} forget rows {start} to the end"}
                 with relearned_copy(context, attack_name, k, rows, console) as model:
-                    summary = _run_suites(context, model, folder, entry["suites"], attack_name)
+                    summary = _run_suites(context, model, folder, entry, attack_name)
                 if held_suite is not None:
                     eval_rows = json.loads((folder / registry.FORGET_ROWS[held_suite]).read_text())
                     held_out.setdefault(held_suite, {})[attack_id] = registry.held_out_values(
                         eval_rows["sets"]["forget"], start)
             elif attack.kind == "quant":
                 model = registry.quantized_copy(context.model, attack_name)
-                summary = _run_suites(context, model, folder, entry["suites"], attack_name)
+                summary = _run_suites(context, model, folder, entry, attack_name)
                 del model
             else:
-                summary = _run_suites(context, context.model, folder, entry["suites"], attack_name)
+                summary = _run_suites(context, context.model, folder, entry, attack_name)
             write_json(folder / "SUMMARY.json", summary)
             entry["seconds"] = time.perf_counter() - started
             runs.append(entry)
@@ -175,13 +175,19 @@ def run_attacks(context: SuiteContext, record: dict[str, Any], console: Console)
     return {"runs": runs, "metrics": rows}
 
 
-def _run_suites(context: SuiteContext, model, folder: Path, suites: list[str], attack: str) -> dict[str, Any]:
-    """The forget suites on an attacked model (or through a probe's prompts), their files into `folder`."""
+def _run_suites(context: SuiteContext, model, folder: Path, entry: dict[str, Any], attack: str) -> dict[str, Any]:
+    """The forget suites on an attacked model (or through a probe's prompts), their files into `folder`; a suite
+    whose data cannot take the attack (the paraphrase probe without paraphrased questions) is left out of
+    `entry["suites"]` and named in `entry["skipped"]`."""
     summary: dict[str, Any] = {}
-    for name in suites:
+    for name in list(entry["suites"]):
         formatter = context.formatter
         if registry.ATTACKS[attack].kind == "probe":
             formatter = registry.probe_formatter(attack, context.formatter, qa_sets(context.config, name))
+            if formatter is None:
+                entry["suites"].remove(name)
+                entry.setdefault("skipped", []).append(f"{name}: its forget rows have no paraphrased_question")
+                continue
         attacked = replace(context, model=model, formatter=formatter, out=folder)
         with packed_linears(model):
             summary.update(SUITE_REGISTRY[name].run(attacked).summary)

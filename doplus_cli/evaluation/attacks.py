@@ -195,9 +195,10 @@ class ProbeFormatter(PromptFormatter):
         return self.inner.answer_text(self.rewrite(question), answer)
 
 
-def probe_formatter(attack: str, inner: PromptFormatter, sets: list) -> ProbeFormatter:
+def probe_formatter(attack: str, inner: PromptFormatter, sets: list) -> ProbeFormatter | None:
     """The formatter of probe `attack` over a QA suite's loaded `sets` (its forget set first, then its retain
-    or neighbour set): the in-context facts and the paraphrased questions come from them."""
+    or neighbour set): the in-context facts and the paraphrased questions come from them. None: the paraphrase
+    probe on forget rows without a `paraphrased_question`."""
     if attack == "probe-prefix":
         return ProbeFormatter(inner, lambda q: q, PREFIX_INJECTION)
     if attack == "probe-roleplay":
@@ -209,8 +210,7 @@ def probe_formatter(attack: str, inner: PromptFormatter, sets: list) -> ProbeFor
         paraphrases = {s.question: s.paraphrased_question for qa_set in sets for s in qa_set.samples
                        if s.paraphrased_question}
         if not any(s.paraphrased_question for s in sets[0].samples):
-            raise UserError(f"{sets[0].source}: --attacks probe-paraphrase needs a 'paraphrased_question' field in "
-                            "the forget rows")
+            return None
         return ProbeFormatter(inner, lambda q: paraphrases.get(q, q))
     raise ValueError(f"not a probe: {attack}")
 
@@ -274,9 +274,11 @@ def render_attack_lines(section: dict[str, Any]) -> list[str]:
     lines += ["", "| attack | what it does | source | seconds |", "| --- | --- | --- | ---: |"]
     for run in section["runs"]:
         lines.append(f"| {run['id']} | {run['what']} | {run['source']} | {run['seconds']:.1f} |")
+    skipped = [f"- {run['id']} left out {reason}." for run in section["runs"] for reason in run.get("skipped", [])]
     relearned = [run for run in section["runs"] if run.get("relearn")]
-    if relearned:
+    if skipped or relearned:
         lines.append("")
+    lines += skipped
     for run in relearned:
         relearn = run["relearn"]
         held_out = relearn.get("held_out_from") or "none (relearned on --relearn-data)"
