@@ -5,13 +5,13 @@ requeue on the time-limit signal (USR1)."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.test_slurm_script import usr1_while_training
 
 pytestmark = pytest.mark.processes  # each case is a bash process
 
@@ -84,21 +84,10 @@ def test_an_array_task_runs_its_index_and_usr1_requeues_that_task(tmp_path, bin_
 
     (tmp_path / "calls").unlink()
     training = tmp_path / "training.pid"
-    script = subprocess.Popen(["bash", str(SCRIPT)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=environment(tmp_path, bin_folder, SLURM_ARRAY_TASK_ID="6",
-                                              SLURM_ARRAY_JOB_ID="900", TRAINING=str(training)))
-    try:
-        deadline = time.time() + 60
-        while not training.exists() or not training.read_text().strip():
-            assert script.poll() is None and time.time() < deadline, script.communicate(timeout=60)
-            time.sleep(0.02)
-        script.send_signal(signal.SIGUSR1)
-        out, err = script.communicate(timeout=60)
-    finally:
-        if script.poll() is None:
-            script.kill()
-            script.wait(timeout=60)
-    assert script.returncode == 143, err
+    code, out, err = usr1_while_training(SCRIPT, environment(tmp_path, bin_folder, SLURM_ARRAY_TASK_ID="6",
+                                                             SLURM_ARRAY_JOB_ID="900", TRAINING=str(training)),
+                                         training)
+    assert code == 143, err
     assert calls(tmp_path) == [f"doplus bench schemes {BENCH} --run-index 6", "TERM reached the bench",
                                "scontrol requeue 900_6"]
     assert "requeueing 900_6" in out

@@ -77,6 +77,25 @@ def launched(tmp_path) -> str:
     return line
 
 
+def usr1_while_training(script_path, env, training):
+    """Run the script until its stand-in training has written its pid, then send the batch shell SIGUSR1 (SLURM's
+    --signal=B:USR1 before the time limit); the exit code and output."""
+    script = subprocess.Popen(["bash", str(script_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env)
+    try:
+        deadline = time.time() + 60
+        while not training.exists() or not training.read_text().strip():
+            assert script.poll() is None and time.time() < deadline, script.communicate(timeout=60)
+            time.sleep(0.02)
+        script.send_signal(signal.SIGUSR1)
+        out, err = script.communicate(timeout=60)
+    finally:
+        if script.poll() is None:
+            script.kill()
+            script.wait(timeout=60)
+    return script.returncode, out, err
+
+
 def test_grad_accum_keeps_the_recipes_effective_batch_for_any_node_and_gpu_count(tmp_path, bin_folder):
     # the shipped Llama-2-7B recipe read by doplus itself: batch_size 4 x grad_accum 32 = 128 on one process
     result = subprocess.run(["bash", str(SCRIPT)], env=environment(tmp_path, bin_folder, 2, 8), capture_output=True,
@@ -114,20 +133,9 @@ def test_a_folder_with_a_started_run_resumes_and_usr1_requeues_the_job(tmp_path,
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "config.yaml").write_text("steps: 10\n")
     training = tmp_path / "training.pid"
-    script = subprocess.Popen(["bash", str(SCRIPT)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=environment(tmp_path, bin_folder, 2, 8, "4 32", TRAINING=str(training)))
-    try:
-        deadline = time.time() + 60
-        while not training.exists() or not training.read_text().strip():
-            assert script.poll() is None and time.time() < deadline, script.communicate(timeout=60)
-            time.sleep(0.02)
-        script.send_signal(signal.SIGUSR1)
-        out, err = script.communicate(timeout=60)
-    finally:
-        if script.poll() is None:
-            script.kill()
-            script.wait(timeout=60)
-    assert script.returncode == 143, err
+    code, out, err = usr1_while_training(SCRIPT, environment(tmp_path, bin_folder, 2, 8, "4 32",
+                                                             TRAINING=str(training)), training)
+    assert code == 143, err
     assert launched(tmp_path).endswith("--resume")
     assert calls(tmp_path)[-3:] == [f"scancel --signal=TERM {JOB}", "TERM reached the run",
                                     f"scontrol requeue {JOB}"]
