@@ -102,7 +102,7 @@ class TrainConfig:
     doplus_rule: str = "safeguarded"  # or "paper": DualOptim+'s AdamW rule exactly as the paper writes it
     # the safeguarded rule's floor ρ on its denominator, a fraction of v̂_B + |v̂_k| (0: the clamp alone);
     # chosen by the criterion in docs/optimizers.md, "Choosing the floor"
-    v_floor: float = 0.05
+    v_floor: float = 0.02
     # DualOptim+'s base state, the paper's ablations (Tables 10, 11): when it takes the gradient, and what it takes
     base_update: str = "after-param"  # or before-delta, after-delta
     base_source: str = "grad"  # or grad-minus-delta

@@ -343,7 +343,7 @@ def bnb_dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> t
                                      blocksize=256).double()
 
 
-def float64_rule(theta, g, mb, vb, md, vd, t_base, t_delta, lr, betas, eps, wd, floor=0.05, bound=10.0):
+def float64_rule(theta, g, mb, vb, md, vd, t_base, t_delta, lr, betas, eps, wd, floor=0.02, bound=10.0):
     """The DualOptim+ AdamW rule (with its safeguard) in float64, base and delta betas equal."""
     b1, b2 = betas
     theta = theta * (1 - lr * wd)

@@ -21,7 +21,7 @@ from doplus_cli.optim import AdamW, DualOptim, DualOptimPlus, kernels
 
 OPTIMIZERS = {"DualOptimPlus": DualOptimPlus, "DualOptim": DualOptim, "AdamW": AdamW}
 RELEASE_0_1_0 = Path(__file__).parent / "data" / "release-0.1.0"
-FLOOR, BOUND = 0.05, 10.0  # DualOptimPlus's safeguard defaults (v_floor, max_update)
+FLOOR, BOUND = 0.02, 10.0  # DualOptimPlus's safeguard defaults (v_floor, max_update)
 
 
 # -- float64 references ----------------------------------------------------------------------------------

@@ -66,7 +66,7 @@ def test_bit_rounding_to_bfloat16_is_torchs_round_to_nearest_even():
 
 
 def float64_doplus(start: torch.Tensor, grads: list[torch.Tensor], objectives: list[str], lr: float,
-                   betas=(0.9, 0.95), eps=1e-8, wd=0.01, floor=0.05, bound=10.0) -> torch.Tensor:
+                   betas=(0.9, 0.95), eps=1e-8, wd=0.01, floor=0.02, bound=10.0) -> torch.Tensor:
     """DualOptim+'s safeguarded AdamW rule (the paper's Algorithm 1, base updated after θ) in float64."""
     theta = start.double().clone()
     m_base, v_base, t_base = torch.zeros_like(theta), torch.zeros_like(theta), 0

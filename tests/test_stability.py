@@ -17,7 +17,7 @@ from doplus_cli.optim.diagnostics import adamw_step_stats, reduce_step_stats, st
 from tests.helpers import Float64DualOptimPlus, cycle
 
 LR, BETAS, BASE_BETAS, EPS, WD = 1e-2, (0.9, 0.95), (0.9, 0.95), 1e-8, 0.01
-SAFEGUARD = {"floor": 0.05, "bound": 10.0}
+SAFEGUARD = {"floor": 0.02, "bound": 10.0}  # DualOptimPlus's defaults (v_floor, max_update)
 
 
 def reference_trace(params, grads_of, objectives, floor=0.0, bound=math.inf):
@@ -78,7 +78,7 @@ def test_safeguarded_rule_equals_the_paper_rule_where_v_stays_far_from_zero():
     torch.manual_seed(0)
     start = [torch.randn(s, dtype=torch.float64) for s in SHAPES]
     reference, steps, min_ratio = reference_trace(start, grads_of, objectives)
-    assert min_ratio > 0.2  # far from the floor of 0.05: the safeguard must not act
+    assert min_ratio > 0.2  # far above the floor of 0.02: the safeguard must not act
     params = [torch.nn.Parameter(w.clone()) for w in start]
     diagnostics = train(doplus(params), params, objectives, grads_of)  # default rule: safeguarded
     for p, expected in zip(params, reference.params):
@@ -119,7 +119,7 @@ def test_diagnostics_of_a_hand_computed_step():
     v = 2 + (-0.75 + 0.5 * (g3 * g3 - 2)) / 0.75
     assert v == pytest.approx(0.0002)
     expected_paper = [1.0, 1.0, abs(m) / math.sqrt(v)]  # steps 1 and 2: |m|/sqrt(V) = 2/2 and 1/1
-    floor = 0.05 * (2 + abs(v - 2))
+    floor = 0.02 * (2 + abs(v - 2))  # the default floor ρ = 0.02
     expected_safeguarded = [1.0, 1.0, abs(m) / math.sqrt(max(v, floor))]
     assert expected_paper[2] > 10 > expected_safeguarded[2]
     for rule, expected in (("paper", expected_paper), ("safeguarded", expected_safeguarded)):

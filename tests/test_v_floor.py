@@ -83,8 +83,8 @@ def test_a_recipe_key_sets_the_floor_and_bad_floors_are_one_line_errors(tofu_dir
         with pytest.raises(UserError, match=r"--v-floor must be a number in \[0, 1\)"):
             unlearn_config(tofu_dir, v_floor=bad)
     for other in ({"doplus_rule": "paper"}, {"scheme": "dualoptim"}):
-        with pytest.raises(UserError, match="--v-floor 0.02 sets the floor of DualOptim\\+'s safeguarded rule"):
-            unlearn_config(tofu_dir, v_floor=0.02, **other)
+        with pytest.raises(UserError, match="--v-floor 0.01 sets the floor of DualOptim\\+'s safeguarded rule"):
+            unlearn_config(tofu_dir, v_floor=0.01, **other)
     assert unlearn_config(tofu_dir, doplus_rule="paper").v_floor == TrainConfig.v_floor  # left out: no error
     capsys.readouterr()
     arguments = ["unlearn", "--forget", tofu_dir / "forget01.json", "--retain", tofu_dir / "retain90.json",

@@ -119,7 +119,7 @@ class DualOptimPlus(Optimizer):
         rule: str = "safeguarded",
         base_update: str = "after-param",
         base_source: str = "grad",
-        v_floor: float = 0.05,
+        v_floor: float = 0.02,
         max_update: float = 10.0,
         fused: bool | None = None,
         multi_tensor: bool | None = None,

@@ -23,7 +23,7 @@ With V = v̂_B + v̂_k the paper's denominator and S = v̂_B + |v̂_k| the size 
     D   = max(|V|, ρ·S)                       (a floor where V has lost all but ρ of S to cancellation)
     θ   ← θ − clamp(η·(m̂_B + m̂_k) / (sqrt(D) + ε), −c·η, c·η)
 
-ρ = `v_floor` (0.05) and c = `max_update` (10). Where |V| ≥ ρ·S and the step is below c·η, the update is the
+ρ = `v_floor` (0.02) and c = `max_update` (10). Where |V| ≥ ρ·S and the step is below c·η, the update is the
 paper's bit for bit; the paper's rule is ρ = 0, c = ∞ (`rule="paper"`).
 
 The ablations (paper, Tables 10 and 11; `base_update`, `base_source`) run on the reference path only:
