@@ -110,3 +110,14 @@ def test_bench_stability_takes_a_list_of_floors(capsys):
     assert run_cli("bench", "optimizer", "--v-floor", "0.02") == 2
     assert capsys.readouterr().err.strip() == ("error: --v-floor sets the floors of --stability's safeguarded rows: "
                                                "add --stability")
+
+
+def test_a_run_recorded_without_the_key_ran_at_the_floor_of_0_05():
+    """Checkpoints and runs recorded before `v_floor` was a recipe key trained at ρ = 0.05: resuming one under
+    another floor is a change the resume check names."""
+    from doplus_cli.engine.checkpoint import differing_keys
+
+    now = UnlearnConfig().to_dict()
+    before = {k: v for k, v in now.items() if k != "v_floor"}
+    assert differing_keys(before, {**now, "v_floor": 0.05}) == []
+    assert differing_keys(before, {**now, "v_floor": 0.02}) == ["v_floor"]
