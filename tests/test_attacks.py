@@ -4,6 +4,7 @@ control: a taught, then unlearned tiny model whose held-out forget rows come bac
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -86,6 +87,18 @@ def test_quantization_grids_equal_the_references_and_the_copy_alone_is_quantized
     assert torch.allclose(weights[projection].double(), nf4_reference(before[projection]), rtol=0, atol=1e-6)
     head = attacked.get_output_embeddings().weight
     assert torch.equal(head, model.get_output_embeddings().weight)  # the output head stays in full precision
+
+    # a LoRA model (the weights of a LoRA run during training): the adapters merged into the copy, then quantized
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    torch.nn.init.normal_(peft_model.base_model.model.model.layers[0].self_attn.q_proj.lora_B["default"].weight)
+    merged = copy.deepcopy(peft_model).merge_and_unload().model.layers[0].self_attn.q_proj.weight.detach()
+    attacked = attacks.quantized_copy(peft_model, "quant-8bit")
+    assert not any("lora" in name for name, _ in attacked.named_parameters())
+    assert any("lora" in name for name, _ in peft_model.named_parameters())  # the model keeps its adapters
+    assert torch.allclose(attacked.model.layers[0].self_attn.q_proj.weight.double(), int8_reference(merged),
+                          rtol=0, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +226,12 @@ def test_relearning_moves_a_copy_and_never_the_saved_model(tiny_llama, tofu_dir,
     assert moved  # the copy was trained
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())  # the loaded model was not
     assert file_hashes(Path(tiny_llama)) == hashes  # nor its files
+    # a LoRA run's weights during training: relearning starts from them merged
+    from peft import LoraConfig, get_peft_model
+
+    lora = replace(context, model=get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"])))
+    with relearned_copy(lora, "relearn", 1, rows, Console(stderr=True, quiet=True)) as relearned:
+        assert not any("lora" in name for name, _ in relearned.named_parameters())
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ model on disk is only read. The quantization and probe attacks are the evaluatio
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import tempfile
@@ -99,7 +100,11 @@ def relearned_copy(context: SuiteContext, attack: str, steps: int, rows: list[di
         with open(data, "w") as handle:
             handle.writelines(json.dumps(row) + "\n" for row in rows)
         start = os.path.join(folder, "start")
-        context.model.save_pretrained(start)
+        weights = context.model
+        if hasattr(weights, "merge_and_unload"):  # a LoRA run's weights during training: merged, in a copy
+            weights = copy.deepcopy(weights).merge_and_unload()
+        weights.save_pretrained(start)
+        del weights
         context.tokenizer.save_pretrained(start)
         template = context.formatter.template_name if context.formatter is not None else None
         run = relearn_config(start, attack, steps, data, os.path.join(folder, "run"), config,

@@ -158,9 +158,12 @@ QUANTIZERS = {"quant-8bit": int8_rowwise, "quant-4bit": nf4_blockwise}
 def quantized_copy(model: torch.nn.Module, attack: str) -> torch.nn.Module:
     """A copy of `model` whose linear layers hold their weights quantized and dequantized by `attack`'s scheme.
     As transformers' bitsandbytes integration does, the output head stays in full precision (it is tied to the
-    embedding in most small models and never converted). The model itself is not changed."""
+    embedding in most small models and never converted). The model itself is not changed; a peft model's
+    adapters are merged into the copy first."""
     quantize = QUANTIZERS[attack]
     attacked = copy.deepcopy(model)
+    if hasattr(attacked, "merge_and_unload"):  # LoRA adapters (a run's weights during training): merged first,
+        attacked = attacked.merge_and_unload()  # as a quantized load of the merged model would hold them
     head = attacked.get_output_embeddings() if hasattr(attacked, "get_output_embeddings") else None
     for module in attacked.modules():
         if isinstance(module, torch.nn.Linear) and module is not head:
