@@ -230,6 +230,9 @@ def test_update_summary_and_warning_from_records():
     assert warning.startswith("warning: 2 of 4 optimizer steps moved some weights by more than 10 learning rates")
     assert "9 element-steps" in warning and "largest 250 lr" in warning
     assert update_warning(update_summary(records[:1])) is None
+    # a step the safeguard's clamp stopped at 10η, plus weight decay's η·λ·|θ|: recorded above 10, no warning
+    clamped = [records[0], {"step": 2, "objective": "retain", "max_update": 10.004, "big_updates": 3}]
+    assert update_summary(clamped)["all"]["steps_over_10lr"] == 1 and update_warning(update_summary(clamped)) is None
     report = {"config": {"loss": "IDK+GD", "scheme": "doplus", "doplus_rule": "paper", "forget": "f", "retain": "r",
                          "optimizer": "adamw", "state_bits": 32, "forget_freq": 1, "retain_freq": 5, "lr": 1e-5,
                          "betas": [0.9, 0.95], "weight_decay": 0.01},
