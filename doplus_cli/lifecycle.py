@@ -179,37 +179,20 @@ def hold(folder: str | os.PathLike, command: str) -> Path:
     run holds, in one line naming it. Not taken by a worker whose launcher or first process holds it."""
     if not _ACTIVE:
         raise RuntimeError("hold() needs an active run_guard()")
-    guard, path = _ACTIVE[0], Path(folder)
-    if path.exists() and not path.is_dir():
-        raise UserError(f"{folder}: --out exists and is a file, not a folder")
-    created = not path.exists()
-    with writing(path, "; choose another --out"):
-        path.mkdir(parents=True, exist_ok=True)
-    if created:  # a run that fails before writing anything (bad input) leaves no folder behind
-        guard.locks.callback(_remove_if_unused, path)
-    key = os.path.realpath(path)
-    if key in guard.held or _held_by_launcher(key) or os.environ.get(LOCK_SWITCH, "").lower() == "off":
-        return path
-    if os.environ.get("RANK", "0") != "0":  # a worker of `accelerate launch`/torchrun: its first process holds it
-        return path
-    guard.locks.enter_context(_folder_lock(path, key, command))
-    guard.held.add(key)
-    return path
+    return _ACTIVE[0].locks.enter_context(holding(folder, command))
 
 
 @contextmanager
 def holding(folder: str | os.PathLike, command: str) -> Iterator[Path]:
-    """`hold()` for part of a command: the folder is released when the block ends (a bench holds each run's folder
-    while it runs that run, and the run's own process, which inherits the hold, does not wait on it)."""
+    """`hold()` for a block: the folder is released when the block ends (a bench holds each run's folder while it
+    runs that run, and the run's own process, which inherits the hold, does not wait on it)."""
     if not _ACTIVE:
         raise RuntimeError("holding() needs an active run_guard()")
-    guard, path = _ACTIVE[0], Path(folder)
-    created = not path.exists()
-    with writing(path, "; choose another --out"):
-        path.mkdir(parents=True, exist_ok=True)
-    key = os.path.realpath(path)
-    try:
-        if key in guard.held or os.environ.get(LOCK_SWITCH, "").lower() == "off":
+    guard = _ACTIVE[0]
+    with _folder(folder) as path:
+        key = os.path.realpath(path)
+        if (key in guard.held or _held_by_launcher(key) or _locks_off()
+                or os.environ.get("RANK", "0") != "0"):  # a torchrun worker: its first process holds it
             yield path
             return
         with _folder_lock(path, key, command):
@@ -218,24 +201,20 @@ def holding(folder: str | os.PathLike, command: str) -> Iterator[Path]:
                 yield path
             finally:
                 guard.held.discard(key)
-    finally:
-        if created:
-            _remove_if_unused(path)
 
 
 def in_use(folder: str | os.PathLike) -> str | None:
     """Who holds `folder` (as `holder()` says it), or None when no process does. The lock is tried and at once let
     go; a folder without a lock file was never held. Another process's start in that same instant would find the
     folder held, so this is for listing, never called on a folder a run is about to take."""
-    from filelock import Timeout, UnixFileLock
+    from filelock import Timeout
 
     path = Path(folder)
-    if not (path / LOCK_NAME).is_file() or os.environ.get(LOCK_SWITCH, "").lower() == "off":
+    if not (path / LOCK_NAME).is_file() or _locks_off():
         return None
     if os.path.realpath(path) in (_ACTIVE[0].held if _ACTIVE else set()):
         return holder(path)
-    lock = UnixFileLock(str(path / LOCK_NAME), timeout=0, thread_local=False, preserve_lock_file=True,
-                        fallback_to_soft=False)
+    lock = _unix_lock(path / LOCK_NAME, timeout=0)
     try:
         lock.acquire()
     except Timeout:
@@ -251,8 +230,48 @@ def shared_turn(folder: str | os.PathLike) -> Iterator[None]:
     """The turn of this process among those that share `folder` (a bench's job-array workers): it waits for the
     others' (each a moment's writing, or the starting model's one evaluation). Not the folder's run lock: a folder
     one process holds for hours can still be shared this way."""
+    with _folder(folder) as path:
+        if _locks_off():
+            yield
+            return
+        lock = _unix_lock(path / SHARED_LOCK_NAME, timeout=-1)
+        _acquire(lock, path / SHARED_LOCK_NAME)
+        try:
+            yield
+        finally:
+            lock.release()
+
+
+def _locks_off() -> bool:
+    return os.environ.get(LOCK_SWITCH, "").lower() == "off"
+
+
+def _unix_lock(file: Path, timeout: float):
     from filelock import UnixFileLock
 
+    # preserve_lock_file: the lock file stays (unlinking a flock'd file races with the next taker); without a
+    # soft fallback a file system that cannot flock says so instead of leaving a marker a kill would strand
+    return UnixFileLock(str(file), timeout=timeout, thread_local=False, preserve_lock_file=True,
+                        fallback_to_soft=False)
+
+
+def _acquire(lock, file: Path) -> None:
+    """`lock.acquire()`, a file system that refuses locks said in one line (filelock's Timeout passes through)."""
+    from filelock import Timeout
+
+    try:
+        lock.acquire()
+    except Timeout:  # a TimeoutError, so an OSError too: another process holds it
+        raise
+    except OSError as error:
+        raise UserError(f"{file}: cannot lock the folder ({error.strerror or error}); on Lustre mount with -o "
+                        f"flock, or set {LOCK_SWITCH}=off and keep to one run per folder yourself") from None
+
+
+@contextmanager
+def _folder(folder: str | os.PathLike) -> Iterator[Path]:
+    """`folder`, created if missing; when this created it and it holds nothing but lock files at the end (a run
+    that failed on bad input), removed again, after the locks taken inside are released."""
     path = Path(folder)
     if path.exists() and not path.is_dir():
         raise UserError(f"{folder}: --out exists and is a file, not a folder")
@@ -260,28 +279,15 @@ def shared_turn(folder: str | os.PathLike) -> Iterator[None]:
     with writing(path, "; choose another --out"):
         path.mkdir(parents=True, exist_ok=True)
     try:
-        if os.environ.get(LOCK_SWITCH, "").lower() == "off":
-            yield
-            return
-        lock = UnixFileLock(str(path / SHARED_LOCK_NAME), timeout=-1, thread_local=False, preserve_lock_file=True,
-                            fallback_to_soft=False)
-        try:
-            lock.acquire()
-        except OSError as error:
-            raise UserError(f"{path / SHARED_LOCK_NAME}: cannot lock the folder ({error.strerror or error}); on "
-                            f"Lustre mount with -o flock, or set {LOCK_SWITCH}=off") from None
-        try:
-            yield
-        finally:
-            lock.release()
+        yield path
     finally:
-        if created:  # bad input found in its turn leaves no folder behind
+        if created:
             _remove_if_unused(path)
 
 
 def _remove_if_unused(path: Path) -> None:
     """Remove a folder this command created and wrote nothing into but the lock's files, once its lock is released
-    (the callback runs after the lock's context, in the exit stack's reverse order). A start in the same instant
+    (`_folder` encloses the lock's context). A start in the same instant
     would find its folder gone and fail in one line; nothing of a run is ever removed."""
     try:
         if path.is_dir() and not folder_entries(path):
@@ -300,20 +306,14 @@ def _held_by_launcher(key: str) -> bool:
 
 @contextmanager
 def _folder_lock(path: Path, key: str, command: str) -> Iterator[None]:
-    from filelock import Timeout, UnixFileLock
+    from filelock import Timeout
 
-    # preserve_lock_file: the lock file stays (unlinking a flock'd file races with the next taker); without a
-    # soft fallback a file system that cannot flock says so instead of leaving a marker a kill would strand
-    lock = UnixFileLock(str(path / LOCK_NAME), timeout=0, thread_local=False, preserve_lock_file=True,
-                        fallback_to_soft=False)
+    lock = _unix_lock(path / LOCK_NAME, timeout=0)
     try:
-        lock.acquire()
+        _acquire(lock, path / LOCK_NAME)
     except Timeout:
         raise FolderInUse(f"{path}: another doplus run holds this folder ({holder(path)}); wait for it to end, "
                           "or choose another --out") from None
-    except OSError as error:
-        raise UserError(f"{path / LOCK_NAME}: cannot lock the folder ({error.strerror or error}); on Lustre mount "
-                        f"with -o flock, or set {LOCK_SWITCH}=off and keep to one run per folder yourself") from None
     previous = os.environ.get(HELD_VARIABLE)
     try:
         atomic_write_text(path / HOLDER_NAME, json.dumps(
