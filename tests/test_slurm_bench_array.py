@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_slurm_script import usr1_while_training
+from tests.test_slurm_script import stand_ins, usr1_while_training
 
 pytestmark = pytest.mark.processes  # each case is a bash process
 
@@ -36,12 +36,7 @@ fi""",
 
 @pytest.fixture
 def bin_folder(tmp_path):
-    folder = tmp_path / "bin"
-    folder.mkdir()
-    for name, body in STAND_INS.items():
-        (folder / name).write_text("#!/usr/bin/env bash\n" + body + "\n")
-        (folder / name).chmod(0o755)
-    return folder
+    return stand_ins(tmp_path / "bin", STAND_INS)
 
 
 def environment(tmp_path, bin_folder, **extra):

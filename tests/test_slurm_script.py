@@ -39,14 +39,18 @@ kill -TERM "$(cat "$TRAINING")\"""",
 }
 
 
-@pytest.fixture
-def bin_folder(tmp_path):
-    folder = tmp_path / "bin"
+def stand_ins(folder, scripts):
+    """Executable bash stand-ins, one per {name: body}, in `folder` (put first on PATH); returns the folder."""
     folder.mkdir()
-    for name, body in STAND_INS.items():
+    for name, body in scripts.items():
         (folder / name).write_text("#!/usr/bin/env bash\n" + body + "\n")
         (folder / name).chmod(0o755)
     return folder
+
+
+@pytest.fixture
+def bin_folder(tmp_path):
+    return stand_ins(tmp_path / "bin", STAND_INS)
 
 
 def environment(tmp_path, bin_folder, nodes, gpus, recipe_batch=None, **extra):
