@@ -348,3 +348,16 @@ def test_the_state_shape_check_reads_through_the_shared_state_wrapper_and_passes
     inner.state[linear.weight]["exp_avg"] = torch.zeros(5, 7)
     with pytest.raises(UserError, match=r"the optimizer state 'exp_avg' has shape \(5, 7\)"):
         ckpt.check_optimizer_shapes(tmp_path / "optimizer.pt", wrapped)
+
+
+def test_the_finite_probe_reduces_each_device_apart_and_finds_a_nan_or_an_infinity():
+    """On a GPU an optimizer's state dict holds CUDA moments beside the CPU step counters of torch's AdamW: the probe
+    reduces each device's tensors where they are and lands on the accelerator. The meta device stands in for the
+    accelerator here (it carries no values, only where the result lands); tests/test_cuda.py checks it with values."""
+    cpu = [torch.ones(3), torch.tensor(2.0), torch.arange(4)]  # an integer tensor is left out
+    assert ckpt.all_finite(cpu)
+    assert not ckpt.all_finite(cpu + [torch.tensor([1.0, float("nan")])])
+    assert not ckpt.all_finite([torch.tensor(float("-inf"))] + cpu)
+    probe = ckpt.finite_probe([torch.tensor(1.0), torch.empty(4, device="meta"), torch.ones(2)])
+    assert probe.device.type == "meta" and probe.dtype == torch.float32
+    assert ckpt.finite_probe([torch.arange(3)]).device.type == "cpu"

@@ -248,3 +248,19 @@ def test_greedy_generation_on_cuda_attends_without_cudnn_and_gives_one_question_
     assert len(decoded) == 2 and cudnn and not any(cudnn)
     assert torch.backends.cuda.cudnn_sdp_enabled()
     assert tokens == expected[1] and texts == expected[0]
+
+
+def test_the_finite_probe_over_cuda_moments_and_cpu_step_counters():
+    """torch's AdamW keeps its step counters on the CPU beside CUDA moments; every checkpoint and the end of every run
+    probe both for NaN and infinity (engine/checkpoint.py)."""
+    from doplus_cli.engine import checkpoint
+
+    model = torch.nn.Linear(4, 3).to(DEVICE)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    model(torch.ones(2, 4, device=DEVICE)).sum().backward()
+    optimizer.step()
+    tensors = [t for _, t in checkpoint.optimizer_tensors(optimizer, model)]
+    assert {t.device.type for t in tensors} >= {DEVICE.type}
+    assert checkpoint.non_finite_in(model, optimizer) is None
+    optimizer.state[model.weight]["exp_avg_sq"][0, 0] = float("inf")
+    assert checkpoint.non_finite_in(model, optimizer)[0] == "optimizer state state.weight.exp_avg_sq"

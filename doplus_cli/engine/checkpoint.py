@@ -103,17 +103,27 @@ def trainable_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def finite_probe(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One float32 value, on the tensors' device, that is finite when every element of `tensors` is: their sum (a
-    NaN or an infinity propagates through it). A sum that overflows on finite elements reads as non-finite too,
-    which `first_non_finite` then clears. No host synchronisation."""
+    """One float32 value that is finite when every element of `tensors` is: their sum (a NaN or an infinity
+    propagates through it). A sum that overflows on finite elements reads as non-finite too, which
+    `first_non_finite` then clears. The tensors may sit on several devices: an optimizer's state dict on a GPU
+    holds CUDA moments beside the step counters torch's AdamW keeps on the CPU. Each device's tensors are reduced
+    there, and the value lands on the first accelerator among them (the CPU where there is none), so a GPU run
+    makes no host synchronisation here."""
     floating = [t for t in tensors if t.is_floating_point() and t.numel()]
     if not floating:
         return torch.zeros(())
-    if floating[0].device.type == "cpu":
-        sums = [t.sum(dtype=torch.float32) for t in floating]  # a read of memory, no squares, on the CPU
-    else:
-        sums = [n.float() for n in torch._foreach_norm(floating)]  # one fused kernel over every tensor on a GPU
-    return torch.stack(sums).sum()
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for t in floating:
+        groups.setdefault(t.device, []).append(t)
+    parts = []
+    for device, group in groups.items():
+        if device.type == "cpu":
+            sums = [t.sum(dtype=torch.float32) for t in group]  # a read of memory, no squares, on the CPU
+        else:
+            sums = [n.float() for n in torch._foreach_norm(group)]  # one fused kernel over the device's tensors
+        parts.append(torch.stack(sums).sum())
+    target = next((device for device in groups if device.type != "cpu"), torch.device("cpu"))
+    return torch.stack([part.to(target) for part in parts]).sum()
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
