@@ -139,6 +139,7 @@ def test_a_dtype_this_cpu_cannot_pack_keeps_torchs_layers_and_drops_the_packed_r
     assert compute.linear_kernel(None) is None
 
 
+@pytest.mark.cpu_processes  # a CPU's kernel choice: on a GPU machine the evaluation would run on CUDA
 def test_a_bfloat16_evaluation_on_a_cpu_without_the_packed_path_completes_and_says_so(tiny_llama, tofu_dir,
                                                                                       tmp_path, monkeypatch):
     """The failure this guards against: on an AVX2-only CPU `doplus evaluate --dtype bfloat16` ended in oneDNN's
