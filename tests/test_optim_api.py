@@ -1,10 +1,11 @@
 """The optimizer contract torch's own optimizer tests check, for DualOptimPlus, DualOptim and doplus's AdamW.
 
-Invalid arguments raise; a parameter whose gradient is None is skipped while a zero gradient still steps;
-param groups with their own hyper-parameters; bf16 and non-contiguous parameters on the compiled path;
-`state_dict` and `copy.deepcopy` continue bit for bit; a state saved by release 0.1.0 loads. Every number is
-checked against float64 loops written here from the rules' documentation (`kernels.py`), never against the
-optimizers' own reference code.
+`step(closure=None, *, objective)`: a step without its objective raises, the deprecated positional form warns and
+steps as the keyword form, a closure runs under grad mode and its loss comes back. Invalid arguments raise; a
+parameter whose gradient is None is skipped while a zero gradient still steps; param groups with their own
+hyper-parameters; bf16 and non-contiguous parameters on the compiled path; `state_dict` and `copy.deepcopy`
+continue bit for bit; a state saved by release 0.1.0 loads. Every number is checked against float64 loops written
+here from the rules' documentation (`kernels.py`), never against the optimizers' own reference code.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from doplus_cli.optim import AdamW, DualOptim, DualOptimPlus, kernels
+from doplus_cli.optim import AdamW, DualOptim, DualOptimPlus, Scaffold, kernels
 
 OPTIMIZERS = {"DualOptimPlus": DualOptimPlus, "DualOptim": DualOptim, "AdamW": AdamW}
+MULTI_OBJECTIVE = {"DualOptimPlus": DualOptimPlus, "DualOptim": DualOptim, "Scaffold": Scaffold}
+CLASSES = {**OPTIMIZERS, **MULTI_OBJECTIVE}
 RELEASE_0_1_0 = Path(__file__).parent / "data" / "release-0.1.0"
 FLOOR, BOUND = 0.02, 10.0  # DualOptimPlus's safeguard defaults (v_floor, max_update)
 
@@ -98,7 +101,7 @@ def build(name: str, params: list, split: int, base_betas=(0.8, 0.99), override_
     if name != "AdamW":
         options.setdefault("objectives", ("forget", "retain"))
     groups = [{"params": params[:split]}, {"params": params[split:], **override}]
-    opt = OPTIMIZERS[name](groups, **defaults, **options)
+    opt = CLASSES[name](groups, **defaults, **options)
     hps = [{"base_betas": None, **defaults}] * split + [{"base_betas": None, **defaults, **override}] * (
         len(params) - split)
     return opt, hps
@@ -192,6 +195,85 @@ def test_invalid_hyper_parameters_of_a_param_group_raise(name, case):
 def test_valid_edge_values_are_accepted():
     for cls in OPTIMIZERS.values():
         cls([torch.nn.Parameter(torch.zeros(3))], lr=0.0, betas=(0.0, 0.0), eps=0.0, weight_decay=0.0)
+
+
+# -- the step's call: step(closure=None, *, objective) -----------------------------------------------------
+
+
+def two_weights(name: str, **options):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(5))]
+    opt, _ = build(name, params, split=1, **options)
+    return params, opt
+
+
+@pytest.mark.parametrize("name", MULTI_OBJECTIVE)
+def test_a_step_without_its_objective_is_a_type_error_and_changes_nothing(name):
+    params, opt = two_weights(name)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(TypeError, match=rf"^{name}\.step\(\) needs objective=\.\.\.: one of \['forget', 'retain'\]"):
+        opt.step()
+    with pytest.raises(TypeError, match="needs objective"):
+        opt.step(lambda: 0.0)
+    with pytest.raises(TypeError, match="objective twice"):
+        opt.step("forget", objective="retain")
+    with pytest.raises(ValueError, match=r"unknown objective 'other'"):
+        opt.step(objective="other")
+    with pytest.raises(ValueError, match=r"unknown objective 'other'"), pytest.warns(DeprecationWarning):
+        opt.step("other")
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert not any(opt.state.values())
+
+
+@pytest.mark.parametrize("name", MULTI_OBJECTIVE)
+def test_the_positional_objective_warns_at_the_callers_line_and_steps_as_the_keyword_form(name):
+    params, opt = two_weights(name)
+    twins, twin = two_weights(name)
+    generator = torch.Generator().manual_seed(6)
+    for objective in ("forget", "retain", "retain", "forget"):
+        grads = grads_for(params, generator)
+        for p, q, g in zip(params, twins, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        with pytest.warns(DeprecationWarning, match=rf"write step\(objective='{objective}'\)") as caught:
+            opt.step(objective)
+        assert [Path(w.filename).name for w in caught] == [Path(__file__).name]  # the line above, not torch's
+        twin.step(objective=objective)
+    assert_same_optimizers(opt, params, twin, twins)
+    assert all(not torch.equal(p, b) for p, b in zip(params, two_weights(name)[0]))
+
+
+@pytest.mark.parametrize("name", MULTI_OBJECTIVE)
+def test_a_closure_runs_under_grad_mode_before_the_update_and_its_loss_is_returned(name):
+    """As torch's optimizers: `step` itself runs without grad, the closure (zero_grad, loss, backward) with it;
+    the step then equals a backward outside followed by a step, bit for bit."""
+    params, opt = two_weights(name)
+    twins, twin = two_weights(name)
+    x = torch.randn(3, 6)
+
+    def loss_of(weights):
+        return (x @ weights[0]).square().mean() + weights[1].sum()
+
+    grad_mode_in_closure = []
+
+    def closure():
+        grad_mode_in_closure.append(torch.is_grad_enabled())
+        opt.zero_grad()
+        loss = loss_of(params)
+        loss.backward()
+        return loss
+
+    for objective in ("forget", "retain", "forget"):
+        loss = opt.step(closure, objective=objective)
+        assert grad_mode_in_closure.pop() is True and isinstance(loss, torch.Tensor) and loss.ndim == 0
+        twin.zero_grad()
+        expected = loss_of(twins)
+        expected.backward()
+        twin.step(objective=objective)
+        assert torch.equal(loss, expected)
+    assert_same_optimizers(opt, params, twin, twins)
+    assert opt.step(objective="retain") is None
 
 
 # -- zero and None gradients ---------------------------------------------------------------------------

@@ -183,7 +183,7 @@ def test_bitsandbytes_schemes_keep_32bit_states_for_embedding_tables(scheme):
     stepped, _ = build_optimizer(model, ("forget", "retain"), {}, settings)
     ids = torch.randint(0, 300, (4, 5))  # rows 300 to 599 of the table absent from the batch
     model(ids).logsumexp(-1).sum().backward()
-    stepped.step("forget")
+    stepped.step(objective="forget")
     inner = stepped.inner["forget"] if scheme == "dualoptim" else stepped.inner
     embedding, first, second = model[0].weight, model[1].weight, model[2].weight
     assert embedding.grad[300:].abs().sum() == 0
@@ -223,7 +223,7 @@ def test_the_output_layer_keeps_32bit_states_too_tied_or_not(tied):
     stepped, _ = build_optimizer(model, ("forget", "retain"), {}, settings)
     ids = torch.randint(0, 300, (2, 6))
     model(input_ids=ids, labels=ids).loss.backward()
-    stepped.step("forget")
+    stepped.step(objective="forget")
     state = stepped.inner.state
     for table in tables:
         assert state[table]["state1"].dtype == torch.float32 and state[table]["state2"].dtype == torch.float32

@@ -99,9 +99,9 @@ def test_each_step_hands_the_optimizer_the_objective_of_the_set_its_batch_came_f
         return read(self, index)
 
     def spy_step(original):
-        def step(self, objective="forget", closure=None):
+        def step(self, closure=None, *, objective):
             events.append(("step", objective))
-            return original(self, objective=objective)
+            return original(self, closure, objective=objective)
         return step
 
     monkeypatch.setattr(sources.JsonlSource, "__getitem__", spy_read)
@@ -164,7 +164,7 @@ def test_forget_lr_multiplies_the_shared_adamw_step(tiny_llama):
     for objective in ("forget", "retain", "forget"):
         grad = torch.randn(4, 4)
         w.grad, w_ref.grad = grad.clone(), grad.clone()
-        shared.step(objective)
+        shared.step(objective=objective)
         plain.param_groups[0]["lr"] = 0.3 if objective == "forget" else 0.1
         plain.step()
         assert shared.param_groups[0]["lr"] == 0.1
@@ -248,7 +248,7 @@ def test_recipe_paths_are_found_next_to_the_recipe(tiny_llama, data, tmp_path, m
     assert resolve_config(str(folder / "x.yaml"), {}).forget == str(folder / "d" / "f.jsonl")
 
 
-def test_failed_run_leaves_no_final_model_or_report(tiny_llama, data, tmp_path, monkeypatch):
+def test_failed_run_leaves_no_final_model_or_report(tiny_llama, data, tmp_path):
     from doplus_cli import losses
 
     calls = {"n": 0}
@@ -260,11 +260,11 @@ def test_failed_run_leaves_no_final_model_or_report(tiny_llama, data, tmp_path, 
             raise RuntimeError("simulated crash in the middle of training")
         return original.fn(ctx, batch)
 
-    monkeypatch.setitem(losses.RETAIN_LOSSES, "GD", losses.LossSpec("GD", failing))
     out = tmp_path / "crash"
     config = resolve_config(None, {"model": tiny_llama, "forget": str(data["forget"]), "retain": str(data["retain"]),
                                    "loss": "GA+GD", "steps": 6, "out": str(out), "show_samples": 0})
-    with pytest.raises(RuntimeError, match="simulated crash"):
+    with losses.RETAIN_LOSSES.replaced("GD", losses.LossSpec("GD", failing)), \
+            pytest.raises(RuntimeError, match="simulated crash"):
         run_unlearn(config)
     assert not (out / "final").exists() and not (out / "report.json").exists()
     assert len(read_metrics(out)) == 3  # the steps that finished are kept for diagnosis

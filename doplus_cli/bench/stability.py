@@ -99,7 +99,7 @@ class _Shared:
     def __init__(self, inner: torch.optim.Optimizer) -> None:
         self.inner = inner
 
-    def step(self, objective: str) -> None:
+    def step(self, *, objective: str) -> None:
         self.inner.step()
 
 

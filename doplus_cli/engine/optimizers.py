@@ -27,11 +27,12 @@ from dataclasses import dataclass
 import torch
 from torch.optim import Optimizer
 
-from doplus_cli.config import TrainConfig
+from doplus_cli.config import FL_SCHEMES, TrainConfig
 from doplus_cli.optim import DualOptim, DualOptimPlus, FedCM, LocalAdam, Scaffold, muon_param_groups, quant
 from doplus_cli.optim.adamw import AdamW
 from doplus_cli.optim.diagnostics import adamw_step_stats, reduce_step_stats
 from doplus_cli.optim.distributed import local_shard
+from doplus_cli.registry import Registry
 
 
 class SharedState:
@@ -50,7 +51,7 @@ class SharedState:
         return self.inner.param_groups
 
     @torch.no_grad()
-    def step(self, objective: str) -> None:
+    def step(self, *, objective: str) -> None:
         multiplier = self._last_multiplier = self.lr_multipliers.get(objective, 1.0)
         if multiplier == 1.0:
             self.inner.step()
@@ -125,7 +126,7 @@ class OnLocalShards:
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
 
-    def step(self, objective: str) -> None:
+    def step(self, *, objective: str) -> None:
         for param, view in self.pairs:
             view.data = local_shard(param.detach())
             view.grad = None if param.grad is None else local_shard(param.grad)
@@ -191,7 +192,11 @@ def build_optimizer(
     return optimizer, optimizer
 
 
-FL_OPTIMIZERS = {"scaffold": Scaffold, "fedcm": FedCM, "local-adam": LocalAdam}
+# The federated-learning baselines' optimizers, over config.FL_SCHEMES (the names config checks state_bits for).
+FL_OPTIMIZERS: Registry[type] = Registry("federated-learning optimizer", type,
+                                         {"scaffold": Scaffold, "fedcm": FedCM, "local-adam": LocalAdam},
+                                         names=FL_SCHEMES)
+FL_OPTIMIZERS.check_complete()
 
 
 def _build_unsharded(

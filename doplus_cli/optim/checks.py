@@ -1,9 +1,12 @@
-"""Argument checks shared by the optimizers (DualOptimPlus, DualOptim, AdamW): one ValueError each, as torch's
-optimizers raise."""
+"""Argument checks shared by the optimizers (DualOptimPlus, DualOptim, AdamW, the FL schemes): one ValueError
+each, as torch's optimizers raise, and the TypeError of a step without its objective."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import os
+import sys
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 STATE_BITS = (8, 32)
@@ -64,3 +67,39 @@ def unknown_objective(objective: Any, objectives: tuple[str, ...]) -> ValueError
     return ValueError(
         f"unknown objective {objective!r}: this optimizer was built with objectives={list(objectives)}"
     )
+
+
+def step_arguments(optimizer: Any, closure: Callable[[], Any] | str | None, objective: str | None
+                   ) -> tuple[Callable[[], Any] | None, str]:
+    """(closure, objective) of `optimizer.step(closure=None, *, objective)`, checked.
+
+    The objective says which state the gradient in `.grad` belongs to, so nothing stands in for a missing one
+    (TypeError). A name given where the closure goes, `step("forget")`, is the deprecated positional form: it
+    steps that objective and warns. An objective the optimizer was not built with is a ValueError."""
+    name = type(optimizer).__name__
+    if isinstance(closure, str):
+        if objective is not None:
+            raise TypeError(f"{name}.step() got the objective twice: {closure!r} where the closure goes and "
+                            f"objective={objective!r}")
+        warnings.warn(f"{name}.step({closure!r}) names the objective where the closure goes; write "
+                      f"step(objective={closure!r}) (the positional form will be removed)", DeprecationWarning,
+                      stacklevel=_caller_level())
+        closure, objective = None, closure
+    if objective is None:
+        raise TypeError(f"{name}.step() needs objective=...: one of {list(optimizer.objectives)}, the objective "
+                        "whose gradient is in .grad")
+    if objective not in optimizer.objectives:
+        raise unknown_objective(objective, optimizer.objectives)
+    return closure, objective
+
+
+def _caller_level() -> int:
+    """The `stacklevel` of the first frame outside torch and this package's optimizers (torch wraps `step` in
+    its no-grad and hook decorators), so that a warning names the line that called `step`."""
+    import torch
+
+    inside = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -12,7 +12,7 @@ has one rounding residual, whichever objective moved it last); it is saved once,
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ from doplus_cli.optim.checks import (
     check_lr_multipliers,
     check_objectives,
     check_param_groups,
-    unknown_objective,
+    step_arguments,
 )
 from doplus_cli.optim.diagnostics import adamw_step_stats, reduce_step_stats
 
@@ -96,10 +96,15 @@ class DualOptim(Optimizer):
         return torch.optim.AdamW(groups, fused=self.fused or None)
 
     @torch.no_grad()
-    def step(self, objective: str = "forget", closure=None):  # type: ignore[override]
-        """AdamW step of `objective`'s own optimizer, with the current param-group hyper-parameters."""
-        if objective not in self.objectives:
-            raise unknown_objective(objective, self.objectives)
+    def step(self, closure: Callable[[], Any] | None = None, *, objective: str | None = None) -> Any:
+        """AdamW step of `objective`'s own optimizer (required: the objective whose gradient is in `.grad`), with
+        the current param-group hyper-parameters. `closure` as in torch's optimizers: called under
+        `torch.enable_grad()` before the update, its loss returned."""
+        closure, objective = step_arguments(self, closure, objective)
+        loss = None
+        if closure is not None:  # before the gradients' checks below, which must see the closure's gradients
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is not None and param.grad.is_sparse:
@@ -115,7 +120,8 @@ class DualOptim(Optimizer):
             for key in _SYNCED_KEYS:
                 group[key] = outer[key]
             group["lr"] = outer["lr"] * scale
-        return inner.step(closure)
+        inner.step()
+        return loss
 
     def __getstate__(self) -> dict:
         # torch's Optimizer keeps only defaults, state and param_groups; a copy needs the per-objective optimizers

@@ -26,7 +26,7 @@ gathers the whole matrix.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -40,7 +40,7 @@ from doplus_cli.optim.checks import (
     check_lr_multipliers,
     check_objectives,
     check_param_groups,
-    unknown_objective,
+    step_arguments,
 )
 from doplus_cli.optim.diagnostics import reduce_step_stats, step_counts
 from doplus_cli.optim.distributed import local_shard
@@ -235,10 +235,11 @@ class DualOptimPlus(Optimizer):
     # -- the step ------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, objective: str = "forget", closure=None):  # type: ignore[override]
-        """Update every parameter that has a gradient with the gradient of `objective`."""
-        if objective not in self.objectives:
-            raise unknown_objective(objective, self.objectives)
+    def step(self, closure: Callable[[], Any] | None = None, *, objective: str | None = None) -> Any:
+        """Update every parameter that has a gradient with the gradient of `objective` (required: the objective
+        whose gradient is in `.grad`). `closure`, as in torch's optimizers, recomputes the loss (with its
+        backward) under `torch.enable_grad()` before the update; its loss is returned."""
+        closure, objective = step_arguments(self, closure, objective)
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -48,7 +48,7 @@ buffer, as DualOptim+'s (`kernels.py`). The arithmetic is eager PyTorch, one lin
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -61,7 +61,7 @@ from doplus_cli.optim.checks import (
     check_lr_multipliers,
     check_objectives,
     check_param_groups,
-    unknown_objective,
+    step_arguments,
 )
 from doplus_cli.optim.diagnostics import reduce_step_stats
 from doplus_cli.optim.kernels import BIG_UPDATE, read_master, write_master
@@ -121,11 +121,11 @@ class PeriodicOptimizer(Optimizer):
     # -- the step ----------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, objective: str = "forget", closure=None):  # type: ignore[override]
-        """Update every parameter that has a gradient with the gradient of `objective`; after the step that
-        completes the period, the base update (or the merge)."""
-        if objective not in self.objectives:
-            raise unknown_objective(objective, self.objectives)
+    def step(self, closure: Callable[[], Any] | None = None, *, objective: str | None = None) -> Any:
+        """Update every parameter that has a gradient with the gradient of `objective` (required); after the step
+        that completes the period, the base update (or the merge). `closure` as in torch's optimizers: called
+        under `torch.enable_grad()` before the update, its loss returned."""
+        closure, objective = step_arguments(self, closure, objective)
         ends_period = self._count_step(objective)
         loss = None
         if closure is not None:
