@@ -456,6 +456,7 @@ CONTINUATION = {
     "DualOptim": ("DualOptim", {}),
     "DualOptim-bf16": ("DualOptim", {"compensated": True}),
     "AdamW": ("AdamW", {}),
+    "Scaffold-bf16": ("Scaffold", {"compensated": True}),  # the FL schemes share PeriodicOptimizer's checkpoints
 }
 
 
@@ -518,6 +519,37 @@ def test_deepcopy_continues_bit_identically(case):
     take_steps(twin, twins, torch.Generator().manual_seed(5), rest)
     assert all(not torch.equal(q, b) for q, b in zip(twins, before))
     assert_same_optimizers(opt, params, twin, twins)
+
+
+def test_dualoptim_state_is_read_and_assigned_as_a_torch_optimizers():
+    """`state[p]` holds every objective's AdamW state (the live dicts) and the compensation buffer; assigning a
+    mapping of that form replaces them, as assigning `torch.optim.AdamW.state` does: an optimizer given another's
+    state (and its weights) continues bit for bit, and `opt.state = opt.state` changes nothing."""
+    name, options, params, opt = continuation_problem("DualOptim-bf16")
+    take_steps(opt, params, torch.Generator().manual_seed(4), ("forget", "retain", "forget"))
+    bf16 = params[1]
+    assert set(opt.state[bf16]) == {"forget", "retain", "compensation"}
+    assert opt.state[bf16]["forget"] is opt.inner["forget"].state[bf16]
+    assert opt.state[bf16]["compensation"] is opt.compensation[bf16]
+    assert int(opt.state[bf16]["forget"]["step"]) == 2 and int(opt.state[bf16]["retain"]["step"]) == 1
+    assert opt.state[torch.nn.Parameter(torch.zeros(1))] == {}  # a parameter without state reads empty, as torch's
+
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    other, _ = build(name, twins, split=1, **options)
+    other.state = {q: clone_tree(opt.state[p]) for p, q in zip(params, twins)}
+    assert_same_optimizers(opt, params, other, twins)
+    assert other.compensation[twins[1]] is other.inner["retain"].shared_compensation[twins[1]]  # still one buffer
+    opt.state = opt.state
+    rest = ("retain", "forget", "retain")
+    take_steps(opt, params, torch.Generator().manual_seed(5), rest)
+    take_steps(other, twins, torch.Generator().manual_seed(5), rest)
+    assert_same_optimizers(opt, params, other, twins)
+    assert int(other.state[twins[0]]["retain"]["step"]) == 3
+
+    with pytest.raises(ValueError, match=r"holds \['exp_avg'\]"):
+        other.state = {twins[0]: {"exp_avg": torch.zeros(80, 64)}}  # torch's AdamW layout, not DualOptim's
+    other.state = {}
+    assert not other.state and not other.compensation and all(not inner.state for inner in other.inner.values())
 
 
 @pytest.mark.parametrize("name", ["dualoptim_plus", "dualoptim", "adamw"])

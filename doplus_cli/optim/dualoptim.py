@@ -12,6 +12,7 @@ has one rounding residual, whichever objective moved it last); it is saved once,
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -135,19 +136,53 @@ class DualOptim(Optimizer):
         return reduce_step_stats(adamw_step_stats(self.inner[last]) if last else [])
 
     @property
-    def state(self):  # noqa: D401 - the union view is what memory accounting and tools expect
-        """Per-parameter states of all objectives: ``state[p][objective]`` is that objective's AdamW state."""
-        merged: dict = {}
-        for name, inner in getattr(self, "inner", {}).items():
+    def state(self) -> defaultdict:
+        """The states of every objective, per parameter: ``state[p][objective]`` is that objective's AdamW state
+        (the objective's optimizer's own dict, so a tensor changed in it is changed in the optimizer) and
+        ``state[p]["compensation"]`` the weight's compensation buffer. One mapping keyed by parameter, as
+        `torch.optim.Optimizer.state`, with one level more because each objective has a whole AdamW state; it is
+        assembled at each read, so add to it by assigning (below), not by inserting into a read copy."""
+        merged: defaultdict = defaultdict(dict)
+        for name, inner in self.__dict__.get("inner", {}).items():
             for param, value in inner.state.items():
-                merged.setdefault(param, {})[name] = value
-        for param, buffer in getattr(self, "compensation", {}).items():
-            merged.setdefault(param, {})["compensation"] = buffer
+                if value:
+                    merged[param][name] = value
+        for param, buffer in self.__dict__.get("compensation", {}).items():
+            merged[param]["compensation"] = buffer
         return merged
 
     @state.setter
-    def state(self, value) -> None:  # Optimizer.__init__ assigns an empty defaultdict
-        pass
+    def state(self, value: Mapping[Tensor, Mapping[str, Any]]) -> None:
+        """Replace every objective's state (and the compensation buffers) with those of `value`, a mapping of
+        the form `state` reads; ``opt.state = opt.state`` changes nothing."""
+        if "inner" not in self.__dict__:  # Optimizer.__init__ assigns its empty state before the objectives exist
+            if value:
+                raise ValueError("DualOptim's state can be assigned once its objectives' optimizers exist")
+            return
+        per_objective: dict[str, defaultdict] = {name: defaultdict(dict) for name in self.objectives}
+        compensation: dict[Tensor, Tensor] = {}
+        for param, entry in value.items():
+            unknown = set(entry) - set(self.objectives) - {"compensation"}
+            if unknown:
+                raise ValueError(f"DualOptim's state of a parameter holds {sorted(unknown)}: its keys are the "
+                                 f"objectives {list(self.objectives)} and 'compensation'")
+            for name in self.objectives:
+                if name in entry:
+                    per_objective[name][param] = entry[name]
+            if "compensation" in entry:
+                compensation[param] = entry["compensation"]
+        for name, inner in self.inner.items():
+            inner.state = per_objective[name]
+        self.compensation.clear()  # the objectives' optimizers hold this same dict
+        self.compensation.update(compensation)
+
+    def __setstate__(self, state: dict) -> None:
+        # torch's load_state_dict hands its state on through here; DualOptim's lives in the objectives' optimizers
+        state = dict(state)
+        value = state.pop("state", None)
+        super().__setstate__(state)
+        if value:
+            self.state = value
 
     def _params(self) -> list[Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
