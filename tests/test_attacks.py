@@ -171,8 +171,9 @@ def test_attacks_leave_the_unattacked_numbers_bit_identical(tiny_llama, tofu_dir
     assert [run["id"] for run in record["attacks"]["runs"]] == ["quant-8bit", "probe-prefix"]
     for attack in ("quant-8bit", "probe-prefix"):  # each attacked run's rows, as the suite writes them
         rows = json.loads((tmp_path / "attacked" / "attacks" / attack / "TOFU_EVAL.json").read_text())["sets"]
-        assert [len(rows[s]) for s in ("forget", "retain", "real_authors", "world_facts")] == [3, 3, 3, 3]
+        assert list(rows) == ["forget"] and len(rows["forget"]) == 3  # the forget side alone is scored
         summary = json.loads((tmp_path / "attacked" / "attacks" / attack / "SUMMARY.json").read_text())
+        assert summary["MU"] is None and summary["UFE"] is not None
         probability = sum(math.exp(-r["nll_answer"]) for r in rows["forget"]) / 3
         assert summary["forget_Q_A_Prob"] == pytest.approx(probability)
     plain = json.loads((tmp_path / "plain" / "SUMMARY.json").read_text())

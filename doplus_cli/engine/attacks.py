@@ -193,7 +193,7 @@ def _run_suites(context: SuiteContext, model, folder: Path, entry: dict[str, Any
                 entry["suites"].remove(name)
                 entry.setdefault("skipped", []).append(f"{name}: its forget rows have no paraphrased_question")
                 continue
-        attacked = replace(context, model=model, formatter=formatter, out=folder)
+        attacked = replace(context, model=model, formatter=formatter, out=folder, forget_only=True)
         with packed_linears(model):
             summary.update(SUITE_REGISTRY[name].run(attacked).summary)
     return summary

@@ -77,6 +77,9 @@ class SuiteContext:
     judges: Judges  # embedding and NLI models (tofu, real-world)
     safety_judges: SafetyJudges | None  # guard model and refusal judges (safety, xstest)
     retain: tuple[list[float] | None, float | None]  # a retain model's forget truth ratios and Min-K% AUC
+    # Under attack only the forget-side metrics are reported, so the QA suites score the forget set alone there
+    # (about a quarter of TOFU's questions) and leave MU and OVR out.
+    forget_only: bool = False
 
 
 @dataclass

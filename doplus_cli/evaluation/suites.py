@@ -447,11 +447,16 @@ def _tofu_sets(config: EvalConfig) -> list[QASet]:
                           get_protocol(config.protocol).max_rows)
 
 
+def _forget_side(context: SuiteContext, sets: list[QASet]) -> list[QASet]:
+    """The sets a QA suite scores: all of them, or the forget set alone where only its metrics are wanted."""
+    return [s for s in sets if s.is_forget] if context.forget_only else sets
+
+
 def run_tofu(context: SuiteContext) -> SuiteResult:
     """TOFU's forget, retain, real-authors and world-facts sets: the six indicators, MU, UFE, TFE, OVR and
     OpenUnlearning's metrics, into TOFU_EVAL.json and TOFU_SUMMARY.json."""
     config = context.config
-    sets = _tofu_sets(config)
+    sets = _forget_side(context, _tofu_sets(config))
     summary, records, aggregates, values = qa_suite("tofu", sets, context.model, context.formatter, context.judges,
                                                     config, context.targeted, context.progress)
     openunlearning, logs = openunlearning_metrics(sets, records, summary, context.model, context.formatter, config,
@@ -466,7 +471,7 @@ def run_real_world(context: SuiteContext) -> SuiteResult:
     """The forget people and their neighbours (`--forget`, `--retain`): the six indicators, MU over the
     neighbours, UFE, TFE, OVR, into REAL_WORLD_EVAL.json and REAL_WORLD_SUMMARY.json (rw_ keys in SUMMARY.json)."""
     config = context.config
-    sets = load_real_world_sets(config.forget, config.retain, config.max_samples)
+    sets = _forget_side(context, load_real_world_sets(config.forget, config.retain, config.max_samples))
     summary, records, aggregates, values = qa_suite("real-world", sets, context.model, context.formatter,
                                                     context.judges, config, context.targeted, context.progress)
     write_json(context.out / "REAL_WORLD_EVAL.json", {"model": context.model_name, "suite": "real-world",
