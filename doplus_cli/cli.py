@@ -329,7 +329,7 @@ def bench_schemes(
     recipe: str = typer.Option(..., "--recipe", help="An unlearn recipe (with eval_suite), a multitask recipe "
                                "(a tasks: list with held-out rows) or an align recipe (safety: ...)."),
     schemes: str = typer.Option(
-        DEFAULT_SCHEMES, "--schemes", help="Comma-separated: " + ", ".join(SCHEMES) + "."
+        DEFAULT_SCHEMES, "--schemes", help="Comma-separated: " + SCHEMES.listing() + "."
     ),
     seeds: str = typer.Option(DEFAULT_SEEDS, "--seeds", help="Comma-separated seeds; each scheme runs once per seed."),
     task_ids: str | None = typer.Option(None, "--task-ids", help="unlearn recipes on files whose rows carry task_id: "

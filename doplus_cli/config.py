@@ -21,6 +21,7 @@ import yaml
 from doplus_cli.data.formatting import check_prompt_template
 from doplus_cli.errors import UserError
 from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossParams, parse_layer_list
+from doplus_cli.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class Scheme:
 
 # The one table of schemes: `doplus bench schemes --schemes` takes every name, `--scheme` the update schemes they
 # are built on (UPDATE_SCHEMES).
-SCHEMES: dict[str, Scheme] = {
+SCHEMES: Registry[Scheme] = Registry("scheme", Scheme, {
     "joint": Scheme("Joint", {"scheme": "joint"}),
     "joint-8bit": Scheme("Joint 8bit", {"scheme": "joint", "state_bits": 8}),  # bitsandbytes AdamW8bit
     "alternate": Scheme("Alternate", {"scheme": "alternate"}),
@@ -53,7 +54,7 @@ SCHEMES: dict[str, Scheme] = {
     "doplus-before-delta": Scheme("DO+ (base before Δ)", {"scheme": "doplus", "base_update": "before-delta"}),
     "doplus-after-delta": Scheme("DO+ (base after Δ)", {"scheme": "doplus", "base_update": "after-delta"}),
     "doplus-grad-minus-delta": Scheme("DO+ (base by g − Δ̂)", {"scheme": "doplus", "base_source": "grad-minus-delta"}),
-}
+})
 # What a scheme name fixes, whatever the recipe says: `doplus` is 32-bit AdamW-rule DualOptim+ even on a recipe
 # that sets state_bits: 8. The bench's --set and --sweep may not change these (choose other scheme names instead).
 SCHEME_KEYS = ("scheme", "state_bits", "optimizer", "doplus_rule", "base_update", "base_source")
@@ -225,7 +226,9 @@ class UnlearnConfig(TrainConfig):
         validate_unlearn(self)
 
 
-TASK_METRIC_NAMES = ("exact", "choice", "edit_sim", "rouge_l")  # doplus_cli/evaluation/task_metrics.py
+# The names of multitask's metrics, checked here before the evaluation is imported: the one list of them, over which
+# evaluation/task_metrics.py declares its registry (it refuses any other name and every one must have a metric).
+TASK_METRIC_NAMES = ("exact", "choice", "edit_sim", "rouge_l")
 # A task's keys (recipe `tasks:` entries, `--task NAME=SOURCE,key=value,...`) and their defaults.
 TASK_DEFAULTS: dict[str, Any] = {"name": None, "data": None, "metric": "exact", "freq": 1, "weight": 1.0,
                                  "eval": None, "lr_multiplier": 1.0}
@@ -515,9 +518,12 @@ REF_OFFLOADS = (None, "cpu", "8bit")
 DOPLUS_RULES = ("safeguarded", "paper")
 BASE_UPDATES = ("after-param", "before-delta", "after-delta")  # optim.dualoptim_plus.BASE_UPDATES
 BASE_SOURCES = ("grad", "grad-minus-delta")  # optim.dualoptim_plus.BASE_SOURCES
-FL_SCHEMES = ("scaffold", "fedcm", "local-adam")  # their base update or merge runs once per period: 32-bit states
+# Their base update or merge runs once per period: 32-bit states. engine/optimizers.py's FL_OPTIMIZERS is declared
+# over these names.
+FL_SCHEMES = ("scaffold", "fedcm", "local-adam")
 
-# `--eval-protocol` / `doplus evaluate --protocol`: the protocols' settings are evaluation/protocol.py's PROTOCOLS
+# `--eval-protocol` / `doplus evaluate --protocol`: the protocols' settings are evaluation/protocol.py's PROTOCOLS,
+# a registry declared over these names
 PROTOCOL_NAMES = ("doplus", "paper")
 
 

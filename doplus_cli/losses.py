@@ -19,6 +19,7 @@ from torch import Tensor
 
 from doplus_cli.data.formatting import IGNORE_INDEX
 from doplus_cli.errors import UserError
+from doplus_cli.registry import Registry
 
 Batch = dict[str, dict[str, Tensor]]
 
@@ -95,17 +96,14 @@ class LossSpec:
     targeted: bool = False  # trains toward a rejection answer (IDK, DPO): the paper's targeted unlearning
 
 
-FORGET_LOSSES: dict[str, LossSpec] = {}
-RETAIN_LOSSES: dict[str, LossSpec] = {}
-TASK_LOSSES: dict[str, LossSpec] = {}  # `doplus multitask`
+FORGET_LOSSES: Registry[LossSpec] = Registry("forget loss", LossSpec)
+RETAIN_LOSSES: Registry[LossSpec] = Registry("retain loss", LossSpec)
+TASK_LOSSES: Registry[LossSpec] = Registry("task loss", LossSpec)  # `doplus multitask`
 
 
-def _register(table: dict[str, LossSpec], name: str, **flags: bool):
-    def wrap(fn):
-        table[name] = LossSpec(name, fn, **flags)
-        return fn
-
-    return wrap
+def _register(table: Registry[LossSpec], name: str, **flags: bool):
+    """Registers the decorated loss function under `name` as a LossSpec with these flags."""
+    return table.register(name, build=lambda fn: LossSpec(name, fn, **flags))
 
 
 def logits_of(model: torch.nn.Module, tensors: dict[str, Tensor]) -> Tensor:

@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                     "doplus_cli.generation", "doplus_cli.decoding", "doplus_cli.files",
                     "doplus_cli.lifecycle", "doplus_cli.hub_errors")),
     ("optimizers", ("doplus_cli.optim",)),
-    ("foundations", ("doplus_cli.errors", "doplus_cli.progress", "doplus_cli")),
+    ("foundations", ("doplus_cli.errors", "doplus_cli.progress", "doplus_cli.registry", "doplus_cli")),
 ]
 
 Graph = dict[str, set[str]]
@@ -177,6 +177,43 @@ def test_optim_imports_nothing_else_from_doplus():
     outside = {f"{module} -> {target}" for module, imported in GRAPH.items() if module.startswith("doplus_cli.optim")
                for target in imported if not target.startswith("doplus_cli.optim")}
     assert outside == set()
+
+
+def test_the_registry_module_imports_nothing_from_doplus():
+    """Every layer may use `Registry`: it sits in the lowest layer and depends on no other module of doplus."""
+    assert GRAPH["doplus_cli.registry"] == set()
+
+
+# Every table of named, pluggable things, as (module, name): each must be a `Registry` (one type that refuses a
+# duplicate name and an entry of another type), so a plain dict under one of these names fails here.
+REGISTRIES = [
+    ("doplus_cli.config", "SCHEMES"),
+    ("doplus_cli.losses", "FORGET_LOSSES"),
+    ("doplus_cli.losses", "RETAIN_LOSSES"),
+    ("doplus_cli.losses", "TASK_LOSSES"),
+    ("doplus_cli.data.formatting", "PROMPT_TEMPLATES"),
+    ("doplus_cli.evaluation.task_metrics", "TASK_METRICS"),
+    ("doplus_cli.evaluation.runner", "SUITE_REGISTRY"),
+    ("doplus_cli.evaluation.attacks", "ATTACKS"),
+    ("doplus_cli.evaluation.attacks", "QUANTIZERS"),
+    ("doplus_cli.evaluation.metrics", "INDICATORS"),
+    ("doplus_cli.evaluation.metrics", "AGGREGATES"),
+    ("doplus_cli.evaluation.openunlearning", "OU_METRICS"),
+    ("doplus_cli.evaluation.protocol", "PROTOCOLS"),
+    ("doplus_cli.evaluation.summary", "SECTION_PRINTERS"),
+    ("doplus_cli.kinds.base", "KINDS"),
+    ("doplus_cli.engine.optimizers", "FL_OPTIMIZERS"),
+]
+
+
+def test_every_registry_is_a_registry():
+    import importlib
+
+    from doplus_cli.registry import Registry
+
+    plain = [f"{module}.{name}" for module, name in REGISTRIES
+             if not isinstance(getattr(importlib.import_module(module), name), Registry)]
+    assert plain == []
 
 
 # ---- the checks themselves, on made-up packages that break each rule ----

@@ -155,7 +155,7 @@ def test_resume_with_a_changed_learning_rate_is_refused(tiny_llama, data, tmp_pa
     assert "cannot resume with a different configuration: lr (0.001 -> 0.0005)" in err and "\n" not in err
 
 
-def test_a_non_finite_loss_stops_before_the_weights_change(tiny_llama, data, tmp_path, capsys, monkeypatch):
+def test_a_non_finite_loss_stops_before_the_weights_change(tiny_llama, data, tmp_path, capsys):
     from doplus_cli import losses
 
     original = losses.FORGET_LOSSES["NPO"]
@@ -166,10 +166,10 @@ def test_a_non_finite_loss_stops_before_the_weights_change(tiny_llama, data, tmp
         value = original.fn(ctx, batch)
         return value * float("nan") if calls["n"] == 2 else value
 
-    monkeypatch.setitem(losses.FORGET_LOSSES, "NPO", losses.LossSpec("NPO", poisoned, needs_reference=True))
     out = tmp_path / "nan"
     capsys.readouterr()
-    assert run_cli(*args(tiny_llama, data, out, 12, "--save-every", 3)) == 1
+    with losses.FORGET_LOSSES.replaced("NPO", losses.LossSpec("NPO", poisoned, needs_reference=True)):
+        assert run_cli(*args(tiny_llama, data, out, 12, "--save-every", 3)) == 1
     err = capsys.readouterr().err
     assert "step 7: non-finite forget_loss = nan" in err and "checkpoints/step-6" in err
     assert not (out / "final").exists()

@@ -214,8 +214,7 @@ def test_sigterm_to_a_bench_stops_its_run_with_a_checkpoint_and_the_same_command
     assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == list(range(1, 41))
 
 
-def test_an_interrupted_evaluation_resumes_the_suites_it_had_not_finished(tiny_llama, tofu_dir, tmp_path,
-                                                                          monkeypatch, capsys):
+def test_an_interrupted_evaluation_resumes_the_suites_it_had_not_finished(tiny_llama, tofu_dir, tmp_path, capsys):
     forget, retain = tmp_path / "forget.jsonl", tmp_path / "neighbours.jsonl"
     for path, names in ((forget, ["Ada Lovelace"]), (retain, ["Grace Hopper", "Emmy Noether"])):
         path.write_text("".join(json.dumps({
@@ -234,9 +233,8 @@ def test_an_interrupted_evaluation_resumes_the_suites_it_had_not_finished(tiny_l
     whole, out = tmp_path / "whole", tmp_path / "stopped"
     assert evaluate(whole) == 0
     real_world = runner.SUITE_REGISTRY["real-world"]
-    with monkeypatch.context() as patch:
-        patch.setitem(runner.SUITE_REGISTRY, "real-world",
-                      dataclasses.replace(real_world, run=sigterm_first(real_world.run)))
+    with runner.SUITE_REGISTRY.replaced("real-world", dataclasses.replace(real_world,
+                                                                         run=sigterm_first(real_world.run))):
         capsys.readouterr()
         assert evaluate(out) == 128 + signal.SIGTERM
     err = capsys.readouterr().err.strip()
@@ -245,10 +243,10 @@ def test_an_interrupted_evaluation_resumes_the_suites_it_had_not_finished(tiny_l
     assert list(json.loads((out / runner.FINISHED_SUITES).read_text())["suites"]) == ["privacy"]
     assert evaluate(out) == 2  # a plain start does not take an interrupted evaluation for a fresh folder
     privacy = runner.SUITE_REGISTRY["privacy"]
-    with monkeypatch.context() as patch:
-        def not_again(context):
-            raise AssertionError("a finished suite ran again")
-        patch.setitem(runner.SUITE_REGISTRY, "privacy", dataclasses.replace(privacy, run=not_again))
+
+    def not_again(context):
+        raise AssertionError("a finished suite ran again")
+    with runner.SUITE_REGISTRY.replaced("privacy", dataclasses.replace(privacy, run=not_again)):
         assert evaluate(out, "--resume") == 0
     assert json.loads((out / "SUMMARY.json").read_text()) == json.loads((whole / "SUMMARY.json").read_text())
     assert (out / "PRIVACY_EVAL.json").read_text() == (whole / "PRIVACY_EVAL.json").read_text()

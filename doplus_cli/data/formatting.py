@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from doplus_cli.errors import UserError
+from doplus_cli.registry import Registry
 
 IGNORE_INDEX = -100
 PLAIN_PROMPT = "Question: {question}\nAnswer:"
@@ -29,14 +30,14 @@ class PromptTemplate:
 
 CHAT = "chat"  # the tokenizer's own chat template
 # Named presets of --prompt-template (besides "chat"); a string with "{question}" is a custom one.
-PROMPT_TEMPLATES: dict[str, PromptTemplate] = {
+PROMPT_TEMPLATES: Registry[PromptTemplate] = Registry("prompt template", PromptTemplate, {
     "question-answer": PromptTemplate("question-answer", PLAIN_PROMPT, " "),
     # The DualOptim+/TOFU code's Phi-1.5 format: question_start_tag "<|user|>\n", question_end_tag
     # "<|end|>\n<|assistant|>\n", answer_tag "".
     "phi-tofu": PromptTemplate("phi-tofu", "<|user|>\n{question}<|end|>\n<|assistant|>\n", ""),
     # The TOFU code's Llama-2 format: question_start_tag "[INST] ", question_end_tag " [/INST]", answer_tag "".
     "llama2": PromptTemplate("llama2", "[INST] {question} [/INST]", ""),
-}
+})
 TEMPLATE_NAMES = (CHAT, *PROMPT_TEMPLATES)
 TEMPLATE_HELP = ("Prompt format: chat (the tokenizer's chat template), question-answer ('Question: q\\nAnswer:'), "
                  "phi-tofu (the DualOptim+/TOFU Phi-1.5 format), llama2 ('[INST] q [/INST]'), or a string with "
@@ -75,7 +76,7 @@ def resolve_template(tokenizer, template: str | None) -> PromptTemplate | None:
     if template == CHAT:
         if not has_chat:
             raise UserError("--prompt-template chat: this tokenizer has no chat template; choose "
-                            + ", ".join(PROMPT_TEMPLATES) + " or a string with {question}")
+                            + PROMPT_TEMPLATES.listing() + " or a string with {question}")
         return None
     if template in PROMPT_TEMPLATES:
         return PROMPT_TEMPLATES[template]

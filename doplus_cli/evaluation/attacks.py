@@ -21,6 +21,7 @@ section and its table); relearning trains through the engine, which sits above, 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation import metrics
+from doplus_cli.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class Attack:
 QA_SUITES = ("tofu", "real-world")
 WEIGHT_SUITES = ("tofu", "real-world", "muse")
 
-ATTACKS: dict[str, Attack] = {a.name: a for a in (
+ATTACKS: Registry[Attack] = Registry("attack", Attack, ((a.name, a) for a in (
     Attack("relearn", "relearn", "full fine-tuning on half of the forget rows: AdamW, lr 1e-5, batch 4, K steps",
            "Hu et al. 2024 (Jogging the memory of unlearned LLMs); Fan et al. 2025 (Unlearn-Smooth)", WEIGHT_SUITES),
     Attack("relearn-lora", "relearn", "LoRA fine-tuning (rank 128, alpha 128) on half of the forget rows: AdamW, "
@@ -60,7 +62,7 @@ ATTACKS: dict[str, Attack] = {a.name: a for a in (
            "Lynch et al. 2024 (Eight methods to evaluate robust unlearning), in-context relearning", QA_SUITES),
     Attack("probe-paraphrase", "probe", "the row's paraphrased question instead of the question",
            "Lynch et al. 2024 (Eight methods to evaluate robust unlearning), rephrased prompts", QA_SUITES),
-)}
+)))
 GROUPS = {"probe": tuple(name for name in ATTACKS if name.startswith("probe-")), "all": tuple(ATTACKS)}
 ATTACK_CHOICES = (*ATTACKS, *GROUPS)
 
@@ -151,7 +153,9 @@ def nf4_blockwise(weight: torch.Tensor, blocksize: int = 64) -> torch.Tensor:
     return F.dequantize_4bit(codes, state).reshape(weight.shape).to(weight.dtype)
 
 
-QUANTIZERS = {"quant-8bit": int8_rowwise, "quant-4bit": nf4_blockwise}
+# The weight round trip of each quant attack, by the attack's name.
+QUANTIZERS: Registry[Callable] = Registry("quantizer", Callable, {"quant-8bit": int8_rowwise,
+                                                                  "quant-4bit": nf4_blockwise})
 
 
 @torch.no_grad()

@@ -18,6 +18,8 @@ from types import MappingProxyType
 import torch
 import torch.nn.functional as F
 
+from doplus_cli.registry import Registry
+
 # ---------------------------------------------------------------------------------------------- indicators
 
 
@@ -141,13 +143,13 @@ def harmonic_mean(values: Sequence[float]) -> float:
     return len(values) / sum(1.0 / v for v in values)
 
 
-INDICATORS: dict[str, Callable] = {
-    fn.__name__: fn
+INDICATORS: Registry[Callable] = Registry("indicator", Callable, (
+    (fn.__name__, fn)
     for fn in (
         rouge_l_recall, probability, choice_probability, truth_ratios, truth_ratio_forget, truth_ratio_other,
         token_entropy, mean_token_entropy, cosine_similarities, entailment_score,
     )
-}
+))
 
 # ---------------------------------------------------------------------------------------------- aggregates
 
@@ -247,9 +249,9 @@ def overall(tfe: Aggregate, ufe: Aggregate, mu: Aggregate, targeted: bool) -> Ag
     return Aggregate("OVR", value, used, missing, "; ".join(notes), formula)
 
 
-AGGREGATES: dict[str, Callable[..., Aggregate]] = {
+AGGREGATES: Registry[Callable[..., Aggregate]] = Registry("aggregate", Callable, {
     "MU": model_utility,
     "UFE": untargeted_forget_efficacy,
     "TFE": targeted_forget_efficacy,
     "OVR": overall,
-}
+})

@@ -13,6 +13,8 @@ import math
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 
+from doplus_cli.registry import Registry
+
 # OpenUnlearning's TOFU model_utility: retain, real authors (ra) and world facts (wf), 3 values each.
 OU_MODEL_UTILITY_KEYS = (
     "retain_Q_A_Prob", "retain_Q_A_ROUGE", "retain_Truth_Ratio",
@@ -121,8 +123,8 @@ def extraction_strength(predicted: Sequence[int], labels: Sequence[int]) -> floa
     return 1 - k / n
 
 
-OU_METRICS: dict[str, Callable] = {
-    fn.__name__: fn
+OU_METRICS: Registry[Callable] = Registry("OpenUnlearning metric", Callable, (
+    (fn.__name__, fn)
     for fn in (truth_ratio_scores, forget_quality, model_utility_ou, mia_auc, loss_score, zlib_score, min_k_score,
                min_k_plus_plus_score, privleak, exact_memorization, extraction_strength)
-}
+))

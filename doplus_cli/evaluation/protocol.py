@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from doplus_cli.config import check_protocol
+from doplus_cli.config import PROTOCOL_NAMES, check_protocol
+from doplus_cli.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -31,13 +32,15 @@ class Protocol:
                 f"{rows}")
 
 
-PROTOCOLS = {  # one for each of config.PROTOCOL_NAMES, in that order
+# One for each of config.PROTOCOL_NAMES, in that order.
+PROTOCOLS: Registry[Protocol] = Registry("protocol", Protocol, {
     "doplus": Protocol("doplus", None, None, entropy_of_text=False),
     # The DualOptim+ code: SentenceTransformer("paraphrase-MiniLM-L6-v2"), generate(max_length=200),
     # compute_token_entropy(tokenizer.tokenize(text)); every TOFU set cut to its first ds_size = 300 rows
     # (config/tofu.yaml, metrics.get_dataloader), the forget set after its task's rows are picked.
     "paper": Protocol("paper", "paraphrase-MiniLM-L6-v2", 200, entropy_of_text=True, max_rows=300),
-}
+}, names=PROTOCOL_NAMES)
+PROTOCOLS.check_complete()
 
 
 def get_protocol(name: str) -> Protocol:

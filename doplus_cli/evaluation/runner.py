@@ -34,10 +34,11 @@ from doplus_cli.files import atomic_write_text, write_json
 from doplus_cli.losses import FORGET_LOSSES
 from doplus_cli.optim import kernels
 from doplus_cli.progress import counting_tokens, progress_bar
+from doplus_cli.registry import Registry
 
 # The suites of `doplus evaluate` by name, in the order `--suite` lists them.
-SUITE_REGISTRY: dict[str, Suite] = {suite.name: suite for suite in (
-    TOFU_SUITE, REAL_WORLD_SUITE, LM_EVAL_SUITE, PRIVACY_SUITE, SAFETY_SUITE, XSTEST_SUITE, WMDP_SUITE, MUSE_SUITE)}
+SUITE_REGISTRY: Registry[Suite] = Registry("suite", Suite, ((suite.name, suite) for suite in (
+    TOFU_SUITE, REAL_WORLD_SUITE, LM_EVAL_SUITE, PRIVACY_SUITE, SAFETY_SUITE, XSTEST_SUITE, WMDP_SUITE, MUSE_SUITE)))
 SUITES = tuple(SUITE_REGISTRY)
 # What runs the attacks once the suites are done (`engine.attacks.attack_runner`): the relearning attacks train
 # through the engine, a layer above, so the command hands it in.

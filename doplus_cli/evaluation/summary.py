@@ -13,6 +13,7 @@ from doplus_cli.evaluation.muse import print_section as print_muse_section
 from doplus_cli.evaluation.safety import console_lines
 from doplus_cli.evaluation.suites import INDICATORS
 from doplus_cli.evaluation.wmdp import print_section as print_wmdp_section
+from doplus_cli.registry import Registry
 
 
 def print_summary(record: dict[str, Any], console: Console) -> None:
@@ -68,7 +69,7 @@ def _print_safety_section(section: dict[str, Any], console: Console) -> None:
 
 
 # A section's printer by its suite; any other suite (tofu, real-world) prints as `_print_qa_section`.
-SECTION_PRINTERS: dict[str, Callable[[dict[str, Any], Console], None]] = {
+SECTION_PRINTERS: Registry[Callable[[dict[str, Any], Console], None]] = Registry("section printer", Callable, {
     "lm-eval": _print_lm_eval_section,
     "privacy": _print_openunlearning_values,
     "safety": _print_safety_section,
@@ -76,4 +77,4 @@ SECTION_PRINTERS: dict[str, Callable[[dict[str, Any], Console], None]] = {
     "safety-overall": _print_safety_section,
     "wmdp": print_wmdp_section,
     "muse": print_muse_section,
-}
+})

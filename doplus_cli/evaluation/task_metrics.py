@@ -11,7 +11,9 @@ import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from doplus_cli.config import TASK_METRIC_NAMES
 from doplus_cli.evaluation import metrics
+from doplus_cli.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -21,15 +23,14 @@ class TaskMetric:
     formula: str  # the first line of the function's docstring, named in the report
 
 
-TASK_METRICS: dict[str, TaskMetric] = {}
+# Over config.TASK_METRIC_NAMES, the names a recipe's `metric:` is checked against before this module is imported.
+TASK_METRICS: Registry[TaskMetric] = Registry("task metric", TaskMetric, names=TASK_METRIC_NAMES)
 
 
 def _register(name: str):
-    def wrap(fn):
-        TASK_METRICS[name] = TaskMetric(name, fn, (fn.__doc__ or "").strip().splitlines()[0])
-        return fn
-
-    return wrap
+    """Registers the decorated function under `name`, its formula the first line of its docstring."""
+    return TASK_METRICS.register(
+        name, build=lambda fn: TaskMetric(name, fn, (fn.__doc__ or "").strip().splitlines()[0]))
 
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -84,6 +85,8 @@ def rouge_l_f1(prediction: str, reference: str) -> float:
     """rouge_l = F1 of ROUGE-L: 2PR / (P + R), P = LCS / |prediction|, R = LCS / |reference| in stemmed words."""
     return metrics.rouge_l_f1(prediction, reference)
 
+
+TASK_METRICS.check_complete()
 
 def task_score(metric: str, predictions: Sequence[str], references: Sequence[str]) -> float:
     """The mean of `metric` over the rows."""

@@ -22,6 +22,7 @@ from rich.console import Console
 
 from doplus_cli.config import TrainConfig
 from doplus_cli.errors import UserError
+from doplus_cli.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -143,12 +144,11 @@ def read_json(path: Path) -> dict[str, Any]:
 
 # ---- the registry -------------------------------------------------------------------------------------------
 
-KINDS: dict[str, Kind] = {}  # by command, in the order they were registered
+KINDS: Registry[Kind] = Registry("kind", Kind)  # by command, in the order they were registered
 
 
 def register(kind: Kind) -> Kind:
-    KINDS[kind.command] = kind
-    return kind
+    return KINDS.register(kind.command, kind)
 
 
 def kind_named(command: str) -> Kind:

@@ -149,12 +149,12 @@ def plan_bench(recipe: str, schemes: str, seeds: str, out: str, set_options: lis
 def parse_schemes(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     if not names:
-        raise UserError(f"--schemes is empty: choose from {', '.join(SCHEMES)}")
+        raise UserError(f"--schemes is empty: choose from {SCHEMES.listing()}")
     for name in names:
         if name not in SCHEMES:
             hint = difflib.get_close_matches(name, list(SCHEMES), n=1)
             raise UserError(f"unknown scheme '{name}' in --schemes" + (f" (did you mean '{hint[0]}'?)" if hint else "")
-                            + f": choose from {', '.join(SCHEMES)}")
+                            + f": choose from {SCHEMES.listing()}")
         if names.count(name) > 1:
             raise UserError(f"--schemes names '{name}' twice")
     return names
@@ -187,7 +187,7 @@ def _option_key(raw: str, flag: str, names: list[str]) -> str:
         raise UserError(f"{flag} {raw}: unknown option '{raw}'" + (f" (did you mean '{hint[0]}'?)" if hint else ""))
     if key in SCHEME_KEYS:
         raise UserError(f"{flag} {raw}: the scheme names set {key} (e.g. doplus-8bit, doplus-paper, doplus-muon); "
-                        f"choose them in --schemes ({', '.join(SCHEMES)})")
+                        f"choose them in --schemes ({SCHEMES.listing()})")
     if key in BENCH_KEYS:
         raise UserError(f"{flag} {raw}: the bench sets {key} itself" + (" (use --seeds)" if key == "seed" else ""))
     return key
