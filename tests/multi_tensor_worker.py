@@ -15,7 +15,7 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
-from doplus_cli.optim import DualOptimPlus, multi_tensor  # noqa: E402
+from doplus_cli.optim import DualOptimPlus, dualoptim_plus, multi_tensor  # noqa: E402
 
 # sizes: a whole tile and a partial one (5,330 = 4,096 + 1,234, itself a whole block and a partial one), one
 # partial tile, a matrix, a 1-element tensor; five tiles in all, as the interpreter runs each tile in Python
@@ -133,6 +133,32 @@ def adam_stats_run():
     return result
 
 
+def functional_run(steps=6):
+    """`dualoptim_plus` on `run`'s float32 problem (the forget multiplier folded into lr) over states made here,
+    with the multi-tensor kernel (foreach=True) and without it: the implementation each call named, the launches."""
+    results = {}
+    for foreach in (True, False):
+        params = start(torch.float32)
+
+        def zeros(w):
+            return {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(w), "exp_avg_sq": torch.zeros_like(w)}
+
+        states = [zeros(w) for w in params]
+        deltas = {name: [zeros(w) for w in params] for name in ("forget", "retain")}
+        before = multi_tensor.COUNTERS.launches
+        implementations = []
+        for step in range(steps):
+            objective = "forget" if step % 3 == 0 else "retain"
+            lr = 1e-2 * (1.0 - step / 10) * KWARGS["lr_multipliers"].get(objective, 1.0)
+            report = dualoptim_plus(params, grads_for(step, torch.float32), states, deltas[objective], lr=lr,
+                                    betas=KWARGS["betas"], base_betas=KWARGS["base_betas"], eps=KWARGS["eps"],
+                                    weight_decay=KWARGS["weight_decay"], foreach=foreach, fused=True)
+            implementations.append(report.implementation)
+        results[foreach] = {"params": params, "implementations": implementations,
+                            "launches": multi_tensor.COUNTERS.launches - before}
+    return results
+
+
 def main(out: str) -> None:
     runs = {}
     for dtype, compensated in ((torch.float32, False), (torch.bfloat16, True), (torch.bfloat16, False)):
@@ -145,6 +171,7 @@ def main(out: str) -> None:
     multi_tensor.FLUSH_NUMEL = 1 << 26
     runs["nan"] = {multi: run(torch.float32, multi, nan_at=5, steps=6) for multi in (True, False)}
     runs["misaligned"] = misaligned_run()
+    runs["functional"] = functional_run()
     runs["adam_stats"] = adam_stats_run()
     runs["fallback_reason"] = multi_tensor.COUNTERS.fallback_reason
     torch.save(runs, out)

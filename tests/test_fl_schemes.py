@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from doplus_cli.optim import DualOptimPlus, FedCM, LocalAdam, Scaffold
+from doplus_cli.optim import DualOptimPlus, FedCM, LocalAdam, Scaffold, dualoptim_plus, kernels
 from tests.helpers import (
     SHAPES,
     cycle,
@@ -352,8 +352,16 @@ def test_switches_on_the_fast_paths_are_refused_and_by_size_takes_the_reference(
             DualOptimPlus([p], base_update="before-delta", **options)
     with pytest.raises(ValueError, match="unknown base_source"):
         DualOptimPlus([p], base_source="delta")
+    p.grad = torch.randn(300, 300)
     opt = DualOptimPlus([p], base_source="grad-minus-delta")  # fused=None: the reference, for every size
-    assert not opt._use_fused(p, p) and not opt._batchable(p, p, {}, {}, None)
+    kernel = next(k for k in kernels.KERNELS if k.name == "DualOptim+ AdamW")
+    before = kernel.compiled_calls
+    opt.step(objective="forget")
+    assert kernel.compiled_calls == before
+    state = opt.state[p]
+    report = dualoptim_plus([p], [p.grad], [state], [state["delta"]["forget"]], lr=LR, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=0.0, base_source="grad-minus-delta")
+    assert report.implementation == "reference"
 
 
 # ------------------------------------------------------------------ through `doplus unlearn`

@@ -178,3 +178,16 @@ def test_default_on_the_cpu_is_the_per_tensor_path():
     opt.step(objective="forget")
     assert multi_tensor.COUNTERS.launches == before
     assert (param < 1).all()
+
+
+def test_the_functional_form_with_foreach_runs_the_multi_tensor_kernel_and_equals_the_optimizers_step(runs):
+    """`dualoptim_plus(..., foreach=True)` names the multi-tensor implementation and launches once per call;
+    foreach=False names the compiled one and launches nothing; both end on the bits of `DualOptimPlus` with
+    multi_tensor=True on the same problem."""
+    functional, stepped = runs["functional"], runs["float32-plain-safeguarded"][True]
+    steps = len(stepped["steps"])
+    assert functional[True]["implementations"] == ["multi_tensor"] * steps and functional[True]["launches"] == steps
+    assert functional[False]["implementations"] == ["compiled"] * steps and functional[False]["launches"] == 0
+    for multi, single, expected in zip(functional[True]["params"], functional[False]["params"], stepped["params"],
+                                       strict=True):
+        assert torch.equal(multi, expected.detach()) and torch.equal(single, expected.detach())

@@ -4,8 +4,9 @@
 steps as the keyword form, a closure runs under grad mode and its loss comes back. Invalid arguments raise; a
 parameter whose gradient is None is skipped while a zero gradient still steps; param groups with their own
 hyper-parameters; bf16 and non-contiguous parameters on the compiled path; `state_dict` and `copy.deepcopy`
-continue bit for bit; a state saved by release 0.1.0 loads. Every number is checked against float64 loops written
-here from the rules' documentation (`kernels.py`), never against the optimizers' own reference code.
+continue bit for bit; a state saved by release 0.1.0 loads; the functional form `dualoptim_plus` names the
+implementation it chose. Every number is checked against float64 loops written here or in tests/helpers.py from
+the rules' documentation (`kernels.py`), never against the optimizers' own reference code.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from doplus_cli.optim import AdamW, DualOptim, DualOptimPlus, Scaffold, kernels
+from doplus_cli.optim import AdamW, DualOptim, DualOptimPlus, Scaffold, dualoptim_plus, kernels
+from tests.helpers import SHAPES, Float64DualOptimPlus, random_grads
 
 OPTIMIZERS = {"DualOptimPlus": DualOptimPlus, "DualOptim": DualOptim, "AdamW": AdamW}
 MULTI_OBJECTIVE = {"DualOptimPlus": DualOptimPlus, "DualOptim": DualOptim, "Scaffold": Scaffold}
@@ -550,6 +552,66 @@ def test_dualoptim_state_is_read_and_assigned_as_a_torch_optimizers():
         other.state = {twins[0]: {"exp_avg": torch.zeros(80, 64)}}  # torch's AdamW layout, not DualOptim's
     other.state = {}
     assert not other.state and not other.compensation and all(not inner.state for inner in other.inner.values())
+
+
+# -- the functional form ---------------------------------------------------------------------------------
+
+FUNCTIONAL = [(False, "reference", 0), (True, "compiled", len(SHAPES)), (None, "compiled", 0)]
+
+
+@pytest.mark.parametrize("fused,implementation,compiled_per_step", FUNCTIONAL, ids=["False", "True", "None"])
+def test_the_functional_form_names_its_implementation_and_follows_the_float64_loop(fused, implementation,
+                                                                                   compiled_per_step):
+    """`dualoptim_plus` over states made here: float64 tensors keep float64 states, so it follows the float64
+    loop of tests/helpers.py to rounding. The report names the implementation chosen for the call and the
+    compiled kernel's counter shows what ran (fused=None: the compiled path, on which tensors below
+    FUSED_MIN_NUMEL elements, all of these, take the reference). `DualOptimPlus` with the same `fused` runs
+    the same implementation: the same bits."""
+    torch.manual_seed(0)
+    weights = [torch.randn(shape, dtype=torch.float64) for shape in SHAPES]
+    lr, betas, base_betas, eps, wd = 1e-2, (0.9, 0.95), (0.8, 0.99), 1e-8, 0.1
+    reference = Float64DualOptimPlus(weights, lr, betas, base_betas, eps, wd, floor=FLOOR, bound=BOUND)
+    params = [w.clone() for w in weights]
+    twins = [torch.nn.Parameter(w.clone()) for w in weights]
+    opt = DualOptimPlus(twins, lr=lr, betas=betas, base_betas=base_betas, eps=eps, weight_decay=wd, fused=fused)
+
+    def zeros(w):
+        return {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(w), "exp_avg_sq": torch.zeros_like(w)}
+
+    states = [zeros(w) for w in params]
+    deltas = {name: [zeros(w) for w in params] for name in ("forget", "retain")}
+    kernel = compiled_kernel("DualOptim+ AdamW")
+    generator = torch.Generator().manual_seed(1)
+    objectives = ("forget", "retain", "retain", "forget", "retain", "retain")
+    for index, objective in enumerate(objectives):
+        grads = [g.double() for g in random_grads(generator, SHAPES, index % 2)]
+        before = kernel.compiled_calls
+        report = dualoptim_plus(params, grads, states, deltas[objective], lr=lr, betas=betas, base_betas=base_betas,
+                                eps=eps, weight_decay=wd, fused=fused)
+        assert report.implementation == implementation and len(report.stats) == len(SHAPES)
+        assert kernel.compiled_calls - before == compiled_per_step
+        reference.step(objective, grads)
+        for p, g in zip(twins, grads):
+            p.grad = g.clone()
+        opt.step(objective=objective)
+    for p, twin, expected in zip(params, twins, reference.params):
+        torch.testing.assert_close(p, expected, rtol=1e-10, atol=1e-10)
+        assert torch.equal(p, twin.detach())
+    assert [int(s["step"]) for s in states] == [len(objectives)] * len(SHAPES)
+    assert [int(d["step"]) for d in deltas["retain"]] == [4] * len(SHAPES)
+
+
+def test_the_functional_form_refuses_what_it_cannot_run():
+    w = torch.zeros(3)
+    state = {"step": torch.tensor(0.0), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}
+    common = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    with pytest.raises(ValueError, match="one entry per tensor"):
+        dualoptim_plus([w], [w, w], [state], [dict(state)], **common)
+    with pytest.raises(ValueError, match="eager reference path only"):
+        dualoptim_plus([w], [w], [state], [dict(state)], base_update="before-delta", fused=True, **common)
+    with pytest.raises(ValueError, match="base_update must be one of"):
+        dualoptim_plus([w], [w], [state], [dict(state)], base_update="later", **common)
+    assert int(state["step"]) == 0
 
 
 @pytest.mark.parametrize("name", ["dualoptim_plus", "dualoptim", "adamw"])

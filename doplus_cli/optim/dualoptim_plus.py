@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -199,11 +200,6 @@ class DualOptimPlus(Optimizer):
             return False
         return self.quantize == "all" or (self.quantize == "base") == is_base
 
-    def _use_fused(self, param: Tensor, grad: Tensor) -> bool:
-        if self.fused is False or self.ablation or not (param.is_contiguous() and grad.is_contiguous()):
-            return False
-        return self.fused is True or param.numel() >= FUSED_MIN_NUMEL
-
     def _new_states(self, param: Tensor, local: Tensor, names: Sequence[str], is_base: bool) -> dict:
         """Zero-initialised states the size of `local` (the parameter, or this process's shard of it):
         float32 (float64 for float64 parameters), or uint8 codes + block absmax."""
@@ -238,7 +234,11 @@ class DualOptimPlus(Optimizer):
     def step(self, closure: Callable[[], Any] | None = None, *, objective: str | None = None) -> Any:
         """Update every parameter that has a gradient with the gradient of `objective` (required: the objective
         whose gradient is in `.grad`). `closure`, as in torch's optimizers, recomputes the loss (with its
-        backward) under `torch.enable_grad()` before the update; its loss is returned."""
+        backward) under `torch.enable_grad()` before the update; its loss is returned.
+
+        The AdamW rule's tensors of every param group go to `dualoptim_plus`'s implementation in one call, which
+        chooses the implementation for all of them (and so updates every group in one launch of the
+        multi-tensor kernel); the Muon rule's are updated one by one."""
         closure, objective = step_arguments(self, closure, objective)
         loss = None
         if closure is not None:
@@ -247,10 +247,9 @@ class DualOptimPlus(Optimizer):
         lr_scale = self.lr_multipliers.get(objective, 1.0)
         self._step_stats = []
         self._rule_elements, self._safeguard_counted = 0, True
-        pending: list[tuple] = []  # (local, grad, group, state, delta, compensation) for the multi-tensor kernel
-        pending_numel = 0
+        entries: list[tuple] = []  # (param, grad, state, delta, compensation, scalars) of the AdamW rule
         for group in self.param_groups:
-            hp_cache: dict[tuple, Tensor] = {}
+            template = self._adamw_scalars(group, lr_scale)
             for param in group["params"]:
                 if param.grad is None:
                     continue
@@ -259,85 +258,19 @@ class DualOptimPlus(Optimizer):
                 local, grad = local_shard(param), local_shard(param.grad)
                 state, delta = self._state_for(param, local, group, objective)
                 compensation = state.get("compensation")
-                uses_muon = self._uses_muon(param, group)
-                if not uses_muon:
-                    self._rule_elements += local.numel()
-                if not uses_muon and local.numel() and self._batchable(local, grad, state, delta, compensation):
-                    pending.append((local, grad, group, state, delta, compensation))  # counted in _step_batched
-                    pending_numel += local.numel()
-                    if pending_numel >= multi_tensor.FLUSH_NUMEL:  # the device starts while the host goes on
-                        self._step_stats.extend(self._step_batched(pending, lr_scale))
-                        pending, pending_numel = [], 0
-                    continue
-                state["step"] += 1
-                delta["step"] += 1
-                if uses_muon:
+                if self._uses_muon(param, group):
+                    state["step"] += 1
+                    delta["step"] += 1
                     self._step_stats.append(
                         self._muon_update(param, local, grad, group, state, delta, lr_scale, compensation))
-                elif local.numel():  # a shard can be empty when a small tensor has fewer rows than processes
-                    self._step_stats.append(
-                        self._adamw_update(local, grad, group, state, delta, lr_scale, hp_cache, compensation))
-        if pending:
-            self._step_stats.extend(self._step_batched(pending, lr_scale))
+                else:
+                    entries.append((local, grad, state, delta, compensation, template))
+        if entries:
+            report = _dualoptim_plus(entries, self.multi_tensor, self.fused)
+            self._rule_elements = sum(entry[0].numel() for entry in entries)
+            self._step_stats.extend(report.stats)
+            self._safeguard_counted = report.safeguard_counted
         return loss
-
-    def _step_batched(self, pending: list[tuple], lr_scale: float) -> list[tuple[Tensor, ...]]:
-        """The AdamW rule for the tensors the multi-tensor kernel takes: their step counters in one call, then
-        one launch per weight and gradient dtype, each tensor reading its row of scalars (param group's learning
-        rate and weight decay, its t_B and t_k). Host work per
-        tensor is a few dictionary lookups and its addresses; nothing waits for the device."""
-        counters = [entry[3]["step"] for entry in pending] + [entry[4]["step"] for entry in pending]
-        torch._foreach_add_(counters, 1.0)
-        counts = step_counts(counters)
-        n = len(pending)
-        rows: dict[tuple, int] = {}  # (group, t_B, t_k) → row of the scalars matrix
-        scalars: list[AdamWPlusScalars] = []
-        batches: dict[tuple, tuple[list, list]] = {}  # (device, weight dtype, grad dtype, compensated) → entries, rows
-        for i, entry in enumerate(pending):
-            local, grad, group, state, delta, compensation = entry
-            steps = (int(counts[i]), int(counts[n + i]))
-            row = rows.get((id(group), steps))
-            if row is None:
-                row = rows[(id(group), steps)] = len(scalars)
-                scalars.append(self._adamw_scalars(group, state, delta, lr_scale, steps))
-            entries, entry_rows = batches.setdefault(
-                (local.device, local.dtype, grad.dtype, compensation is not None), ([], []))
-            entries.append(entry)
-            entry_rows.append(row)
-        packed = torch.cat([s.packed(torch.device("cpu"), torch.float32) for s in scalars])
-        hp: dict[torch.device, Tensor] = {}  # the scalars on each device, copied once
-        stats = []
-        for (device, _, _, compensated), (entries, entry_rows) in batches.items():
-            if device not in hp:
-                hp[device] = packed.to(device, non_blocking=True)
-            stats.extend(self._launch_multi_tensor(hp[device], compensated, entries, entry_rows, lr_scale))
-        return stats
-
-    def _batchable(self, local: Tensor, grad: Tensor, state: dict, delta: dict, compensation: Tensor | None) -> bool:
-        if self.fused is False or self.multi_tensor is False or self.ablation:
-            return False
-        if self.multi_tensor is None and not multi_tensor.available(local.device):
-            return False
-        states = (state["exp_avg"], state["exp_avg_sq"], delta["exp_avg"], delta["exp_avg_sq"])
-        return multi_tensor.eligible(local, grad, states, compensation)
-
-    def _launch_multi_tensor(
-        self, hp: Tensor, compensated: bool, entries: list, rows: list[int], lr_scale: float
-    ) -> list[tuple[Tensor, ...]]:
-        """One launch of the multi-tensor kernel over `entries` (entry i with row `rows[i]` of the scalars `hp`,
-        on the entries' device); if it cannot compile, the per-tensor path (`multi_tensor.disable` logs why, or
-        raises under $DOPLUS_REQUIRE_COMPILED=1)."""
-        tensors = [(local, grad, state["exp_avg"], state["exp_avg_sq"], delta["exp_avg"], delta["exp_avg_sq"],
-                    compensation) for local, grad, _, state, delta, compensation in entries]
-        try:
-            stats = [multi_tensor.launch(tensors, rows, hp, compensated)]
-            self._safeguard_counted = False
-            return stats
-        except Exception as error:  # noqa: BLE001 - a compiler or driver error: stay correct, say so once
-            multi_tensor.disable(error)
-        hp_cache: dict[tuple, Tensor] = {}
-        return [self._adamw_update(local, grad, group, state, delta, lr_scale, hp_cache, compensation)
-                for local, grad, group, state, delta, compensation in entries]
 
     def __getstate__(self) -> dict:
         # torch's Optimizer keeps only defaults, state and param_groups; a copy needs the rule's settings too
@@ -369,65 +302,16 @@ class DualOptimPlus(Optimizer):
         floored, clamped = totals.sum(0).tolist()
         return int(floored), int(clamped), self._rule_elements
 
-    def _adamw_scalars(
-        self, group: dict, state: dict, delta: dict, lr_scale: float, steps: tuple[int, int] | None = None
-    ) -> AdamWPlusScalars:
-        """The scalars of one update; `steps` = (t_B, t_k) when the caller has read them already."""
-        if steps is None:
-            steps = (int(state["step"].item()), int(delta["step"].item()))
+    def _adamw_scalars(self, group: dict, lr_scale: float) -> AdamWPlusScalars:
+        """The scalars of `group`'s updates, without the step counts (the update fills them in)."""
         beta1, beta2 = group["betas"]
         base_beta1, base_beta2 = group["base_betas"] or group["betas"]
         return AdamWPlusScalars(
-            lr=float(group["lr"]) * lr_scale,
-            weight_decay=group["weight_decay"],
-            beta1=beta1,
-            beta2=beta2,
-            base_beta1=base_beta1,
-            base_beta2=base_beta2,
-            eps=group["eps"],
-            base_step=steps[0],
-            delta_step=steps[1],
-            v_floor=self.v_floor,
-            max_update=self.max_update,
-            base_update=self.base_update,
+            lr=float(group["lr"]) * lr_scale, weight_decay=group["weight_decay"], beta1=beta1, beta2=beta2,
+            base_beta1=base_beta1, base_beta2=base_beta2, eps=group["eps"], base_step=0, delta_step=0,
+            v_floor=self.v_floor, max_update=self.max_update, base_update=self.base_update,
             base_source=self.base_source,
         )
-
-    def _adamw_update(
-        self, param: Tensor, grad: Tensor, group: dict, state: dict, delta: dict, lr_scale: float, hp_cache: dict,
-        compensation: Tensor | None = None,
-    ) -> tuple[Tensor, ...]:
-        if not param.is_contiguous():
-            # a transposed or strided weight: the rule runs on a copy in logical element order, the order of the
-            # states and of the compensation buffer (both allocated contiguous), and the result goes back in place
-            work = param.contiguous()
-            stats = self._adamw_update(work, grad.contiguous(), group, state, delta, lr_scale, hp_cache,
-                                       compensation)
-            param.copy_(work)
-            return stats
-        s = self._adamw_scalars(group, state, delta, lr_scale)
-        # (container, name, signed map): the delta second moment can be negative, so it is signed too
-        slots = [
-            (state, "exp_avg", True),
-            (state, "exp_avg_sq", False),
-            (delta, "exp_avg", True),
-            (delta, "exp_avg_sq", True),
-        ]
-        if not self._use_fused(param, grad):
-            flat_compensation = None if compensation is None else compensation.view(-1)
-            return _adamw_reference_slots(param.view(-1), grad.reshape(-1), slots, s, 0, param.numel(),
-                                          flat_compensation)
-        state_dtype = torch.promote_types(param.dtype, torch.float32)
-        key = (s, str(param.device), state_dtype)
-        if key not in hp_cache:
-            hp_cache[key] = s.packed(param.device, state_dtype)
-        hp = hp_cache[key]
-        if not any(container[name].dtype == torch.uint8 for container, name, _ in slots):
-            return adamw_plus_fused(
-                param, grad, state["exp_avg"], state["exp_avg_sq"], delta["exp_avg"], delta["exp_avg_sq"], hp,
-                compensation,
-            )
-        return _adamw_fused_8bit_slots(param, grad, slots, s, hp, compensation)
 
     def _muon_update(
         self, param: Tensor, local: Tensor, grad: Tensor, group: dict, state: dict, delta: dict, lr_scale: float,
@@ -461,6 +345,231 @@ class DualOptimPlus(Optimizer):
         for index, saved in state_dict["state"].items():
             param = params[index]
             self.state[param] = clone_state(saved, param.device)
+
+
+# -- the functional form: the AdamW rule over the tensors of one param group -----------------------------
+
+IMPLEMENTATIONS = ("reference", "compiled", "multi_tensor")
+
+
+@dataclass
+class UpdateReport:
+    """What one call of `dualoptim_plus` did."""
+
+    implementation: str  # the one it chose, of IMPLEMENTATIONS
+    stats: list[tuple[Tensor, ...]]  # per tensor, or per launch of the multi-tensor kernel: `step_diagnostics`
+    safeguard_counted: bool  # False when the multi-tensor kernel, which does not count floor and clamp, ran
+
+
+@torch.no_grad()
+def dualoptim_plus(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    states: Sequence[dict],
+    deltas: Sequence[dict],
+    compensations: Sequence[Tensor | None] | None = None,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    base_betas: tuple[float, float] | None = None,
+    eps: float,
+    weight_decay: float,
+    v_floor: float = 0.02,
+    max_update: float = 10.0,
+    base_update: str = "after-param",
+    base_source: str = "grad",
+    foreach: bool | None = None,
+    fused: bool | None = None,
+) -> UpdateReport:
+    """One DualOptim+ AdamW step (Algorithm 1; the safeguard of `kernels.py`) of one param group's `params` with
+    `grads`: the functional form of `DualOptimPlus`, as `torch.optim.adamw.adamw` is AdamW's. `DualOptimPlus.step`
+    runs the same choice and implementations, over all its param groups at once (so the multi-tensor kernel
+    takes every group in one launch); its ``fused`` and ``multi_tensor`` are ``fused`` and ``foreach`` here.
+
+    `states[i]` is parameter i's base state and `deltas[i]` its delta state of the objective whose gradient is
+    `grads[i]` (the layout `DualOptimPlus` documents: ``step``, ``exp_avg``, ``exp_avg_sq``, float32 or 8-bit
+    codes with their ``_absmax``); both step counters are incremented here, then every state and the parameter
+    are updated in place, without autograd. `compensations[i]` is a bf16 weight's compensation buffer or None.
+    ``v_floor=0``, ``max_update=math.inf`` is the paper's rule; `base_update`, `base_source` its ablations
+    (reference only).
+
+    The implementation is chosen once for the call, as `adamw()` chooses among torch's single-tensor,
+    multi-tensor and fused ones, and named in the report:
+
+    * ``"reference"`` (``fused=False``, or an ablation): the eager rule (`kernels.adamw_plus_reference`) per tensor.
+    * ``"multi_tensor"`` (``foreach=True``; None: on CUDA with Triton): one Triton launch over every tensor the
+      kernel takes (`multi_tensor.eligible`: float32 states, aligned); the others take the compiled path.
+    * ``"compiled"`` (otherwise): the compiled one-pass kernels per tensor, every contiguous tensor with
+      ``fused=True``; with ``fused=None`` those of `FUSED_MIN_NUMEL` elements or more, and the reference below,
+      where the kernel's fixed cost exceeds the work.
+    """
+    n = len(params)
+    if not len(grads) == len(states) == len(deltas) == n or (compensations is not None and len(compensations) != n):
+        raise ValueError("params, grads, states, deltas (and compensations) must have one entry per tensor")
+    compensations = [None] * n if compensations is None else list(compensations)
+    if base_update not in BASE_UPDATES or base_source not in BASE_SOURCES:
+        raise ValueError(f"base_update must be one of {list(BASE_UPDATES)} and base_source one of "
+                         f"{list(BASE_SOURCES)}, got {base_update!r}, {base_source!r}")
+    base_beta1, base_beta2 = base_betas or betas
+    template = AdamWPlusScalars(
+        lr=float(lr), weight_decay=weight_decay, beta1=betas[0], beta2=betas[1], base_beta1=base_beta1,
+        base_beta2=base_beta2, eps=eps, base_step=0, delta_step=0, v_floor=v_floor, max_update=max_update,
+        base_update=base_update, base_source=base_source,
+    )
+    return _dualoptim_plus([(*tensors, template) for tensors in zip(params, grads, states, deltas, compensations)],
+                           foreach, fused)
+
+
+def _dualoptim_plus(entries: list[tuple], foreach: bool | None, fused: bool | None) -> UpdateReport:
+    """`dualoptim_plus` over entries (param, grad, state, delta, compensation, scalars without the steps), whose
+    scalars may differ: `DualOptimPlus.step` hands every param group's tensors to one call, so the multi-tensor
+    kernel updates all groups in one launch."""
+    params = [entry[0] for entry in entries]
+    implementation = _choose_implementation(params, all(entry[5].default_base for entry in entries), foreach, fused)
+    if implementation == "multi_tensor":
+        stats, counted = _multi_tensor_dualoptim_plus(entries, fused)
+        return UpdateReport(implementation, stats, counted)
+    return UpdateReport(implementation, _single_tensor_dualoptim_plus(entries, fused), True)
+
+
+def _choose_implementation(params: Sequence[Tensor], default_base: bool, foreach: bool | None,
+                           fused: bool | None) -> str:
+    if not default_base:  # the ablations have the eager rule only
+        if fused is True or foreach is True:
+            raise ValueError("base_update and base_source other than the rule's run on the AdamW rule's eager "
+                             "reference path only: use fused=None or False, foreach=None or False")
+        return "reference"
+    if fused is False:
+        return "reference"
+    if foreach is True and not triton_installed():
+        raise ValueError("foreach=True (the multi-tensor kernel) needs Triton (pip install triton)")
+    if foreach is None:
+        foreach = bool(params) and all(multi_tensor.available(p.device) for p in params)
+    return "multi_tensor" if foreach else "compiled"
+
+
+def _single_tensor_dualoptim_plus(entries: list[tuple], fused: bool | None) -> list[tuple[Tensor, ...]]:
+    """Each tensor by itself: the compiled kernel where `_use_compiled` says so, the eager reference otherwise
+    (always with ``fused=False`` or an ablation)."""
+    hp_cache: dict[tuple, Tensor] = {}
+    stats = []
+    for param, grad, state, delta, compensation, template in entries:
+        state["step"] += 1
+        delta["step"] += 1
+        if param.numel():  # a shard can be empty when a small tensor has fewer rows than processes
+            stats.append(_adamw_update(param, grad, state, delta, template, fused, hp_cache, compensation))
+    return stats
+
+
+def _use_compiled(param: Tensor, grad: Tensor, s: AdamWPlusScalars, fused: bool | None) -> bool:
+    if fused is False or not s.default_base or not (param.is_contiguous() and grad.is_contiguous()):
+        return False
+    return fused is True or param.numel() >= FUSED_MIN_NUMEL
+
+
+def _adamw_update(
+    param: Tensor, grad: Tensor, state: dict, delta: dict, template: AdamWPlusScalars, fused: bool | None,
+    hp_cache: dict, compensation: Tensor | None = None,
+) -> tuple[Tensor, ...]:
+    if not param.is_contiguous():
+        # a transposed or strided weight: the rule runs on a copy in logical element order, the order of the
+        # states and of the compensation buffer (both allocated contiguous), and the result goes back in place
+        work = param.contiguous()
+        stats = _adamw_update(work, grad.contiguous(), state, delta, template, fused, hp_cache, compensation)
+        param.copy_(work)
+        return stats
+    s = replace(template, base_step=int(state["step"].item()), delta_step=int(delta["step"].item()))
+    # (container, name, signed map): the delta second moment can be negative, so it is signed too
+    slots = [
+        (state, "exp_avg", True),
+        (state, "exp_avg_sq", False),
+        (delta, "exp_avg", True),
+        (delta, "exp_avg_sq", True),
+    ]
+    if not _use_compiled(param, grad, s, fused):
+        flat_compensation = None if compensation is None else compensation.view(-1)
+        return _adamw_reference_slots(param.view(-1), grad.reshape(-1), slots, s, 0, param.numel(),
+                                      flat_compensation)
+    state_dtype = torch.promote_types(param.dtype, torch.float32)
+    key = (s, str(param.device), state_dtype)
+    if key not in hp_cache:
+        hp_cache[key] = s.packed(param.device, state_dtype)
+    hp = hp_cache[key]
+    if not any(container[name].dtype == torch.uint8 for container, name, _ in slots):
+        return adamw_plus_fused(
+            param, grad, state["exp_avg"], state["exp_avg_sq"], delta["exp_avg"], delta["exp_avg_sq"], hp,
+            compensation,
+        )
+    return _adamw_fused_8bit_slots(param, grad, slots, s, hp, compensation)
+
+
+def _multi_tensor_dualoptim_plus(entries: list[tuple], fused: bool | None) -> tuple[list[tuple[Tensor, ...]], bool]:
+    """The tensors the multi-tensor kernel takes, one launch per `multi_tensor.FLUSH_NUMEL` elements (the device
+    starts while the host goes on); the others, and any whose launch cannot compile, by `_adamw_update`."""
+    stats: list[tuple[Tensor, ...]] = []
+    counted = True
+    others: list[tuple] = []
+    pending: list[tuple] = []
+    pending_numel = 0
+    for entry in entries:
+        param, grad, state, delta, compensation, _ = entry
+        states = (state["exp_avg"], state["exp_avg_sq"], delta["exp_avg"], delta["exp_avg_sq"])
+        if not param.numel() or not multi_tensor.eligible(param, grad, states, compensation):
+            others.append(entry)
+            continue
+        pending.append(entry)
+        pending_numel += param.numel()
+        if pending_numel >= multi_tensor.FLUSH_NUMEL:
+            batch_stats, launched = _step_batched(pending, fused)
+            stats.extend(batch_stats)
+            counted = counted and not launched
+            pending, pending_numel = [], 0
+    if pending:
+        batch_stats, launched = _step_batched(pending, fused)
+        stats.extend(batch_stats)
+        counted = counted and not launched
+    stats.extend(_single_tensor_dualoptim_plus(others, fused))
+    return stats, counted
+
+
+def _step_batched(pending: list[tuple], fused: bool | None) -> tuple[list[tuple[Tensor, ...]], bool]:
+    """The step counters of `pending` in one call, then one launch per weight and gradient dtype, each tensor
+    reading its row of scalars (its param group's learning rate and weight decay, its t_B and t_k). Host work
+    per tensor is a few dictionary lookups and its addresses; nothing waits for the device. Returns the stats
+    and whether any launch ran."""
+    counters = [entry[2]["step"] for entry in pending] + [entry[3]["step"] for entry in pending]
+    torch._foreach_add_(counters, 1.0)
+    counts = step_counts(counters)
+    n = len(pending)
+    rows: dict[AdamWPlusScalars, int] = {}  # the scalars of one update (hyper-parameters, t_B, t_k) → their row
+    batches: dict[tuple, tuple[list, list]] = {}  # (device, weight dtype, grad dtype, compensated) → entries, rows
+    for i, entry in enumerate(pending):
+        param, grad, _, _, compensation, template = entry
+        scalars = replace(template, base_step=int(counts[i]), delta_step=int(counts[n + i]))
+        row = rows.setdefault(scalars, len(rows))
+        entries, entry_rows = batches.setdefault((param.device, param.dtype, grad.dtype, compensation is not None),
+                                                 ([], []))
+        entries.append(entry)
+        entry_rows.append(row)
+    packed = torch.cat([s.packed(torch.device("cpu"), torch.float32) for s in rows])  # in the rows' order
+    hp: dict[torch.device, Tensor] = {}  # the scalars on each device, copied once
+    stats: list[tuple[Tensor, ...]] = []
+    launched = False
+    for (device, _, _, compensated), (entries, entry_rows) in batches.items():
+        if device not in hp:
+            hp[device] = packed.to(device, non_blocking=True)
+        tensors = [(param, grad, state["exp_avg"], state["exp_avg_sq"], delta["exp_avg"], delta["exp_avg_sq"],
+                    compensation) for param, grad, state, delta, compensation, _ in entries]
+        try:
+            stats.append(multi_tensor.launch(tensors, entry_rows, hp[device], compensated))
+            launched = True
+            continue
+        except Exception as error:  # noqa: BLE001 - a compiler or driver error: stay correct, say so once
+            multi_tensor.disable(error)
+        hp_cache: dict[tuple, Tensor] = {}
+        stats.extend(_adamw_update(param, grad, state, delta, template, fused, hp_cache, compensation)
+                     for param, grad, state, delta, compensation, template in entries)
+    return stats, launched
 
 
 def _sharded_orthogonalize(param: Tensor, s: MuonPlusScalars):
