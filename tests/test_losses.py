@@ -1,6 +1,6 @@
 """Every loss against a float64 reference written here with plain loops, and the direction it moves the
 forget/retain likelihoods when minimised on a toy batch. (Hand-made logits and activations with padding:
-tests/test_losses_2026.py.)"""
+tests/test_losses_beyond_the_paper.py.)"""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from doplus_cli.bench.stability import doplus_builder, relative_distance, run, start_weights
-from doplus_cli.engine.outputs import render_markdown, update_summary, update_warning
+from doplus_cli.engine.outputs import render_unlearn_report, update_summary, update_warning
 from doplus_cli.optim import DualOptim, DualOptimPlus
 from doplus_cli.optim.diagnostics import adamw_step_stats, reduce_step_stats, step_counts
 from tests.helpers import Float64DualOptimPlus, cycle
@@ -241,7 +241,7 @@ def test_update_summary_and_warning_from_records():
               "model": "m", "data": {"forget_rows": 1, "retain_rows": 1}, "warmup_steps": 0, "steps": 4,
               "steps_per_objective": {"forget": 1, "retain": 3}, "wall_time_s": 1.0, "peak_memory_gb": 1.0,
               "peak_memory_kind": "rss", "losses": {}, "update_sizes": summary}
-    markdown = render_markdown(report)
+    markdown = render_unlearn_report(report)
     assert "paper rule" in markdown and "## Update sizes" in markdown and "**warning: 2 of 4" in markdown
 
 

@@ -99,7 +99,7 @@ class Run:
     reference: torch.nn.Module | None  # the frozen starting model of NPO, DPO and KL
     lora: LoraSettings | None
     optimizer: Any  # stepped with an objective: `optimizer.step(objective=...)`
-    scheduled: Optimizer  # the torch Optimizer the LR scheduler drives
+    torch_optimizer: Optimizer  # the torch Optimizer inside `optimizer`, the one the LR scheduler drives
     scheduler: LRScheduler
     context: LossContext  # what every loss reads besides its batch
     checkpoints: checkpoint.CheckpointWriter
@@ -250,9 +250,10 @@ def setup(config: TrainConfig, plan: Plan, console: Console) -> Iterator[Run]:
         if sharded:  # before the optimizer, which then keeps states for this process's shards only
             model = sharding.shard_model(accelerator, model, mixed_precision=config.precision == "bf16-mixed")
         names = tuple(o.name for o in objectives)
-        optimizer, scheduled = build_optimizer(model, names, lr_multipliers(objectives), optimizer_settings(config),
-                                               sharded=sharded, frequencies=frequencies(objectives))
-        scheduler = linear_warmup_schedule(scheduled, config.warmup_steps, config.steps)
+        optimizer, torch_optimizer = build_optimizer(model, names, lr_multipliers(objectives),
+                                                     optimizer_settings(config), sharded=sharded,
+                                                     frequencies=frequencies(objectives))
+        scheduler = linear_warmup_schedule(torch_optimizer, config.warmup_steps, config.steps)
         streams = {o.name: o.stream for o in objectives}
         processes = checkpoint.Processes(accelerator, sharded=sharded)
         start_step, records, evals = 0, [], []
@@ -266,7 +267,7 @@ def setup(config: TrainConfig, plan: Plan, console: Console) -> Iterator[Run]:
         yield Run(
             accelerator=accelerator, out=out, model=model, tokenizer=tokenizer, model_name=model_name,
             formatter=formatter, progress=progress, objectives=objectives, before=before, reference=reference,
-            lora=lora, optimizer=optimizer, scheduled=scheduled, scheduler=scheduler,
+            lora=lora, optimizer=optimizer, torch_optimizer=torch_optimizer, scheduler=scheduler,
             context=LossContext(model, reference, plan.beta, _token_count(accelerator), params=plan.loss_params),
             checkpoints=checkpoint.CheckpointWriter(out, accelerator.unwrap_model(model), optimizer, scheduler,
                                                     streams, config.to_dict(), config.keep_last, processes),
@@ -390,7 +391,7 @@ def finish(run: Run, config: TrainConfig, plan: Plan, measured_after: dict[str, 
         "peak_memory_kind": peak_kind,
         # this process's (its shards under FSDP): numel x element size of every state tensor, 8-bit codes and
         # block scales included (paper, Table 8)
-        "optimizer_state_bytes": quant.optimizer_state_bytes(run.scheduled),
+        "optimizer_state_bytes": quant.optimizer_state_bytes(run.torch_optimizer),
         "precision": precision.describe(config.precision, config.save_dtype),
         "environment": {**outputs.environment(run.accelerator.device, world, run.effective_batch, config.seed,
                                               trained_dtype), "precision": config.precision},

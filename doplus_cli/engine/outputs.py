@@ -11,6 +11,7 @@ import os
 import platform
 import shutil
 import sys
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -281,7 +282,7 @@ def warmup_note(cfg: dict[str, Any], report: dict[str, Any]) -> str:
     return f" (one epoch of {epoch} steps by the DualOptim+ authors' rule for {cfg['scheme']})"
 
 
-def render_markdown(report: dict[str, Any]) -> str:
+def render_unlearn_report(report: dict[str, Any]) -> str:
     cfg = report["config"]
     env = report["environment"]
     lines = [
@@ -362,8 +363,8 @@ def environment_lines(env: dict[str, Any]) -> list[str]:
               f"slower): {reason}" for dtype, reason in (env.get("linear_fallbacks") or {}).items())]
 
 
-def write_report(out: Path, report: dict[str, Any], render=None) -> None:
-    """report.md (written by `render`, unlearn's `render_markdown` by default), then report.json; the
+def write_report(out: Path, report: dict[str, Any], render: Callable[[dict[str, Any]], str]) -> None:
+    """report.md (written by `render`, the command's own), then report.json; the
     environment records the compiled kernels that fell back to eager code in this process, and the dtypes whose
     linear layers evaluations could not run on oneDNN's packed product on this CPU."""
     failed = {**kernels.fallbacks(), **multi_tensor.fallbacks()}
@@ -373,5 +374,5 @@ def write_report(out: Path, report: dict[str, Any], render=None) -> None:
                 if reason is not None}
     if "environment" in report and unpacked:
         report["environment"]["linear_fallbacks"] = unpacked
-    atomic_write_text(out / "report.md", (render or render_markdown)(report))
+    atomic_write_text(out / "report.md", render(report))
     atomic_write_text(out / "report.json", json.dumps(report, indent=2) + "\n")

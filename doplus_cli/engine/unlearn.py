@@ -155,7 +155,7 @@ class UnlearnPlan(Plan):
         return report
 
     def render_markdown(self, report: dict[str, Any]) -> str:
-        return outputs.render_markdown(report)
+        return outputs.render_unlearn_report(report)
 
 
 def _text_windows(config: UnlearnConfig, forget: Source, retain: Source | None) -> tuple[Source, Source | None]:
