@@ -1,4 +1,4 @@
-"""The KV cache and attention of the row-dropping greedy decoder (`generation._decode_dropping`) on CPU.
+"""The KV cache and attention of the row-dropping greedy decoder (`generation.decode_dropping`) on CPU.
 
 A decoding step appends one token's keys and values to every layer's cache and attends over all of them.
 transformers' `DynamicLayer` appends with `torch.cat`, which copies the layer's whole cache on every step; at a
@@ -7,7 +7,7 @@ L3 cache holds, and torch's CPU flash attention then reads it a third time at a 
 query of one token per head leaves its blocked kernel little to do per call).
 
 `buffered_decoding` keeps each layer's keys and values in buffers sized for the budget and written in place, and
-routes the one-token attention of the decoding steps (`DECODE_ATTENTION`) to `_attention`: the scores, softmax and
+routes the one-token attention of the decoding steps (`DECODE_ATTENTION`) to `attention`: the scores, softmax and
 weighted sum of each key/value head for its group of query heads, compiled by inductor into loops over the
 buffers' filled part (the `CompiledKernel` of the optimizers, with its eager fallback: torch's SDPA on the same
 views). Measured on 2 AMD EPYC cores, 30 layers, batch 64, 41 to 200 cached tokens: 11.2 s for `torch.cat` and
@@ -42,7 +42,7 @@ GROWTH = 64  # positions a buffer grows by at least when an answer outruns it
 _UNSUPPORTED = ("softcap", "s_aux", "sinks", "sliding_window", "position_bias", "alibi", "head_mask")
 
 
-def _attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scaling: float) -> Tensor:
+def attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scaling: float) -> Tensor:
     """One query token per row: query [B, H_kv, G, D] (the G query heads of each key/value head), key/value
     [B, H_kv, L, D] (views of the buffers), mask bool [B, 1, 1, L] (True: attend); [B, H_kv, G, D_v] in the
     query's dtype, computed in float32."""
@@ -53,15 +53,15 @@ def _attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scaling:
     return (weights[..., None] * v[:, :, None, :, :]).sum(-2).to(query.dtype)
 
 
-def _attention_sdpa(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scaling: float) -> Tensor:
-    """`_attention` through torch's SDPA (what runs if inductor cannot compile it)."""
+def attention_sdpa(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scaling: float) -> Tensor:
+    """`attention` through torch's SDPA (what runs if inductor cannot compile it)."""
     batch, kv_heads, group, dim = query.shape
     out = F.scaled_dot_product_attention(query.reshape(batch, kv_heads * group, 1, dim), key, value, attn_mask=mask,
                                          scale=scaling, enable_gqa=group > 1)
     return out.view(batch, kv_heads, group, value.shape[-1])
 
 
-KERNEL = CompiledKernel(_attention, "decode attention", eager=_attention_sdpa)
+KERNEL = CompiledKernel(attention, "decode attention", eager=attention_sdpa)
 
 
 def decode_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
@@ -140,7 +140,7 @@ def buffered_layer_class() -> type:
         def batch_select_indices(self, indices: Tensor) -> None:
             """Keep the rows `indices`, row j of the result being row indices[j]: only the rows that change place
             move, their filled part only (the decoder fills each freed slot with a row from the end of the batch,
-            `generation._compacted`, so a drop moves as many rows as stopped)."""
+            `generation.compacted`, so a drop moves as many rows as stopped)."""
             kept = indices.tolist()
             moved = [j for j, row in enumerate(kept) if row != j]
             if moved:

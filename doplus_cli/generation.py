@@ -43,10 +43,10 @@ def greedy_generate(
     prompt (the DualOptim+ code's `generate(max_length=200)`, counted per row rather than per padded batch).
 
     Questions are batched in order of prompt length (less padding) and handed back in their own order. Models
-    with a plain KV cache and no logits processors in their generation config decode in `_decode_dropping`: a
+    with a plain KV cache and no logits processors in their generation config decode in `decode_dropping`: a
     row leaves the batch (and its cache) as soon as it has stopped, where `generate` keeps computing every row
     until the last one ends. Others take `model.generate`. On CUDA, attention runs without cuDNN's backend
-    (`_attention_backends`).
+    (`attention_backends`).
     """
     was_training = model.training
     model.eval()
@@ -59,7 +59,7 @@ def greedy_generate(
     order = sorted(range(len(questions)), key=lambda i: len(prompts[i]))
     task = progress.add_task(description, total=len(questions), status="") if progress is not None else None
     try:
-        with _attention_backends(device):
+        with attention_backends(device):
             for chunk in _chunks(order, batch_size):
                 padded = left_padded_prompts(formatter, [questions[i] for i in chunk])
                 batch = {k: v.to(device) for k, v in padded.items()}
@@ -67,7 +67,7 @@ def greedy_generate(
                 budgets = [max_new_tokens] * len(chunk)
                 if max_total_tokens is not None:
                     budgets = [max(0, max_total_tokens - n) for n in batch["attention_mask"].sum(-1).tolist()]
-                rows = _decode_dropping(model, batch, budgets, _stop_ids(model, stop)) if _drops_rows(model) else None
+                rows = decode_dropping(model, batch, budgets, _stop_ids(model, stop)) if _drops_rows(model) else None
                 if rows is None:
                     output = model.generate(
                         **batch, max_new_tokens=max(1, max(budgets)), do_sample=False,
@@ -87,7 +87,7 @@ def greedy_generate(
     return texts, tokens
 
 
-def _attention_backends(device: torch.device) -> contextlib.AbstractContextManager:
+def attention_backends(device: torch.device) -> contextlib.AbstractContextManager:
     """On CUDA, torch's SDPA without its cuDNN backend for the block (on CPU nothing changes).
 
     cuDNN's attention builds an execution plan for every new shape: decoding meets a new cache length at every
@@ -109,7 +109,7 @@ _NEUTRAL = (None, 0, 1.0, [], {})
 
 
 def _drops_rows(model) -> bool:
-    """Whether `_decode_dropping` gives what `generate` gives: a plain greedy argmax over a DynamicCache."""
+    """Whether `decode_dropping` gives what `generate` gives: a plain greedy argmax over a DynamicCache."""
     config = getattr(model, "generation_config", None)
     if config is None or any(getattr(config, name, None) not in _NEUTRAL for name in _PROCESSORS):
         return False
@@ -126,7 +126,7 @@ def _stop_ids(model, stop: set[int]) -> set[int]:
     return stop | (set(eos) if isinstance(eos, (list, tuple)) else {eos} - {None})
 
 
-def _cache_argument(model) -> str:
+def cache_argument(model) -> str:
     """The forward's name for the KV cache: `cache` (transformers 5.x, which deprecates the old name), else
     `past_key_values`."""
     import inspect
@@ -134,7 +134,7 @@ def _cache_argument(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def _compacted(keep: list[int]) -> list[int]:
+def compacted(keep: list[int]) -> list[int]:
     """The batch's rows after a drop, as indices into the rows before it (`keep`: the kept ones, ascending): each
     slot freed below len(keep) takes a kept row from above it and every other row stays, so that the KV buffers
     move as many rows as stopped, where moving every row after the first stopped one up copied half the cache."""
@@ -145,7 +145,7 @@ def _compacted(keep: list[int]) -> list[int]:
     return order
 
 
-def _decode_dropping(model, batch: dict[str, torch.Tensor], budgets: list[int], stop: set[int]
+def decode_dropping(model, batch: dict[str, torch.Tensor], budgets: list[int], stop: set[int]
                      ) -> list[list[int]] | None:
     """Greedy decoding of left-padded prompts where each row leaves the batch once it produced a stop token or
     reached its budget; each row's tokens up to and including that token. None when the model's cache is not a
@@ -166,7 +166,7 @@ def _decode_dropping(model, batch: dict[str, torch.Tensor], budgets: list[int], 
     cache = output.past_key_values
     if type(cache) is not DynamicCache:
         return None
-    cache_argument = _cache_argument(model)  # looked up once, not on every decoding step
+    cache_kwarg = cache_argument(model)  # looked up once, not on every decoding step
     selected = torch.tensor(alive, device=mask.device)
     if len(alive) < len(budgets):
         cache.batch_select_indices(selected)
@@ -183,14 +183,14 @@ def _decode_dropping(model, batch: dict[str, torch.Tensor], budgets: list[int], 
             if not keep:
                 return produced
             if len(keep) < len(alive):
-                keep = _compacted(keep)
+                keep = compacted(keep)
                 index = torch.tensor(keep, device=mask.device)
                 cache.batch_select_indices(index)
                 mask, next_position, token = mask[index], next_position[index], token[index]
                 alive = [alive[k] for k in keep]
             mask = torch.cat([mask, mask.new_ones((len(alive), 1))], dim=1)
             output = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position[:, None],
-                           use_cache=True, **{cache_argument: cache})
+                           use_cache=True, **{cache_kwarg: cache})
             next_position = next_position + 1
             token = output.logits[:, -1].argmax(-1)
 

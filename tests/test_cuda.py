@@ -229,7 +229,7 @@ def test_the_engine_trains_on_cuda_in_bf16_mixed_and_lr_1e5_moves_the_weights(ti
 def test_greedy_generation_on_cuda_attends_without_cudnn_and_gives_one_question_at_a_time_answers(tiny_chat_llama,
                                                                                                  monkeypatch):
     """The row-dropping decoder on CUDA, with SDPA's cuDNN backend off for every forward (generation.py,
-    `_attention_backends`), gives what `generate` gives one question at a time (no padding)."""
+    `attention_backends`), gives what `generate` gives one question at a time (no padding)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from doplus_cli import generation
@@ -240,8 +240,8 @@ def test_greedy_generation_on_cuda_attends_without_cudnn_and_gives_one_question_
     formatter = PromptFormatter(AutoTokenizer.from_pretrained(tiny_chat_llama), max_length=128)
     expected = _reference(model, formatter, QUESTIONS, 12)
     decoded, cudnn = [], []
-    original_decoder, original_forward = generation._decode_dropping, model.forward
-    monkeypatch.setattr(generation, "_decode_dropping", lambda *a: decoded.append(1) or original_decoder(*a))
+    original_decoder, original_forward = generation.decode_dropping, model.forward
+    monkeypatch.setattr(generation, "decode_dropping", lambda *a: decoded.append(1) or original_decoder(*a))
     monkeypatch.setattr(model, "forward", lambda *a, **k: cudnn.append(torch.backends.cuda.cudnn_sdp_enabled())
                         or original_forward(*a, **k))
     texts, tokens = generation.greedy_generate(model, formatter, QUESTIONS, 12, 4)

@@ -103,7 +103,7 @@ def test_bfloat16_decode_attention_computes_in_float32():
 
 def test_the_eager_fallback_is_torch_sdpa_with_the_same_result():
     query, key, value, mask = _inputs()
-    out = decoding._attention_sdpa(query, key, value, mask, 8 ** -0.5)
+    out = decoding.attention_sdpa(query, key, value, mask, 8 ** -0.5)
     torch.testing.assert_close(out.double(), _reference(query, key, value, mask, 8 ** -0.5), rtol=1e-6, atol=1e-6)
 
 
@@ -115,7 +115,7 @@ def test_a_failed_compile_decodes_with_sdpa_and_says_so(monkeypatch):
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr(torch, "compile", lambda fn, **options: no_compiler)  # as inductor fails without g++
-    kernel = kernels.CompiledKernel(decoding._attention, "decode attention", eager=decoding._attention_sdpa)
+    kernel = kernels.CompiledKernel(decoding.attention, "decode attention", eager=decoding.attention_sdpa)
     query, key, value, mask = _inputs()
     out = kernel(query, key, value, mask, 8 ** -0.5)
     assert kernels.fallbacks() == {"decode attention": "RuntimeError: no C++ compiler"}
@@ -168,7 +168,7 @@ def test_a_drop_fills_each_freed_slot_from_the_end_and_moves_only_those_rows(mon
     keys, values = torch.randn(6, 1, 3, 2), torch.randn(6, 1, 3, 2)
     buffered = decoding.buffered_layer_class()(_layer(keys, values), capacity=8)
     plain = _layer(keys.clone(), values.clone())
-    order = generation._compacted([0, 2, 3, 5])  # rows 1 and 4 stopped
+    order = generation.compacted([0, 2, 3, 5])  # rows 1 and 4 stopped
     assert order == [0, 5, 2, 3]  # slot 1 takes row 5; slot 4 is past the end
     moved = []
     setitem = torch.Tensor.__setitem__
@@ -189,7 +189,7 @@ def test_a_drop_fills_each_freed_slot_from_the_end_and_moves_only_those_rows(mon
 
 @pytest.mark.parametrize("keep", [[0, 1, 2], [1, 2, 3], [0, 3], [3], [0, 2, 4, 5, 6], []])
 def test_compacted_keeps_every_kept_row_once_and_moves_the_fewest(keep):
-    order = generation._compacted(keep)
+    order = generation.compacted(keep)
     assert sorted(order) == keep  # each kept row once
     stayed = [slot for slot, row in enumerate(order) if slot == row]
     assert len(order) - len(stayed) == sum(row >= len(keep) for row in keep)  # only rows from past the end move
@@ -217,7 +217,7 @@ def test_decoding_buffers_the_cache_and_restores_the_attention_implementation(mo
         assert applied and model.config._attn_implementation == decoding.DECODE_ATTENTION
         assert all(type(layer) is decoding.buffered_layer_class() for layer in cache.layers)
         # the cache under this transformers' own name for it (5.17 has no `cache` argument and would drop it)
-        model(input_ids=torch.tensor([[3], [4]]), use_cache=True, **{generation._cache_argument(model): cache})
+        model(input_ids=torch.tensor([[3], [4]]), use_cache=True, **{generation.cache_argument(model): cache})
     assert model.config._attn_implementation == "sdpa"
     assert decoding.KERNEL.compiled_calls == before + model.config.num_hidden_layers  # one call per layer
 

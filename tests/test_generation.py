@@ -65,8 +65,8 @@ def test_row_dropping_decoder_equals_generate_one_question_at_a_time(loaded, mon
     assert len({len(t) for t in expected[1]}) > 1  # rows end at different steps
 
     calls = []
-    original = generation._decode_dropping
-    monkeypatch.setattr(generation, "_decode_dropping", lambda *a: calls.append(1) or original(*a))
+    original = generation.decode_dropping
+    monkeypatch.setattr(generation, "decode_dropping", lambda *a: calls.append(1) or original(*a))
     monkeypatch.setattr(model, "generate", lambda *a, **k: pytest.fail("the fast path called generate"))
     compiled = decoding.KERNEL.compiled_calls
     with counting_tokens() as count:
@@ -83,7 +83,7 @@ def test_a_repetition_penalty_in_the_generation_config_is_applied(loaded, monkey
     model, formatter = loaded
     questions, new_tokens = QUESTIONS[:4], 10
     monkeypatch.setattr(model.generation_config, "repetition_penalty", 1.3)
-    monkeypatch.setattr(generation, "_decode_dropping", lambda *a: pytest.fail("fast path with a processor"))
+    monkeypatch.setattr(generation, "decode_dropping", lambda *a: pytest.fail("fast path with a processor"))
     texts, tokens = greedy_generate(model, formatter, questions, new_tokens, 2)
     expected = [greedy_by_hand(model, formatter, q, new_tokens, 1.3) for q in questions]
     assert tokens == expected
@@ -96,10 +96,10 @@ def test_on_cuda_generation_attends_without_cudnn_and_on_the_cpu_as_before():
     """cuDNN's attention plans every new shape, and decoding meets one at every step (58 to 86 ms a step on an H100
     against 24.7 ms without it, docs/results.md); the flags are back on exit; on the CPU nothing changes."""
     assert torch.backends.cuda.cudnn_sdp_enabled()
-    with generation._attention_backends(torch.device("cuda")):
+    with generation.attention_backends(torch.device("cuda")):
         assert not torch.backends.cuda.cudnn_sdp_enabled()
         assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
         assert torch.backends.cuda.math_sdp_enabled()
     assert torch.backends.cuda.cudnn_sdp_enabled()
-    with generation._attention_backends(torch.device("cpu")):
+    with generation.attention_backends(torch.device("cpu")):
         assert torch.backends.cuda.cudnn_sdp_enabled()

@@ -78,7 +78,7 @@ def _decode_attention() -> None:
     mask = torch.ones(2, 1, 1, 13, dtype=torch.bool)
     mask[0, ..., :4] = False
     compiled = decoding.KERNEL(query, key, value, mask, 8 ** -0.5)
-    torch.testing.assert_close(compiled, decoding._attention(query, key, value, mask, 8 ** -0.5),
+    torch.testing.assert_close(compiled, decoding.attention(query, key, value, mask, 8 ** -0.5),
                                rtol=1e-5, atol=1e-6)
 
 

@@ -14,7 +14,7 @@ from doplus_cli.data.formatting import IGNORE_INDEX, PromptFormatter
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation import openunlearning as ou
 from doplus_cli.evaluation.privacy import read_retain_logs
-from doplus_cli.evaluation.scoring import _token_stats, answer_token_stats
+from doplus_cli.evaluation.scoring import answer_token_stats, per_token_stats
 from tests.helpers import run_cli
 
 
@@ -43,7 +43,7 @@ def test_min_k_and_loss_and_zlib_by_hand():
 def test_min_k_plus_plus_on_fixed_log_probabilities():
     # three positions over a 2-token vocabulary: p = (0.5, 0.5) target 0; p = (0.8, 0.2) target 1; target 0
     log_probs = torch.tensor([[0.5, 0.5], [0.8, 0.2], [0.8, 0.2]], dtype=torch.float64).log()
-    stats = _token_stats(log_probs, [0, 1, 0])
+    stats = per_token_stats(log_probs, [0, 1, 0])
     # a two-point distribution: mu = sum p log p, s2 = p q (log p - log q)^2; z = (log p_x - mu) / s
     assert stats["means"] == pytest.approx([math.log(0.5), 0.8 * math.log(0.8) + 0.2 * math.log(0.2),
                                             0.8 * math.log(0.8) + 0.2 * math.log(0.2)])

@@ -63,9 +63,9 @@ def test_every_plain_linear_runs_packed_and_tied_weights_pack_once(monkeypatch):
     with torch.no_grad():
         before = model(ids).logits
     calls, packs = [], []
-    original_linear, original_pack = compute._packed_linear, compute._pack
-    monkeypatch.setattr(compute, "_packed_linear", lambda *a: calls.append(1) or original_linear(*a))
-    monkeypatch.setattr(compute, "_pack", lambda w, *a: packs.append(w) or original_pack(w, *a))
+    original_linear, original_pack = compute.packed_linear, compute.pack
+    monkeypatch.setattr(compute, "packed_linear", lambda *a: calls.append(1) or original_linear(*a))
+    monkeypatch.setattr(compute, "pack", lambda w, *a: packs.append(w) or original_pack(w, *a))
     linears = _linears(model)
     assert len(linears) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the output layer
     with packed_linears(model) as swapped, torch.no_grad():
@@ -89,8 +89,8 @@ def test_shared_weights_across_layers_are_packed_once(monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
     model[1].weight = model[0].weight
     packs = []
-    original = compute._pack
-    monkeypatch.setattr(compute, "_pack", lambda w, *a: packs.append(w) or original(w, *a))
+    original = compute.pack
+    monkeypatch.setattr(compute, "pack", lambda w, *a: packs.append(w) or original(w, *a))
     with packed_linears(model) as swapped:
         assert swapped == 2
     assert len(packs) == 1
@@ -110,8 +110,8 @@ def test_bfloat16_layers_run_packed_where_the_cpu_can_and_as_torchs_own_where_it
     x = torch.randn(5, 48).to(torch.bfloat16)
     reference = x.double() @ layer.weight.double().T
     calls = []
-    original_linear = compute._packed_linear
-    monkeypatch.setattr(compute, "_packed_linear", lambda *a: calls.append(1) or original_linear(*a))
+    original_linear = compute.packed_linear
+    monkeypatch.setattr(compute, "packed_linear", lambda *a: calls.append(1) or original_linear(*a))
     with packed_linears(model) as swapped, torch.no_grad():
         out = layer(x)
     if verdict is None:  # the packed path ran

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from doplus_cli.optim import DualOptimPlus, quant
-from doplus_cli.optim.kernels import _dequantize_blocks, _quantize_blocks
+from doplus_cli.optim.kernels import dequantize_blocks, quantize_blocks
 from tests.helpers import bnb_quantize, check_8bit_step_against_bitsandbytes, check_dualoptim_8bit_against_adamw8bit
 
 
@@ -25,9 +25,9 @@ def test_search_tables_reproduce_bitsandbytes_codes(signed):
     expected_codes, expected_absmax = bnb_quantize(x, signed)
     t = quant.search_tables(signed, "cpu")
     full = (t.bucket_start, t.thresholds, t.skip, t.fixup_steps, t.bucket_threshold, t.bucket_codes)
-    codes, absmax = _quantize_blocks(x.view(-1, 256), full)
+    codes, absmax = quantize_blocks(x.view(-1, 256), full)
     # the generic path (a fix-up loop over runs of equal thresholds) must agree with the one-threshold path
-    generic = _quantize_blocks(x.view(-1, 256), full[:3] + (t.fixup_steps + 1,) + full[4:])[0]
+    generic = quantize_blocks(x.view(-1, 256), full[:3] + (t.fixup_steps + 1,) + full[4:])[0]
     assert torch.equal(generic, codes)
     assert torch.equal(absmax, expected_absmax)
     assert torch.equal(codes.view(-1), expected_codes)
@@ -35,7 +35,7 @@ def test_search_tables_reproduce_bitsandbytes_codes(signed):
     expected = bnbf.dequantize_blockwise(
         expected_codes, absmax=expected_absmax, code=quant.code_map(signed, "cpu"), blocksize=256
     )
-    assert torch.equal(_dequantize_blocks(codes, absmax, quant.code_map(signed, "cpu")).view(-1), expected)
+    assert torch.equal(dequantize_blocks(codes, absmax, quant.code_map(signed, "cpu")).view(-1), expected)
 
 
 def test_thresholds_are_sorted_and_bracket_the_map():
@@ -47,7 +47,7 @@ def test_thresholds_are_sorted_and_bracket_the_map():
         # a code's own value quantises to itself
         t = quant.search_tables(signed, "cpu")
         full = (t.bucket_start, t.thresholds, t.skip, t.fixup_steps, t.bucket_threshold, t.bucket_codes)
-        own = _quantize_blocks(code.view(1, 256), full)[0].view(-1)
+        own = quantize_blocks(code.view(1, 256), full)[0].view(-1)
         bnb_own, _ = bnb_quantize(code, signed)
         assert torch.equal(own, bnb_own)
 

@@ -163,12 +163,12 @@ def test_a_lora_adapter_gets_a_peft_card(tiny_llama, data, tmp_path):
 def test_hub_sources_become_base_model_and_datasets():
     from huggingface_hub.utils import validate_repo_id
 
-    from doplus_cli.engine.model_card import EMBEDDED_HUB_ID, _hub_dataset, base_model
+    from doplus_cli.engine.model_card import EMBEDDED_HUB_ID, base_model, hub_dataset
 
     assert base_model({"config": {"model": None}}) == EMBEDDED_HUB_ID
     assert base_model({"config": {"model": "locuslab/tofu_ft_llama2-7b"}}) == "locuslab/tofu_ft_llama2-7b"
     validate_repo_id(EMBEDDED_HUB_ID)
-    assert _hub_dataset("hf:locuslab/TOFU:forget10@train") == "locuslab/TOFU"
+    assert hub_dataset("hf:locuslab/TOFU:forget10@train") == "locuslab/TOFU"
 
 
 @pytest.mark.processes

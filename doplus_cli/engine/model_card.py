@@ -79,7 +79,7 @@ def data_entries(objectives: Sequence[Any]) -> list[dict[str, Any]]:
     return entries
 
 
-def _hub_dataset(spec: str) -> str:
+def hub_dataset(spec: str) -> str:
     from doplus_cli.data.sources import parse_hub_spec
 
     return parse_hub_spec(spec)[0]
@@ -153,7 +153,7 @@ def render_model_card(report: dict[str, Any], objectives: Sequence[Any], command
         metadata["base_model"] = base
     metadata["library_name"] = "peft" if adapter else "transformers"
     metadata["tags"] = ["unlearning", "dualoptim-plus", f"doplus-{command}"] + (["lora"] if report.get("lora") else [])
-    hub_sets = sorted({_hub_dataset(e["source"]) for e in entries if e["hub"]})
+    hub_sets = sorted({hub_dataset(e["source"]) for e in entries if e["hub"]})
     if hub_sets:
         metadata["datasets"] = hub_sets
     line, recipe_only = command_line(command, cfg, env.get("world_size", 1))

@@ -81,7 +81,7 @@ def _probe_packing(dtype: torch.dtype) -> str | None:
     try:
         with torch.no_grad():
             weight = torch.ones(8, 16, dtype=dtype)
-            out = _packed_linear(_pack(weight, 4), None, torch.ones(4, 16, dtype=dtype))
+            out = packed_linear(pack(weight, 4), None, torch.ones(4, 16, dtype=dtype))
     except (RuntimeError, NotImplementedError) as error:
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
         return f"oneDNN's {name} packed linear cannot run on this CPU ({first_line})"
@@ -112,12 +112,12 @@ def linear_kernel(model: torch.nn.Module | None) -> dict[str, str | None] | None
             "reason": reason}
 
 
-def _pack(weight: torch.Tensor, rows: int = 64) -> torch.Tensor:
+def pack(weight: torch.Tensor, rows: int = 64) -> torch.Tensor:
     """The weight reordered once for oneDNN (the row count is a hint; any number of rows runs)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
 
 
-def _packed_linear(packed: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+def packed_linear(packed: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -142,10 +142,10 @@ def packed_linears(model: torch.nn.Module | None) -> Iterator[int]:
                 continue
             weight = module.weight
             if id(weight) not in seen:
-                seen[id(weight)] = _pack(weight)
+                seen[id(weight)] = pack(weight)
             packed = seen[id(weight)]
             bias = module.bias.detach() if module.bias is not None else None
-            module.forward = lambda x, packed=packed, bias=bias: _packed_linear(packed, bias, x)
+            module.forward = lambda x, packed=packed, bias=bias: packed_linear(packed, bias, x)
             swapped.append(module)
     try:
         yield len(swapped)
@@ -166,8 +166,8 @@ def matmul_gflops(dtype: torch.dtype = torch.float32, device: str | torch.device
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     kernels = {"matmul": lambda: a @ b}
     if torch.device(device).type == "cpu" and dtype in PACKED_DTYPES and packing_blocked(dtype) is None:
-        packed = _pack(b.t().contiguous(), size)
-        kernels[ONEDNN_KERNEL] = lambda: _packed_linear(packed, None, a)
+        packed = pack(b.t().contiguous(), size)
+        kernels[ONEDNN_KERNEL] = lambda: packed_linear(packed, None, a)
     rates = {}
     for name, product in kernels.items():
         product()

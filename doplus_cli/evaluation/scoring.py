@@ -450,7 +450,7 @@ def _score_chunk(model, formatter: PromptFormatter, chunk: list[_Job], batch_siz
         if token_stats:
             vocab = torch.cat([first_log_probs[index][:, None], log_probs], dim=1)  # [rows, width, V]
             for r, (row, position, answer) in enumerate(part):
-                result[chunk[row].question][position] = _token_stats(vocab[r, :len(answer)], answer)
+                result[chunk[row].question][position] = per_token_stats(vocab[r, :len(answer)], answer)
             continue
         first = first_log_probs[index].gather(-1, ids[:, :1]).squeeze(-1)
         rest = log_probs.gather(-1, ids[:, 1:, None]).squeeze(-1) * mask[:, 1:]
@@ -460,7 +460,7 @@ def _score_chunk(model, formatter: PromptFormatter, chunk: list[_Job], batch_siz
             result[chunk[row].question][position] = value
 
 
-def _token_stats(log_probs: torch.Tensor, answer: list[int]) -> dict[str, list]:
+def per_token_stats(log_probs: torch.Tensor, answer: list[int]) -> dict[str, list]:
     """Per answer token t: log p(x_t), mu_t = sum_v p(v) log p(v), s2_t = sum_v p(v) log^2 p(v) - mu_t^2, and the
     greedy prediction argmax_v p(v) (float64 arithmetic)."""
     log_probs = log_probs.double()
@@ -477,7 +477,7 @@ def _token_stats(log_probs: torch.Tensor, answer: list[int]) -> dict[str, list]:
 def answer_token_stats(
     model: torch.nn.Module, formatter: PromptFormatter, pairs: Sequence[tuple[str, str]], batch_size: int = 16,
 ) -> list[dict[str, list]]:
-    """For each (question, answer): its scored tokens' statistics (see `_token_stats`) and `text`, the scored
+    """For each (question, answer): its scored tokens' statistics (see `per_token_stats`) and `text`, the scored
     tokens decoded without special tokens, from the prompt's cache as in `shared_prefix_nlls`. A pair whose
     prompt `encode` truncates is scored with the truncated prompt as its own prefix."""
     was_training = model.training

@@ -463,12 +463,12 @@ def muon_plus_reference(
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _dequantize_blocks(codes: Tensor, absmax: Tensor, code_map: Tensor) -> Tensor:
+def dequantize_blocks(codes: Tensor, absmax: Tensor, code_map: Tensor) -> Tensor:
     """[blocks, 256] uint8 → float32, as bitsandbytes: code[A[i]] · absmax[block]."""
     return code_map[codes.long()] * absmax.unsqueeze(1)
 
 
-def _quantize_blocks(x: Tensor, tables: tuple) -> tuple[Tensor, Tensor]:
+def quantize_blocks(x: Tensor, tables: tuple) -> tuple[Tensor, Tensor]:
     """[blocks, 256] float32 → (uint8 codes, absmax); code = #{thresholds ≤ x·(1/absmax)} (see quant.py)."""
     bucket_start, thresholds, skip, fixup_steps, bucket_threshold, bucket_codes = tables
     absmax = x.abs().amax(dim=1)
@@ -501,7 +501,7 @@ def _adamw_plus_8bit_inplace(
     """
     which = (0, 1, 0, 0)
     values = [
-        state[0] if len(state) == 1 else _dequantize_blocks(state[0], state[1], maps[which[i]])
+        state[0] if len(state) == 1 else dequantize_blocks(state[0], state[1], maps[which[i]])
         for i, state in enumerate(states)
     ]
     theta, *new_values, ratio, floored, clamped = _adamw_plus_math(
@@ -511,7 +511,7 @@ def _adamw_plus_8bit_inplace(
         if len(state) == 1:
             state[0].copy_(value)
         else:
-            codes, absmax = _quantize_blocks(value, tables[which[i]])
+            codes, absmax = quantize_blocks(value, tables[which[i]])
             state[0].copy_(codes)
             state[1].copy_(absmax)
     return ratio.amax(), (ratio > BIG_UPDATE).sum(), floored.sum(), clamped.sum()
