@@ -7,7 +7,7 @@ registers its tasks, and `runner.evaluate_model` loops over the chosen ones.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,7 +59,6 @@ class EvalConfig:
     attacks: tuple[str, ...] = ()  # the forget suites run again on attacked copies (evaluation/attacks.py)
     relearn_data: str | None = None  # relearning attacks: (question, answer) rows; None: half the forget rows
     relearn_steps: tuple[int, ...] = (50,)  # relearning attacks: K, one relearned copy per value
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
