@@ -579,7 +579,6 @@ def main(argv: list[str] | None = None) -> None:
     _quiet_libraries()
     argv = _resume_defaults_to_latest(list(sys.argv[1:] if argv is None else argv))
     _argv["value"] = argv
-    lifecycle.set_command_line(argv)  # what a stopped run names to continue it
     try:
         code = app(args=argv, standalone_mode=False)
     except NoArgsIsHelpError as error:
@@ -596,8 +595,9 @@ def main(argv: list[str] | None = None) -> None:
     except (UserError, lifecycle.Stopped) as error:
         if _debug["on"] and not isinstance(error, lifecycle.Stopped):
             raise
-        if not quiet_worker():
-            err_console.print(Text("error: ", style="bold red") + Text(str(error)))
+        if not quiet_worker():  # a stopped run's line ends with the command, these arguments, that continues it
+            line = error.continued(argv) if isinstance(error, lifecycle.Resumable) else str(error)
+            err_console.print(Text("error: ", style="bold red") + Text(line))
         sys.exit(worker_exit_code(error.exit_code))
     except OSError as error:  # a place no check named before (an unwritable --out's parent, say): still one line
         if _debug["on"] or not error.filename:

@@ -21,10 +21,9 @@ import os
 import shlex
 import signal
 import socket
-import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -50,32 +49,39 @@ class FolderInUse(UserError):
     """Another run holds the folder: one line naming it, exit code 2."""
 
 
-class Stopped(BaseException):
+class Resumable:
+    """What an error that a signal ends a command with knows about continuing it: its one line, and with
+    `continued(command_line)` the command that continues it, built from the arguments the command was invoked with.
+    The CLI gives its own; a library caller that has no command line says the line without it (`str`), so no hint
+    ever names another process's arguments."""
+
+    lead = "continue with"  # the words before the command
+    processes = 1  # the command continues on this many processes (`--num-processes`)
+
+    def continued(self, command_line: Sequence[str] | None) -> str:
+        if command_line is None:
+            return str(self)
+        return f"{self}; {self.lead}: {resume_command(command_line, self.processes)}"
+
+
+class Stopped(Resumable, BaseException):
     """SIGTERM or SIGINT before anything needed a checkpoint: the command ends at once with 128 + the signal's
     number. A BaseException, so that no `except Exception` on the way (a judge that may fail to load) takes it for
     an ordinary failure and carries on."""
 
     def __init__(self, number: int, stage: str | None) -> None:
         during = f" while {stage}" if stage else ""
+        super().__init__(f"stopped by {signal.Signals(number).name}{during}; nothing was lost")
         # a worker of `--num-processes N` (its launcher left it the exit file): the command takes N again
-        processes = int(os.environ.get("WORLD_SIZE", "1")) if os.environ.get(EXIT_FILE_VARIABLE) else 1
-        super().__init__(f"stopped by {signal.Signals(number).name}{during}; nothing was lost; continue with: "
-                         f"{resume_command(processes)}")
+        self.processes = int(os.environ.get("WORLD_SIZE", "1")) if os.environ.get(EXIT_FILE_VARIABLE) else 1
         self.exit_code = 128 + number
 
 
-_COMMAND_LINE: list[list[str]] = []  # the arguments `doplus` parsed, when it was given them (cli.main)
-
-
-def set_command_line(argv: list[str]) -> None:
-    _COMMAND_LINE[:] = [list(argv)]
-
-
-def resume_command(processes: int = 1) -> str:
-    """The command line that continues this one: the same arguments with `--resume`, without `--overwrite` (a
-    bench continues by itself: the same arguments)."""
-    given = _COMMAND_LINE[0] if _COMMAND_LINE else sys.argv[1:]
-    argv = [str(a) for a in given if a != "--overwrite"]
+def resume_command(command_line: Sequence[str], processes: int = 1) -> str:
+    """The command line that continues `doplus ARGS` (`command_line`: ARGS): the same arguments with `--resume`,
+    without `--overwrite`, with `--num-processes` when it ran on several (a bench continues by itself: the same
+    arguments)."""
+    argv = [str(a) for a in command_line if a != "--overwrite"]
     if next((a for a in argv if not a.startswith("-")), None) == "bench":
         return "doplus " + " ".join(shlex.quote(a) for a in argv)
     if "--resume" not in argv:

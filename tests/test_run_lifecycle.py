@@ -94,6 +94,29 @@ def test_sigterm_before_training_stops_at_once_and_resume_is_bit_identical(tiny_
     assert (out / "data" / "forget.jsonl").read_text() == (uninterrupted / "data" / "forget.jsonl").read_text()
 
 
+def test_a_sigterm_names_the_command_line_it_is_given_never_the_process_arguments(monkeypatch):
+    """A library caller's stop says no command (this process's own arguments are pytest's); the CLI's names the
+    arguments it was invoked with: `--overwrite` dropped, `--resume` and the processes added, a bench's unchanged."""
+    monkeypatch.setattr(sys, "argv", ["another-program", "--its-own", "arguments"])
+    with pytest.raises(lifecycle.Stopped) as stopped:
+        with lifecycle.run_guard():
+            lifecycle.stage("loading the model")
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # the handler raises here
+    error, line = stopped.value, "stopped by SIGTERM while loading the model; nothing was lost"
+    assert str(error) == error.continued(None) == line and error.exit_code == 128 + 15
+    assert error.continued(["unlearn", "--out", "a b", "--overwrite"]) == (
+        f"{line}; continue with: doplus unlearn --out 'a b' --resume")
+    assert error.continued(["bench", "schemes", "--out", "b"]) == f"{line}; continue with: doplus bench schemes --out b"
+    stop = lifecycle.StopRequest()
+    stop.signal_name, stop.signal_number = "SIGINT", 2
+    interrupted = loop.RunInterrupted(stop, 3, "out/checkpoints/step-3", processes=2)
+    assert str(interrupted) == "stopped by SIGINT after step 3; checkpoint out/checkpoints/step-3"
+    assert interrupted.continued(["unlearn", "--out", "out", "--resume"]) == (
+        f"{interrupted}; resume with: doplus unlearn --out out --resume --num-processes 2")
+    assert interrupted.exit_code == 130
+
+
 @pytest.mark.parametrize("command", ["align", "multitask"])
 def test_align_and_multitask_stopped_before_training_resume_bit_identically(tiny_llama, tmp_path, monkeypatch,
                                                                             capsys, command):

@@ -586,12 +586,15 @@ def _add_compensation(model: torch.nn.Module, optimizer) -> None:
                 param.add_(buffers[param].to(param.dtype))
 
 
-class RunInterrupted(UserError):
-    """SIGTERM or Ctrl-C: a checkpoint was written; say how to resume. Exit code 128 + signal number."""
+class RunInterrupted(lifecycle.Resumable, UserError):
+    """SIGTERM or Ctrl-C: a checkpoint was written; `continued(command_line)` says how to resume. Exit code 128 +
+    signal number."""
+
+    lead = "resume with"
 
     def __init__(self, stop: StopRequest, step: int, path: Path | None, processes: int = 1) -> None:
-        super().__init__(f"stopped by {stop.signal_name} after step {step}; checkpoint {path}; resume with: "
-                         f"{lifecycle.resume_command(processes)}")
+        super().__init__(f"stopped by {stop.signal_name} after step {step}; checkpoint {path}")
+        self.processes = processes
         self.exit_code = 128 + stop.signal_number
 
 
