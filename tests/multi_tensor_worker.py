@@ -173,7 +173,7 @@ def main(out: str) -> None:
     runs["misaligned"] = misaligned_run()
     runs["functional"] = functional_run()
     runs["adam_stats"] = adam_stats_run()
-    runs["fallback_reason"] = multi_tensor.COUNTERS.fallback_reason
+    runs["fallback_reason"] = multi_tensor.fallbacks().get(multi_tensor.NAME)
     torch.save(runs, out)
 
 

@@ -120,7 +120,7 @@ def test_multi_tensor_kernel_is_one_launch_per_step_and_equals_the_per_tensor_ke
         assert a["max_update"] == pytest.approx(b["max_update"], rel=1e-4)
     assert multi_tensor.COUNTERS.launches - launches == len(steps)  # one launch per step ...
     assert multi_tensor.COUNTERS.tensors - tensors == len(steps) * len(shapes)  # ... over every tensor
-    assert multi_tensor.COUNTERS.fallback_reason is None
+    assert multi_tensor.fallbacks() == {}
     # Both are Triton code with multiply-adds contracted, each its own way: the last bits differ (as the
     # per-tensor kernel and the eager path do, above); a rule error would move a weight by lr (1e-2).
     for p, q, first in zip(params, twins, start):

@@ -11,6 +11,7 @@ list of kernels is checked whole, so a new kernel without a test here fails.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import logging
@@ -156,14 +157,14 @@ def test_the_report_says_when_the_multi_tensor_kernel_fell_back(monkeypatch, tmp
     logged once, in the report's environment, and raised under $DOPLUS_REQUIRE_COMPILED=1."""
     from doplus_cli.optim import multi_tensor
 
+    kernel = multi_tensor.MultiTensorKernel()
     with pytest.raises(RuntimeError, match="no ptxas"):
-        multi_tensor.disable(RuntimeError("no ptxas"))
-    assert multi_tensor.COUNTERS.fallback_reason is None
+        kernel.failed(RuntimeError("no ptxas"))
+    assert kernel.fallback_reason is None and multi_tensor.fallbacks() == {}
     monkeypatch.delenv(kernels.REQUIRE_COMPILED_ENV)
-    monkeypatch.setattr(multi_tensor, "COUNTERS", multi_tensor.Counters())
     with caplog.at_level(logging.WARNING, logger="doplus_cli.optim.multi_tensor"):
-        multi_tensor.disable(RuntimeError("no ptxas\nmore lines"))
-    assert not multi_tensor.available(torch.device("cuda"))  # from now on the per-tensor path
+        kernel.failed(RuntimeError("no ptxas\nmore lines"))
+    assert not kernel.available(torch.device("cuda"))  # from now on the per-tensor path
     assert multi_tensor.fallbacks() == {multi_tensor.NAME: "RuntimeError: no ptxas"} and kernels.fallbacks() == {}
     env = outputs.environment(torch.device("cpu"), 1, 2, 0, "float32")
     outputs.write_report(tmp_path, {"environment": env}, render=lambda r: "\n".join(outputs.environment_lines(
@@ -171,3 +172,87 @@ def test_the_report_says_when_the_multi_tensor_kernel_fell_back(monkeypatch, tmp
     said = [line for line in (tmp_path / "report.md").read_text().splitlines() if "multi-tensor" in line]
     assert len(said) == 1 and "the per-tensor kernels ran" in said[0] and "eager" not in said[0]
     assert len([r for r in caplog.records if r.name == "doplus_cli.optim.multi_tensor"]) == 1
+    del kernel
+    gc.collect()
+    assert multi_tensor.fallbacks() == {}  # a record leaves with its optimizer: the next run's report is clean
+
+
+def test_two_kernel_objects_keep_separate_failure_records(monkeypatch):
+    """One kernel whose compile failed runs its eager code from then on; another kernel of the same function in
+    the same process compiles and runs compiled. torch.compile is a stand-in here whose first compile fails (a
+    compiler missing for a moment, say), so the test costs no real compile."""
+    monkeypatch.setattr(kernels, "KERNELS", [])
+    monkeypatch.delenv(kernels.REQUIRE_COMPILED_ENV)
+    compiles = []
+
+    def compile_stand_in(fn, **options):
+        compiles.append(fn)
+        if len(compiles) == 1:
+            def broken(*args):
+                raise RuntimeError("no C++ compiler")
+            return broken
+        return fn
+
+    monkeypatch.setattr(torch, "compile", compile_stand_in)
+    first, second = (kernels.CompiledKernel(_doubles, name) for name in ("first", "second"))
+    for _ in range(2):
+        for kernel in (first, second):
+            assert torch.equal(kernel(torch.ones(3)), torch.full((3,), 2.0))
+    assert compiles == [_doubles, _doubles]  # each kernel compiled once; the failed one never again
+    assert (first.fallback_reason, first.compiled_calls) == ("RuntimeError: no C++ compiler", 0)
+    assert (second.fallback_reason, second.compiled_calls) == (None, 2)
+    assert kernels.fallbacks() == {"first": "RuntimeError: no C++ compiler"}
+
+
+def _doubles(x):
+    return x * 2
+
+
+def test_two_optimizers_keep_separate_multi_tensor_failure_records(monkeypatch):
+    """An optimizer whose multi-tensor launch failed takes the per-tensor path from then on (and its numbers
+    are the reference's); another optimizer in the same process tries the kernel again. The launch is a
+    stand-in that fails (no GPU here), made available on the CPU."""
+    from doplus_cli.optim import dualoptim_plus, multi_tensor
+
+    monkeypatch.delenv(kernels.REQUIRE_COMPILED_ENV)
+    monkeypatch.setattr(multi_tensor, "available", lambda device: True)
+    launches = []
+
+    def failing_launch(entries, rows, hp, compensated):
+        launches.append(len(entries))
+        raise RuntimeError(f"launch {len(launches)} failed")
+
+    monkeypatch.setattr(multi_tensor, "launch", failing_launch)
+
+    def problem():
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(64)) for _ in range(2)]
+
+    def step(opt, params, objective):
+        for i, param in enumerate(params):
+            param.grad = torch.full_like(param, 0.1 * (i + 1)) * (1 if objective == "forget" else -1)
+        opt.step(objective=objective)
+
+    first, second, reference = problem(), problem(), problem()
+    opt_first, opt_second = DualOptimPlus(first, lr=1e-2), DualOptimPlus(second, lr=1e-2)
+    opt_reference = DualOptimPlus(reference, lr=1e-2, fused=False)
+    for objective in ("forget", "retain", "forget"):
+        step(opt_first, first, objective)
+        step(opt_reference, reference, objective)
+    assert launches == [2]  # one failed launch over both tensors, then the per-tensor path
+    assert opt_first.multi_tensor_kernel.fallback_reason == "RuntimeError: launch 1 failed"
+    for a, b in zip(first, reference, strict=True):
+        assert torch.equal(a, b)  # small tensors: the per-tensor path is the reference rule
+    assert opt_second.multi_tensor_kernel.fallback_reason is None  # untouched by the other optimizer's failure
+    step(opt_second, second, "forget")
+    assert launches == [2, 2]  # it tried the kernel itself
+    assert multi_tensor.fallbacks() == {multi_tensor.NAME: "RuntimeError: launch 1 failed; RuntimeError: launch 2 "
+                                                           "failed"}
+    state = [{"step": torch.tensor(0.0), "exp_avg": torch.zeros(64), "exp_avg_sq": torch.zeros(64)}]
+    delta = [dict(step=torch.tensor(0.0), exp_avg=torch.zeros(64), exp_avg_sq=torch.zeros(64))]
+    report = dualoptim_plus([first[0].detach()], [torch.ones(64)], state, delta, lr=1e-2, betas=(0.9, 0.95),
+                            eps=1e-8, weight_decay=0.0, multi_tensor_kernel=opt_first.multi_tensor_kernel)
+    assert report.implementation == "compiled" and launches == [2, 2]  # its record, kept across calls
+    del opt_first, opt_second
+    gc.collect()
+    assert multi_tensor.fallbacks() == {}  # the records leave with their optimizers

@@ -32,6 +32,7 @@ from doplus_cli.optim import DualOptim, DualOptimPlus, FedCM, LocalAdam, Scaffol
 from doplus_cli.optim.adamw import AdamW
 from doplus_cli.optim.diagnostics import adamw_step_stats, reduce_step_stats
 from doplus_cli.optim.distributed import local_shard
+from doplus_cli.optim.multi_tensor import MultiTensorKernel
 from doplus_cli.registry import Registry
 
 
@@ -45,6 +46,8 @@ class SharedState:
     def __init__(self, inner: Optimizer, lr_multipliers: dict[str, float] | None = None) -> None:
         self.inner = inner
         self.lr_multipliers = dict(lr_multipliers or {})
+        # the step diagnostics' multi-tensor launches: after a failed one, this optimizer's go per tensor
+        self.multi_tensor_kernel = MultiTensorKernel()
 
     @property
     def param_groups(self) -> list[dict]:
@@ -71,7 +74,8 @@ class SharedState:
     def step_diagnostics(self) -> dict[str, float]:
         if hasattr(self.inner, "step_diagnostics"):  # doplus's AdamW measures the step inside its kernel
             return self.inner.step_diagnostics()
-        return reduce_step_stats(adamw_step_stats(self.inner, getattr(self, "_last_multiplier", 1.0)))
+        return reduce_step_stats(adamw_step_stats(self.inner, getattr(self, "_last_multiplier", 1.0),
+                                                  kernel=self.multi_tensor_kernel))
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()

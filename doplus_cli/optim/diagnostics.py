@@ -64,15 +64,19 @@ def _bnb_moment(state: dict, index: int) -> Tensor:
     )
 
 
-def adamw_step_stats(optimizer: torch.optim.Optimizer, lr_scale: float = 1.0, multi_tensor: bool | None = None
-                     ) -> list[tuple[Tensor, Tensor]]:
+def adamw_step_stats(optimizer: torch.optim.Optimizer, lr_scale: float = 1.0, multi_tensor: bool | None = None,
+                     kernel: mt.MultiTensorKernel | None = None) -> list[tuple[Tensor, Tensor]]:
     """Per-tensor diagnostics of the step `optimizer` (torch AdamW or bitsandbytes AdamW8bit) just took.
 
     `multi_tensor`: float32 moments go through one Triton launch per device and weight dtype
     (`multi_tensor.adam_stats`) instead of one compiled call per tensor: None on CUDA with Triton, True also on
     CPU tensors (Triton's interpreter, for tests), False never. On an H200 a compiled call costs ~0.2 ms of host
     time (measured for the DualOptim+ update kernel), an estimated 50 ms of the 133 ms Alternate step of a 135M
-    model's 272 tensors."""
+    model's 272 tensors.
+
+    `kernel`: the caller's record of a failed launch, kept across its steps (after one, None takes the per-tensor
+    path); None: a record for this call alone."""
+    kernel = kernel or mt.MultiTensorKernel()
     stats = []
     batches: dict[tuple, tuple[list, list]] = {}  # (device, weight dtype) → (θ, m, v) entries, their rows
     rows: dict[tuple, int] = {}
@@ -87,7 +91,7 @@ def adamw_step_stats(optimizer: torch.optim.Optimizer, lr_scale: float = 1.0, mu
         else:
             m, v = _bnb_moment(state, 1), _bnb_moment(state, 2)
         theta = param.detach()
-        use = multi_tensor is not False and (multi_tensor is True or mt.available(theta.device))
+        use = multi_tensor is not False and (multi_tensor is True or kernel.available(theta.device))
         if use and mt.stats_eligible(theta, m, v):
             row = _scalar_row(rows, scalars, group, step, lr)
             entries, entry_rows = batches.setdefault((theta.device, theta.dtype), ([], []))
@@ -100,7 +104,7 @@ def adamw_step_stats(optimizer: torch.optim.Optimizer, lr_scale: float = 1.0, mu
         try:
             stats.append(mt.adam_stats(entries, entry_rows, hp))
         except Exception as error:  # noqa: BLE001 - a compiler or driver error: stay correct, say so once
-            mt.disable(error)
+            kernel.failed(error)
             stats.extend(_adam_ratio_stats(t.reshape(-1).float(), m.reshape(-1), v.reshape(-1), hp[row])
                          for (t, m, v), row in zip(entries, entry_rows))
     return stats

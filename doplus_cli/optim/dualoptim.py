@@ -30,6 +30,7 @@ from doplus_cli.optim.checks import (
     step_arguments,
 )
 from doplus_cli.optim.diagnostics import adamw_step_stats, reduce_step_stats
+from doplus_cli.optim.multi_tensor import MultiTensorKernel
 
 _SYNCED_KEYS = ("lr", "betas", "eps", "weight_decay")
 
@@ -86,6 +87,8 @@ class DualOptim(Optimizer):
             )
         self.fused = fused
         self.inner: dict[str, Optimizer] = {name: self._make_inner() for name in self.objectives}
+        # the step diagnostics' multi-tensor launches: after a failed one, this optimizer's go per tensor
+        self.multi_tensor_kernel = MultiTensorKernel()
 
     def _make_inner(self) -> Optimizer:
         groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": group["params"]}
@@ -133,7 +136,7 @@ class DualOptim(Optimizer):
         last = getattr(self, "_last_objective", None)
         if last and hasattr(self.inner[last], "step_diagnostics"):  # doplus's AdamW measures it in its kernel
             return self.inner[last].step_diagnostics()
-        return reduce_step_stats(adamw_step_stats(self.inner[last]) if last else [])
+        return reduce_step_stats(adamw_step_stats(self.inner[last], kernel=self.multi_tensor_kernel) if last else [])
 
     @property
     def state(self) -> defaultdict:

@@ -54,7 +54,7 @@ from doplus_cli.optim.kernels import (
     adamw_plus_reference,
     muon_plus_reference,
 )
-from doplus_cli.optim.multi_tensor import triton_installed
+from doplus_cli.optim.multi_tensor import MultiTensorKernel, triton_installed
 
 INNER_OPTIMIZERS = ("adamw", "muon")
 RULES = ("safeguarded", "paper")
@@ -99,7 +99,8 @@ class DualOptimPlus(Optimizer):
         multi_tensor: update every eligible tensor of a step (float32 states, `multi_tensor.eligible`) in one
             Triton kernel launch (`multi_tensor.py`): None on CUDA when Triton is installed, True also on
             CPU tensors through Triton's interpreter (for tests; slow), False never. Ignored with
-            ``fused=False``.
+            ``fused=False``. After a failed launch this optimizer takes the per-tensor path (its
+            ``multi_tensor_kernel`` says why); another optimizer tries the kernel again.
         ns_coefficients, ns_steps, ns_eps, adjust_lr_fn: Muon's Newton–Schulz settings, as `torch.optim.Muon`.
     """
 
@@ -164,6 +165,8 @@ class DualOptimPlus(Optimizer):
             raise ValueError("multi_tensor=True needs Triton (pip install triton)")
         self.fused = fused
         self.multi_tensor = multi_tensor
+        # this optimizer's record of a failed multi-tensor launch: after one it takes the per-tensor path
+        self.multi_tensor_kernel = MultiTensorKernel()
         self.compensated = compensated
         # per tensor: (largest |Δθ|/η, count above 10η[, count floored, count clamped]) of the last step
         self._step_stats: list[tuple[Tensor, ...]] = []
@@ -266,7 +269,7 @@ class DualOptimPlus(Optimizer):
                 else:
                     entries.append((local, grad, state, delta, compensation, template))
         if entries:
-            report = _dualoptim_plus(entries, self.multi_tensor, self.fused)
+            report = _dualoptim_plus(entries, self.multi_tensor, self.fused, self.multi_tensor_kernel)
             self._rule_elements = sum(entry[0].numel() for entry in entries)
             self._step_stats.extend(report.stats)
             self._safeguard_counted = report.safeguard_counted
@@ -380,6 +383,7 @@ def dualoptim_plus(
     base_source: str = "grad",
     foreach: bool | None = None,
     fused: bool | None = None,
+    multi_tensor_kernel: MultiTensorKernel | None = None,
 ) -> UpdateReport:
     """One DualOptim+ AdamW step (Algorithm 1; the safeguard of `kernels.py`) of one param group's `params` with
     `grads`: the functional form of `DualOptimPlus`, as `torch.optim.adamw.adamw` is AdamW's. `DualOptimPlus.step`
@@ -402,6 +406,9 @@ def dualoptim_plus(
     * ``"compiled"`` (otherwise): the compiled one-pass kernels per tensor, every contiguous tensor with
       ``fused=True``; with ``fused=None`` those of `FUSED_MIN_NUMEL` elements or more, and the reference below,
       where the kernel's fixed cost exceeds the work.
+
+    ``multi_tensor_kernel`` keeps the record of a failed multi-tensor launch across calls (`DualOptimPlus` holds
+    one for its life): after a failure those calls take the compiled path. None: a record for this call alone.
     """
     n = len(params)
     if not len(grads) == len(states) == len(deltas) == n or (compensations is not None and len(compensations) != n):
@@ -417,23 +424,25 @@ def dualoptim_plus(
         base_update=base_update, base_source=base_source,
     )
     return _dualoptim_plus([(*tensors, template) for tensors in zip(params, grads, states, deltas, compensations)],
-                           foreach, fused)
+                           foreach, fused, multi_tensor_kernel or MultiTensorKernel())
 
 
-def _dualoptim_plus(entries: list[tuple], foreach: bool | None, fused: bool | None) -> UpdateReport:
+def _dualoptim_plus(entries: list[tuple], foreach: bool | None, fused: bool | None,
+                    kernel: MultiTensorKernel) -> UpdateReport:
     """`dualoptim_plus` over entries (param, grad, state, delta, compensation, scalars without the steps), whose
     scalars may differ: `DualOptimPlus.step` hands every param group's tensors to one call, so the multi-tensor
     kernel updates all groups in one launch."""
     params = [entry[0] for entry in entries]
-    implementation = _choose_implementation(params, all(entry[5].default_base for entry in entries), foreach, fused)
+    implementation = _choose_implementation(params, all(entry[5].default_base for entry in entries), foreach, fused,
+                                            kernel)
     if implementation == "multi_tensor":
-        stats, counted = _multi_tensor_dualoptim_plus(entries, fused)
+        stats, counted = _multi_tensor_dualoptim_plus(entries, fused, kernel)
         return UpdateReport(implementation, stats, counted)
     return UpdateReport(implementation, _single_tensor_dualoptim_plus(entries, fused), True)
 
 
 def _choose_implementation(params: Sequence[Tensor], default_base: bool, foreach: bool | None,
-                           fused: bool | None) -> str:
+                           fused: bool | None, kernel: MultiTensorKernel) -> str:
     if not default_base:  # the ablations have the eager rule only
         if fused is True or foreach is True:
             raise ValueError("base_update and base_source other than the rule's run on the AdamW rule's eager "
@@ -443,8 +452,10 @@ def _choose_implementation(params: Sequence[Tensor], default_base: bool, foreach
         return "reference"
     if foreach is True and not triton_installed():
         raise ValueError("foreach=True (the multi-tensor kernel) needs Triton (pip install triton)")
+    if kernel.fallback_reason is not None:  # its launch failed before: the per-tensor kernels from then on
+        return "compiled"
     if foreach is None:
-        foreach = bool(params) and all(multi_tensor.available(p.device) for p in params)
+        foreach = bool(params) and all(kernel.available(p.device) for p in params)
     return "multi_tensor" if foreach else "compiled"
 
 
@@ -503,7 +514,8 @@ def _adamw_update(
     return _adamw_fused_8bit_slots(param, grad, slots, s, hp, compensation)
 
 
-def _multi_tensor_dualoptim_plus(entries: list[tuple], fused: bool | None) -> tuple[list[tuple[Tensor, ...]], bool]:
+def _multi_tensor_dualoptim_plus(entries: list[tuple], fused: bool | None,
+                                 kernel: MultiTensorKernel) -> tuple[list[tuple[Tensor, ...]], bool]:
     """The tensors the multi-tensor kernel takes, one launch per `multi_tensor.FLUSH_NUMEL` elements (the device
     starts while the host goes on); the others, and any whose launch cannot compile, by `_adamw_update`."""
     stats: list[tuple[Tensor, ...]] = []
@@ -520,19 +532,20 @@ def _multi_tensor_dualoptim_plus(entries: list[tuple], fused: bool | None) -> tu
         pending.append(entry)
         pending_numel += param.numel()
         if pending_numel >= multi_tensor.FLUSH_NUMEL:
-            batch_stats, launched = _step_batched(pending, fused)
+            batch_stats, launched = _step_batched(pending, fused, kernel)
             stats.extend(batch_stats)
             counted = counted and not launched
             pending, pending_numel = [], 0
     if pending:
-        batch_stats, launched = _step_batched(pending, fused)
+        batch_stats, launched = _step_batched(pending, fused, kernel)
         stats.extend(batch_stats)
         counted = counted and not launched
     stats.extend(_single_tensor_dualoptim_plus(others, fused))
     return stats, counted
 
 
-def _step_batched(pending: list[tuple], fused: bool | None) -> tuple[list[tuple[Tensor, ...]], bool]:
+def _step_batched(pending: list[tuple], fused: bool | None,
+                  kernel: MultiTensorKernel) -> tuple[list[tuple[Tensor, ...]], bool]:
     """The step counters of `pending` in one call, then one launch per weight and gradient dtype, each tensor
     reading its row of scalars (its param group's learning rate and weight decay, its t_B and t_k). Host work
     per tensor is a few dictionary lookups and its addresses; nothing waits for the device. Returns the stats
@@ -565,7 +578,7 @@ def _step_batched(pending: list[tuple], fused: bool | None) -> tuple[list[tuple[
             launched = True
             continue
         except Exception as error:  # noqa: BLE001 - a compiler or driver error: stay correct, say so once
-            multi_tensor.disable(error)
+            kernel.failed(error)
         hp_cache: dict[tuple, Tensor] = {}
         stats.extend(_adamw_update(param, grad, state, delta, template, fused, hp_cache, compensation)
                      for param, grad, state, delta, compensation, template in entries)

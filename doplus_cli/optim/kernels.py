@@ -315,7 +315,9 @@ def _adamw_plus_inplace(
 
 
 REQUIRE_COMPILED_ENV = "DOPLUS_REQUIRE_COMPILED"  # "1": a kernel that fails to compile raises (the tests set it)
-KERNELS: list[CompiledKernel] = []  # every compiled kernel of the process, in creation order
+# every compiled kernel of the process, in creation order: what `fallbacks()` reports (each kernel decides by its
+# own record whether it runs compiled)
+KERNELS: list[CompiledKernel] = []
 
 
 class CompiledKernel:
@@ -324,8 +326,9 @@ class CompiledKernel:
 
     Compilation happens on the first call (that step pays for it; `doplus bench` reports how much) and is
     cached on disk by inductor, so later processes load the kernel instead of compiling it again. A fallback
-    is logged once and listed by `fallbacks()` (the run's report says so); with `$DOPLUS_REQUIRE_COMPILED=1`
-    the compile error is raised instead, so a test suite cannot pass on the eager code by accident.
+    is this kernel's own (another kernel, of the same function too, still compiles), logged once and listed by
+    `fallbacks()` (the run's report says so); with `$DOPLUS_REQUIRE_COMPILED=1` the compile error is raised
+    instead, so a test suite cannot pass on the eager code by accident.
     """
 
     def __init__(self, fn, name: str, eager=None):
@@ -333,7 +336,7 @@ class CompiledKernel:
         self._eager = fn if eager is None else eager  # what runs when compiling failed: the same result
         self.name = name
         self._compiled = None
-        self.fallback_reason: str | None = None  # why this process uses the eager code, once it does
+        self.fallback_reason: str | None = None  # why this kernel runs the eager code, once it does
         self.compiled_calls = 0  # calls that ran the compiled code
         self._lock = threading.Lock()
         KERNELS.append(self)
@@ -375,7 +378,8 @@ def _raise_recompile_limit() -> None:
 
 
 def fallbacks() -> dict[str, str]:
-    """{kernel name: reason} for the compiled kernels this process runs as eager code after a failed compile."""
+    """{kernel name: reason} for the compiled kernels of this process that run as eager code after their own
+    failed compile: a report, not a switch."""
     return {kernel.name: kernel.fallback_reason for kernel in KERNELS if kernel.fallback_reason is not None}
 
 

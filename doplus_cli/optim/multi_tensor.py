@@ -34,6 +34,7 @@ import contextlib
 import functools
 import logging
 import os
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -59,7 +60,6 @@ class Counters:
 
     launches: int = 0
     tensors: int = 0
-    fallback_reason: str | None = None  # why this process uses the per-tensor path, once it does
     by_kernel: dict[str, int] = field(default_factory=dict)  # launches per kernel
 
 
@@ -82,10 +82,10 @@ def triton_installed() -> bool:
 
 
 def available(device: torch.device) -> bool:
-    """Whether the multi-tensor kernel can run on `device` by default: a CUDA device with Triton installed,
-    and no earlier compile failure in this process. (The tests force it on CPU tensors through Triton's
-    interpreter with `multi_tensor=True`.)"""
-    return device.type == "cuda" and triton_installed() and COUNTERS.fallback_reason is None
+    """Whether the multi-tensor kernel runs on `device` by default: a CUDA device with Triton installed (an
+    optimizer's `MultiTensorKernel.available` also asks whether its own launches failed). The tests force it on
+    CPU tensors through Triton's interpreter with `multi_tensor=True`."""
+    return device.type == "cuda" and triton_installed()
 
 
 def _aligned(tensors: tuple[Tensor, ...], numel: int, device: torch.device) -> bool:
@@ -196,17 +196,42 @@ NAME = "multi-tensor (Triton)"  # in a report's list of fallbacks: the per-tenso
 
 
 def fallbacks() -> dict[str, str]:
-    """{NAME: reason} once the multi-tensor kernels failed in this process, as `kernels.fallbacks()` lists the
-    compiled kernels that fell back to eager code; empty otherwise."""
-    return {} if COUNTERS.fallback_reason is None else {NAME: COUNTERS.fallback_reason}
+    """{NAME: reason} when a live optimizer's multi-tensor launch failed in this process (its `MultiTensorKernel`;
+    several reasons joined by "; "), as `kernels.fallbacks()` lists the compiled kernels that fell back to eager
+    code; empty otherwise. A report of what happened, not a switch: each optimizer decides by its own record."""
+    reasons = sorted({kernel.fallback_reason for kernel in list(_LIVE) if kernel.fallback_reason is not None})
+    return {NAME: "; ".join(reasons)} if reasons else {}
 
 
-def disable(error: Exception) -> None:
-    """After a failed launch (no compiler, an unsupported GPU): log once and use the per-tensor path from now
-    on; under `$DOPLUS_REQUIRE_COMPILED=1` (the tests) raise instead."""
-    if os.environ.get(REQUIRE_COMPILED_ENV) == "1":
-        raise error
-    first_line = (str(error).strip().splitlines() or [""])[0]
-    COUNTERS.fallback_reason = f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
-    log.warning("doplus: the multi-tensor DualOptim+ kernel failed (%s); using the per-tensor kernels.",
-                COUNTERS.fallback_reason)
+class MultiTensorKernel:
+    """One optimizer's use of the multi-tensor kernels, and its record of a failed launch (no compiler for the
+    GPU, an unsupported GPU). Each optimizer holds its own: after a failure that optimizer takes the per-tensor
+    path from then on, and another optimizer in the same process tries the kernel again."""
+
+    def __init__(self) -> None:
+        self.fallback_reason: str | None = None  # why this optimizer uses the per-tensor path, once it does
+        _LIVE.add(self)
+
+    def __setstate__(self, state: dict) -> None:  # a copied optimizer's record is listed as well
+        self.__dict__.update(state)
+        _LIVE.add(self)
+
+    def available(self, device: torch.device) -> bool:
+        """Whether the kernel runs on `device` by default for this optimizer: `available(device)`, and no failed
+        launch of its own."""
+        return self.fallback_reason is None and available(device)
+
+    def failed(self, error: Exception) -> None:
+        """After a failed launch: log once and use the per-tensor path from now on; under
+        `$DOPLUS_REQUIRE_COMPILED=1` (the tests) raise instead."""
+        if os.environ.get(REQUIRE_COMPILED_ENV) == "1":
+            raise error
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        self.fallback_reason = f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
+        log.warning("doplus: the multi-tensor DualOptim+ kernel failed (%s); using the per-tensor kernels.",
+                    self.fallback_reason)
+
+
+# The records of the optimizers alive in this process, for `fallbacks()` (a run's report): held weakly, so an
+# optimizer's failure leaves with it.
+_LIVE: weakref.WeakSet[MultiTensorKernel] = weakref.WeakSet()
