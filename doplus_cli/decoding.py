@@ -35,7 +35,7 @@ from torch import Tensor
 
 from doplus_cli.optim.kernels import CompiledKernel
 
-BUFFERS_VARIABLE = "DOPLUS_DECODE_BUFFERS"  # "0": decode with transformers' DynamicLayer and SDPA, as before
+BUFFERS_VARIABLE = "DOPLUS_DECODE_BUFFERS"  # "0": decode with transformers' own DynamicLayer and SDPA
 DECODE_ATTENTION = "doplus_decode"  # the name registered with transformers' attention and mask interfaces
 GROWTH = 64  # positions a buffer grows by at least when an answer outruns it
 # attention keywords that change the arithmetic (soft-capping, sinks, windows, biases): such calls take SDPA

@@ -60,9 +60,9 @@ def writing(path: object, then: str = "") -> Iterator[None]:
         raise failure from error
 
 
-# Set by `doplus unlearn --num-processes N` for its workers: where each worker leaves the exit code of a run
-# that ended on a user error or a signal (FILE.rank{R}); the workers then exit 0, so torchrun ends without
-# its own traceback, and the launching process exits with that code.
+# Internal plumbing, not a user setting: set by `doplus unlearn --num-processes N` for its workers, where each
+# worker leaves the exit code of a run that ended on a user error or a signal (FILE.rank{R}); the workers then
+# exit 0, so torchrun ends without its own traceback, and the launching process exits with that code.
 EXIT_FILE_VARIABLE = "DOPLUS_EXIT_FILE"
 
 

@@ -37,8 +37,8 @@ HOLDER_NAME = ".doplus-holder.json"
 # the moment they write what they share (the bench's index, its tables).
 SHARED_LOCK_NAME = ".doplus-shared.lock"
 LOCK_FILES = (LOCK_NAME, HOLDER_NAME, SHARED_LOCK_NAME)  # never part of a run: left out of "is the folder empty"
-# The folders this process holds, as `PATH=PID` entries: the processes it starts (the workers of a
-# `--num-processes` launch) inherit them and do not wait on their launcher's lock.
+# Internal plumbing, not a user setting: the folders this process holds, as `PATH=PID` entries; the processes it
+# starts (the workers of a `--num-processes` launch) inherit them and do not wait on their launcher's lock.
 HELD_VARIABLE = "DOPLUS_HELD_FOLDERS"
 # `off`: no lock, for a file system without working locks (Lustre mounted without `flock`); one run per folder is
 # then the user's to keep.
