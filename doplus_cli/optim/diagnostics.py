@@ -74,8 +74,8 @@ def adamw_step_stats(optimizer: torch.optim.Optimizer, lr_scale: float = 1.0, mu
     time (measured for the DualOptim+ update kernel), an estimated 50 ms of the 133 ms Alternate step of a 135M
     model's 272 tensors.
 
-    `kernel`: the caller's record of a failed launch, kept across its steps (after one, None takes the per-tensor
-    path); None: a record for this call alone."""
+    `kernel`: the caller's record of a failed launch, kept across its steps (after one, ``multi_tensor=None``
+    takes the per-tensor path); None: a record for this call alone."""
     kernel = kernel or mt.MultiTensorKernel()
     stats = []
     batches: dict[tuple, tuple[list, list]] = {}  # (device, weight dtype) → (θ, m, v) entries, their rows
