@@ -384,11 +384,12 @@ def read_recipe(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
-def load_recipe(path: str | os.PathLike, cls: type[TrainConfig] = UnlearnConfig) -> dict[str, Any]:
-    """Read a YAML recipe into {field: value}, with relative data and model paths made usable."""
+def recipe_options(path: str | os.PathLike, names: list[str],
+                   path_keys: tuple[str, ...] = PATH_KEYS) -> dict[str, Any]:
+    """A YAML recipe's {option: value}: each key (dashes read as underscores) one of `names`, else one line naming
+    the file and the key; a relative path under one of `path_keys` looked up next to the recipe first."""
     path = Path(path)
     data = read_recipe(path)
-    names = field_names(cls)
     values: dict[str, Any] = {}
     for raw_key, value in data.items():
         key = str(raw_key).replace("-", "_")
@@ -396,11 +397,17 @@ def load_recipe(path: str | os.PathLike, cls: type[TrainConfig] = UnlearnConfig)
             hint = difflib.get_close_matches(key, names, n=1)
             suggestion = f" (did you mean '{hint[0]}'?)" if hint else ""
             raise UserError(f"{path}: unknown option '{raw_key}'{suggestion}")
-        if key in PATH_KEYS and isinstance(value, str):
+        if key in path_keys and isinstance(value, str):
             value = _next_to_recipe(value, path.parent)
-        if key == "tasks":
-            value = _recipe_tasks(value, path)
         values[key] = value
+    return values
+
+
+def load_recipe(path: str | os.PathLike, cls: type[TrainConfig] = UnlearnConfig) -> dict[str, Any]:
+    """Read a YAML recipe into {field: value}, with relative data and model paths made usable."""
+    values = recipe_options(path, field_names(cls))
+    if "tasks" in values:
+        values["tasks"] = _recipe_tasks(values["tasks"], Path(path))
     return values
 
 
