@@ -16,7 +16,6 @@ from rich.text import Text
 from doplus_cli import lifecycle, options
 from doplus_cli.bench.schemes import DEFAULT_SCHEMES, DEFAULT_SEEDS
 from doplus_cli.config import SCHEMES, resolve_config, task_from_option
-from doplus_cli.data.formatting import TEMPLATE_HELP
 from doplus_cli.errors import EXIT_FILE_VARIABLE, UserError, quiet_worker, worker_exit_code
 from doplus_cli.evaluation.runner import EvalConfig, resolve_eval_config, run_evaluate
 from doplus_cli.kinds import kind_named
@@ -106,111 +105,25 @@ def align(**values: Any) -> None:
     _train("align", values)
 
 
+# The defaults of `doplus evaluate`'s options: EvalConfig's, the lists as typed (comma-separated); click shows them
+# after the help texts. The options not named here default to None, and resolve_eval_config reads None as unset.
+EVALUATE_DEFAULTS = {
+    "compare": False, "suite": ",".join(EvalConfig.suites), "split": EvalConfig.split,
+    "batch_size": EvalConfig.batch_size, "max_new_tokens": EvalConfig.max_new_tokens,
+    "tasks": ",".join(EvalConfig.tasks), "dtype": EvalConfig.dtype, "trust_remote_code": EvalConfig.trust_remote_code,
+    "overwrite": EvalConfig.overwrite, "resume": EvalConfig.resume, "seed": EvalConfig.seed,
+    "protocol": EvalConfig.protocol, "muse_corpus": EvalConfig.muse_corpus,
+}
+
+
 @app.command()
-def evaluate(
-    folders: list[str] | None = typer.Argument(None, help="With --compare: evaluation folders to compare."),
-    compare: bool = typer.Option(False, "--compare", help="Print the given evaluation folders side by side."),
-    model: str | None = typer.Option(
-        None, "--model", help="Hub id, model folder (e.g. a run's final/) or .gguf [default: embedded SmolLM2]"
-    ),
-    suite: str = typer.Option(
-        ",".join(EvalConfig.suites), "--suite",
-        help="tofu, real-world, lm-eval, privacy, safety, xstest, muse, or several comma-separated.",
-    ),
-    split: str = typer.Option(EvalConfig.split, "--split", help="TOFU forget split: forget01, forget05, forget10."),
-    task_id: int | None = typer.Option(None, "--task-id", help="TOFU files whose rows carry task_id (the DualOptim+ "
-                                       "authors'): the forget task scored [default: 1]"),
-    data_dir: str | None = typer.Option(
-        None, "--data-dir", help="Folder of TOFU JSON-lines files [default: hf:locuslab/TOFU from the hub]"
-    ),
-    forget: str | None = typer.Option(None, "--forget", help="real-world: forget-people JSON lines."),
-    retain: str | None = typer.Option(None, "--retain", help="real-world: neighbour-people JSON lines."),
-    out: str | None = typer.Option(None, "--out", help="Output folder [default: evals/DATE-TIME]"),
-    max_samples: int | None = typer.Option(None, "--max-samples", help="At most N questions per set (quick looks)."),
-    batch_size: int = typer.Option(EvalConfig.batch_size, "--batch-size", min=1, help="Prompts per generation batch; "
-                                   "NLL batches hold about 48 tokens per unit."),
-    generation_batch_size: int | None = typer.Option(
-        None, "--generation-batch-size", min=1,
-        help="Prompts per generation batch of the TOFU and real-world suites, apart from the NLL batches' unit "
-        "[default: twice --batch-size on the CPU, --batch-size on a GPU]"),
-    max_new_tokens: int = typer.Option(EvalConfig.max_new_tokens, "--max-new-tokens", min=1,
-                                       help="Greedy tokens per answer."),
-    embedding_model: str | None = typer.Option(
-        None, "--embedding-model",
-        help="Sentence-transformers model for Cosine Similarity [default: the protocol's: doplus all-MiniLM-L6-v2, "
-        "paper paraphrase-MiniLM-L6-v2]",
-    ),
-    nli_model: str | None = typer.Option(
-        None, "--nli-model", help="NLI model for the Entailment Score [default: sileod/deberta-v3-base-tasksource-nli]"
-    ),
-    targeted: bool | None = typer.Option(
-        None, "--targeted/--untargeted",
-        help="OVR formula (IDK/DPO are targeted) [default: from the run's loss, else both]",
-    ),
-    tasks: str = typer.Option(",".join(EvalConfig.tasks), "--tasks", help="lm-eval tasks, comma-separated."),
-    limit: float | None = typer.Option(None, "--limit", help="lm-eval: samples per task (or a fraction < 1)."),
-    lm_eval_include: str | None = typer.Option(None, "--lm-eval-include", help="Folder of extra lm-eval task YAMLs."),
-    dtype: str = typer.Option(EvalConfig.dtype, "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16."),
-    trust_remote_code: bool = typer.Option(EvalConfig.trust_remote_code, "--trust-remote-code",
-                                           help="Allow the model's own code to run."),
-    overwrite: bool = typer.Option(EvalConfig.overwrite, "--overwrite", help="Replace an evaluation already in --out."),
-    resume: bool = typer.Option(EvalConfig.resume, "--resume", help="Continue an interrupted evaluation in --out: "
-                                "the suites it finished are kept, the others run."),
-    seed: int = typer.Option(EvalConfig.seed, "--seed", help="Seed (rejection answers drawn for TFE)."),
-    prompt_template: str | None = typer.Option(
-        None, "--prompt-template", help=TEMPLATE_HELP.replace("[default: ", "[default: a run's own template; else ")
-    ),
-    protocol: str = typer.Option(EvalConfig.protocol, "--protocol", help=options.PROTOCOL_HELP),
-    retain_logs: str | None = typer.Option(
-        None, "--retain-logs", help="A retain model's TOFU_EVAL.json (doplus's or OpenUnlearning's): forget_quality "
-        "and privleak's reference AUC; muse: a retrained model's MUSE_EVAL.json.",
-    ),
-    holdout: str | None = typer.Option(
-        None, "--holdout", help="Non-member rows (JSON lines with question, answer; TOFU's holdout10): the privacy "
-        "suite, and privacy metrics in the TOFU suite.",
-    ),
-    guard_model: str | None = typer.Option(
-        None, "--guard-model", help="safety: a Llama Guard-protocol model (hub id or folder), or none [default: "
-        "meta-llama/Meta-Llama-Guard-2-8B if it loads, else the offline refusal judge, said in the report]"
-    ),
-    refusal_model: str | None = typer.Option(
-        None, "--refusal-model", help="safety, xstest: a chat model (hub id or folder) that labels refusals by "
-        "XSTest's classification protocol instead of the offline refusal judge"
-    ),
-    refusal_model_prompt: str | None = typer.Option(
-        None, "--refusal-model-prompt", help="Its prompt: a text file with {question} and {response} [default: "
-        "doplus's wording of XSTest's GPT-4 prompt]"
-    ),
-    safety_data_dir: str | None = typer.Option(
-        None, "--safety-data-dir", help="safety, xstest: folder with I-*.json, Q-Harm.json, xstest_prompts.csv "
-        "[default: download the releases' files]"
-    ),
-    responses: str | None = typer.Option(
-        None, "--responses", help="safety, xstest: judge the (prompt, response) rows of FILE.jsonl|csv instead of "
-        "generating"
-    ),
-    muse_corpus: str = typer.Option(EvalConfig.muse_corpus, "--muse-corpus", help="muse: news or books."),
-    muse_data: str | None = typer.Option(
-        None, "--muse-data", help="muse: a folder in MUSE's layout (<config>/<split>.jsonl) or hf:NAME [default: "
-        "hf:muse-bench/MUSE-News or MUSE-Books]"),
-    muse_retrained: str | None = typer.Option(
-        None, "--muse-retrained", help="muse: a retrained model (hub id or folder) whose Min-40% AUC is privleak's "
-        "reference [default: --retain-logs, else MUSE's published retrained AUC]"),
-    attacks: str | None = typer.Option(
-        None, "--attacks", help="Run the forget suites again on attacked copies of the model and report the change: "
-        "relearn, relearn-lora, quant-8bit, quant-4bit, probe (probe-prefix, probe-roleplay, probe-incontext, "
-        "probe-paraphrase) or all, comma-separated (docs/attacks.md). The model on disk is never changed."),
-    relearn_data: str | None = typer.Option(
-        None, "--relearn-data", help="Relearning attacks: JSON lines with question, answer to fine-tune on "
-        "[default: the first half of the forget rows; the other half is reported apart]"),
-    relearn_steps: str | None = typer.Option(
-        None, "--relearn-steps", help="Relearning attacks: K optimizer steps, or several comma-separated (one "
-        "relearned copy each; the published presets are 50, 100, 150) [default: 50]"),
-) -> None:
+@options.takes("evaluate", EVALUATE_DEFAULTS)
+def evaluate(**values: Any) -> None:
     """Evaluate a model: TOFU/real-world indicators and MU/UFE/TFE/OVR, lm-eval, safety and XSTest."""
     from doplus_cli.evaluation.report import compare_table
 
-    if compare:
+    folders, recipe = values.pop("folders"), values.pop("recipe")
+    if values.pop("compare"):
         if not folders or len(folders) < 2:
             raise UserError("--compare needs at least two evaluation folders: doplus evaluate --compare DIR1 DIR2")
         Console(highlight=False).print(compare_table(folders), markup=False)
@@ -219,19 +132,7 @@ def evaluate(
         raise UserError(f"unexpected argument '{folders[0]}' (folders are only taken with --compare)")
     from doplus_cli.evaluation.summary import print_summary
 
-    values = dict(
-        model=model, suite=suite, split=split, task_id=task_id, data_dir=data_dir, forget=forget, retain=retain,
-        out=out, max_samples=max_samples, batch_size=batch_size, generation_batch_size=generation_batch_size,
-        max_new_tokens=max_new_tokens,
-        embedding_model=embedding_model, nli_model=nli_model, targeted=targeted, tasks=tasks, limit=limit,
-        lm_eval_include=lm_eval_include, dtype=dtype, trust_remote_code=trust_remote_code, overwrite=overwrite,
-        resume=resume,
-        seed=seed, prompt_template=prompt_template, protocol=protocol, retain_logs=retain_logs, holdout=holdout,
-        guard_model=guard_model, refusal_model=refusal_model, refusal_model_prompt=refusal_model_prompt,
-        safety_data_dir=safety_data_dir, responses=responses,
-        muse_corpus=muse_corpus, muse_data=muse_data, muse_retrained=muse_retrained,
-        attacks=attacks, relearn_data=relearn_data, relearn_steps=relearn_steps,
-    )
+    values = options.with_recipe(recipe, values, options.EVALUATE_PATH_KEYS)
     config = resolve_eval_config(values)
     runner = None
     if config.attacks:  # relearning trains through the engine, which the evaluation layer cannot import

@@ -1,12 +1,17 @@
-"""The options of the training commands (`doplus unlearn`, `multitask`, `align`), each declared once.
+"""The options of the commands that take a recipe (`doplus unlearn`, `multitask`, `align`, `evaluate`), each
+declared once.
 
-Every option is an `Annotated` type: its flags and its help text, the help's `[default: ...]` read from the config
-dataclass field (config.py holds every default; the flag's own default is None, "not given", so a recipe's value
-stands unless a flag replaces it). `COMMAND_OPTIONS` lists each command's options (name -> type): `takes` makes
-them the signature of the command's function in cli.py, and the model card writes its command line from them
-(engine/model_card.py).
+Every option is an `Annotated` type: its flags and its help text. A training command's help reads its
+`[default: ...]` from the config dataclass field (config.py holds every default; the flag's own default is None,
+"not given", so a recipe's value stands unless a flag replaces it). `doplus evaluate`'s defaults are EvalConfig's
+(evaluation/, a layer above): cli.py hands them to `takes`, click shows them, and `with_recipe` asks click's
+parameter source which options the command line gave. `COMMAND_OPTIONS` lists each command's options (name ->
+type): `takes` makes them the signature of the command's function in cli.py, and the model card writes its command
+line from them (engine/model_card.py).
 
-Where the three commands word an option differently, the variant is named after its command (`UnlearnOut`).
+Where the commands word an option differently, the variant is named after its command (`UnlearnOut`); where they
+share the wording of an option that means the same (a training command's `--eval-nli-model`, evaluate's
+`--nli-model`), the shared words are one constant and the difference is the flag and the words around it.
 """
 
 from __future__ import annotations
@@ -16,9 +21,13 @@ from collections.abc import Callable
 from typing import Annotated, Any, get_args
 
 import typer
+from typer._click.core import ParameterSource
+from typer._click.globals import get_current_context
+from typer.models import ArgumentInfo
 
-from doplus_cli.config import AlignConfig, MultitaskConfig, TrainConfig, UnlearnConfig, default_of
+from doplus_cli.config import AlignConfig, MultitaskConfig, TrainConfig, UnlearnConfig, default_of, recipe_options
 from doplus_cli.data.formatting import TEMPLATE_HELP
+from doplus_cli.errors import UserError
 
 
 def shown_default(name: str, config_class: type[TrainConfig] = TrainConfig) -> str:
@@ -41,6 +50,12 @@ SAVE_DTYPE_HELP = "final/'s dtype: float32 or bfloat16; auto: float32 under fp32
 DTYPE_HELP = ("Load dtype (the reference model of NPO/DPO/KL, LoRA's frozen base under bf16-mixed): auto (bf16 on "
               "CUDA, fp32 on CPU), float32, bfloat16.")
 SOURCE_HELP = "FILE.jsonl, FILE.json (one JSON array) or hf:NAME[:CONFIG][@SPLIT]; FILE[START:STOP] takes those rows."
+# Worded alike by `doplus evaluate` and the training commands' evaluation options (--eval-*).
+ANSWER_TOKENS_HELP = "Greedy tokens per answer."
+TOFU_FOLDER_HELP = "Folder of TOFU JSON-lines files [default: hf:locuslab/TOFU"
+NLI_DEFAULT = "[default: sileod/deberta-v3-base-tasksource-nli]"
+SAFETY_FILES_HELP = "with I-*.json, Q-Harm.json, xstest_prompts.csv [default: download the releases' files]"
+GUARD_DEFAULT = "[default: meta-llama/Meta-Llama-Guard-2-8B if it loads, else the offline refusal judge"
 
 # --- Every training command, the same on each ---------------------------------------------------------------------
 Recipe = Annotated[str | None, typer.Option("--recipe", help="YAML recipe; flags given here override its values.")]
@@ -228,17 +243,15 @@ UnlearnEvalSuite = Annotated[str | None, typer.Option("--eval-suite", help="Suit
                                                       + shown_default("eval_suite", UnlearnConfig))]
 EvalSplit = Annotated[str | None, typer.Option("--eval-split", help="TOFU forget split." + shown_default(
     "eval_split", UnlearnConfig))]
-EvalDataDir = Annotated[str | None, typer.Option(
-    "--eval-data-dir", help="Folder of TOFU JSON-lines files [default: hf:locuslab/TOFU]")]
+EvalDataDir = Annotated[str | None, typer.Option("--eval-data-dir", help=TOFU_FOLDER_HELP + "]")]
 UnlearnEvalMaxSamples = Annotated[int | None, typer.Option("--eval-max-samples",
                                                            help="Questions per set [default: all]")]
 UnlearnEvalMaxNewTokens = Annotated[int | None, typer.Option(
-    "--eval-max-new-tokens", help="Greedy tokens per answer." + shown_default("eval_max_new_tokens", UnlearnConfig))]
+    "--eval-max-new-tokens", help=ANSWER_TOKENS_HELP + shown_default("eval_max_new_tokens", UnlearnConfig))]
 UnlearnEvalBatchSize = Annotated[int | None, typer.Option(
     "--eval-batch-size", help="Prompts per batch of the evaluation during training [default: the larger of "
     "--batch-size and 8]")]
-EvalNliModel = Annotated[str | None, typer.Option(
-    "--eval-nli-model", help="NLI model [default: sileod/deberta-v3-base-tasksource-nli]")]
+EvalNliModel = Annotated[str | None, typer.Option("--eval-nli-model", help="NLI model " + NLI_DEFAULT)]
 EvalEmbeddingModel = Annotated[str | None, typer.Option(
     "--eval-embedding-model", help="Embedding model [default: the protocol's]")]
 EvalProtocol = Annotated[str | None, typer.Option("--eval-protocol", help=PROTOCOL_HELP + shown_default(
@@ -316,20 +329,109 @@ AlignEvalSuite = Annotated[str | None, typer.Option(
 AlignEvalMaxSamples = Annotated[int | None, typer.Option(
     "--eval-max-samples", help="The first N prompts of each set [default: all]")]
 AlignEvalMaxNewTokens = Annotated[int | None, typer.Option(
-    "--eval-max-new-tokens", help="Greedy tokens per answer." + shown_default("eval_max_new_tokens", AlignConfig))]
+    "--eval-max-new-tokens", help=ANSWER_TOKENS_HELP + shown_default("eval_max_new_tokens", AlignConfig))]
 EvalGuardModel = Annotated[str | None, typer.Option(
-    "--eval-guard-model", help="A Llama Guard-protocol model, or none [default: meta-llama/Meta-Llama-Guard-2-8B if "
-    "it loads, else the offline refusal judge]")]
+    "--eval-guard-model", help="A Llama Guard-protocol model, or none " + GUARD_DEFAULT + "]")]
 EvalRefusalModel = Annotated[str | None, typer.Option(
     "--eval-refusal-model", help="A chat model labelling refusals by XSTest's protocol [default: the offline "
     "refusal judge]")]
-EvalSafetyDataDir = Annotated[str | None, typer.Option(
-    "--eval-safety-data-dir", help="Folder with I-*.json, Q-Harm.json, xstest_prompts.csv [default: download the "
-    "releases' files]")]
+EvalSafetyDataDir = Annotated[str | None, typer.Option("--eval-safety-data-dir",
+                                                       help="Folder " + SAFETY_FILES_HELP)]
 
-# Each training command's options, by parameter name (a config key, but for recipe, num_processes, dry_run,
-# gpu_memory and multitask's task), in the order of its help; cli.py's signatures take the same (tests/test_cli.py
-# checks).
+# --- doplus evaluate ------------------------------------------------------------------------------------------
+Folders = Annotated[list[str] | None, typer.Argument(help="With --compare: evaluation folders to compare.")]
+Compare = Annotated[bool | None, typer.Option("--compare", help="Print the given evaluation folders side by side.")]
+EvaluateModel = Annotated[str | None, typer.Option(
+    "--model", help="Hub id, model folder (e.g. a run's final/) or .gguf [default: embedded SmolLM2]")]
+Suite = Annotated[str | None, typer.Option(
+    "--suite", help="tofu, real-world, lm-eval, privacy, safety, xstest, muse, or several comma-separated.")]
+Split = Annotated[str | None, typer.Option("--split", help="TOFU forget split: forget01, forget05, forget10.")]
+EvaluateTaskId = Annotated[int | None, typer.Option(
+    "--task-id", help="TOFU files whose rows carry task_id (the DualOptim+ authors'): the forget task scored "
+    "[default: 1]")]
+DataDir = Annotated[str | None, typer.Option("--data-dir", help=TOFU_FOLDER_HELP + " from the hub]")]
+EvaluateForget = Annotated[str | None, typer.Option("--forget", help="real-world: forget-people JSON lines.")]
+EvaluateRetain = Annotated[str | None, typer.Option("--retain", help="real-world: neighbour-people JSON lines.")]
+EvaluateOut = Annotated[str | None, typer.Option("--out", help="Output folder [default: evals/DATE-TIME]")]
+MaxSamples = Annotated[int | None, typer.Option("--max-samples",
+                                                help="At most N questions per set (quick looks).")]
+EvaluateBatchSize = Annotated[int | None, typer.Option(
+    "--batch-size", min=1, help="Prompts per generation batch; NLL batches hold about 48 tokens per unit.")]
+GenerationBatchSize = Annotated[int | None, typer.Option(
+    "--generation-batch-size", min=1, help="Prompts per generation batch of the TOFU and real-world suites, apart "
+    "from the NLL batches' unit [default: twice --batch-size on the CPU, --batch-size on a GPU]")]
+EvaluateMaxNewTokens = Annotated[int | None, typer.Option("--max-new-tokens", min=1, help=ANSWER_TOKENS_HELP)]
+EmbeddingModel = Annotated[str | None, typer.Option(
+    "--embedding-model", help="Sentence-transformers model for Cosine Similarity [default: the protocol's: doplus "
+    "all-MiniLM-L6-v2, paper paraphrase-MiniLM-L6-v2]")]
+NliModel = Annotated[str | None, typer.Option("--nli-model",
+                                              help="NLI model for the Entailment Score " + NLI_DEFAULT)]
+Targeted = Annotated[bool | None, typer.Option(
+    "--targeted/--untargeted", help="OVR formula (IDK/DPO are targeted) [default: from the run's loss, else both]")]
+Tasks = Annotated[str | None, typer.Option("--tasks", help="lm-eval tasks, comma-separated.")]
+Limit = Annotated[float | None, typer.Option("--limit", help="lm-eval: samples per task (or a fraction < 1).")]
+LmEvalInclude = Annotated[str | None, typer.Option("--lm-eval-include",
+                                                   help="Folder of extra lm-eval task YAMLs.")]
+EvaluateDtype = Annotated[str | None, typer.Option("--dtype",
+                                                   help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16.")]
+EvaluateTrustRemoteCode = Annotated[bool | None, typer.Option("--trust-remote-code",
+                                                              help="Allow the model's own code to run.")]
+EvaluateOverwrite = Annotated[bool | None, typer.Option("--overwrite",
+                                                        help="Replace an evaluation already in --out.")]
+EvaluateResume = Annotated[bool | None, typer.Option(
+    "--resume", help="Continue an interrupted evaluation in --out: the suites it finished are kept, the others run.")]
+EvaluateSeed = Annotated[int | None, typer.Option("--seed", help="Seed (rejection answers drawn for TFE).")]
+EvaluatePromptTemplate = Annotated[str | None, typer.Option(
+    "--prompt-template", help=TEMPLATE_HELP.replace("[default: ", "[default: a run's own template; else "))]
+Protocol = Annotated[str | None, typer.Option("--protocol", help=PROTOCOL_HELP)]
+RetainLogs = Annotated[str | None, typer.Option(
+    "--retain-logs", help="A retain model's TOFU_EVAL.json (doplus's or OpenUnlearning's): forget_quality and "
+    "privleak's reference AUC; muse: a retrained model's MUSE_EVAL.json.")]
+Holdout = Annotated[str | None, typer.Option(
+    "--holdout", help="Non-member rows (JSON lines with question, answer; TOFU's holdout10): the privacy suite, and "
+    "privacy metrics in the TOFU suite.")]
+GuardModel = Annotated[str | None, typer.Option(
+    "--guard-model", help="safety: a Llama Guard-protocol model (hub id or folder), or none " + GUARD_DEFAULT
+    + ", said in the report]")]
+RefusalModel = Annotated[str | None, typer.Option(
+    "--refusal-model", help="safety, xstest: a chat model (hub id or folder) that labels refusals by XSTest's "
+    "classification protocol instead of the offline refusal judge")]
+RefusalModelPrompt = Annotated[str | None, typer.Option(
+    "--refusal-model-prompt", help="Its prompt: a text file with {question} and {response} [default: doplus's "
+    "wording of XSTest's GPT-4 prompt]")]
+SafetyDataDir = Annotated[str | None, typer.Option("--safety-data-dir",
+                                                   help="safety, xstest: folder " + SAFETY_FILES_HELP)]
+Responses = Annotated[str | None, typer.Option(
+    "--responses", help="safety, xstest: judge the (prompt, response) rows of FILE.jsonl|csv instead of "
+    "generating")]
+MuseCorpus = Annotated[str | None, typer.Option("--muse-corpus", help="muse: news or books.")]
+MuseData = Annotated[str | None, typer.Option(
+    "--muse-data", help="muse: a folder in MUSE's layout (<config>/<split>.jsonl) or hf:NAME [default: "
+    "hf:muse-bench/MUSE-News or MUSE-Books]")]
+MuseRetrained = Annotated[str | None, typer.Option(
+    "--muse-retrained", help="muse: a retrained model (hub id or folder) whose Min-40% AUC is privleak's reference "
+    "[default: --retain-logs, else MUSE's published retrained AUC]")]
+Attacks = Annotated[str | None, typer.Option(
+    "--attacks", help="Run the forget suites again on attacked copies of the model and report the change: relearn, "
+    "relearn-lora, quant-8bit, quant-4bit, probe (probe-prefix, probe-roleplay, probe-incontext, probe-paraphrase) "
+    "or all, comma-separated (docs/attacks.md). The model on disk is never changed.")]
+RelearnData = Annotated[str | None, typer.Option(
+    "--relearn-data", help="Relearning attacks: JSON lines with question, answer to fine-tune on [default: the "
+    "first half of the forget rows; the other half is reported apart]")]
+RelearnSteps = Annotated[str | None, typer.Option(
+    "--relearn-steps", help="Relearning attacks: K optimizer steps, or several comma-separated (one relearned copy "
+    "each; the published presets are 50, 100, 150) [default: 50]")]
+# evaluate's options that name a file, a folder or a model: in a recipe, a relative one is looked up next to the
+# recipe first, as config.PATH_KEYS are in a training recipe.
+EVALUATE_PATH_KEYS = ("model", "data_dir", "forget", "retain", "lm_eval_include", "retain_logs", "holdout",
+                      "guard_model", "refusal_model", "refusal_model_prompt", "safety_data_dir", "responses",
+                      "muse_data", "muse_retrained", "relearn_data")
+# Options of a command that a recipe does not set: the recipe itself, and evaluate's --compare and its folders.
+NOT_IN_RECIPES = ("recipe", "compare", "folders")
+
+# Each command's options, by parameter name (a training command's config key, but for recipe, num_processes,
+# dry_run, gpu_memory and multitask's task; evaluate's EvalConfig fields, `suite` setting `suites`), in the order of
+# its help; cli.py's signatures take the same (tests/test_cli.py checks).
 COMMAND_OPTIONS: dict[str, dict[str, Any]] = {
     "unlearn": {
         "recipe": Recipe, "model": Model, "dtype": Dtype, "precision": Precision, "save_dtype": SaveDtype,
@@ -398,19 +500,73 @@ COMMAND_OPTIONS: dict[str, dict[str, Any]] = {
         "eval_max_new_tokens": AlignEvalMaxNewTokens, "eval_guard_model": EvalGuardModel,
         "eval_refusal_model": EvalRefusalModel, "eval_safety_data_dir": EvalSafetyDataDir,
     },
+    "evaluate": {
+        "folders": Folders, "compare": Compare, "recipe": Recipe, "model": EvaluateModel, "suite": Suite,
+        "split": Split, "task_id": EvaluateTaskId, "data_dir": DataDir, "forget": EvaluateForget,
+        "retain": EvaluateRetain, "out": EvaluateOut, "max_samples": MaxSamples, "batch_size": EvaluateBatchSize,
+        "generation_batch_size": GenerationBatchSize, "max_new_tokens": EvaluateMaxNewTokens,
+        "embedding_model": EmbeddingModel, "nli_model": NliModel, "targeted": Targeted, "tasks": Tasks,
+        "limit": Limit, "lm_eval_include": LmEvalInclude, "dtype": EvaluateDtype,
+        "trust_remote_code": EvaluateTrustRemoteCode, "overwrite": EvaluateOverwrite, "resume": EvaluateResume,
+        "seed": EvaluateSeed, "prompt_template": EvaluatePromptTemplate, "protocol": Protocol,
+        "retain_logs": RetainLogs, "holdout": Holdout, "guard_model": GuardModel, "refusal_model": RefusalModel,
+        "refusal_model_prompt": RefusalModelPrompt, "safety_data_dir": SafetyDataDir, "responses": Responses,
+        "muse_corpus": MuseCorpus, "muse_data": MuseData, "muse_retrained": MuseRetrained, "attacks": Attacks,
+        "relearn_data": RelearnData, "relearn_steps": RelearnSteps,
+    },
 }
 
 
-def takes(command: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def takes(command: str, defaults: dict[str, Any] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Give a command function (`def unlearn(**values)`) the options `COMMAND_OPTIONS` lists for `command`, in that
-    order, each defaulting to None ("not given"): typer reads them from the signature, and the function receives
-    them by name, the names of the config fields they set."""
+    order, each defaulting to its value in `defaults`, else None ("not given"): typer reads them from the
+    signature (click shows a default that is not None after the help text), and the function receives them by
+    name, the names of the config fields they set."""
+    defaults = defaults or {}
+
     def decorate(function: Callable[..., Any]) -> Callable[..., Any]:
         function.__signature__ = inspect.Signature([
-            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=option)
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=defaults.get(name), annotation=option)
             for name, option in COMMAND_OPTIONS[command].items()], return_annotation=None)
         return function
     return decorate
+
+
+def with_recipe(recipe: str | None, values: dict[str, Any], path_keys: tuple[str, ...]) -> dict[str, Any]:
+    """A command's option values (as its function received them) with a recipe under them: an option the command
+    line gave keeps its value (click's parameter source tells it from its default), any other the recipe sets takes
+    the recipe's. Recipe keys are option names (config.recipe_options checks them and finds a relative path under
+    `path_keys` next to the recipe); each value is read as its flag's value would be (the option's click type,
+    with its range and its words for true and false), a list as its items comma-separated."""
+    if recipe is None:
+        return values
+    context = get_current_context()
+    params = {param.name: param for param in context.command.params
+              if param.name in values and param.name not in NOT_IN_RECIPES}
+    resolved = dict(values)
+    for key, value in recipe_options(recipe, list(params), path_keys).items():
+        if context.get_parameter_source(key) is not ParameterSource.COMMANDLINE:
+            resolved[key] = recipe_value(params[key], value, f"{recipe}: option '{key}'", context)
+    return resolved
+
+
+def recipe_value(param: Any, value: Any, where: str, context: Any) -> Any:
+    """A recipe's value for one option, converted as the command line converts the flag's text (the option's type,
+    its range); one line if it cannot be."""
+    if value is None:
+        if param.default is not None:
+            raise UserError(f"{where} cannot be empty")
+        return None
+    if isinstance(value, list) and all(isinstance(item, (str, int, float)) for item in value):
+        value = ",".join(str(item) for item in value)
+    if isinstance(value, (dict, list)):
+        raise UserError(f"{where} must be one value, got {value!r}")
+    text = value if isinstance(value, bool) and param.is_flag else str(value)  # as typed: 2.5 is no integer
+    try:
+        return param.process_value(context, text)
+    except typer.BadParameter as error:
+        message = error.message[:1].lower() + error.message[1:]
+        raise UserError(f"{where}: {message}, got {value!r}") from None
 
 
 def flags_of(option: Any) -> tuple[list[str], list[str]]:
@@ -428,5 +584,7 @@ def flags_of(option: Any) -> tuple[list[str], list[str]]:
 
 
 def command_flags(command: str) -> dict[str, tuple[list[str], list[str]]]:
-    """A training command's options by name, each with its flags (see `flags_of`); {} for another command."""
-    return {name: flags_of(option) for name, option in COMMAND_OPTIONS.get(command, {}).items()}
+    """A command's options by name, each with its flags (see `flags_of`), its arguments left out; {} for a command
+    without a `COMMAND_OPTIONS` entry."""
+    return {name: flags_of(option) for name, option in COMMAND_OPTIONS.get(command, {}).items()
+            if not isinstance(get_args(option)[1], ArgumentInfo)}
