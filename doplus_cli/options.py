@@ -426,8 +426,6 @@ RelearnSteps = Annotated[str | None, typer.Option(
 EVALUATE_PATH_KEYS = ("model", "data_dir", "forget", "retain", "lm_eval_include", "retain_logs", "holdout",
                       "guard_model", "refusal_model", "refusal_model_prompt", "safety_data_dir", "responses",
                       "muse_data", "muse_retrained", "relearn_data")
-# Options of a command that a recipe does not set: the recipe itself, and evaluate's --compare and its folders.
-NOT_IN_RECIPES = ("recipe", "compare", "folders")
 
 # Each command's options, by parameter name (a training command's config key, but for recipe, num_processes,
 # dry_run, gpu_memory and multitask's task; evaluate's EvalConfig fields, `suite` setting `suites`), in the order of
@@ -535,14 +533,14 @@ def takes(command: str, defaults: dict[str, Any] | None = None) -> Callable[[Cal
 def with_recipe(recipe: str | None, values: dict[str, Any], path_keys: tuple[str, ...]) -> dict[str, Any]:
     """A command's option values (as its function received them) with a recipe under them: an option the command
     line gave keeps its value (click's parameter source tells it from its default), any other the recipe sets takes
-    the recipe's. Recipe keys are option names (config.recipe_options checks them and finds a relative path under
-    `path_keys` next to the recipe); each value is read as its flag's value would be (the option's click type,
-    with its range and its words for true and false), a list as its items comma-separated."""
+    the recipe's. The recipe's keys are the names in `values` (config.recipe_options checks them and finds a
+    relative path under `path_keys` next to the recipe; the caller leaves out what a recipe does not set, such as
+    evaluate's --compare); each value is read as its flag's text would be (the option's type, with its range and
+    its words for true and false), a list as its items comma-separated."""
     if recipe is None:
         return values
     context = get_current_context()
-    params = {param.name: param for param in context.command.params
-              if param.name in values and param.name not in NOT_IN_RECIPES}
+    params = {param.name: param for param in context.command.params if param.name in values}
     resolved = dict(values)
     for key, value in recipe_options(recipe, list(params), path_keys).items():
         if context.get_parameter_source(key) is not ParameterSource.COMMANDLINE:
