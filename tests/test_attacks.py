@@ -74,9 +74,6 @@ def test_quantization_grids_equal_the_references_and_the_copy_alone_is_quantized
     # every value of a block is one of NF4's 16 values times the block's absmax
     first = block.flatten()[:64].abs().max()
     assert {round(v / first.item(), 5) for v in nf4.flatten()[:64].tolist()} <= {round(c, 5) for c in NF4}
-    int8 = attacks.int8_rowwise(block)
-    assert torch.allclose(int8.double(), int8_reference(block), rtol=0, atol=1e-6)
-    assert len(set(int8[1].tolist())) <= 255
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -97,8 +94,91 @@ def test_quantization_grids_equal_the_references_and_the_copy_alone_is_quantized
     attacked = attacks.quantized_copy(peft_model, "quant-8bit")
     assert not any("lora" in name for name, _ in attacked.named_parameters())
     assert any("lora" in name for name, _ in peft_model.named_parameters())  # the model keeps its adapters
-    assert torch.allclose(attacked.model.layers[0].self_attn.q_proj.weight.double(), int8_reference(merged),
-                          rtol=0, atol=1e-6)
+    import bitsandbytes as bnb
+
+    projection = attacked.model.layers[0].self_attn.q_proj
+    assert isinstance(projection, bnb.nn.Linear8bitLt) and not projection.training
+    assert projection.weight.dtype == torch.int8  # int8 codes only, as `load_in_8bit` holds them
+    # bitsandbytes quantizes the weight cast to float16, as a `load_in_8bit` model loaded in float16 holds it
+    held = projection.weight.data.double() * projection.weight.SCB.double()[:, None] / 127
+    assert torch.allclose(held, int8_reference(merged.half()), rtol=0, atol=1e-6)
+    assert attacked.get_output_embeddings() is attacked.lm_head and type(attacked.lm_head) is torch.nn.Linear
+
+
+def llm_int8_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, threshold: float = 6.0,
+                       outlier_weight: torch.Tensor | None = None, absmax_of_columns: bool = False) -> torch.Tensor:
+    """LLM.int8 (Dettmers et al. 2022) as bitsandbytes runs a `load_in_8bit` layer, in float64 loops. The input
+    columns holding a value of magnitude >= threshold are outlier columns. Each input row is scaled by 127 / its
+    absmax over its values below the threshold (bitsandbytes' `int8_vectorwise_quant` zeroes the outliers, not
+    their columns, before taking the absmax) and rounded; its outlier columns' codes are 0. Each weight row is
+    scaled by 127 / its absmax and rounded. The integer product is rescaled by absmax_x * absmax_w / 127^2; the
+    outlier columns of the input are multiplied unquantized with the weight's columns: bitsandbytes' inference
+    layer keeps no float weight, so with the dequantized ones (codes * absmax_w / 127). `outlier_weight` (the
+    weight the outlier columns multiply) and `absmax_of_columns` (each input row's absmax over its columns without
+    an outlier) compute the other choices, to show that the test sees them."""
+    xs, ws, b = x.double().tolist(), weight.double().tolist(), bias.double().tolist()
+    outliers = {j for row in xs for j, v in enumerate(row) if abs(v) >= threshold}
+    w_absmax = [max(abs(v) for v in row) for row in ws]
+    w_codes = [[round(v * 127 / m) for v in row] for row, m in zip(ws, w_absmax)]
+    w_float = (outlier_weight.double().tolist() if outlier_weight is not None else
+               [[c * m / 127 for c in row] for row, m in zip(w_codes, w_absmax)])
+    out = []
+    for row in xs:
+        x_absmax = max(abs(v) for j, v in enumerate(row) if abs(v) < threshold
+                       and not (absmax_of_columns and j in outliers))
+        x_codes = [0 if j in outliers else round(v * 127 / x_absmax) for j, v in enumerate(row)]
+        out.append([sum(c * d for c, d in zip(x_codes, w_row)) * x_absmax * m / 127 ** 2
+                    + sum(row[j] * w_float[k][j] for j in outliers) + b[k]
+                    for k, (w_row, m) in enumerate(zip(w_codes, w_absmax))])
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def test_int8_attack_computes_as_llm_int8_with_its_outlier_columns():
+    generator = torch.Generator().manual_seed(11)
+    # values on a binary grid (multiples of 1/1024 in the weight, 1/64 in the input) that float16 holds exactly:
+    # bitsandbytes quantizes the float16 cast of both, the reference the values themselves
+    weight = torch.randint(-1024, 1025, (8, 16), generator=generator).float() / 1024
+    bias = torch.randint(-64, 65, (8,), generator=generator).float() / 64
+    x = torch.randint(-256, 257, (4, 16), generator=generator).float() / 64  # |x| <= 4, below the threshold
+    weight[3] = torch.randint(-100, 101, (16,), generator=generator).float() / 1024  # rows of different scales
+    x[1, 3] = 9.5  # an outlier: column 3 is multiplied unquantized, in every row
+    x[2, 3] = 5.5  # below the threshold: row 2's absmax, although its column is an outlier column
+    linear = torch.nn.Linear(16, 8)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        linear.bias.copy_(bias)
+    model = torch.nn.Sequential(linear)
+    attacked = attacks.quantized_copy(model, "quant-8bit")
+    assert type(model[0]) is torch.nn.Linear and torch.equal(model[0].weight, weight)  # the model is untouched
+    # no scaled value lies near a rounding tie, so bitsandbytes' float32 scaling rounds as the float64 one does
+    for rows in (x, weight):
+        absmax = rows.abs().masked_fill(rows.abs() >= 6.0, 0.0).amax(dim=1, keepdim=True)
+        scaled = rows.double() * 127 / absmax.double()
+        assert ((scaled - scaled.floor() - 0.5).abs() > 1e-3).all()
+
+    with torch.no_grad():
+        out = attacked(x).double()
+    # bitsandbytes computes in float32: the integer product is exact (|sum| <= 16 * 127^2 < 2^24), the rescale and
+    # the outlier product round a few times at float32's 6e-8 on outputs below 20 (< 1e-5); its CPU rescale
+    # constant is 6.200124e-05, 1.8e-5 above 1/127^2 (its CUDA kernel's: 6.200012e-05), which moves these
+    # outputs by < 4e-4. The choices below (outlier weight, absmax) move them by more than 1e-3.
+    assert torch.allclose(out, llm_int8_reference(x, weight, bias), rtol=0, atol=5e-4)
+    # the outlier columns multiply the dequantized weight, not the float one: the other choice is seen
+    assert (out - llm_int8_reference(x, weight, bias, outlier_weight=weight)).abs().max() > 1e-3
+    # and the absmax of row 2 is over its values below the threshold, the outlier column's 5.5 included
+    assert (out[2] - llm_int8_reference(x, weight, bias, absmax_of_columns=True)[2]).abs().max() > 1e-3
+
+    # no outlier: every input column quantized, so the layer differs from the float product with the dequantized
+    # weight (the weight-only round trip)
+    plain = x.clone()
+    plain[1, 3], plain[2, 3] = 1.0, 0.5
+    with torch.no_grad():
+        out = attacked(plain).double()
+    assert torch.allclose(out, llm_int8_reference(plain, weight, bias), rtol=0, atol=5e-4)
+    dequantized = torch.tensor([[round(v * 127 / max(abs(w) for w in row)) * max(abs(w) for w in row) / 127
+                                 for v in row] for row in weight.double().tolist()], dtype=torch.float64)
+    weight_only = plain.double() @ dequantized.T + bias.double()
+    assert (out - weight_only).abs().max() > 1e-3
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,10 @@ suite's forget-side metrics beside the unattacked ones, the change, and the wors
 
 - relearn, relearn-lora: a copy fine-tuned for K steps on half of the forget rows (engine/attacks.py; presets
   below, from the relearning-attack literature).
-- quant-8bit, quant-4bit: every linear layer but the output head quantized and dequantized as bitsandbytes does
-  when transformers loads a model with `load_in_8bit` (LLM.int8's row-wise absmax int8) or `load_in_4bit`
-  (NF4, absmax per block of 64), the attack of Zhang et al. (ICLR 2025).
+- quant-8bit, quant-4bit: every linear layer but the output head computing as in a model transformers loads
+  with `load_in_8bit` (bitsandbytes' LLM.int8 layer: int8 weights and activations, absmax per row, input columns
+  with an outlier unquantized) or `load_in_4bit` (NF4 weights, absmax per block of 64, dequantized for a float
+  product), the attack of Zhang et al. (ICLR 2025).
 - probe-prefix, probe-roleplay, probe-incontext, probe-paraphrase (`probe`: all four): the questions asked
   through prompt templates written for doplus after RWKU's adversarial probes and Lynch et al. (2024).
 
@@ -21,6 +22,7 @@ section and its table); relearning trains through the engine, which sits above, 
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +52,8 @@ ATTACKS: Registry[Attack] = Registry("attack", Attack, ((a.name, a) for a in (
            "Hu et al. 2024 (Jogging the memory of unlearned LLMs); Fan et al. 2025 (Unlearn-Smooth)", WEIGHT_SUITES),
     Attack("relearn-lora", "relearn", "LoRA fine-tuning (rank 128, alpha 128) on half of the forget rows: AdamW, "
            "lr 2e-4, batch 4, K steps", "Fan et al. 2025 (Unlearn-Smooth), relearning with LoRA", WEIGHT_SUITES),
-    Attack("quant-8bit", "quant", "linear weights quantized as bitsandbytes LLM.int8 (int8, absmax per row)",
+    Attack("quant-8bit", "quant", "linear layers as bitsandbytes LLM.int8 runs them (int8 weights and inputs, "
+           "absmax per row, input columns with an outlier unquantized)",
            "Zhang et al. 2025 (Catastrophic failure of LLM unlearning via quantization, ICLR)", WEIGHT_SUITES),
     Attack("quant-4bit", "quant", "linear weights quantized as bitsandbytes NF4 (absmax per block of 64)",
            "Zhang et al. 2025 (Catastrophic failure of LLM unlearning via quantization, ICLR)", WEIGHT_SUITES),
@@ -130,13 +133,41 @@ def parse_relearn_steps(text: str | int | None) -> tuple[int, ...]:
 
 # ---- quantization ----
 
-def int8_rowwise(weight: torch.Tensor) -> torch.Tensor:
-    """LLM.int8's weight quantization (bitsandbytes `int8_vectorwise_quant`, what `load_in_8bit` stores): each
-    row scaled by 127 / its absmax, rounded to int8; returned dequantized (q * absmax / 127) in the weight's dtype."""
-    import bitsandbytes.functional as F
+# LLM.int8's outlier threshold: transformers' BitsAndBytesConfig default `llm_int8_threshold`, which the attack's
+# paper kept; an input column with a value of at least this magnitude is multiplied unquantized.
+LLM_INT8_THRESHOLD = 6.0
 
-    codes, row_absmax, _ = F.int8_vectorwise_quant(weight.detach().float())
-    return (codes.float() * row_absmax.float()[:, None] / 127.0).to(weight.dtype)
+
+class _QuietHalfCast(logging.Filter):
+    """Drops bitsandbytes' warning that an int8 layer casts a float32 or bfloat16 input to float16 for its
+    quantization: that cast is LLM.int8's, documented in docs/attacks.md, and the warning comes on every call."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("MatMul8bitLt: inputs will be cast")
+
+
+def int8_linear(linear: torch.nn.Linear) -> torch.nn.Module:
+    """The layer `load_in_8bit` builds from `linear`: bitsandbytes' `Linear8bitLt` (weights held as int8, absmax per
+    row, no float copy; outlier threshold 6.0), in inference mode. Its forward is LLM.int8 (Dettmers et al. 2022):
+    each input row quantized to int8 by its absmax over the values below the threshold, multiplied in int8 with
+    the weight's codes and rescaled; the input columns holding a value above the threshold multiplied in the
+    input's precision with the dequantized weight's columns and added."""
+    import bitsandbytes as bnb
+
+    quiet = logging.getLogger("bitsandbytes.autograd._functions")
+    if not any(isinstance(f, _QuietHalfCast) for f in quiet.filters):
+        quiet.addFilter(_QuietHalfCast())
+    device = linear.weight.device
+    layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, linear.bias is not None,
+                                has_fp16_weights=False, threshold=LLM_INT8_THRESHOLD, device="meta")
+    # quantized on its move to the device, as transformers' integration builds it (Int8Params casts to float16
+    # first, then `int8_vectorwise_quant`)
+    layer.weight = bnb.nn.Int8Params(linear.weight.detach().to("cpu"), requires_grad=False,
+                                     has_fp16_weights=False).to(device)
+    if linear.bias is not None:
+        layer.bias = torch.nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+    # inference mode: in training mode bitsandbytes runs a CPU input through the dequantized weight in float
+    return layer.eval()
 
 
 def nf4_blockwise(weight: torch.Tensor, blocksize: int = 64) -> torch.Tensor:
@@ -153,25 +184,36 @@ def nf4_blockwise(weight: torch.Tensor, blocksize: int = 64) -> torch.Tensor:
     return F.dequantize_4bit(codes, state).reshape(weight.shape).to(weight.dtype)
 
 
-# The weight round trip of each quant attack, by the attack's name.
-QUANTIZERS: Registry[Callable] = Registry("quantizer", Callable, {"quant-8bit": int8_rowwise,
-                                                                  "quant-4bit": nf4_blockwise})
+def nf4_linear(linear: torch.nn.Linear) -> torch.nn.Module:
+    """`linear` with its weight NF4-quantized and dequantized in place: `load_in_4bit`'s `Linear4bit` dequantizes
+    its weight and multiplies in float (compute dtype float32 by default), so the float layer computes the same."""
+    with torch.no_grad():
+        linear.weight.copy_(nf4_blockwise(linear.weight))
+    return linear
+
+
+# The layer each quant attack puts in place of a linear layer, by the attack's name.
+QUANTIZERS: Registry[Callable] = Registry("quantizer", Callable, {"quant-8bit": int8_linear,
+                                                                  "quant-4bit": nf4_linear})
 
 
 @torch.no_grad()
 def quantized_copy(model: torch.nn.Module, attack: str) -> torch.nn.Module:
-    """A copy of `model` whose linear layers hold their weights quantized and dequantized by `attack`'s scheme.
-    As transformers' bitsandbytes integration does, the output head stays in full precision (it is tied to the
-    embedding in most small models and never converted). The model itself is not changed; a peft model's
-    adapters are merged into the copy first."""
+    """A copy of `model` whose linear layers are quantized by `attack`'s scheme (`QUANTIZERS`). As transformers'
+    bitsandbytes integration does, the output head stays in full precision (it is tied to the embedding in most
+    small models and never converted). The model itself is not changed; a peft model's adapters are merged into
+    the copy first."""
     quantize = QUANTIZERS[attack]
     attacked = copy.deepcopy(model)
     if hasattr(attacked, "merge_and_unload"):  # LoRA adapters (a run's weights during training): merged first,
         attacked = attacked.merge_and_unload()  # as a quantized load of the merged model would hold them
     head = attacked.get_output_embeddings() if hasattr(attacked, "get_output_embeddings") else None
-    for module in attacked.modules():
-        if isinstance(module, torch.nn.Linear) and module is not head:
-            module.weight.copy_(quantize(module.weight))
+    linears = [name for name, module in attacked.named_modules()
+               if isinstance(module, torch.nn.Linear) and module is not head]
+    for name in linears:
+        parent, _, child = name.rpartition(".")
+        owner = attacked.get_submodule(parent)
+        setattr(owner, child, quantize(getattr(owner, child)))
     return attacked
 
 
