@@ -138,25 +138,17 @@ def parse_relearn_steps(text: str | int | None) -> tuple[int, ...]:
 LLM_INT8_THRESHOLD = 6.0
 
 
-class _QuietHalfCast(logging.Filter):
-    """Drops bitsandbytes' warning that an int8 layer casts a float32 or bfloat16 input to float16 for its
-    quantization: that cast is LLM.int8's, documented in docs/attacks.md, and the warning comes on every call."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("MatMul8bitLt: inputs will be cast")
-
-
 def int8_linear(linear: torch.nn.Linear) -> torch.nn.Module:
     """The layer `load_in_8bit` builds from `linear`: bitsandbytes' `Linear8bitLt` (weights held as int8, absmax per
     row, no float copy; outlier threshold 6.0), in inference mode. Its forward is LLM.int8 (Dettmers et al. 2022):
     each input row quantized to int8 by its absmax over the values below the threshold, multiplied in int8 with
-    the weight's codes and rescaled; the input columns holding a value above the threshold multiplied in the
-    input's precision with the dequantized weight's columns and added."""
+    the weight's codes and rescaled; the input columns holding a value of the threshold's magnitude or more
+    multiplied in the input's precision with the dequantized weight's columns and added."""
     import bitsandbytes as bnb
 
-    quiet = logging.getLogger("bitsandbytes.autograd._functions")
-    if not any(isinstance(f, _QuietHalfCast) for f in quiet.filters):
-        quiet.addFilter(_QuietHalfCast())
+    # LLM.int8 casts each matmul's input to fp16 (docs/attacks.md): logged once per layer and call, never
+    # actionable here (as for the 8-bit reference model in models.py)
+    logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
     device = linear.weight.device
     layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, linear.bias is not None,
                                 has_fp16_weights=False, threshold=LLM_INT8_THRESHOLD, device="meta")
