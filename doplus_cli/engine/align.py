@@ -26,6 +26,7 @@ from rich.text import Text
 from doplus_cli.config import AlignConfig, parse_cycle
 from doplus_cli.data.sources import Keys, MixtureSource, RowRange, Source, open_source
 from doplus_cli.engine import outputs
+from doplus_cli.engine.evaluations import align_evaluation
 from doplus_cli.engine.loop import run_training
 from doplus_cli.engine.objectives import Objective, Plan
 from doplus_cli.engine.schedule import JOINT
@@ -197,16 +198,10 @@ def check_eval_prompts(config: AlignConfig) -> None:
 
 def evaluate_final(config: AlignConfig, report: dict[str, Any], console: Console | None) -> dict[str, Any]:
     """`doplus evaluate --suite EVAL_SUITE` of final/ into OUT/eval/; its summary for the report."""
-    from doplus_cli.evaluation.runner import EvalConfig, parse_suites, run_evaluate
+    from doplus_cli.evaluation.runner import run_evaluate
 
     folder = Path(report["config"]["out"]) / "eval"
-    record = run_evaluate(EvalConfig(
-        model=report["final"], suites=parse_suites(config.eval_suite), out=str(folder), overwrite=True,
-        max_samples=config.eval_max_samples, max_new_tokens=config.eval_max_new_tokens,
-        batch_size=config.eval_batch_size, guard_model=config.eval_guard_model,
-        refusal_model=config.eval_refusal_model,
-        safety_data_dir=config.eval_safety_data_dir, dtype=config.dtype, trust_remote_code=config.trust_remote_code,
-        seed=config.seed), console)
+    record = run_evaluate(align_evaluation(config).config(report["final"], str(folder)), console)
     summary = {}
     for section in record["sections"]:
         if section["suite"] in ("safety", "xstest"):

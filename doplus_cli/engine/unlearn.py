@@ -18,11 +18,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from doplus_cli.config import UnlearnConfig, eval_batch_size, parse_task_ids
+from doplus_cli.config import UnlearnConfig, parse_task_ids
 from doplus_cli.data.muse import TextWindows
 from doplus_cli.data.sources import Keys, Source, available_tasks, open_source, task_rows
 from doplus_cli.data.tofu import AUTHORS_RETAIN, authors_retain, describe_retain
 from doplus_cli.engine import outputs
+from doplus_cli.engine.evaluations import unlearn_evaluation
 from doplus_cli.engine.loop import run_training
 from doplus_cli.engine.objectives import Objective, Plan
 from doplus_cli.engine.schedule import authors_epoch_steps, authors_warmup
@@ -30,7 +31,7 @@ from doplus_cli.errors import UserError
 from doplus_cli.evaluation.attacks import parse_attacks
 from doplus_cli.evaluation.metrics import rouge_l_recall
 from doplus_cli.evaluation.protocol import get_protocol
-from doplus_cli.evaluation.runner import EvalConfig, evaluate_model, load_judges
+from doplus_cli.evaluation.runner import evaluate_model, load_judges
 from doplus_cli.evaluation.suites import load_tofu_sets
 from doplus_cli.generation import greedy_generate, write_self_answered
 from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossParams, LossSpec, checked_rmu_layer, prepare_rmu
@@ -187,13 +188,9 @@ def _evaluate_tofu(step, accelerator, model, tokenizer, config, out, progress, s
     row: dict[str, Any] = {"step": step}
     in_step = accelerator.is_main_process or (config.fsdp and accelerator.num_processes > 1)
     if in_step:
-        eval_config = EvalConfig(
-            model=config.model, suites=(config.eval_suite,), split=config.eval_split, data_dir=config.eval_data_dir,
-            max_samples=config.eval_max_samples, max_new_tokens=config.eval_max_new_tokens,
-            batch_size=eval_batch_size(config), embedding_model=config.eval_embedding_model,
-            nli_model=config.eval_nli_model, seed=config.seed, prompt_template=config.prompt_template,
-            protocol=config.eval_protocol, task_id=state.get("task_id"),
-        )
+        # What `doplus evaluate` of these weights would run, the run's dtype and trust_remote_code included: the
+        # relearning attack (--eval-attacks) trains and loads its copy with them, as on final/.
+        eval_config = unlearn_evaluation(config, state.get("task_id")).config(config.model)
         attacks = None
         if config.eval_attacks and step == config.steps:  # the last evaluation, also under attack
             from doplus_cli.engine.attacks import attack_runner

@@ -82,12 +82,10 @@ class AlignKind(Kind):
     def evaluate_command(self, config: AlignConfig, folder: Path, model: str | None = None,
                          out: Path | None = None) -> list[str]:
         """What align's own evaluation runs (`engine/align.py`, evaluate_final), for a run stopped before it."""
-        options = [("--suite", config.eval_suite), ("--max-samples", config.eval_max_samples),
-                   ("--max-new-tokens", config.eval_max_new_tokens), ("--batch-size", config.eval_batch_size),
-                   ("--guard-model", config.eval_guard_model), ("--refusal-model", config.eval_refusal_model),
-                   ("--safety-data-dir", config.eval_safety_data_dir),
-                   ("--seed", config.seed), ("--dtype", config.dtype)]
-        return doplus_evaluate(folder, options, config.trust_remote_code)
+        from doplus_cli.engine.evaluations import align_evaluation
+
+        evaluation = align_evaluation(config)
+        return doplus_evaluate(folder, evaluation.flags(), evaluation.trust_remote_code)
 
     def scores(self, report: dict[str, Any], evaluation: Path) -> tuple[dict[str, Any], dict[str, str]]:
         rates = (report.get("held_out") or {}).get("refusal_rate", {})

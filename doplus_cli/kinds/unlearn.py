@@ -12,7 +12,7 @@ from typing import Any
 
 from rich.console import Console
 
-from doplus_cli.config import UnlearnConfig, eval_batch_size
+from doplus_cli.config import UnlearnConfig
 from doplus_cli.errors import UserError
 from doplus_cli.kinds.base import Kind, Metric, TradeoffAxes, doplus_evaluate, read_json
 
@@ -157,21 +157,12 @@ class UnlearnKind(Kind):
     def evaluate_command(self, config: UnlearnConfig, folder: Path, model: str | None = None,
                          out: Path | None = None) -> list[str]:
         """`doplus evaluate` of final/ (or of `model` into `out`: the starting model) with the recipe's eval_*
-        values and what the run's own evaluation during training would use (batch size, seed, dtype); the prompt
-        template and OVR formula come from the run."""
-        options = [("--suite", config.eval_suite), ("--split", config.eval_split), ("--data-dir", config.eval_data_dir),
-                   ("--max-samples", config.eval_max_samples), ("--max-new-tokens", config.eval_max_new_tokens),
-                   ("--protocol", config.eval_protocol), ("--nli-model", config.eval_nli_model),
-                   ("--embedding-model", config.eval_embedding_model), ("--batch-size", eval_batch_size(config)),
-                   ("--seed", config.seed), ("--dtype", config.dtype), ("--task-id", config.task_id)]
-        if config.eval_suite == "muse":
-            options = [("--suite", "muse"), ("--muse-corpus", config.eval_split), ("--muse-data", config.eval_data_dir),
-                       ("--max-samples", config.eval_max_samples), ("--batch-size", eval_batch_size(config)),
-                       ("--seed", config.seed), ("--dtype", config.dtype)]
-        elif config.eval_suite == "wmdp":
-            options = [("--suite", "wmdp"), ("--limit", config.eval_max_samples),
-                       ("--batch-size", eval_batch_size(config)), ("--seed", config.seed), ("--dtype", config.dtype)]
-        return doplus_evaluate(folder, options, config.trust_remote_code, model, out)
+        values and what the run's own evaluation during training uses (batch size, seed, dtype, TOFU's prompt
+        template: engine/evaluations.py maps both); the OVR formula comes from the run."""
+        from doplus_cli.engine.evaluations import unlearn_evaluation
+
+        evaluation = unlearn_evaluation(config)
+        return doplus_evaluate(folder, evaluation.flags(), evaluation.trust_remote_code, model, out)
 
     def has_start(self, config: UnlearnConfig) -> bool:
         return config.eval_suite == "tofu" and bool(config.eval_every)
