@@ -71,6 +71,8 @@ RETAIN_LOSS_NAMES = tuple(RETAIN_LOSSES)  # GD, KL, AP, EMBED
 # Recipe keys whose value may be a local path, read next to the recipe; and the path keys of a `tasks:` entry.
 PATH_KEYS = ("model", "teach", "forget", "retain", "eval_data_dir", "safety", "general", "eval_safety_data_dir")
 TASK_PATH_KEYS = ("data", "eval")
+# TrainConfig's fields that doplus sets itself: no option, no recipe key, not in config.yaml or a checkpoint
+NOT_OPTIONS = ("taught", "compensation")
 # Options of which a run takes one: given both on the same level (both flags, both in the recipe) is an error;
 # a flag for one replaces the recipe's other.
 EXCLUSIVE_OPTIONS = (("steps", "epochs"),)
@@ -148,11 +150,16 @@ class TrainConfig:
     tracker_run_name: str | None = None  # None: the --out folder's name
     tracker_group: str | None = None  # W&B and trackio group, an MLflow tag (bench schemes: scheme and sweep value)
     tracker_dir: str | None = None  # None: OUT/trackers; WANDB_DIR, MLFLOW_TRACKING_URI, TRACKIO_DIR go first
-    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+    # Set by doplus, never by an option or a recipe, and not recorded with the options (NOT_OPTIONS):
+    # the teaching stage's report entry (engine/teach.py), None without a teaching stage
+    taught: dict[str, Any] | None = field(default=None, repr=False)
+    # False only in `doplus bench precision`: --precision bf16 updated in place without compensation buffers
+    compensation: bool = field(default=True, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        data.pop("extra")
+        for name in NOT_OPTIONS:
+            data.pop(name)
         data["betas"] = list(self.betas)
         return data
 
@@ -356,7 +363,7 @@ def _checked_task(task: Any, where: str) -> dict[str, Any]:
 
 
 def field_names(cls: type[TrainConfig] = UnlearnConfig) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls) if f.name != "extra"]
+    return [f.name for f in dataclasses.fields(cls) if f.name not in NOT_OPTIONS]
 
 
 def default_of(name: str, cls: type[TrainConfig] = UnlearnConfig) -> Any:

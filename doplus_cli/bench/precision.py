@@ -6,7 +6,8 @@ DualOptim+, forget-first 1:1 cycle, lr decaying linearly from `lr` to 0 without 
 
 * ``fp32``, ``bf16-mixed``, ``bf16``: the three precisions;
 * ``bf16-uncompensated``: bf16 weights updated in place without compensation buffers, which is what `--dtype
-  auto` trained on CUDA before `--precision` existed (a bench-only switch, `config.extra["compensation"]`).
+  auto` trained on CUDA before `--precision` existed (a bench-only switch: the config's `compensation`, which no
+  option or recipe sets).
 
 Each run saves final/ in float32: the fp32 and bf16-mixed weights, the bf16 weights of bf16 without
 compensation, and for compensated bf16 the weights as the run carried them, θ_bf16 + c. For every mode:
@@ -62,7 +63,7 @@ def _config(model: str | None, forget: Path, retain: Path, out: Path, mode: str,
                      precision="bf16" if mode == "bf16-uncompensated" else mode)
     config = resolve_config(None, overrides)
     if mode == "bf16-uncompensated":
-        config.extra["compensation"] = False  # engine/optimizers.py: the in-place bf16 update of before #26
+        config.compensation = False  # engine/optimizers.py: the in-place bf16 update of before #26
     return config
 
 

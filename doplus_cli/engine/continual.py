@@ -96,7 +96,7 @@ def run_continual(config: UnlearnConfig, console: Console | None = None) -> dict
                 part.tracker_dir, part.tracker_run_name = str(out / "trackers"), f"{out.name}-task-{task}"
                 part.tracker_group = part.tracker_group or out.name
             if index > 0:
-                part.extra.pop("taught", None)  # the starting model is the previous task's, not the taught one
+                part.taught = None  # the starting model is the previous task's, not the taught one
             part.eval_every = part.eval_every or part.steps  # each task evaluated at its last step at least
             part.resume = "latest" if config.resume is not None and list_checkpoints(folder / "checkpoints") else None
             part.overwrite = part.resume is None  # a task folder without a checkpoint starts afresh

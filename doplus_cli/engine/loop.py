@@ -395,7 +395,7 @@ def finish(run: Run, config: TrainConfig, plan: Plan, measured_after: dict[str, 
         "precision": precision.describe(config.precision, config.save_dtype),
         "environment": {**outputs.environment(run.accelerator.device, world, run.effective_batch, config.seed,
                                               trained_dtype), "precision": config.precision},
-        **({"teach": config.extra["taught"]} if config.extra.get("taught") else {}),
+        **({"teach": config.taught} if config.taught else {}),
         **measured_after,
         **lora_report,
         **_reference_report(run.reference, config.ref_offload, run.sharded),
@@ -471,7 +471,7 @@ def optimizer_settings(config: TrainConfig) -> OptimizerSettings:
         scheme=config.scheme, optimizer=config.optimizer, lr=config.lr, betas=tuple(config.betas),
         weight_decay=config.weight_decay, state_bits=config.state_bits, rule=config.doplus_rule,
         v_floor=config.v_floor,
-        compensated=config.precision == "bf16" and config.extra.get("compensation", True),
+        compensated=config.precision == "bf16" and config.compensation,
         base_update=config.base_update, base_source=config.base_source,
     )
 

@@ -111,7 +111,7 @@ def apply_teaching(config, console: Console) -> None:
     """Replace `config.model` by the taught model when the recipe has a teaching stage."""
     if not config.teach:
         return
-    if config.model is not None and not config.extra.get("taught"):
+    if config.model is not None and not config.taught:
         raise UserError(f"option 'teach' gives the starting model; remove 'model' ({config.model}) or 'teach'")
     launched = "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    config.model, config.extra["taught"] = taught_model(config.teach, console, allow_teaching=not launched)
+    config.model, config.taught = taught_model(config.teach, console, allow_teaching=not launched)
