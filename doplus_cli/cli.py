@@ -70,10 +70,10 @@ def _train(command: str, values: dict[str, Any]) -> None:
         _check_devices_for(num_processes)
     with lifecycle.run_guard():
         if not launched:
-            config.out = config.out or default_out_dir(command)
+            config = config.replace(out=config.out or default_out_dir(command))
             lifecycle.hold(config.out, f"doplus {command}")
         lifecycle.stage("teaching the starting model")
-        apply_teaching(config, err_console)  # before a launch of N processes, so that it runs once
+        config = apply_teaching(config, err_console)  # before a launch of N processes, so that it runs once
         if launching:
             _relaunch_with_accelerate(num_processes, config.out)
         report = kind.run(config, err_console)

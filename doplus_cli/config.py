@@ -14,7 +14,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import yaml
 
@@ -163,10 +163,40 @@ class TrainConfig:
         data["betas"] = list(self.betas)
         return data
 
+    # A validated config is final: what was checked is what runs, and no code downstream changes a value under
+    # the code that holds the same object. What doplus derives later (a run's steps, precision and folder when it
+    # opens, the taught model, a continual task's settings) goes into a new config made by `replace`.
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.final:
+            raise dataclasses.FrozenInstanceError(
+                f"cannot assign to field '{name}': a validated {type(self).__name__} is final; make a new one with "
+                f"config.replace({name}=...)")
+        object.__setattr__(self, name, value)
+
+    @property
+    def final(self) -> bool:
+        """Whether the config was validated (and so refuses assignment)."""
+        return self.__dict__.get("_final", False)
+
     def validate(self) -> None:
+        """Check option values and combinations (`check`), then make the config final."""
+        self.check()
+        object.__setattr__(self, "_final", True)  # not a field: neither recorded nor compared
+
+    def check(self) -> None:
         """Check option values and combinations; every message is one line naming the option. A command's config
-        extends it with its own checks."""
+        extends it with its own checks (which may still settle a value, e.g. unlearn's retain_freq)."""
         validate_training(self)
+
+    def replace(self, **changes: Any) -> Self:
+        """A copy with `changes`, final when this config is. The changes are values doplus settles itself (the
+        run's derived values, the taught model, a continual task's folder), not options: they are not checked
+        again, since a check of the options could refuse a combination doplus made on purpose (a continual task
+        with nothing to resume under --accept-changed)."""
+        new = dataclasses.replace(self, **changes)
+        if self.final:
+            object.__setattr__(new, "_final", True)
+        return new
 
 
 @dataclass
@@ -228,8 +258,8 @@ class UnlearnConfig(TrainConfig):
         parts = self.loss.split("+")
         return parts[1] if len(parts) > 1 else None
 
-    def validate(self) -> None:
-        super().validate()
+    def check(self) -> None:
+        super().check()
         validate_unlearn(self)
 
 
@@ -255,8 +285,8 @@ class MultitaskConfig(TrainConfig):
     eval_rows: int = 200  # rows kept out of training for a task without an eval file (0: not evaluated)
     eval_batch_size: int = 16  # prompts per greedy generation batch
 
-    def validate(self) -> None:
-        super().validate()
+    def check(self) -> None:
+        super().check()
         validate_multitask(self)
 
 
@@ -284,8 +314,8 @@ class AlignConfig(TrainConfig):
     eval_refusal_model: str | None = None  # a chat model labelling refusals (XSTest's protocol); None: offline judge
     eval_safety_data_dir: str | None = None  # None: the releases' files, downloaded once
 
-    def validate(self) -> None:
-        super().validate()
+    def check(self) -> None:
+        super().check()
         validate_align(self)
 
 

@@ -62,8 +62,8 @@ def _config(model: str | None, forget: Path, retain: Path, out: Path, mode: str,
                      show_samples=0, out=str(out), overwrite=True, seed=0, save_dtype="float32",
                      precision="bf16" if mode == "bf16-uncompensated" else mode)
     config = resolve_config(None, overrides)
-    if mode == "bf16-uncompensated":
-        config.compensation = False  # engine/optimizers.py: the in-place bf16 update of before #26
+    if mode == "bf16-uncompensated":  # engine/optimizers.py: bf16 weights updated in place, no compensation buffers
+        return config.replace(compensation=False)
     return config
 
 

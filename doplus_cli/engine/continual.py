@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,6 @@ from doplus_cli.config import UnlearnConfig, parse_task_ids
 from doplus_cli.engine import outputs
 from doplus_cli.engine.checkpoint import list_checkpoints
 from doplus_cli.engine.loop import default_out_dir
-from doplus_cli.engine.unlearn import run_unlearn
 from doplus_cli.errors import UserError
 from doplus_cli.files import atomic_write_text
 from doplus_cli.lifecycle import folder_entries
@@ -74,14 +74,16 @@ def _prepare(config: UnlearnConfig, out: Path, order: list[int]) -> None:
     shutil.rmtree(out / "trackers", ignore_errors=True)  # the tasks' tracker runs (--report-to)
 
 
-def run_continual(config: UnlearnConfig, console: Console | None = None) -> dict[str, Any]:
-    """Unlearn `config.task_ids` in order; return the continual report (also written to OUT)."""
+def run_continual(config: UnlearnConfig, console: Console | None,
+                  run_unlearn: Callable[[UnlearnConfig, Console | None], dict[str, Any]]) -> dict[str, Any]:
+    """Unlearn `config.task_ids` in order, each task one run of `run_unlearn` (`doplus unlearn`'s single run,
+    handed over by its command); return the continual report (also written to OUT)."""
     console = console or Console(stderr=True)
     order = parse_task_ids(config.task_ids)
     if config.task_id is not None:
         raise UserError("--task-id and --continual: the tasks come from --task-ids (give --task-ids only)")
     out = Path(config.out or default_out_dir("unlearn"))
-    config.out = str(out)
+    config = config.replace(out=str(out))
     _prepare(config, out, order)
     out.mkdir(parents=True, exist_ok=True)
     outputs.write_config(out, {**config.to_dict(), "out": str(out)})
@@ -90,16 +92,16 @@ def run_continual(config: UnlearnConfig, console: Console | None = None) -> dict
         folder = task_folder(out, task)
         report = _completed(folder)
         if report is None:
-            part = copy.deepcopy(config)
-            part.task_id, part.model, part.out = task, model, str(folder)
-            if part.tracker_dir is None:  # --report-to: the tasks' tracker runs side by side, in OUT/trackers/
-                part.tracker_dir, part.tracker_run_name = str(out / "trackers"), f"{out.name}-task-{task}"
-                part.tracker_group = part.tracker_group or out.name
+            changes: dict[str, Any] = {"task_id": task, "model": model, "out": str(folder)}
+            if config.tracker_dir is None:  # --report-to: the tasks' tracker runs side by side, in OUT/trackers/
+                changes.update(tracker_dir=str(out / "trackers"), tracker_run_name=f"{out.name}-task-{task}",
+                               tracker_group=config.tracker_group or out.name)
             if index > 0:
-                part.taught = None  # the starting model is the previous task's, not the taught one
-            part.eval_every = part.eval_every or part.steps  # each task evaluated at its last step at least
-            part.resume = "latest" if config.resume is not None and list_checkpoints(folder / "checkpoints") else None
-            part.overwrite = part.resume is None  # a task folder without a checkpoint starts afresh
+                changes["taught"] = None  # the starting model is the previous task's, not the taught one
+            changes["eval_every"] = config.eval_every or config.steps  # each task evaluated at its last step at least
+            resume = "latest" if config.resume is not None and list_checkpoints(folder / "checkpoints") else None
+            # a task folder without a checkpoint starts afresh
+            part = copy.deepcopy(config).replace(**changes, resume=resume, overwrite=resume is None)
             console.print(f"continual: task {task} ({index + 1} of {len(order)}), starting from "
                           f"{model or 'the embedded model'}" + (" (resuming)" if part.resume else ""), highlight=False)
             report = run_unlearn(part, console)

@@ -17,7 +17,7 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -67,6 +67,12 @@ def _shared_default_out(accelerator, command: str) -> str:
     return name[0]
 
 
+def wants_fsdp(config: TrainConfig, accelerator) -> bool:
+    """--fsdp, or `accelerate launch` with an FSDP configuration: the run's `Opened.fsdp` (sharded when it runs
+    on more than one process). A command's hooks, which hold the config as validated, read it here."""
+    return bool(config.fsdp or sharding.launched_with_fsdp(accelerator))
+
+
 def _progress(console: Console, enabled: bool) -> Progress:
     """A bar on a terminal; in a batch log, plain lines for the evaluations and generations inside the run (the
     steps print their own lines)."""
@@ -83,11 +89,32 @@ def _progress(console: Console, enabled: bool) -> Progress:
     )
 
 
+@dataclass(frozen=True)
+class Opened:
+    """What a run derives when it opens, from its config, its data and how it was launched; the validated config
+    stays as it was given (it is final), and the run trains with `Opened.applied_to(config)`. These are the
+    values that the run records as resolved: config.yaml, the checkpoints (which --resume compares), report.json
+    and the model card hold them in place of what was asked (`auto`, none, the default folder)."""
+
+    fsdp: bool  # --fsdp, or `accelerate launch` with an FSDP configuration
+    precision: str  # fp32, bf16-mixed or bf16: --precision auto settled by the load dtype (engine/precision.py)
+    save_dtype: str  # float32 or bfloat16
+    steps: int  # --steps, or the command's count from its data (align's --epochs)
+    warmup_steps: int  # --warmup-steps or the command's default, at most `steps`
+    out: str  # --out, or runs/COMMAND-DATE-TIME
+
+    def applied_to(self, config: TrainConfig) -> TrainConfig:
+        """The config the run trains with: `config` with these values, a new final config."""
+        return config.replace(**asdict(self))
+
+
 @dataclass
 class Run:
     """What `setup` builds and `train` and `finish` read."""
 
     accelerator: Accelerator
+    config: TrainConfig  # the command's config with the values derived when the run opened (`Opened`)
+    opened: Opened
     out: Path
     model: torch.nn.Module  # as trained: wrapped by accelerate, or holding this process's FSDP shards
     tokenizer: Any
@@ -127,6 +154,7 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
     with lifecycle.run_guard() as stop:
         # the progress display is live inside the block
         with setup(config, plan, console) as run, stop.deferred():
+            config = run.config  # from here on, with the values the run derived when it opened
             train(run, config, plan, console, stop)
             unwrapped = run.accelerator.unwrap_model(run.model)
             lifecycle.stage("evaluating after training")
@@ -145,9 +173,10 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
 
 
 def _open_run(config: TrainConfig, plan: Plan, console: Console
-              ) -> tuple[Accelerator, Path, Path | None, dict[str, Any] | None]:
-    """(the accelerator, the run's folder, the checkpoint to resume from and its saved state, or None, None), with
-    `config`'s derived values resolved (FSDP, precision, steps, warm-up, out) and the folder locked and prepared."""
+              ) -> tuple[Accelerator, Opened, Path | None, dict[str, Any] | None]:
+    """(the accelerator, what the run derives as it opens (FSDP, precision, steps, warm-up, out), the checkpoint to
+    resume from and its saved state, or None, None), with the folder locked and prepared. `config` is left as it
+    is: the checks and records here read `opened.applied_to(config)`."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -159,35 +188,35 @@ def _open_run(config: TrainConfig, plan: Plan, console: Console
     set_seed(config.seed)
     plan.open()  # every data file is checked before anything is written
     world = accelerator.num_processes
-    config.fsdp = bool(config.fsdp or sharding.launched_with_fsdp(accelerator))
+    fsdp = wants_fsdp(config, accelerator)
     # before the resume check: a checkpoint's config names the precision it used
-    config.precision, config.save_dtype = precision.resolve(config.precision, config.dtype, config.save_dtype)
-    processes = checkpoint.Processes(accelerator, sharded=config.fsdp and world > 1)
+    run_precision, save_dtype = precision.resolve(config.precision, config.dtype, config.save_dtype)
+    processes = checkpoint.Processes(accelerator, sharded=fsdp and world > 1)
     effective_batch = config.batch_size * config.grad_accum * world
     derived_steps = plan.total_steps(effective_batch)
-    if derived_steps is not None:
-        config.steps = derived_steps
-    if config.warmup_steps is None:
-        config.warmup_steps = plan.default_warmup(effective_batch)
-    config.warmup_steps = min(config.warmup_steps, config.steps)
-    config.out = config.out or _shared_default_out(accelerator, plan.command)
-    lifecycle.hold(config.out, f"doplus {plan.command}")  # before anything in the folder is read or written
-    if config.resume and _interrupted_before_a_checkpoint(config, Path(config.out)):
+    steps = config.steps if derived_steps is None else derived_steps
+    warmup_steps = plan.default_warmup(effective_batch) if config.warmup_steps is None else config.warmup_steps
+    opened = Opened(fsdp=fsdp, precision=run_precision, save_dtype=save_dtype, steps=steps,
+                    warmup_steps=min(warmup_steps, steps),
+                    out=config.out or _shared_default_out(accelerator, plan.command))
+    resolved = opened.applied_to(config)
+    lifecycle.hold(opened.out, f"doplus {plan.command}")  # before anything in the folder is read or written
+    if resolved.resume and _interrupted_before_a_checkpoint(resolved, Path(opened.out)):
         if accelerator.is_main_process:
-            console.print(f"{config.out}: no checkpoint was written before the run stopped; starting it again from "
+            console.print(f"{opened.out}: no checkpoint was written before the run stopped; starting it again from "
                           "the beginning", highlight=False)
-            outputs.prepare_out_dir(config.out, overwrite=True)
-            inputs.record(Path(config.out), config.to_dict())
+            outputs.prepare_out_dir(opened.out, overwrite=True)
+            inputs.record(Path(opened.out), resolved.to_dict())
         accelerator.wait_for_everyone()
-        return accelerator, Path(config.out), None, None
-    if config.resume:
-        resume_from, saved = checkpoint.open_resume(config.resume, Path(config.out), config.to_dict(), processes,
-                                                    config.accept_changed)
-        return accelerator, Path(config.out), resume_from, saved
-    out = outputs.prepare_out_dir(config.out, config.overwrite) if accelerator.is_main_process else Path(config.out)
+        return accelerator, opened, None, None
+    if resolved.resume:
+        resume_from, saved = checkpoint.open_resume(resolved.resume, Path(opened.out), resolved.to_dict(), processes,
+                                                    resolved.accept_changed)
+        return accelerator, opened, resume_from, saved
+    out = outputs.prepare_out_dir(opened.out, resolved.overwrite) if accelerator.is_main_process else Path(opened.out)
     if accelerator.is_main_process:  # what a resumption compares the data, model and software with
-        inputs.record(out, config.to_dict())
-    return accelerator, out, None, None
+        inputs.record(out, resolved.to_dict())
+    return accelerator, opened, None, None
 
 
 def _interrupted_before_a_checkpoint(config: TrainConfig, out: Path) -> bool:
@@ -220,7 +249,9 @@ def setup(config: TrainConfig, plan: Plan, console: Console) -> Iterator[Run]:
     """Build everything the loop steps with: the accelerator and the run's folder, the model, then (with the
     progress display live until the block ends) the plan's objectives, the reference model, LoRA, the shards,
     the optimizer and its LR schedule, a resumed run's state, the trackers and metrics.jsonl."""
-    accelerator, out, resume_from, saved = _open_run(config, plan, console)
+    accelerator, opened, resume_from, saved = _open_run(config, plan, console)
+    config = opened.applied_to(config)  # the run's own config; the caller's is left as it was validated
+    out = Path(opened.out)
     main_process, world = accelerator.is_main_process, accelerator.num_processes
     sharded = config.fsdp and world > 1
     lora = _lora_settings(config)
@@ -265,9 +296,9 @@ def setup(config: TrainConfig, plan: Plan, console: Console) -> Iterator[Run]:
         if not sharded:
             model = accelerator.prepare(model)
         yield Run(
-            accelerator=accelerator, out=out, model=model, tokenizer=tokenizer, model_name=model_name,
-            formatter=formatter, progress=progress, objectives=objectives, before=before, reference=reference,
-            lora=lora, optimizer=optimizer, torch_optimizer=torch_optimizer, scheduler=scheduler,
+            accelerator=accelerator, config=config, opened=opened, out=out, model=model, tokenizer=tokenizer,
+            model_name=model_name, formatter=formatter, progress=progress, objectives=objectives, before=before,
+            reference=reference, lora=lora, optimizer=optimizer, torch_optimizer=torch_optimizer, scheduler=scheduler,
             context=LossContext(model, reference, plan.beta, _token_count(accelerator), params=plan.loss_params),
             checkpoints=checkpoint.CheckpointWriter(out, accelerator.unwrap_model(model), optimizer, scheduler,
                                                     streams, config.to_dict(), config.keep_last, processes),

@@ -101,17 +101,18 @@ def taught_model(teach_recipe: str, console: Console, allow_teaching: bool = Tru
 
         console.print(f"teaching stage: {teach_recipe} -> {folder} (once; later runs reuse it)", highlight=False)
         shutil.rmtree(partial, ignore_errors=True)
-        config.out, config.overwrite = str(partial), True
-        run_multitask(config, console)
+        run_multitask(config.replace(out=str(partial), overwrite=True), console)
         os.replace(partial, folder)
     return str(folder / "final"), {**entry, "reused": False}
 
 
-def apply_teaching(config, console: Console) -> None:
-    """Replace `config.model` by the taught model when the recipe has a teaching stage."""
+def apply_teaching(config, console: Console):
+    """`config` itself without a teaching stage; with one, a new config whose model is the taught model and whose
+    `taught` is the report's entry for it (the config given stays as validated)."""
     if not config.teach:
-        return
+        return config
     if config.model is not None and not config.taught:
         raise UserError(f"option 'teach' gives the starting model; remove 'model' ({config.model}) or 'teach'")
     launched = "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    config.model, config.taught = taught_model(config.teach, console, allow_teaching=not launched)
+    model, taught = taught_model(config.teach, console, allow_teaching=not launched)
+    return config.replace(model=model, taught=taught)

@@ -24,7 +24,7 @@ from doplus_cli.data.sources import Keys, Source, available_tasks, open_source, 
 from doplus_cli.data.tofu import AUTHORS_RETAIN, authors_retain, describe_retain
 from doplus_cli.engine import outputs
 from doplus_cli.engine.evaluations import unlearn_evaluation
-from doplus_cli.engine.loop import run_training
+from doplus_cli.engine.loop import run_training, wants_fsdp
 from doplus_cli.engine.objectives import Objective, Plan
 from doplus_cli.engine.schedule import authors_epoch_steps, authors_warmup
 from doplus_cli.errors import UserError
@@ -186,7 +186,7 @@ def _evaluate_tofu(step, accelerator, model, tokenizer, config, out, progress, s
     the same evaluation in step with it (each forward pass gathers every process's shards) and throws its
     copy of the files away."""
     row: dict[str, Any] = {"step": step}
-    in_step = accelerator.is_main_process or (config.fsdp and accelerator.num_processes > 1)
+    in_step = accelerator.is_main_process or (wants_fsdp(config, accelerator) and accelerator.num_processes > 1)
     if in_step:
         # What `doplus evaluate` of these weights would run, the run's dtype and trust_remote_code included: the
         # relearning attack (--eval-attacks) trains and loads its copy with them, as on final/.

@@ -11,7 +11,7 @@ import json
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -320,7 +320,7 @@ def _run_evaluate(config: EvalConfig, console: Console | None, attacks: AttackRu
     if config.task_id is not None and config.task_id < 0:
         raise UserError(f"--task-id must be a whole number >= 0, got {config.task_id}")
     if config.task_id is None:  # a run's final/: the task it unlearned, as its template
-        config.task_id = task_from_run(config.model)
+        config = replace(config, task_id=task_from_run(config.model))
     if config.data_dir is not None and {"tofu", "privacy"} & set(config.suites):  # a bad file or task stops here
         load_tofu_sets(config.split, config.data_dir, config.max_samples, config.task_id,
                        get_protocol(config.protocol).max_rows)
@@ -346,7 +346,7 @@ def _run_evaluate(config: EvalConfig, console: Console | None, attacks: AttackRu
         model.to("cuda")
     targeted = config.targeted if config.targeted is not None else targeted_from_run(config.model)
     if config.prompt_template is None:
-        config.prompt_template = template_from_run(config.model)
+        config = replace(config, prompt_template=template_from_run(config.model))
     command = None
     if model is not None:  # the floor's matmul rate, in the model's dtype, on its device, in this run
         parameter = next(model.parameters())
