@@ -1,43 +1,82 @@
 """The options of the commands that take a recipe (`doplus unlearn`, `multitask`, `align`, `evaluate`), each
 declared once.
 
-Every option is an `Annotated` type: its flags and its help text. A training command's help reads its
-`[default: ...]` from the config dataclass field (config.py holds every default; the flag's own default is None,
-"not given", so a recipe's value stands unless a flag replaces it). `doplus evaluate`'s defaults are EvalConfig's
-(evaluation/, a layer above): cli.py hands them to `takes`, click shows them, and `with_recipe` asks click's
-parameter source which options the command line gave. `COMMAND_OPTIONS` lists each command's options (name ->
-type): `takes` makes them the signature of the command's function in cli.py, and the model card writes its command
-line from them (engine/model_card.py).
+Every option is one `Option` in `OPTIONS`: its flags, the type of its value and its help text. Where the commands
+word or declare an option differently, the difference is data in that one entry (`words`: a command's own help;
+`variant`: a command's own flags, type or range), not a second declaration. A help text shows a training command's
+default as `{default}`, read from that command's config class (`COMMAND_CONFIGS`; config.py holds every default),
+and names the command as `{command}`. The flag's own default is None, "not given", so a recipe's value stands
+unless a flag replaces it. `doplus evaluate`'s defaults are EvalConfig's (evaluation/, a layer above): cli.py hands
+them to `takes`, click shows them, and `with_recipe` asks click's parameter source which options the command line
+gave.
 
-Where the commands word an option differently, the variant is named after its command (`UnlearnOut`); where they
-share the wording of an option that means the same (a training command's `--eval-nli-model`, evaluate's
-`--nli-model`), the shared words are one constant and the difference is the flag and the words around it.
+`COMMAND_OPTIONS` lists each command's options by name, in the order of its help: `takes` makes them the signature
+of the command's function in cli.py (`option_type` builds each one's typer type for that command), and the model
+card writes its command line from `command_flags` (engine/model_card.py).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from typing import Annotated, Any, get_args
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Annotated, Any
 
 import typer
 from typer._click.core import ParameterSource
 from typer._click.globals import get_current_context
-from typer.models import ArgumentInfo
 
 from doplus_cli.config import AlignConfig, MultitaskConfig, TrainConfig, UnlearnConfig, default_of, recipe_options
 from doplus_cli.data.formatting import TEMPLATE_HELP
 from doplus_cli.errors import UserError
+from doplus_cli.registry import Registry
+
+# The config class each training command reads its options' defaults from (the kinds, a layer above, pair the same).
+COMMAND_CONFIGS: dict[str, type[TrainConfig]] = {
+    "unlearn": UnlearnConfig, "multitask": MultitaskConfig, "align": AlignConfig,
+}
+# A help text's place for the config field's default, and for the command's name.
+DEFAULT = " [default: {default}]"
 
 
-def shown_default(name: str, config_class: type[TrainConfig] = TrainConfig) -> str:
-    """` [default: VALUE]` for a help text: the config field's default, so no help text repeats a default."""
-    return f" [default: {default_of(name, config_class)}]"
+@dataclass(frozen=True)
+class Option:
+    """One option of the commands that take a recipe. `flags` is click's declaration (`--lr`, `--fsdp/--no-fsdp`;
+    an argument's parameter name), and its first flag names the option: the config field it sets (`--forget-lr`:
+    `forget_lr`). `help` may hold `{default}` (the command's config default) and `{command}` (the command's name).
+    `words` maps a command to its own help text; `variant` maps a command to its own `flags`, `type` or `min`."""
+
+    flags: str
+    type: Any
+    help: str
+    min: float | None = None
+    argument: bool = False
+    words: Mapping[str, str] = field(default_factory=dict)
+    variant: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.flags.split("/")[0].removeprefix("--").replace("-", "_")
+
+    def flags_for(self, command: str) -> str:
+        return self.variant.get(command, {}).get("flags", self.flags)
+
+    def help_for(self, command: str) -> str:
+        """The help text `command` shows: its own words or the shared ones, its default and its name filled in."""
+        text = self.words.get(command, self.help).replace("{command}", command)
+        if "{default}" in text:
+            text = text.replace("{default}", shown(default_of(self.name, COMMAND_CONFIGS[command])))
+        return text
+
+
+def shown(value: Any) -> str:
+    """A default as a help text shows it: as its flag is typed (a tuple comma-separated)."""
+    return ",".join(str(item) for item in value) if isinstance(value, tuple) else str(value)
 
 
 REPORT_TO_HELP = ("Experiment trackers through accelerate: none, or one or more of tensorboard, wandb, mlflow, "
                   "trackio, all (comma-separated; files under OUT/trackers/, W&B offline unless WANDB_MODE says "
-                  "otherwise)" + shown_default("report_to"))
+                  "otherwise)" + DEFAULT)
 SIMILARITY_HELP = ("Record in metrics.jsonl the cosine similarity of the objectives' latest updates and gradients "
                    "(update_cosine, grad_cosine; the paper's Figure 2). Costs a copy of the weights per objective.")
 PROTOCOL_HELP = ("Judges and generation budget: doplus (all-MiniLM-L6-v2, --max-new-tokens new tokens, Token "
@@ -56,463 +95,301 @@ TOFU_FOLDER_HELP = "Folder of TOFU JSON-lines files [default: hf:locuslab/TOFU"
 NLI_DEFAULT = "[default: sileod/deberta-v3-base-tasksource-nli]"
 SAFETY_FILES_HELP = "with I-*.json, Q-Harm.json, xstest_prompts.csv [default: download the releases' files]"
 GUARD_DEFAULT = "[default: meta-llama/Meta-Llama-Guard-2-8B if it loads, else the offline refusal judge"
+SELECT_BY_HELP = ("Keep the evaluated step that is best by METRIC as OUT/best/ beside final/: {metrics} (higher is "
+                  "better); METRIC:max or METRIC:min sets the direction [default: keep none]")
+WARMUP_HELP = "Linear warmup, then linear decay to 0 [default: {warmup}]"
 
-# --- Every training command, the same on each ---------------------------------------------------------------------
-Recipe = Annotated[str | None, typer.Option("--recipe", help="YAML recipe; flags given here override its values.")]
-Model = Annotated[str | None, typer.Option(
-    "--model", help="Hub id, local model folder or .gguf file [default: embedded SmolLM2-135M-Instruct]")]
-Dtype = Annotated[str | None, typer.Option("--dtype", help=DTYPE_HELP + shown_default("dtype"))]
-Precision = Annotated[str | None, typer.Option("--precision", help=PRECISION_HELP + shown_default("precision"))]
-SaveDtype = Annotated[str | None, typer.Option("--save-dtype", help=SAVE_DTYPE_HELP + shown_default("save_dtype"))]
-MaxLength = Annotated[int | None, typer.Option("--max-length", help="Tokens per example." + shown_default(
-    "max_length"))]
-PromptTemplate = Annotated[str | None, typer.Option("--prompt-template", help=TEMPLATE_HELP)]
-Optimizer = Annotated[str | None, typer.Option("--optimizer", help="adamw or muon (doplus)." + shown_default(
-    "optimizer"))]
-StateBits = Annotated[int | None, typer.Option("--state-bits", help="32 or 8 (blockwise 8-bit states)."
-                                               + shown_default("state_bits"))]
-Betas = Annotated[str | None, typer.Option("--betas", help="AdamW betas as B1,B2 [default: 0.9,0.95]")]
-Lr = Annotated[float | None, typer.Option("--lr", help="Peak learning rate." + shown_default("lr"))]
-BatchSize = Annotated[int | None, typer.Option("--batch-size", help="Examples per device per micro-step."
-                                               + shown_default("batch_size"))]
-GradAccum = Annotated[int | None, typer.Option("--grad-accum", help="Micro-steps per optimizer step (averaged)."
-                                               + shown_default("grad_accum"))]
-WeightDecay = Annotated[float | None, typer.Option("--weight-decay", help="AdamW weight decay." + shown_default(
-    "weight_decay"))]
-MaxGradNorm = Annotated[float | None, typer.Option("--max-grad-norm", help="Gradient clipping (0: off)."
-                                                   + shown_default("max_grad_norm"))]
-Seed = Annotated[int | None, typer.Option("--seed", help="Seed for weights' RNG and data order." + shown_default(
-    "seed"))]
-LoraAlpha = Annotated[float | None, typer.Option("--lora-alpha", help="LoRA alpha." + shown_default("lora_alpha"))]
-LoraDropout = Annotated[float | None, typer.Option("--lora-dropout", help="LoRA dropout." + shown_default(
-    "lora_dropout"))]
-SaveAdapterOnly = Annotated[bool | None, typer.Option(
-    "--save-adapter-only/--save-merged", help="final/ holds the LoRA adapter only [default: merged model]")]
-Fsdp = Annotated[bool | None, typer.Option(
-    "--fsdp/--no-fsdp", help="Shard weights, gradients and optimizer states across processes (FSDP2).")]
-KeepLast = Annotated[int | None, typer.Option("--keep-last", help="Keep the newest K checkpoints [default: all]")]
-LogUpdateSimilarity = Annotated[bool | None, typer.Option("--log-update-similarity", help=SIMILARITY_HELP)]
-ReportTo = Annotated[str | None, typer.Option("--report-to", help=REPORT_TO_HELP)]
-BaseUpdate = Annotated[str | None, typer.Option(
-    "--base-update", help="DualOptim+'s base state takes the gradient after-param (the rule), before-delta or "
-    "after-delta (the paper's ablation)." + shown_default("base_update"))]
-VFloor = Annotated[float | None, typer.Option(
-    "--v-floor", help="DualOptim+'s safeguarded rule: the floor rho on its denominator, as a fraction of "
-    "v_B + |v_k|, in [0, 1) (0: the clamp at 10 lr alone)." + shown_default("v_floor"))]
-BaseSource = Annotated[str | None, typer.Option(
-    "--base-source", help="DualOptim+'s base state takes grad (the rule) or grad-minus-delta, g minus the delta "
-    "(the paper's ablation)." + shown_default("base_source"))]
+OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) for option in (
+    # --- Every command -----------------------------------------------------------------------------------------
+    Option("--recipe", str, "YAML recipe; flags given here override its values.",
+           words={"multitask": "YAML recipe (a tasks: list); flags override it."}),
+    Option("--model", str, "Hub id, local model folder or .gguf file [default: embedded SmolLM2-135M-Instruct]",
+           words={"evaluate": "Hub id, model folder (e.g. a run's final/) or .gguf [default: embedded SmolLM2]"}),
+    Option("--dtype", str, DTYPE_HELP + DEFAULT,
+           words={"evaluate": "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16."}),
+    Option("--trust-remote-code/--no-trust-remote-code", bool, "Allow the model's own code to run.",
+           words={"unlearn": "Allow the model's own code to run." + DEFAULT},
+           variant={"evaluate": {"flags": "--trust-remote-code"}}),
+    Option("--prompt-template", str, TEMPLATE_HELP,
+           words={"evaluate": TEMPLATE_HELP.replace("[default: ", "[default: a run's own template; else ")}),
+    Option("--max-new-tokens", int, "Tokens generated per answer (targets, sample table)." + DEFAULT,
+           words={"multitask": "Greedy tokens per evaluated answer." + DEFAULT,
+                  "align": "Greedy tokens per held-out response." + DEFAULT, "evaluate": ANSWER_TOKENS_HELP},
+           variant={"evaluate": {"min": 1}}),
+    Option("--batch-size", int, "Examples per device per micro-step." + DEFAULT,
+           words={"evaluate": "Prompts per generation batch; NLL batches hold about 48 tokens per unit."},
+           variant={"evaluate": {"min": 1}}),
+    Option("--seed", int, "Seed for weights' RNG and data order." + DEFAULT,
+           words={"evaluate": "Seed (rejection answers drawn for TFE)."}),
+    Option("--out", str, "Output folder [default: runs/{command}-DATE-TIME]",
+           words={"evaluate": "Output folder [default: evals/DATE-TIME]"}),
+    Option("--overwrite/--no-overwrite", bool, "Replace the run in a non-empty --out folder.",
+           words={"unlearn": "Replace the run in a non-empty --out folder." + DEFAULT,
+                  "evaluate": "Replace an evaluation already in --out."},
+           variant={"evaluate": {"flags": "--overwrite"}}),
+    Option("--resume", str, "Continue the run in --out (latest checkpoint, or the checkpoint folder given).",
+           words={"unlearn": "Continue the run in --out: `--resume` alone takes its latest checkpoint, `--resume PATH` "
+                             "the checkpoint folder given.",
+                  "evaluate": "Continue an interrupted evaluation in --out: the suites it finished are kept, the "
+                              "others run."},
+           variant={"evaluate": {"type": bool}}),
+    Option("--forget", str, "Forget set: FILE.jsonl or hf:NAME[:CONFIG][@SPLIT].",
+           words={"evaluate": "real-world: forget-people JSON lines."}),
+    Option("--retain", str, "Retain set: FILE.jsonl, hf:NAME[:CONFIG][@SPLIT], or tofu-authors (the DualOptim+ "
+           "authors' retain set for --forget's file and task).",
+           words={"evaluate": "real-world: neighbour-people JSON lines."}),
+    Option("--task-id", int, "Forget files whose rows carry task_id (the authors' TOFU files): the task to unlearn "
+           "[default: 1]",
+           words={"evaluate": "TOFU files whose rows carry task_id (the DualOptim+ authors'): the forget task scored "
+                              "[default: 1]"}),
 
-# --- Worded the same by multitask and align (unlearn's own wording below) -----------------------------------------
-TrustRemoteCode = Annotated[bool | None, typer.Option(
-    "--trust-remote-code/--no-trust-remote-code", help="Allow the model's own code to run.")]
-DoplusRule = Annotated[str | None, typer.Option(
-    "--doplus-rule", help="DualOptim+'s AdamW rule: safeguarded or paper (exactly as published)."
-    + shown_default("doplus_rule"))]
-Overwrite = Annotated[bool | None, typer.Option("--overwrite/--no-overwrite",
-                                                help="Replace the run in a non-empty --out folder.")]
-LoraRank = Annotated[int | None, typer.Option("--lora-rank", help="Train LoRA adapters of rank R" + shown_default(
-    "lora_rank"))]
-LoraTargets = Annotated[str | None, typer.Option("--lora-targets", help="Modules to adapt, comma-separated.")]
-GradientCheckpointing = Annotated[bool | None, typer.Option(
-    "--gradient-checkpointing/--no-gradient-checkpointing", help="Recompute activations in backward.")]
-NumProcesses = Annotated[int | None, typer.Option("--num-processes", min=1,
-                                                  help="Run on N processes through `accelerate launch`.")]
-SaveEvery = Annotated[int | None, typer.Option("--save-every", help="Write checkpoints/step-N/ every N steps.")]
-DryRun = Annotated[bool | None, typer.Option(
-    "--dry-run", help="Print the run's memory plan (parameters; bytes of weights, gradients, optimizer states, "
-    "activations; the total per process under DDP and FSDP for --num-processes) from the model's config alone, "
-    "and exit without training or writing anything.")]
-GpuMemory = Annotated[float | None, typer.Option(
-    "--gpu-memory", min=0, help="With --dry-run: the GPU memory (GiB) the plan is checked against [default: the "
-    "visible GPU's]")]
-Resume = Annotated[str | None, typer.Option(
-    "--resume", help="Continue the run in --out (latest checkpoint, or the checkpoint folder given).")]
+    # --- Every training command --------------------------------------------------------------------------------
+    Option("--precision", str, PRECISION_HELP + DEFAULT),
+    Option("--save-dtype", str, SAVE_DTYPE_HELP + DEFAULT),
+    Option("--max-length", int, "Tokens per example." + DEFAULT),
+    Option("--optimizer", str, "adamw or muon (doplus)." + DEFAULT),
+    Option("--state-bits", int, "32 or 8 (blockwise 8-bit states)." + DEFAULT),
+    Option("--betas", str, "AdamW betas as B1,B2" + DEFAULT),
+    Option("--lr", float, "Peak learning rate." + DEFAULT),
+    Option("--grad-accum", int, "Micro-steps per optimizer step (averaged)." + DEFAULT),
+    Option("--weight-decay", float, "AdamW weight decay." + DEFAULT),
+    Option("--max-grad-norm", float, "Gradient clipping (0: off)." + DEFAULT),
+    Option("--lora-alpha", float, "LoRA alpha." + DEFAULT),
+    Option("--lora-dropout", float, "LoRA dropout." + DEFAULT),
+    Option("--save-adapter-only/--save-merged", bool, "final/ holds the LoRA adapter only [default: merged model]"),
+    Option("--fsdp/--no-fsdp", bool, "Shard weights, gradients and optimizer states across processes (FSDP2)."),
+    Option("--keep-last", int, "Keep the newest K checkpoints [default: all]"),
+    Option("--log-update-similarity", bool, SIMILARITY_HELP),
+    Option("--report-to", str, REPORT_TO_HELP),
+    Option("--base-update", str, "DualOptim+'s base state takes the gradient after-param (the rule), before-delta "
+           "or after-delta (the paper's ablation)." + DEFAULT),
+    Option("--v-floor", float, "DualOptim+'s safeguarded rule: the floor rho on its denominator, as a fraction of "
+           "v_B + |v_k|, in [0, 1) (0: the clamp at 10 lr alone)." + DEFAULT),
+    Option("--base-source", str, "DualOptim+'s base state takes grad (the rule) or grad-minus-delta, g minus the "
+           "delta (the paper's ablation)." + DEFAULT),
+    Option("--doplus-rule", str, "DualOptim+'s AdamW rule: safeguarded or paper (exactly as published)." + DEFAULT,
+           words={"unlearn": "DualOptim+'s AdamW rule: safeguarded (floor on the denominator, steps at most 10 lr) "
+                             "or paper (exactly as published)." + DEFAULT}),
+    Option("--scheme", str, "joint, alternate, dualoptim, doplus, or the paper's federated-learning baselines "
+           "scaffold, fedcm, local-adam." + DEFAULT,
+           words={"align": "joint (batches from the mixture of both sets), alternate, dualoptim, doplus, scaffold, "
+                           "fedcm or local-adam." + DEFAULT}),
+    Option("--steps", int, "Optimizer steps." + DEFAULT, words={"align": "Optimizer steps (or --epochs)." + DEFAULT}),
+    Option("--warmup-steps", int, WARMUP_HELP.format(warmup="a tenth of the steps"),
+           words={"unlearn": WARMUP_HELP.format(warmup="one pass over the forget set"),
+                  "align": WARMUP_HELP.format(warmup="the first epoch with --epochs, else a tenth of the steps")}),
+    Option("--lora-rank", int, "Train LoRA adapters of rank R" + DEFAULT,
+           words={"unlearn": "Train LoRA adapters of rank R (peft) [default: 0, every weight]"}),
+    Option("--lora-targets", str, "Modules to adapt, comma-separated.",
+           words={"unlearn": "Modules to adapt, comma-separated [default: peft's for the architecture]"}),
+    Option("--gradient-checkpointing/--no-gradient-checkpointing", bool, "Recompute activations in backward.",
+           words={"unlearn": "Recompute activations in backward (less memory)." + DEFAULT}),
+    Option("--num-processes", int, "Run on N processes through `accelerate launch`.", min=1,
+           words={"unlearn": "Run on N processes through `accelerate launch` (N GPUs, or N CPU processes over "
+                             "gloo)."}),
+    Option("--save-every", int, "Write checkpoints/step-N/ every N steps.",
+           words={"unlearn": "Write checkpoints/step-N/ every N steps [default: never]"}),
+    Option("--dry-run", bool, "Print the run's memory plan (parameters; bytes of weights, gradients, optimizer "
+           "states, activations; the total per process under DDP and FSDP for --num-processes) from the model's "
+           "config alone, and exit without training or writing anything."),
+    Option("--gpu-memory", float, "With --dry-run: the GPU memory (GiB) the plan is checked against [default: the "
+           "visible GPU's]", min=0),
+    Option("--accept-changed", str, "With --resume: go on although these inputs changed since the run started: "
+           "data, model, software (comma-separated, or all). Without it such a resumption is refused, naming what "
+           "changed."),
+    Option("--eval-every", int, "Evaluate every N steps (and at the end) into OUT/evals/step-N/ [default: never]",
+           words={"multitask": "Score every task every N steps (and at the end) [default: never]"}),
+    Option("--select-by", str, SELECT_BY_HELP.format(metrics="MU, UFE, TFE or OVR"),
+           words={"multitask": SELECT_BY_HELP.format(metrics="a task's name or average")}),
+    Option("--eval-batch-size", int, "Prompts per generation batch." + DEFAULT,
+           words={"unlearn": "Prompts per batch of the evaluation during training [default: the larger of "
+                             "--batch-size and 8]"}),
+    Option("--eval-max-new-tokens", int, ANSWER_TOKENS_HELP + DEFAULT),
+    Option("--eval-suite", str, "Suite run during training." + DEFAULT,
+           words={"align": "After training, `doplus evaluate` final/ into OUT/eval/: safety, xstest or "
+                           "safety,xstest [default: none]"}),
+    Option("--eval-max-samples", int, "Questions per set [default: all]",
+           words={"align": "The first N prompts of each set [default: all]"}),
 
-# --- Worded the same by unlearn and multitask (align's own wording below) -----------------------------------------
-Scheme = Annotated[str | None, typer.Option(
-    "--scheme", help="joint, alternate, dualoptim, doplus, or the paper's federated-learning baselines scaffold, "
-    "fedcm, local-adam." + shown_default("scheme"))]
-Steps = Annotated[int | None, typer.Option("--steps", help="Optimizer steps." + shown_default("steps"))]
+    # --- doplus unlearn --------------------------------------------------------------------------------------------
+    Option("--task-ids", str, "With --continual: the tasks, in order (1,2,3)."),
+    Option("--continual/--no-continual", bool, "Unlearn --task-ids one after another, each from the previous task's "
+           "final model." + DEFAULT),
+    Option("--question-key", str, "Question field." + DEFAULT),
+    Option("--answer-key", str, "Answer field." + DEFAULT),
+    Option("--answers-from-model/--no-answers-from-model", bool, "Use the starting model's own greedy answers as "
+           "targets (real-world setting)." + DEFAULT),
+    Option("--text-window", int, "Join the text rows of the forget and retain sets and cut them into windows of N "
+           "tokens, as MUSE trains (N=2048, with --max-length 2048) [default: each text row is one example]"),
+    Option("--loss", str, "FORGET[+RETAIN]: FORGET in GA, NPO, DPO, ME, IDK, SimNPO, RMU, UNDIAL, WGA, SatImp, CE-U; "
+           "RETAIN in GD, KL, AP, EMBED (RMU's activation term)." + DEFAULT),
+    Option("--beta", float, "Temperature of NPO, DPO and AP." + DEFAULT),
+    Option("--simnpo-beta", float, "SimNPO's beta." + DEFAULT),
+    Option("--simnpo-gamma", float, "SimNPO's reward margin gamma." + DEFAULT),
+    Option("--undial-beta", float, "UNDIAL's reduction of the true token's reference logit." + DEFAULT),
+    Option("--wga-beta", float, "WGA's exponent on p_t." + DEFAULT),
+    Option("--satimp-beta1", float, "SatImp's exponent on p_t." + DEFAULT),
+    Option("--satimp-beta2", float, "SatImp's exponent on 1 - p_t." + DEFAULT),
+    Option("--rmu-layer", int, "RMU/EMBED: the decoder layer whose output is steered or held [default: 7; 7/32 of "
+           "the depth of a model with 7 layers or fewer]"),
+    Option("--rmu-coeff", float, "RMU's steering coefficient c." + DEFAULT),
+    Option("--rmu-update-layers", str, "RMU: layers whose modules train, e.g. 5,6,7 [default: the RMU layer and the "
+           "two before it]"),
+    Option("--rmu-modules", str, "RMU: the modules of those layers that train, e.g. mlp.down_proj [default: the "
+           "MLP's output projection]"),
+    Option("--forget-coeff", float, "Weight of the forget loss." + DEFAULT),
+    Option("--retain-coeff", float, "Weight of the retain loss." + DEFAULT),
+    Option("--forget-freq", int, "F_f: forget steps per cycle." + DEFAULT),
+    Option("--retain-freq", int, "F_r: retain steps per cycle." + DEFAULT),
+    Option("--forget-lr", float, "Learning rate of forget steps [default: --lr]"),
+    Option("--show-samples", int, "Questions per set shown before/after (0: none)." + DEFAULT),
+    Option("--ref-offload", str, "cpu: keep the reference model (NPO, DPO, KL) on the CPU; 8bit: load it with "
+           "LLM.int8 weights (bitsandbytes) on the device [default: a full copy on the device; its shards under "
+           "FSDP]"),
+    Option("--eval-split", str, "TOFU forget split." + DEFAULT),
+    Option("--eval-data-dir", str, TOFU_FOLDER_HELP + "]"),
+    Option("--eval-nli-model", str, "NLI model " + NLI_DEFAULT),
+    Option("--eval-embedding-model", str, "Embedding model [default: the protocol's]"),
+    Option("--eval-protocol", str, PROTOCOL_HELP + DEFAULT),
+    Option("--eval-attacks", str, "The last evaluation (--eval-every) also runs on attacked copies of the final "
+           "weights: relearn, relearn-lora, quant-8bit, quant-4bit, probe or all, comma-separated (docs/attacks.md) "
+           "[default: none]"),
 
-# --- doplus unlearn ---------------------------------------------------------------------------------------------
-UnlearnTrustRemoteCode = Annotated[bool | None, typer.Option(
-    "--trust-remote-code/--no-trust-remote-code", help="Allow the model's own code to run." + shown_default(
-        "trust_remote_code"))]
-Forget = Annotated[str | None, typer.Option("--forget", help="Forget set: FILE.jsonl or hf:NAME[:CONFIG][@SPLIT].")]
-Retain = Annotated[str | None, typer.Option(
-    "--retain", help="Retain set: FILE.jsonl, hf:NAME[:CONFIG][@SPLIT], or tofu-authors (the DualOptim+ authors' "
-    "retain set for --forget's file and task).")]
-TaskId = Annotated[int | None, typer.Option(
-    "--task-id", help="Forget files whose rows carry task_id (the authors' TOFU files): the task to unlearn "
-    "[default: 1]")]
-TaskIds = Annotated[str | None, typer.Option("--task-ids", help="With --continual: the tasks, in order (1,2,3).")]
-Continual = Annotated[bool | None, typer.Option(
-    "--continual/--no-continual", help="Unlearn --task-ids one after another, each from the previous task's final "
-    "model." + shown_default("continual", UnlearnConfig))]
-QuestionKey = Annotated[str | None, typer.Option("--question-key", help="Question field." + shown_default(
-    "question_key", UnlearnConfig))]
-UnlearnAnswerKey = Annotated[str | None, typer.Option("--answer-key", help="Answer field." + shown_default(
-    "answer_key", UnlearnConfig))]
-AnswersFromModel = Annotated[bool | None, typer.Option(
-    "--answers-from-model/--no-answers-from-model",
-    help="Use the starting model's own greedy answers as targets (real-world setting)." + shown_default(
-        "answers_from_model", UnlearnConfig))]
-TextWindow = Annotated[int | None, typer.Option(
-    "--text-window", help="Join the text rows of the forget and retain sets and cut them into windows of N tokens, "
-    "as MUSE trains (N=2048, with --max-length 2048) [default: each text row is one example]")]
-UnlearnMaxNewTokens = Annotated[int | None, typer.Option(
-    "--max-new-tokens", help="Tokens generated per answer (targets, sample table)." + shown_default("max_new_tokens"))]
-Loss = Annotated[str | None, typer.Option(
-    "--loss", help="FORGET[+RETAIN]: FORGET in GA, NPO, DPO, ME, IDK, SimNPO, RMU, UNDIAL, WGA, SatImp, CE-U; RETAIN "
-    "in GD, KL, AP, EMBED (RMU's activation term)." + shown_default("loss", UnlearnConfig))]
-Beta = Annotated[float | None, typer.Option("--beta", help="Temperature of NPO, DPO and AP." + shown_default(
-    "beta", UnlearnConfig))]
-SimnpoBeta = Annotated[float | None, typer.Option("--simnpo-beta", help="SimNPO's beta." + shown_default(
-    "simnpo_beta", UnlearnConfig))]
-SimnpoGamma = Annotated[float | None, typer.Option("--simnpo-gamma", help="SimNPO's reward margin gamma."
-                                                   + shown_default("simnpo_gamma", UnlearnConfig))]
-UndialBeta = Annotated[float | None, typer.Option(
-    "--undial-beta", help="UNDIAL's reduction of the true token's reference logit." + shown_default(
-        "undial_beta", UnlearnConfig))]
-WgaBeta = Annotated[float | None, typer.Option("--wga-beta", help="WGA's exponent on p_t." + shown_default(
-    "wga_beta", UnlearnConfig))]
-SatimpBeta1 = Annotated[float | None, typer.Option("--satimp-beta1", help="SatImp's exponent on p_t." + shown_default(
-    "satimp_beta1", UnlearnConfig))]
-SatimpBeta2 = Annotated[float | None, typer.Option("--satimp-beta2", help="SatImp's exponent on 1 - p_t."
-                                                   + shown_default("satimp_beta2", UnlearnConfig))]
-RmuLayer = Annotated[int | None, typer.Option(
-    "--rmu-layer", help="RMU/EMBED: the decoder layer whose output is steered or held [default: 7; 7/32 of the "
-    "depth of a model with 7 layers or fewer]")]
-RmuCoeff = Annotated[float | None, typer.Option("--rmu-coeff", help="RMU's steering coefficient c." + shown_default(
-    "rmu_coeff", UnlearnConfig))]
-RmuUpdateLayers = Annotated[str | None, typer.Option(
-    "--rmu-update-layers", help="RMU: layers whose modules train, e.g. 5,6,7 [default: the RMU layer and the two "
-    "before it]")]
-RmuModules = Annotated[str | None, typer.Option(
-    "--rmu-modules", help="RMU: the modules of those layers that train, e.g. mlp.down_proj [default: the MLP's "
-    "output projection]")]
-ForgetCoeff = Annotated[float | None, typer.Option("--forget-coeff", help="Weight of the forget loss." + shown_default(
-    "forget_coeff", UnlearnConfig))]
-RetainCoeff = Annotated[float | None, typer.Option("--retain-coeff", help="Weight of the retain loss." + shown_default(
-    "retain_coeff", UnlearnConfig))]
-UnlearnDoplusRule = Annotated[str | None, typer.Option(
-    "--doplus-rule", help="DualOptim+'s AdamW rule: safeguarded (floor on the denominator, steps at most 10 lr) or "
-    "paper (exactly as published)." + shown_default("doplus_rule"))]
-ForgetFreq = Annotated[int | None, typer.Option("--forget-freq", help="F_f: forget steps per cycle." + shown_default(
-    "forget_freq", UnlearnConfig))]
-RetainFreq = Annotated[int | None, typer.Option("--retain-freq", help="F_r: retain steps per cycle." + shown_default(
-    "retain_freq", UnlearnConfig))]
-ForgetLr = Annotated[float | None, typer.Option("--forget-lr",
-                                                help="Learning rate of forget steps [default: --lr]")]
-UnlearnWarmupSteps = Annotated[int | None, typer.Option(
-    "--warmup-steps", help="Linear warmup, then linear decay to 0 [default: one pass over the forget set]")]
-UnlearnOut = Annotated[str | None, typer.Option("--out", help="Output folder [default: runs/unlearn-DATE-TIME]")]
-UnlearnOverwrite = Annotated[bool | None, typer.Option(
-    "--overwrite/--no-overwrite", help="Replace the run in a non-empty --out folder." + shown_default("overwrite"))]
-ShowSamples = Annotated[int | None, typer.Option(
-    "--show-samples", help="Questions per set shown before/after (0: none)." + shown_default(
-        "show_samples", UnlearnConfig))]
-UnlearnLoraRank = Annotated[int | None, typer.Option(
-    "--lora-rank", help="Train LoRA adapters of rank R (peft) [default: 0, every weight]")]
-UnlearnLoraTargets = Annotated[str | None, typer.Option(
-    "--lora-targets", help="Modules to adapt, comma-separated [default: peft's for the architecture]")]
-UnlearnGradientCheckpointing = Annotated[bool | None, typer.Option(
-    "--gradient-checkpointing/--no-gradient-checkpointing",
-    help="Recompute activations in backward (less memory)." + shown_default("gradient_checkpointing"))]
-RefOffload = Annotated[str | None, typer.Option(
-    "--ref-offload", help="cpu: keep the reference model (NPO, DPO, KL) on the CPU; 8bit: load it with LLM.int8 "
-    "weights (bitsandbytes) on the device [default: a full copy on the device; its shards under FSDP]")]
-UnlearnNumProcesses = Annotated[int | None, typer.Option(
-    "--num-processes", min=1,
-    help="Run on N processes through `accelerate launch` (N GPUs, or N CPU processes over gloo).")]
-UnlearnSaveEvery = Annotated[int | None, typer.Option(
-    "--save-every", help="Write checkpoints/step-N/ every N steps [default: never]")]
-UnlearnResume = Annotated[str | None, typer.Option(
-    "--resume", help="Continue the run in --out: `--resume` alone takes its latest checkpoint, `--resume PATH` the "
-    "checkpoint folder given.")]
-AcceptChanged = Annotated[str | None, typer.Option(
-    "--accept-changed", help="With --resume: go on although these inputs changed since the run started: data, "
-    "model, software (comma-separated, or all). Without it such a resumption is refused, naming what changed.")]
-UnlearnEvalEvery = Annotated[int | None, typer.Option(
-    "--eval-every", help="Evaluate every N steps (and at the end) into OUT/evals/step-N/ [default: never]")]
-UnlearnSelectBy = Annotated[str | None, typer.Option(
-    "--select-by", help="Keep the evaluated step that is best by METRIC as OUT/best/ beside final/: MU, UFE, TFE or "
-    "OVR (higher is better); METRIC:max or METRIC:min sets the direction [default: keep none]")]
-UnlearnEvalSuite = Annotated[str | None, typer.Option("--eval-suite", help="Suite run during training."
-                                                      + shown_default("eval_suite", UnlearnConfig))]
-EvalSplit = Annotated[str | None, typer.Option("--eval-split", help="TOFU forget split." + shown_default(
-    "eval_split", UnlearnConfig))]
-EvalDataDir = Annotated[str | None, typer.Option("--eval-data-dir", help=TOFU_FOLDER_HELP + "]")]
-UnlearnEvalMaxSamples = Annotated[int | None, typer.Option("--eval-max-samples",
-                                                           help="Questions per set [default: all]")]
-UnlearnEvalMaxNewTokens = Annotated[int | None, typer.Option(
-    "--eval-max-new-tokens", help=ANSWER_TOKENS_HELP + shown_default("eval_max_new_tokens", UnlearnConfig))]
-UnlearnEvalBatchSize = Annotated[int | None, typer.Option(
-    "--eval-batch-size", help="Prompts per batch of the evaluation during training [default: the larger of "
-    "--batch-size and 8]")]
-EvalNliModel = Annotated[str | None, typer.Option("--eval-nli-model", help="NLI model " + NLI_DEFAULT)]
-EvalEmbeddingModel = Annotated[str | None, typer.Option(
-    "--eval-embedding-model", help="Embedding model [default: the protocol's]")]
-EvalProtocol = Annotated[str | None, typer.Option("--eval-protocol", help=PROTOCOL_HELP + shown_default(
-    "eval_protocol", UnlearnConfig))]
-EvalAttacks = Annotated[str | None, typer.Option(
-    "--eval-attacks", help="The last evaluation (--eval-every) also runs on attacked copies of the final weights: "
-    "relearn, relearn-lora, quant-8bit, quant-4bit, probe or all, comma-separated (docs/attacks.md) "
-    "[default: none]")]
+    # --- doplus multitask ------------------------------------------------------------------------------------------
+    Option("--task", list[str], "NAME=SOURCE[,metric=exact|choice|edit_sim|rouge_l][,freq=F][,weight=W][,eval=FILE]"
+           "[,lr_multiplier=X], SOURCE a JSON-lines file or hf:NAME[:CONFIG][@SPLIT]; once per task (replaces the "
+           "recipe's tasks)"),
+    Option("--freq", str, "Each task's steps per cycle, in order: 1,2,1 [default: each task's freq, 1]",
+           words={"align": "F_s:F_g, safety steps then general steps per cycle." + DEFAULT}),
+    Option("--prompt-key", str, "Prompt field." + DEFAULT),
+    Option("--eval-rows", int, "Rows kept out of training for evaluation, per task without an eval file (0: none)."
+           + DEFAULT),
 
-# --- doplus multitask -------------------------------------------------------------------------------------------
-MultitaskRecipe = Annotated[str | None, typer.Option("--recipe",
-                                                     help="YAML recipe (a tasks: list); flags override it.")]
-Task = Annotated[list[str] | None, typer.Option(
-    "--task", help="NAME=SOURCE[,metric=exact|choice|edit_sim|rouge_l][,freq=F][,weight=W][,eval=FILE]"
-    "[,lr_multiplier=X], SOURCE a JSON-lines file or hf:NAME[:CONFIG][@SPLIT]; once per task (replaces the "
-    "recipe's tasks)")]
-MultitaskFreq = Annotated[str | None, typer.Option(
-    "--freq", help="Each task's steps per cycle, in order: 1,2,1 [default: each task's freq, 1]")]
-PromptKey = Annotated[str | None, typer.Option("--prompt-key", help="Prompt field." + shown_default(
-    "prompt_key", MultitaskConfig))]
-MultitaskAnswerKey = Annotated[str | None, typer.Option("--answer-key", help="Answer field." + shown_default(
-    "answer_key", MultitaskConfig))]
-EvalRows = Annotated[int | None, typer.Option(
-    "--eval-rows", help="Rows kept out of training for evaluation, per task without an eval file (0: none)."
-    + shown_default("eval_rows", MultitaskConfig))]
-MultitaskEvalEvery = Annotated[int | None, typer.Option(
-    "--eval-every", help="Score every task every N steps (and at the end) [default: never]")]
-MultitaskSelectBy = Annotated[str | None, typer.Option(
-    "--select-by", help="Keep the evaluated step that is best by METRIC as OUT/best/ beside final/: a task's name "
-    "or average (higher is better); METRIC:max or METRIC:min sets the direction [default: keep none]")]
-MultitaskMaxNewTokens = Annotated[int | None, typer.Option(
-    "--max-new-tokens", help="Greedy tokens per evaluated answer." + shown_default("max_new_tokens"))]
-MultitaskEvalBatchSize = Annotated[int | None, typer.Option(
-    "--eval-batch-size", help="Prompts per generation batch." + shown_default("eval_batch_size", MultitaskConfig))]
-MultitaskWarmupSteps = Annotated[int | None, typer.Option(
-    "--warmup-steps", help="Linear warmup, then linear decay to 0 [default: a tenth of the steps]")]
-MultitaskOut = Annotated[str | None, typer.Option("--out", help="Output folder [default: runs/multitask-DATE-TIME]")]
+    # --- doplus align ----------------------------------------------------------------------------------------------
+    Option("--safety", str, "Harmful instructions with the safe response to learn: " + SOURCE_HELP),
+    Option("--general", str, "Benign instructions with their responses (Alpaca): " + SOURCE_HELP),
+    Option("--instruction-key", str, "Instruction field." + DEFAULT),
+    Option("--input-key", str, "Optional input field, after the instruction and a blank line when not empty."
+           + DEFAULT),
+    Option("--output-key", str, "Response field." + DEFAULT),
+    Option("--epochs", float, "Passes over the general set, instead of --steps (warmup: the first epoch)."),
+    Option("--held-out", int, "Each set's last N rows, kept out of training and answered before and after (0: none)."
+           + DEFAULT),
+    Option("--eval-guard-model", str, "A Llama Guard-protocol model, or none " + GUARD_DEFAULT + "]"),
+    Option("--eval-refusal-model", str, "A chat model labelling refusals by XSTest's protocol [default: the offline "
+           "refusal judge]"),
+    Option("--eval-safety-data-dir", str, "Folder " + SAFETY_FILES_HELP),
 
-# --- doplus align -----------------------------------------------------------------------------------------------
-Safety = Annotated[str | None, typer.Option(
-    "--safety", help="Harmful instructions with the safe response to learn: " + SOURCE_HELP)]
-General = Annotated[str | None, typer.Option(
-    "--general", help="Benign instructions with their responses (Alpaca): " + SOURCE_HELP)]
-InstructionKey = Annotated[str | None, typer.Option("--instruction-key", help="Instruction field." + shown_default(
-    "instruction_key", AlignConfig))]
-InputKey = Annotated[str | None, typer.Option(
-    "--input-key", help="Optional input field, after the instruction and a blank line when not empty."
-    + shown_default("input_key", AlignConfig))]
-OutputKey = Annotated[str | None, typer.Option("--output-key", help="Response field." + shown_default(
-    "output_key", AlignConfig))]
-AlignFreq = Annotated[str | None, typer.Option(
-    "--freq", help="F_s:F_g, safety steps then general steps per cycle." + shown_default("freq", AlignConfig))]
-Epochs = Annotated[float | None, typer.Option(
-    "--epochs", help="Passes over the general set, instead of --steps (warmup: the first epoch).")]
-HeldOut = Annotated[int | None, typer.Option(
-    "--held-out", help="Each set's last N rows, kept out of training and answered before and after (0: none)."
-    + shown_default("held_out", AlignConfig))]
-AlignMaxNewTokens = Annotated[int | None, typer.Option(
-    "--max-new-tokens", help="Greedy tokens per held-out response." + shown_default("max_new_tokens"))]
-AlignScheme = Annotated[str | None, typer.Option(
-    "--scheme", help="joint (batches from the mixture of both sets), alternate, dualoptim, doplus, scaffold, fedcm "
-    "or local-adam."
-    + shown_default("scheme"))]
-AlignSteps = Annotated[int | None, typer.Option("--steps", help="Optimizer steps (or --epochs)." + shown_default(
-    "steps"))]
-AlignWarmupSteps = Annotated[int | None, typer.Option(
-    "--warmup-steps", help="Linear warmup, then linear decay to 0 [default: the first epoch with --epochs, else a "
-    "tenth of the steps]")]
-AlignOut = Annotated[str | None, typer.Option("--out", help="Output folder [default: runs/align-DATE-TIME]")]
-AlignEvalBatchSize = Annotated[int | None, typer.Option(
-    "--eval-batch-size", help="Prompts per generation batch." + shown_default("eval_batch_size", AlignConfig))]
-AlignEvalSuite = Annotated[str | None, typer.Option(
-    "--eval-suite", help="After training, `doplus evaluate` final/ into OUT/eval/: safety, xstest or safety,xstest "
-    "[default: none]")]
-AlignEvalMaxSamples = Annotated[int | None, typer.Option(
-    "--eval-max-samples", help="The first N prompts of each set [default: all]")]
-AlignEvalMaxNewTokens = Annotated[int | None, typer.Option(
-    "--eval-max-new-tokens", help=ANSWER_TOKENS_HELP + shown_default("eval_max_new_tokens", AlignConfig))]
-EvalGuardModel = Annotated[str | None, typer.Option(
-    "--eval-guard-model", help="A Llama Guard-protocol model, or none " + GUARD_DEFAULT + "]")]
-EvalRefusalModel = Annotated[str | None, typer.Option(
-    "--eval-refusal-model", help="A chat model labelling refusals by XSTest's protocol [default: the offline "
-    "refusal judge]")]
-EvalSafetyDataDir = Annotated[str | None, typer.Option("--eval-safety-data-dir",
-                                                       help="Folder " + SAFETY_FILES_HELP)]
+    # --- doplus evaluate -------------------------------------------------------------------------------------------
+    Option("folders", list[str], "With --compare: evaluation folders to compare.", argument=True),
+    Option("--compare", bool, "Print the given evaluation folders side by side."),
+    Option("--suite", str, "tofu, real-world, lm-eval, privacy, safety, xstest, muse, or several comma-separated."),
+    Option("--split", str, "TOFU forget split: forget01, forget05, forget10."),
+    Option("--data-dir", str, TOFU_FOLDER_HELP + " from the hub]"),
+    Option("--max-samples", int, "At most N questions per set (quick looks)."),
+    Option("--generation-batch-size", int, "Prompts per generation batch of the TOFU and real-world suites, apart "
+           "from the NLL batches' unit [default: twice --batch-size on the CPU, --batch-size on a GPU]", min=1),
+    Option("--embedding-model", str, "Sentence-transformers model for Cosine Similarity [default: the protocol's: "
+           "doplus all-MiniLM-L6-v2, paper paraphrase-MiniLM-L6-v2]"),
+    Option("--nli-model", str, "NLI model for the Entailment Score " + NLI_DEFAULT),
+    Option("--targeted/--untargeted", bool, "OVR formula (IDK/DPO are targeted) [default: from the run's loss, else "
+           "both]"),
+    Option("--tasks", str, "lm-eval tasks, comma-separated."),
+    Option("--limit", float, "lm-eval: samples per task (or a fraction < 1)."),
+    Option("--lm-eval-include", str, "Folder of extra lm-eval task YAMLs."),
+    Option("--protocol", str, PROTOCOL_HELP),
+    Option("--retain-logs", str, "A retain model's TOFU_EVAL.json (doplus's or OpenUnlearning's): forget_quality "
+           "and privleak's reference AUC; muse: a retrained model's MUSE_EVAL.json."),
+    Option("--holdout", str, "Non-member rows (JSON lines with question, answer; TOFU's holdout10): the privacy "
+           "suite, and privacy metrics in the TOFU suite."),
+    Option("--guard-model", str, "safety: a Llama Guard-protocol model (hub id or folder), or none " + GUARD_DEFAULT
+           + ", said in the report]"),
+    Option("--refusal-model", str, "safety, xstest: a chat model (hub id or folder) that labels refusals by "
+           "XSTest's classification protocol instead of the offline refusal judge"),
+    Option("--refusal-model-prompt", str, "Its prompt: a text file with {question} and {response} [default: "
+           "doplus's wording of XSTest's GPT-4 prompt]"),
+    Option("--safety-data-dir", str, "safety, xstest: folder " + SAFETY_FILES_HELP),
+    Option("--responses", str, "safety, xstest: judge the (prompt, response) rows of FILE.jsonl|csv instead of "
+           "generating"),
+    Option("--muse-corpus", str, "muse: news or books."),
+    Option("--muse-data", str, "muse: a folder in MUSE's layout (<config>/<split>.jsonl) or hf:NAME [default: "
+           "hf:muse-bench/MUSE-News or MUSE-Books]"),
+    Option("--muse-retrained", str, "muse: a retrained model (hub id or folder) whose Min-40% AUC is privleak's "
+           "reference [default: --retain-logs, else MUSE's published retrained AUC]"),
+    Option("--attacks", str, "Run the forget suites again on attacked copies of the model and report the change: "
+           "relearn, relearn-lora, quant-8bit, quant-4bit, probe (probe-prefix, probe-roleplay, probe-incontext, "
+           "probe-paraphrase) or all, comma-separated (docs/attacks.md). The model on disk is never changed."),
+    Option("--relearn-data", str, "Relearning attacks: JSON lines with question, answer to fine-tune on [default: "
+           "the first half of the forget rows; the other half is reported apart]"),
+    Option("--relearn-steps", str, "Relearning attacks: K optimizer steps, or several comma-separated (one "
+           "relearned copy each; the published presets are 50, 100, 150) [default: 50]"),
+)))
 
-# --- doplus evaluate ------------------------------------------------------------------------------------------
-Folders = Annotated[list[str] | None, typer.Argument(help="With --compare: evaluation folders to compare.")]
-Compare = Annotated[bool | None, typer.Option("--compare", help="Print the given evaluation folders side by side.")]
-EvaluateModel = Annotated[str | None, typer.Option(
-    "--model", help="Hub id, model folder (e.g. a run's final/) or .gguf [default: embedded SmolLM2]")]
-Suite = Annotated[str | None, typer.Option(
-    "--suite", help="tofu, real-world, lm-eval, privacy, safety, xstest, muse, or several comma-separated.")]
-Split = Annotated[str | None, typer.Option("--split", help="TOFU forget split: forget01, forget05, forget10.")]
-EvaluateTaskId = Annotated[int | None, typer.Option(
-    "--task-id", help="TOFU files whose rows carry task_id (the DualOptim+ authors'): the forget task scored "
-    "[default: 1]")]
-DataDir = Annotated[str | None, typer.Option("--data-dir", help=TOFU_FOLDER_HELP + " from the hub]")]
-EvaluateForget = Annotated[str | None, typer.Option("--forget", help="real-world: forget-people JSON lines.")]
-EvaluateRetain = Annotated[str | None, typer.Option("--retain", help="real-world: neighbour-people JSON lines.")]
-EvaluateOut = Annotated[str | None, typer.Option("--out", help="Output folder [default: evals/DATE-TIME]")]
-MaxSamples = Annotated[int | None, typer.Option("--max-samples",
-                                                help="At most N questions per set (quick looks).")]
-EvaluateBatchSize = Annotated[int | None, typer.Option(
-    "--batch-size", min=1, help="Prompts per generation batch; NLL batches hold about 48 tokens per unit.")]
-GenerationBatchSize = Annotated[int | None, typer.Option(
-    "--generation-batch-size", min=1, help="Prompts per generation batch of the TOFU and real-world suites, apart "
-    "from the NLL batches' unit [default: twice --batch-size on the CPU, --batch-size on a GPU]")]
-EvaluateMaxNewTokens = Annotated[int | None, typer.Option("--max-new-tokens", min=1, help=ANSWER_TOKENS_HELP)]
-EmbeddingModel = Annotated[str | None, typer.Option(
-    "--embedding-model", help="Sentence-transformers model for Cosine Similarity [default: the protocol's: doplus "
-    "all-MiniLM-L6-v2, paper paraphrase-MiniLM-L6-v2]")]
-NliModel = Annotated[str | None, typer.Option("--nli-model",
-                                              help="NLI model for the Entailment Score " + NLI_DEFAULT)]
-Targeted = Annotated[bool | None, typer.Option(
-    "--targeted/--untargeted", help="OVR formula (IDK/DPO are targeted) [default: from the run's loss, else both]")]
-Tasks = Annotated[str | None, typer.Option("--tasks", help="lm-eval tasks, comma-separated.")]
-Limit = Annotated[float | None, typer.Option("--limit", help="lm-eval: samples per task (or a fraction < 1).")]
-LmEvalInclude = Annotated[str | None, typer.Option("--lm-eval-include",
-                                                   help="Folder of extra lm-eval task YAMLs.")]
-EvaluateDtype = Annotated[str | None, typer.Option("--dtype",
-                                                   help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16.")]
-EvaluateTrustRemoteCode = Annotated[bool | None, typer.Option("--trust-remote-code",
-                                                              help="Allow the model's own code to run.")]
-EvaluateOverwrite = Annotated[bool | None, typer.Option("--overwrite",
-                                                        help="Replace an evaluation already in --out.")]
-EvaluateResume = Annotated[bool | None, typer.Option(
-    "--resume", help="Continue an interrupted evaluation in --out: the suites it finished are kept, the others run.")]
-EvaluateSeed = Annotated[int | None, typer.Option("--seed", help="Seed (rejection answers drawn for TFE).")]
-EvaluatePromptTemplate = Annotated[str | None, typer.Option(
-    "--prompt-template", help=TEMPLATE_HELP.replace("[default: ", "[default: a run's own template; else "))]
-Protocol = Annotated[str | None, typer.Option("--protocol", help=PROTOCOL_HELP)]
-RetainLogs = Annotated[str | None, typer.Option(
-    "--retain-logs", help="A retain model's TOFU_EVAL.json (doplus's or OpenUnlearning's): forget_quality and "
-    "privleak's reference AUC; muse: a retrained model's MUSE_EVAL.json.")]
-Holdout = Annotated[str | None, typer.Option(
-    "--holdout", help="Non-member rows (JSON lines with question, answer; TOFU's holdout10): the privacy suite, and "
-    "privacy metrics in the TOFU suite.")]
-GuardModel = Annotated[str | None, typer.Option(
-    "--guard-model", help="safety: a Llama Guard-protocol model (hub id or folder), or none " + GUARD_DEFAULT
-    + ", said in the report]")]
-RefusalModel = Annotated[str | None, typer.Option(
-    "--refusal-model", help="safety, xstest: a chat model (hub id or folder) that labels refusals by XSTest's "
-    "classification protocol instead of the offline refusal judge")]
-RefusalModelPrompt = Annotated[str | None, typer.Option(
-    "--refusal-model-prompt", help="Its prompt: a text file with {question} and {response} [default: doplus's "
-    "wording of XSTest's GPT-4 prompt]")]
-SafetyDataDir = Annotated[str | None, typer.Option("--safety-data-dir",
-                                                   help="safety, xstest: folder " + SAFETY_FILES_HELP)]
-Responses = Annotated[str | None, typer.Option(
-    "--responses", help="safety, xstest: judge the (prompt, response) rows of FILE.jsonl|csv instead of "
-    "generating")]
-MuseCorpus = Annotated[str | None, typer.Option("--muse-corpus", help="muse: news or books.")]
-MuseData = Annotated[str | None, typer.Option(
-    "--muse-data", help="muse: a folder in MUSE's layout (<config>/<split>.jsonl) or hf:NAME [default: "
-    "hf:muse-bench/MUSE-News or MUSE-Books]")]
-MuseRetrained = Annotated[str | None, typer.Option(
-    "--muse-retrained", help="muse: a retrained model (hub id or folder) whose Min-40% AUC is privleak's reference "
-    "[default: --retain-logs, else MUSE's published retrained AUC]")]
-Attacks = Annotated[str | None, typer.Option(
-    "--attacks", help="Run the forget suites again on attacked copies of the model and report the change: relearn, "
-    "relearn-lora, quant-8bit, quant-4bit, probe (probe-prefix, probe-roleplay, probe-incontext, probe-paraphrase) "
-    "or all, comma-separated (docs/attacks.md). The model on disk is never changed.")]
-RelearnData = Annotated[str | None, typer.Option(
-    "--relearn-data", help="Relearning attacks: JSON lines with question, answer to fine-tune on [default: the "
-    "first half of the forget rows; the other half is reported apart]")]
-RelearnSteps = Annotated[str | None, typer.Option(
-    "--relearn-steps", help="Relearning attacks: K optimizer steps, or several comma-separated (one relearned copy "
-    "each; the published presets are 50, 100, 150) [default: 50]")]
+
 # evaluate's options that name a file, a folder or a model: in a recipe, a relative one is looked up next to the
 # recipe first, as config.PATH_KEYS are in a training recipe.
 EVALUATE_PATH_KEYS = ("model", "data_dir", "forget", "retain", "lm_eval_include", "retain_logs", "holdout",
                       "guard_model", "refusal_model", "refusal_model_prompt", "safety_data_dir", "responses",
                       "muse_data", "muse_retrained", "relearn_data")
 
-# Each command's options, by parameter name (a training command's config key, but for recipe, num_processes,
-# dry_run, gpu_memory and multitask's task; evaluate's EvalConfig fields, `suite` setting `suites`), in the order of
-# its help; cli.py's signatures take the same (tests/test_cli.py checks).
-COMMAND_OPTIONS: dict[str, dict[str, Any]] = {
-    "unlearn": {
-        "recipe": Recipe, "model": Model, "dtype": Dtype, "precision": Precision, "save_dtype": SaveDtype,
-        "trust_remote_code": UnlearnTrustRemoteCode, "forget": Forget, "retain": Retain, "task_id": TaskId,
-        "task_ids": TaskIds, "continual": Continual, "question_key": QuestionKey, "answer_key": UnlearnAnswerKey,
-        "max_length": MaxLength, "text_window": TextWindow, "prompt_template": PromptTemplate,
-        "answers_from_model": AnswersFromModel, "max_new_tokens": UnlearnMaxNewTokens, "loss": Loss, "beta": Beta,
-        "simnpo_beta": SimnpoBeta,
-        "simnpo_gamma": SimnpoGamma, "undial_beta": UndialBeta, "wga_beta": WgaBeta, "satimp_beta1": SatimpBeta1,
-        "satimp_beta2": SatimpBeta2, "rmu_layer": RmuLayer, "rmu_coeff": RmuCoeff,
-        "rmu_update_layers": RmuUpdateLayers, "rmu_modules": RmuModules, "forget_coeff": ForgetCoeff,
-        "retain_coeff": RetainCoeff, "scheme": Scheme, "optimizer": Optimizer, "state_bits": StateBits,
-        "doplus_rule": UnlearnDoplusRule, "v_floor": VFloor, "base_update": BaseUpdate,
-        "base_source": BaseSource, "forget_freq": ForgetFreq, "retain_freq": RetainFreq, "betas": Betas,
-        "steps": Steps, "lr": Lr, "forget_lr": ForgetLr, "batch_size": BatchSize, "grad_accum": GradAccum,
-        "warmup_steps": UnlearnWarmupSteps, "weight_decay": WeightDecay, "max_grad_norm": MaxGradNorm, "seed": Seed,
-        "out": UnlearnOut, "overwrite": UnlearnOverwrite, "show_samples": ShowSamples, "lora_rank": UnlearnLoraRank,
-        "lora_alpha": LoraAlpha, "lora_targets": UnlearnLoraTargets, "lora_dropout": LoraDropout,
-        "gradient_checkpointing": UnlearnGradientCheckpointing, "save_adapter_only": SaveAdapterOnly,
-        "ref_offload": RefOffload, "fsdp": Fsdp, "num_processes": UnlearnNumProcesses, "dry_run": DryRun,
-        "gpu_memory": GpuMemory, "save_every": UnlearnSaveEvery,
-        "keep_last": KeepLast, "resume": UnlearnResume, "accept_changed": AcceptChanged,
-        "eval_every": UnlearnEvalEvery, "select_by": UnlearnSelectBy,
-        "eval_suite": UnlearnEvalSuite, "eval_split": EvalSplit, "eval_data_dir": EvalDataDir,
-        "eval_max_samples": UnlearnEvalMaxSamples, "eval_max_new_tokens": UnlearnEvalMaxNewTokens,
-        "eval_batch_size": UnlearnEvalBatchSize, "eval_nli_model": EvalNliModel,
-        "eval_embedding_model": EvalEmbeddingModel, "eval_protocol": EvalProtocol, "eval_attacks": EvalAttacks,
-        "log_update_similarity": LogUpdateSimilarity, "report_to": ReportTo,
-    },
-    "multitask": {
-        "recipe": MultitaskRecipe, "task": Task, "freq": MultitaskFreq, "prompt_key": PromptKey,
-        "answer_key": MultitaskAnswerKey, "eval_rows": EvalRows, "eval_every": MultitaskEvalEvery,
-        "select_by": MultitaskSelectBy,
-        "eval_batch_size": MultitaskEvalBatchSize, "model": Model, "dtype": Dtype, "precision": Precision,
-        "save_dtype": SaveDtype, "trust_remote_code": TrustRemoteCode, "max_length": MaxLength,
-        "max_new_tokens": MultitaskMaxNewTokens, "scheme": Scheme, "optimizer": Optimizer, "state_bits": StateBits,
-        "doplus_rule": DoplusRule, "v_floor": VFloor, "base_update": BaseUpdate, "base_source": BaseSource,
-        "prompt_template": PromptTemplate, "betas": Betas, "steps": Steps, "lr": Lr,
-        "batch_size": BatchSize, "grad_accum": GradAccum, "warmup_steps": MultitaskWarmupSteps,
-        "weight_decay": WeightDecay, "max_grad_norm": MaxGradNorm, "seed": Seed, "out": MultitaskOut,
-        "overwrite": Overwrite, "lora_rank": LoraRank, "lora_alpha": LoraAlpha, "lora_targets": LoraTargets,
-        "lora_dropout": LoraDropout, "gradient_checkpointing": GradientCheckpointing,
-        "save_adapter_only": SaveAdapterOnly, "fsdp": Fsdp, "num_processes": NumProcesses, "dry_run": DryRun,
-        "gpu_memory": GpuMemory, "save_every": SaveEvery,
-        "keep_last": KeepLast, "resume": Resume, "accept_changed": AcceptChanged,
-        "log_update_similarity": LogUpdateSimilarity, "report_to": ReportTo,
-    },
-    "align": {
-        "recipe": Recipe, "safety": Safety, "general": General, "instruction_key": InstructionKey,
-        "input_key": InputKey, "output_key": OutputKey, "freq": AlignFreq, "epochs": Epochs, "held_out": HeldOut,
-        "model": Model, "dtype": Dtype, "precision": Precision, "save_dtype": SaveDtype,
-        "trust_remote_code": TrustRemoteCode, "max_length": MaxLength, "max_new_tokens": AlignMaxNewTokens,
-        "prompt_template": PromptTemplate, "scheme": AlignScheme, "optimizer": Optimizer, "state_bits": StateBits,
-        "doplus_rule": DoplusRule, "v_floor": VFloor, "base_update": BaseUpdate, "base_source": BaseSource,
-        "betas": Betas,
-        "steps": AlignSteps, "lr": Lr, "batch_size": BatchSize,
-        "grad_accum": GradAccum, "warmup_steps": AlignWarmupSteps, "weight_decay": WeightDecay,
-        "max_grad_norm": MaxGradNorm, "seed": Seed, "out": AlignOut, "overwrite": Overwrite, "lora_rank": LoraRank,
-        "lora_alpha": LoraAlpha, "lora_targets": LoraTargets, "lora_dropout": LoraDropout,
-        "gradient_checkpointing": GradientCheckpointing, "save_adapter_only": SaveAdapterOnly, "fsdp": Fsdp,
-        "num_processes": NumProcesses, "dry_run": DryRun, "gpu_memory": GpuMemory, "save_every": SaveEvery,
-        "keep_last": KeepLast, "resume": Resume,
-        "accept_changed": AcceptChanged,
-        "log_update_similarity": LogUpdateSimilarity, "report_to": ReportTo, "eval_batch_size": AlignEvalBatchSize,
-        "eval_suite": AlignEvalSuite, "eval_max_samples": AlignEvalMaxSamples,
-        "eval_max_new_tokens": AlignEvalMaxNewTokens, "eval_guard_model": EvalGuardModel,
-        "eval_refusal_model": EvalRefusalModel, "eval_safety_data_dir": EvalSafetyDataDir,
-    },
-    "evaluate": {
-        "folders": Folders, "compare": Compare, "recipe": Recipe, "model": EvaluateModel, "suite": Suite,
-        "split": Split, "task_id": EvaluateTaskId, "data_dir": DataDir, "forget": EvaluateForget,
-        "retain": EvaluateRetain, "out": EvaluateOut, "max_samples": MaxSamples, "batch_size": EvaluateBatchSize,
-        "generation_batch_size": GenerationBatchSize, "max_new_tokens": EvaluateMaxNewTokens,
-        "embedding_model": EmbeddingModel, "nli_model": NliModel, "targeted": Targeted, "tasks": Tasks,
-        "limit": Limit, "lm_eval_include": LmEvalInclude, "dtype": EvaluateDtype,
-        "trust_remote_code": EvaluateTrustRemoteCode, "overwrite": EvaluateOverwrite, "resume": EvaluateResume,
-        "seed": EvaluateSeed, "prompt_template": EvaluatePromptTemplate, "protocol": Protocol,
-        "retain_logs": RetainLogs, "holdout": Holdout, "guard_model": GuardModel, "refusal_model": RefusalModel,
-        "refusal_model_prompt": RefusalModelPrompt, "safety_data_dir": SafetyDataDir, "responses": Responses,
-        "muse_corpus": MuseCorpus, "muse_data": MuseData, "muse_retrained": MuseRetrained, "attacks": Attacks,
-        "relearn_data": RelearnData, "relearn_steps": RelearnSteps,
-    },
+# Each command's options, by name (a training command's config key, but for recipe, num_processes, dry_run,
+# gpu_memory and multitask's task; evaluate's EvalConfig fields, `suite` setting `suites`), in the order of its
+# help; cli.py's signatures take the same (tests/test_cli.py checks).
+COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
+    "unlearn": (
+        "recipe", "model", "dtype", "precision", "save_dtype", "trust_remote_code", "forget", "retain", "task_id",
+        "task_ids", "continual", "question_key", "answer_key", "max_length", "text_window", "prompt_template",
+        "answers_from_model", "max_new_tokens", "loss", "beta", "simnpo_beta", "simnpo_gamma", "undial_beta",
+        "wga_beta", "satimp_beta1", "satimp_beta2", "rmu_layer", "rmu_coeff", "rmu_update_layers", "rmu_modules",
+        "forget_coeff", "retain_coeff", "scheme", "optimizer", "state_bits", "doplus_rule", "v_floor",
+        "base_update", "base_source", "forget_freq", "retain_freq", "betas", "steps", "lr", "forget_lr",
+        "batch_size", "grad_accum", "warmup_steps", "weight_decay", "max_grad_norm", "seed", "out", "overwrite",
+        "show_samples", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "gradient_checkpointing",
+        "save_adapter_only", "ref_offload", "fsdp", "num_processes", "dry_run", "gpu_memory", "save_every",
+        "keep_last", "resume", "accept_changed", "eval_every", "select_by", "eval_suite", "eval_split",
+        "eval_data_dir", "eval_max_samples", "eval_max_new_tokens", "eval_batch_size", "eval_nli_model",
+        "eval_embedding_model", "eval_protocol", "eval_attacks", "log_update_similarity", "report_to",
+    ),
+    "multitask": (
+        "recipe", "task", "freq", "prompt_key", "answer_key", "eval_rows", "eval_every", "select_by",
+        "eval_batch_size", "model", "dtype", "precision", "save_dtype", "trust_remote_code", "max_length",
+        "max_new_tokens", "scheme", "optimizer", "state_bits", "doplus_rule", "v_floor", "base_update",
+        "base_source", "prompt_template", "betas", "steps", "lr", "batch_size", "grad_accum", "warmup_steps",
+        "weight_decay", "max_grad_norm", "seed", "out", "overwrite", "lora_rank", "lora_alpha", "lora_targets",
+        "lora_dropout", "gradient_checkpointing", "save_adapter_only", "fsdp", "num_processes", "dry_run",
+        "gpu_memory", "save_every", "keep_last", "resume", "accept_changed", "log_update_similarity", "report_to",
+    ),
+    "align": (
+        "recipe", "safety", "general", "instruction_key", "input_key", "output_key", "freq", "epochs", "held_out",
+        "model", "dtype", "precision", "save_dtype", "trust_remote_code", "max_length", "max_new_tokens",
+        "prompt_template", "scheme", "optimizer", "state_bits", "doplus_rule", "v_floor", "base_update",
+        "base_source", "betas", "steps", "lr", "batch_size", "grad_accum", "warmup_steps", "weight_decay",
+        "max_grad_norm", "seed", "out", "overwrite", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout",
+        "gradient_checkpointing", "save_adapter_only", "fsdp", "num_processes", "dry_run", "gpu_memory",
+        "save_every", "keep_last", "resume", "accept_changed", "log_update_similarity", "report_to",
+        "eval_batch_size", "eval_suite", "eval_max_samples", "eval_max_new_tokens", "eval_guard_model",
+        "eval_refusal_model", "eval_safety_data_dir",
+    ),
+    "evaluate": (
+        "folders", "compare", "recipe", "model", "suite", "split", "task_id", "data_dir", "forget", "retain", "out",
+        "max_samples", "batch_size", "generation_batch_size", "max_new_tokens", "embedding_model", "nli_model",
+        "targeted", "tasks", "limit", "lm_eval_include", "dtype", "trust_remote_code", "overwrite", "resume", "seed",
+        "prompt_template", "protocol", "retain_logs", "holdout", "guard_model", "refusal_model",
+        "refusal_model_prompt", "safety_data_dir", "responses", "muse_corpus", "muse_data", "muse_retrained",
+        "attacks", "relearn_data", "relearn_steps",
+    ),
 }
+
+
+def option_type(name: str, command: str) -> Any:
+    """The typer type of option `name` as `command` declares it: `Annotated[type | None, typer.Option(...)]` with
+    that command's flags, help text (its default and name filled in) and range."""
+    option = OPTIONS[name]
+    settings = {"type": option.type, "min": option.min, **option.variant.get(command, {})}
+    text = option.help_for(command)
+    info = (typer.Argument(help=text) if option.argument
+            else typer.Option(option.flags_for(command), help=text, min=settings["min"]))
+    return Annotated[settings["type"] | None, info]
 
 
 def takes(command: str, defaults: dict[str, Any] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -524,8 +401,9 @@ def takes(command: str, defaults: dict[str, Any] | None = None) -> Callable[[Cal
 
     def decorate(function: Callable[..., Any]) -> Callable[..., Any]:
         function.__signature__ = inspect.Signature([
-            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=defaults.get(name), annotation=option)
-            for name, option in COMMAND_OPTIONS[command].items()], return_annotation=None)
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=defaults.get(name),
+                              annotation=option_type(name, command))
+            for name in COMMAND_OPTIONS[command]], return_annotation=None)
         return function
     return decorate
 
@@ -567,22 +445,15 @@ def recipe_value(param: Any, value: Any, where: str, context: Any) -> Any:
         raise UserError(f"{where}: {message}, got {value!r}") from None
 
 
-def flags_of(option: Any) -> tuple[list[str], list[str]]:
-    """An option type's flags: those that set it (for a boolean, to true) and those that set a boolean to false
-    (`--fsdp/--no-fsdp` -> ["--fsdp"], ["--no-fsdp"]), split as click splits its declarations."""
-    info = get_args(option)[1]
-    on, off = [], []
-    # Inside Annotated, typer.Option's first argument is the first declaration (typer keeps it in `.default`).
-    for declaration in (info.default, *(info.param_decls or ())):
-        first, _, second = declaration.partition("/")
-        on.append(first.strip())
-        if second.strip():
-            off.append(second.strip())
-    return on, off
+def split_flags(declaration: str) -> tuple[list[str], list[str]]:
+    """A declaration's flags: those that set the option (for a boolean, to true) and those that set a boolean to
+    false (`--fsdp/--no-fsdp` -> ["--fsdp"], ["--no-fsdp"]), split as click splits it."""
+    first, _, second = declaration.partition("/")
+    return [first.strip()], [second.strip()] if second.strip() else []
 
 
 def command_flags(command: str) -> dict[str, tuple[list[str], list[str]]]:
-    """A command's options by name, each with its flags (see `flags_of`), its arguments left out; {} for a command
-    without a `COMMAND_OPTIONS` entry."""
-    return {name: flags_of(option) for name, option in COMMAND_OPTIONS.get(command, {}).items()
-            if not isinstance(get_args(option)[1], ArgumentInfo)}
+    """A command's options by name, each with its flags (see `split_flags`), its arguments left out; {} for a
+    command without a `COMMAND_OPTIONS` entry."""
+    return {name: split_flags(OPTIONS[name].flags_for(command)) for name in COMMAND_OPTIONS.get(command, ())
+            if not OPTIONS[name].argument}
