@@ -107,8 +107,8 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
            words={"evaluate": "Hub id, model folder (e.g. a run's final/) or .gguf [default: embedded SmolLM2]"}),
     Option("--dtype", str, DTYPE_HELP + DEFAULT,
            words={"evaluate": "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16."}),
-    Option("--trust-remote-code/--no-trust-remote-code", bool, "Allow the model's own code to run.",
-           words={"unlearn": "Allow the model's own code to run." + DEFAULT},
+    Option("--trust-remote-code/--no-trust-remote-code", bool, "Allow the model's own code to run." + DEFAULT,
+           words={"evaluate": "Allow the model's own code to run."},
            variant={"evaluate": {"flags": "--trust-remote-code"}}),
     Option("--prompt-template", str, TEMPLATE_HELP,
            words={"evaluate": TEMPLATE_HELP.replace("[default: ", "[default: a run's own template; else ")}),
@@ -123,14 +123,12 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
            words={"evaluate": "Seed (rejection answers drawn for TFE)."}),
     Option("--out", str, "Output folder [default: runs/{command}-DATE-TIME]",
            words={"evaluate": "Output folder [default: evals/DATE-TIME]"}),
-    Option("--overwrite/--no-overwrite", bool, "Replace the run in a non-empty --out folder.",
-           words={"unlearn": "Replace the run in a non-empty --out folder." + DEFAULT,
-                  "evaluate": "Replace an evaluation already in --out."},
+    Option("--overwrite/--no-overwrite", bool, "Replace the run in a non-empty --out folder." + DEFAULT,
+           words={"evaluate": "Replace an evaluation already in --out."},
            variant={"evaluate": {"flags": "--overwrite"}}),
-    Option("--resume", str, "Continue the run in --out (latest checkpoint, or the checkpoint folder given).",
-           words={"unlearn": "Continue the run in --out: `--resume` alone takes its latest checkpoint, `--resume PATH` "
-                             "the checkpoint folder given.",
-                  "evaluate": "Continue an interrupted evaluation in --out: the suites it finished are kept, the "
+    Option("--resume", str, "Continue the run in --out: `--resume` alone takes its latest checkpoint, `--resume "
+           "PATH` the checkpoint folder given.",
+           words={"evaluate": "Continue an interrupted evaluation in --out: the suites it finished are kept, the "
                               "others run."},
            variant={"evaluate": {"type": bool}}),
     Option("--forget", str, "Forget set: FILE.jsonl or hf:NAME[:CONFIG][@SPLIT].",
@@ -167,9 +165,8 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
            "v_B + |v_k|, in [0, 1) (0: the clamp at 10 lr alone)." + DEFAULT),
     Option("--base-source", str, "DualOptim+'s base state takes grad (the rule) or grad-minus-delta, g minus the "
            "delta (the paper's ablation)." + DEFAULT),
-    Option("--doplus-rule", str, "DualOptim+'s AdamW rule: safeguarded or paper (exactly as published)." + DEFAULT,
-           words={"unlearn": "DualOptim+'s AdamW rule: safeguarded (floor on the denominator, steps at most 10 lr) "
-                             "or paper (exactly as published)." + DEFAULT}),
+    Option("--doplus-rule", str, "DualOptim+'s AdamW rule: safeguarded (floor on the denominator, steps at most 10 "
+           "lr) or paper (exactly as published)." + DEFAULT),
     Option("--scheme", str, "joint, alternate, dualoptim, doplus, or the paper's federated-learning baselines "
            "scaffold, fedcm, local-adam." + DEFAULT,
            words={"align": "joint (batches from the mixture of both sets), alternate, dualoptim, doplus, scaffold, "
@@ -178,17 +175,13 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
     Option("--warmup-steps", int, WARMUP_HELP.format(warmup="a tenth of the steps"),
            words={"unlearn": WARMUP_HELP.format(warmup="one pass over the forget set"),
                   "align": WARMUP_HELP.format(warmup="the first epoch with --epochs, else a tenth of the steps")}),
-    Option("--lora-rank", int, "Train LoRA adapters of rank R" + DEFAULT,
-           words={"unlearn": "Train LoRA adapters of rank R (peft) [default: 0, every weight]"}),
-    Option("--lora-targets", str, "Modules to adapt, comma-separated.",
-           words={"unlearn": "Modules to adapt, comma-separated [default: peft's for the architecture]"}),
-    Option("--gradient-checkpointing/--no-gradient-checkpointing", bool, "Recompute activations in backward.",
-           words={"unlearn": "Recompute activations in backward (less memory)." + DEFAULT}),
-    Option("--num-processes", int, "Run on N processes through `accelerate launch`.", min=1,
-           words={"unlearn": "Run on N processes through `accelerate launch` (N GPUs, or N CPU processes over "
-                             "gloo)."}),
-    Option("--save-every", int, "Write checkpoints/step-N/ every N steps.",
-           words={"unlearn": "Write checkpoints/step-N/ every N steps [default: never]"}),
+    Option("--lora-rank", int, "Train LoRA adapters of rank R (peft) [default: {default}, every weight]"),
+    Option("--lora-targets", str, "Modules to adapt, comma-separated [default: peft's for the architecture]"),
+    Option("--gradient-checkpointing/--no-gradient-checkpointing", bool, "Recompute activations in backward (less "
+           "memory)." + DEFAULT),
+    Option("--num-processes", int, "Run on N processes through `accelerate launch` (N GPUs, or N CPU processes "
+           "over gloo).", min=1),
+    Option("--save-every", int, "Write checkpoints/step-N/ every N steps [default: never]"),
     Option("--dry-run", bool, "Print the run's memory plan (parameters; bytes of weights, gradients, optimizer "
            "states, activations; the total per process under DDP and FSDP for --num-processes) from the model's "
            "config alone, and exit without training or writing anything."),

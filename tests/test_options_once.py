@@ -1,0 +1,141 @@
+"""Each option of the commands that take a recipe is declared once (doplus_cli/options.py): one entry per flag, the
+commands' differences as data in that entry, every default a help text shows read from the config that sets it, and
+every command's help listing exactly the options its config lets a recipe set plus the few that are not config."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import typer.main
+from typer.testing import CliRunner
+
+from doplus_cli import options
+from doplus_cli.cli import app
+from doplus_cli.config import AlignConfig, MultitaskConfig, UnlearnConfig, field_names
+from doplus_cli.evaluation.runner import EvalConfig
+
+CONFIGS = {"unlearn": UnlearnConfig, "multitask": MultitaskConfig, "align": AlignConfig}
+# Config fields a recipe sets that have no flag: a recipe's description, its teaching recipe, the trackers' names and
+# folder, multitask's tasks (given one by one with --task).
+RECIPE_ONLY = {"description", "teach", "tracker_project", "tracker_run_name", "tracker_group", "tracker_dir", "tasks"}
+# Options that are no config field: the recipe itself, how the run is launched or planned, multitask's --task.
+NOT_CONFIG = {"--recipe", "--num-processes", "--dry-run", "--gpu-memory", "--help"}
+# Recipe keys of the options every training command shares that a command takes from a recipe without a flag of
+# its own: the reference model's placement where no loss has a reference model, evaluation during training in align.
+WITHOUT_FLAG = {"unlearn": set(), "multitask": {"ref_offload"}, "align": {"ref_offload", "eval_every", "select_by"}}
+# Defaults the help says in words, for what the value means.
+DEFAULTS_IN_WORDS = {"keep_last": (0, "all"), "save_every": (0, "never"), "eval_every": (0, "never"),
+                     "save_adapter_only": (False, "merged model")}
+SHOWN = re.compile(r"\[default: ([^\]]*)\]$")
+
+
+def shown(value):
+    """A default as typed on the command line: a tuple or list comma-separated."""
+    return ",".join(str(item) for item in value) if isinstance(value, (tuple, list)) else str(value)
+
+
+def field_default(field):
+    return field.default_factory() if field.default is dataclasses.MISSING else field.default
+
+
+@pytest.fixture(scope="module")
+def commands():
+    group = typer.main.get_command(app)
+    return {name: group.commands[name] for name in (*CONFIGS, "evaluate")}
+
+
+@pytest.fixture(scope="module")
+def help_flags():
+    """The first flag of each option row of each command's --help, as a user reads it."""
+    found = {}
+    for command in (*CONFIGS, "evaluate"):
+        result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "160", "TERM": "dumb", "NO_COLOR": "1"})
+        assert result.exit_code == 0, result.output
+        found[command] = re.findall(r"^  (--[a-z0-9-]+)", result.output, flags=re.MULTILINE)
+    return found
+
+
+def test_each_flag_belongs_to_one_option_and_each_option_to_a_command():
+    owner: dict[str, str] = {}
+    for command in options.COMMAND_OPTIONS:
+        for name, (on, off) in options.command_flags(command).items():
+            for flag in on + off:
+                assert owner.setdefault(flag, name) == name, f"{flag}: {owner[flag]} and {name}"
+    taken = {name for names in options.COMMAND_OPTIONS.values() for name in names}
+    assert set(options.OPTIONS) == taken  # no entry that no command takes
+
+
+def test_a_commands_own_words_are_data_on_the_one_entry_not_a_copy():
+    helps = [option.help for option in options.OPTIONS.values()]
+    assert len(helps) == len(set(helps)), "two entries share their help text"
+    for name, option in options.OPTIONS.items():
+        takers = {command for command, names in options.COMMAND_OPTIONS.items() if name in names}
+        assert set(option.words) | set(option.variant) <= takers, name
+        assert takers - set(option.words), f"{name}: no command shows its shared help"
+        for command, words in option.words.items():
+            assert words != option.help, f"{name}: {command}'s words repeat the shared ones"
+        for settings in option.variant.values():
+            assert settings and all(getattr(option, key) != value for key, value in settings.items()), name
+
+
+def test_no_two_options_of_a_command_show_the_same_help(commands):
+    for command, click_command in commands.items():
+        helps = [param.help for param in click_command.params]
+        assert len(helps) == len(set(helps)), command
+
+
+@pytest.mark.parametrize("command", list(CONFIGS))
+def test_each_default_a_training_command_shows_is_its_configs(commands, command):
+    fields = {field.name: field for field in dataclasses.fields(CONFIGS[command])}
+    checked = 0
+    for param in commands[command].params:
+        assert param.default is None  # "not given": the recipe's value stands unless the flag replaces it
+        if param.name not in fields:
+            continue
+        default = field_default(fields[param.name])
+        match = SHOWN.search(param.help)
+        if default is None:
+            continue  # None means a choice made where the value is used; the help says which in words
+        if match is None:
+            assert isinstance(default, bool), f"{command} --{param.name}: no default shown, config has {default!r}"
+            continue
+        words = match.group(1)
+        expected = shown(default)
+        assert (words == expected or words.startswith(expected + ", ")
+                or DEFAULTS_IN_WORDS.get(param.name) == (default, words)), \
+            f"{command} --{param.name}: help shows {words!r}, config's default is {expected!r}"
+        checked += 1
+    assert checked >= 25
+
+
+def test_each_default_evaluate_shows_is_eval_configs(commands):
+    fields = {field.name: field_default(field) for field in dataclasses.fields(EvalConfig)}
+    checked = 0
+    for param in commands["evaluate"].params:
+        name = "suites" if param.name == "suite" else param.name
+        if name not in fields or fields[name] in (None, ()):
+            continue
+        match = SHOWN.search(param.help or "")
+        words = shown(param.default) if param.default is not None else match and match.group(1)
+        assert words == shown(fields[name]), f"evaluate --{param.name}: shows {words!r}, EvalConfig: {fields[name]!r}"
+        checked += 1
+    assert checked >= 10
+
+
+@pytest.mark.parametrize("command", list(CONFIGS))
+def test_a_training_commands_help_lists_exactly_its_recipe_fields_and_the_launch_options(help_flags, command):
+    expected = {"--" + name.replace("_", "-") for name in field_names(CONFIGS[command])
+                if name not in RECIPE_ONLY | WITHOUT_FLAG[command]}
+    expected |= NOT_CONFIG | ({"--task"} if command == "multitask" else set())
+    listed = help_flags[command]
+    assert len(listed) == len(set(listed))
+    assert set(listed) == expected, (sorted(set(listed) - expected), sorted(expected - set(listed)))
+
+
+def test_evaluates_help_lists_exactly_eval_configs_fields_and_compare(help_flags):
+    expected = {"--" + ("suite" if field.name == "suites" else field.name).replace("_", "-")
+                for field in dataclasses.fields(EvalConfig)} | {"--compare", "--recipe", "--help"}
+    assert set(help_flags["evaluate"]) == expected, (sorted(set(help_flags["evaluate"]) - expected),
+                                                     sorted(expected - set(help_flags["evaluate"])))
