@@ -15,10 +15,10 @@ from rich.text import Text
 
 from doplus_cli import lifecycle, options
 from doplus_cli.bench.schemes import DEFAULT_SCHEMES, DEFAULT_SEEDS
+from doplus_cli.commands import command_named
 from doplus_cli.config import SCHEMES, resolve_config, task_from_option
 from doplus_cli.errors import EXIT_FILE_VARIABLE, UserError, quiet_worker, worker_exit_code
 from doplus_cli.evaluation.runner import EvalConfig, resolve_eval_config, run_evaluate
-from doplus_cli.kinds import kind_named
 
 app = typer.Typer(
     name="doplus",
@@ -48,8 +48,8 @@ def _root(
 
 
 def _train(command: str, values: dict[str, Any]) -> None:
-    """A training command: its options (named as the config's fields) over its kind's config (defaults, then the
-    recipe, then the flags given), its teaching recipe run, then the kind's run and report. With --num-processes N,
+    """A training command: its options (named as the config's fields) over its command's config (defaults, then the
+    recipe, then the flags given), its teaching recipe run, then the command's run and report. With --num-processes N,
     this process relaunches the command on N processes instead. The output folder is held, and SIGTERM and SIGINT
     handled, from here to the end (`lifecycle`): a launch's processes leave the lock to this one."""
     from doplus_cli.engine.loop import default_out_dir
@@ -57,8 +57,8 @@ def _train(command: str, values: dict[str, Any]) -> None:
 
     recipe, num_processes = values.pop("recipe"), values.pop("num_processes")
     dry_run, gpu_memory = values.pop("dry_run"), values.pop("gpu_memory")
-    kind = kind_named(command)
-    config = resolve_config(recipe, values, kind.config)
+    training = command_named(command)
+    config = resolve_config(recipe, values, training.config_class)
     if dry_run:  # the memory plan from the model's config alone: nothing trained, loaded or written
         from doplus_cli.engine.memory_plan import dry_run as memory_plan
 
@@ -76,9 +76,9 @@ def _train(command: str, values: dict[str, Any]) -> None:
         config = apply_teaching(config, err_console)  # before a launch of N processes, so that it runs once
         if launching:
             _relaunch_with_accelerate(num_processes, config.out)
-        report = kind.run(config, err_console)
+        report = training.run(config, err_console)
     if report:
-        kind.print_summary(report, Console(highlight=False))
+        training.print_summary(report, Console(highlight=False))
 
 
 @app.command()

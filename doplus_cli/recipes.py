@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from doplus_cli.commands import command_marked
 from doplus_cli.config import PATH_KEYS, TASK_PATH_KEYS, read_recipe
 from doplus_cli.errors import UserError, writing
-from doplus_cli.kinds import kind_marked
 
 
 def recipes_root() -> Path:
@@ -43,10 +43,11 @@ class Recipe:
 
 
 def _command_of(data: dict[str, Any]) -> str:
-    """The command a recipe is for (its kind's), or `accelerate config` for an accelerate config file."""
-    kind = kind_marked(data)
-    if kind is not None:
-        return kind.command
+    """The command a recipe is for (the command whose marker it sets), or `accelerate config` for an accelerate
+    config file."""
+    training = command_marked(data)
+    if training is not None:
+        return training.command
     if "distributed_type" in data or "compute_environment" in data:
         return "accelerate config"
     return "-"

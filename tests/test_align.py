@@ -11,14 +11,14 @@ import torch
 import yaml
 from transformers import AutoTokenizer
 
+from doplus_cli.bench.adapters import adapter_of as kind_of
+from doplus_cli.bench.adapters.align import AlignAdapter as AlignKind
+from doplus_cli.commands.align import alpaca_keys, epoch_steps
 from doplus_cli.config import AlignConfig, resolve_config
 from doplus_cli.data.batches import build_batch
 from doplus_cli.data.formatting import IGNORE_INDEX, PromptFormatter
 from doplus_cli.data.sources import MixtureSource, RowRange, open_source
-from doplus_cli.engine.align import alpaca_keys, epoch_steps
 from doplus_cli.errors import UserError
-from doplus_cli.kinds import kind_of
-from doplus_cli.kinds.align import AlignKind
 from doplus_cli.losses import LossContext, PartTally, mean_ce, supervised_cross_entropy
 from doplus_cli.models import load_model_and_tokenizer
 from tests.helpers import GENERAL, SAFETY, SAFETY_DIR, align_args, max_difference, run_cli, two_processes, weights

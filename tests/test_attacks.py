@@ -319,8 +319,8 @@ def test_relearning_moves_a_copy_and_never_the_saved_model(tiny_llama, tofu_dir,
 def unlearned_tiny(tiny_llama, tofu_dir, tmp_path_factory):
     """The control: the tiny model taught the first 8 forget rows (40 steps at lr 1e-2), then made to forget them
     by 10 steps of gradient ascent."""
-    from doplus_cli.engine.multitask import run_multitask
-    from doplus_cli.engine.unlearn import run_unlearn
+    from doplus_cli.commands.multitask import run_multitask
+    from doplus_cli.commands.unlearn import run_unlearn
 
     root = tmp_path_factory.mktemp("control")
     rows = [s for s in load_tofu_sets("forget10", str(tofu_dir), 8)[0].samples]

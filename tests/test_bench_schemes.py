@@ -13,6 +13,8 @@ import time
 import pytest
 import yaml
 
+from doplus_cli.bench.adapters import ADAPTERS as KINDS
+from doplus_cli.bench.adapters import adapter_of as kind_of
 from doplus_cli.bench.schemes import (
     Result,
     mean_std,
@@ -23,7 +25,6 @@ from doplus_cli.bench.schemes import (
     summarise,
 )
 from doplus_cli.engine.checkpoint import list_checkpoints
-from doplus_cli.kinds import KINDS, kind_of
 from tests.helpers import run_cli, write_jsonl, write_sets
 
 pytestmark = pytest.mark.processes  # bench runs are doplus processes

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from doplus_cli.commands.unlearn import run_unlearn
 from doplus_cli.config import AlignConfig, MultitaskConfig, UnlearnConfig, resolve_config
 from doplus_cli.engine.loop import Opened
-from doplus_cli.engine.unlearn import run_unlearn
 from tests.helpers import write_sets
 
 

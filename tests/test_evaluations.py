@@ -1,6 +1,6 @@
-"""The evaluation a training command runs in its own process and the `doplus evaluate` command its kind runs for
-`bench schemes` are one evaluation: the command line, parsed by `doplus evaluate` itself, gives the EvalConfig the
-command evaluates with (engine/evaluations.py maps both)."""
+"""The evaluation a training command runs in its own process and the `doplus evaluate` command its bench adapter
+runs for `bench schemes` are one evaluation: the command line, parsed by `doplus evaluate` itself, gives the
+EvalConfig the command evaluates with (engine/evaluations.py maps both)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from types import SimpleNamespace
 import pytest
 
 import doplus_cli.cli as cli
-import doplus_cli.engine.unlearn as engine_unlearn
+import doplus_cli.commands.unlearn as engine_unlearn
 import doplus_cli.evaluation.runner as runner
 import doplus_cli.evaluation.summary as summary
+from doplus_cli.bench.adapters import adapter_named as kind_named
+from doplus_cli.commands.align import align_evaluation, evaluate_final
+from doplus_cli.commands.unlearn import unlearn_evaluation
 from doplus_cli.config import AlignConfig, UnlearnConfig
-from doplus_cli.engine.align import evaluate_final
-from doplus_cli.engine.evaluations import align_evaluation, unlearn_evaluation
 from doplus_cli.evaluation.suite_api import EvalConfig
-from doplus_cli.kinds import kind_named
 from tests.helpers import run_cli
 
 # Every eval_* option of each command, none at its default. No `doplus evaluate` flag carries eval_every (when

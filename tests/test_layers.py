@@ -20,7 +20,9 @@ ROOT = Path(doplus_cli.__file__).parent
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("command line", ("doplus_cli.cli", "doplus_cli.__main__")),
     ("benchmarks and recipes", ("doplus_cli.bench", "doplus_cli.recipes")),
-    ("commands", ("doplus_cli.kinds",)),
+    # the commands, and the engine modules that run one (the teaching stage and the relearning attack run
+    # `doplus multitask`)
+    ("commands", ("doplus_cli.commands", "doplus_cli.engine.teach", "doplus_cli.engine.attacks")),
     ("engine", ("doplus_cli.engine",)),
     ("evaluation", ("doplus_cli.evaluation",)),
     ("configuration", ("doplus_cli.config", "doplus_cli.options")),
@@ -188,6 +190,7 @@ def test_the_registry_module_imports_nothing_from_doplus():
 # duplicate name and an entry of another type), so a plain dict under one of these names fails here.
 REGISTRIES = [
     ("doplus_cli.config", "SCHEMES"),
+    ("doplus_cli.options", "OPTIONS"),
     ("doplus_cli.losses", "FORGET_LOSSES"),
     ("doplus_cli.losses", "RETAIN_LOSSES"),
     ("doplus_cli.losses", "TASK_LOSSES"),
@@ -201,7 +204,8 @@ REGISTRIES = [
     ("doplus_cli.evaluation.openunlearning", "OU_METRICS"),
     ("doplus_cli.evaluation.protocol", "PROTOCOLS"),
     ("doplus_cli.evaluation.summary", "SECTION_PRINTERS"),
-    ("doplus_cli.kinds.base", "KINDS"),
+    ("doplus_cli.commands.base", "COMMANDS"),
+    ("doplus_cli.bench.adapters.base", "ADAPTERS"),
     ("doplus_cli.engine.optimizers", "FL_OPTIMIZERS"),
 ]
 
@@ -214,6 +218,69 @@ def test_every_registry_is_a_registry():
     plain = [f"{module}.{name}" for module, name in REGISTRIES
              if not isinstance(getattr(importlib.import_module(module), name), Registry)]
     assert plain == []
+
+
+def _module_trees() -> dict[str, ast.Module]:
+    return {module_name(path, ROOT): ast.parse(path.read_text()) for path in sorted(ROOT.rglob("*.py"))}
+
+
+def test_every_registry_of_the_package_is_listed():
+    """Each `NAME = Registry(...)` at the top of a module is in REGISTRIES (so the test above checks it), and every
+    entry of REGISTRIES is such an assignment: the list cannot fall behind the code."""
+    found = set()
+    for module, tree in _module_trees().items():
+        for node in tree.body:
+            value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+            if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "Registry":
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                found.update((module, target.id) for target in targets if isinstance(target, ast.Name))
+    assert found == set(REGISTRIES)
+
+
+def test_one_registry_type():
+    """`registry.Registry` is the one class of doplus that registers named entries: no other class is called a
+    registry or has a `register` method."""
+    others = sorted(f"{module}.{node.name}" for module, tree in _module_trees().items() for node in ast.walk(tree)
+                    if isinstance(node, ast.ClassDef) and (node.name != "Registry" or module != "doplus_cli.registry")
+                    and ("registry" in node.name.lower()
+                         or any(isinstance(item, ast.FunctionDef) and item.name == "register" for item in node.body)))
+    assert others == []
+
+
+COMMAND_MODULES = sorted(module for module in GRAPH if module.startswith("doplus_cli.commands.")
+                         and module != "doplus_cli.commands.base")
+
+
+def test_a_command_module_imports_no_other_command_module():
+    """Each command is one module: it may use the commands' base (`Command`, the registry) but no other command, so
+    a command is added, changed or removed in its own module alone (the registration in commands/__init__.py aside).
+    The bench's adapters keep to the same rule."""
+    assert COMMAND_MODULES == ["doplus_cli.commands.align", "doplus_cli.commands.multitask",
+                               "doplus_cli.commands.unlearn"]
+    crossing = sorted(f"{module} -> {target}" for module in COMMAND_MODULES for target in GRAPH[module]
+                      if target.startswith("doplus_cli.commands") and target != "doplus_cli.commands.base")
+    adapters = [module for module in GRAPH if module.startswith("doplus_cli.bench.adapters.")
+                and module != "doplus_cli.bench.adapters.base"]
+    crossing += sorted(f"{module} -> {target}" for module in adapters for target in GRAPH[module]
+                       if target.startswith("doplus_cli.bench.adapters")
+                       and target != "doplus_cli.bench.adapters.base"
+                       or target.startswith("doplus_cli.commands.")
+                       and target.rsplit(".", 1)[1] not in ("base", module.rsplit(".", 1)[1]))
+    assert crossing == []
+
+
+def test_each_command_has_one_object_registered_and_one_bench_adapter():
+    """One registry of commands (by name, each a `Command` of its own module), and the bench's adapters keyed by
+    the same names in the same order, each standing beside the command of its name."""
+    from doplus_cli.bench.adapters import ADAPTERS
+    from doplus_cli.commands import COMMANDS, Command
+
+    assert list(COMMANDS) == list(ADAPTERS)
+    for name, command in COMMANDS.items():
+        assert isinstance(command, Command) and command.command == name
+        assert type(command).__module__ == f"doplus_cli.commands.{name}"
+        adapter = ADAPTERS[name]
+        assert adapter.training is command and type(adapter).__module__ == f"doplus_cli.bench.adapters.{name}"
 
 
 # ---- the checks themselves, on made-up packages that break each rule ----

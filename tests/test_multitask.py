@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from doplus_cli.commands.multitask import run_multitask
 from doplus_cli.config import MultitaskConfig, resolve_config, task_from_option
 from doplus_cli.data import sources
-from doplus_cli.engine.multitask import run_multitask
 from doplus_cli.engine.schedule import objective_at, steps_per_objective
 from doplus_cli.evaluation.task_metrics import (
     TASK_METRICS,

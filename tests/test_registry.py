@@ -109,11 +109,11 @@ def test_the_package_registries_keep_their_names_and_messages():
     """The converted tables hold what the plain dicts held, in order, and the messages built from them read as
     before (the names joined by ", ")."""
     from doplus_cli.bench.schemes.planning import parse_schemes
+    from doplus_cli.commands import COMMANDS as KINDS
     from doplus_cli.config import FORGET_LOSS_NAMES, SCHEMES, TASK_METRIC_NAMES
     from doplus_cli.data.formatting import PROMPT_TEMPLATES, resolve_template
     from doplus_cli.errors import UserError
     from doplus_cli.evaluation.task_metrics import TASK_METRICS
-    from doplus_cli.kinds import KINDS
     from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, TASK_LOSSES
 
     assert FORGET_LOSS_NAMES == ("GA", "NPO", "DPO", "ME", "IDK", "SimNPO", "WGA", "SatImp", "UNDIAL", "CE-U", "RMU")

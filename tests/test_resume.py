@@ -105,14 +105,14 @@ def _signal_self_then(function):
 
 def test_sigterm_during_the_evaluation_after_the_last_step_checkpoints_it_and_resume_ends_the_run(
         tiny_llama, data, tmp_path, capsys, monkeypatch):
-    from doplus_cli.engine import unlearn
+    from doplus_cli.commands import unlearn
 
     steps = 6
     whole, out = tmp_path / "whole", tmp_path / "preempted"
     assert run_cli(*args(tiny_llama, data, whole, steps)) == 0
     handler = signal.getsignal(signal.SIGTERM)
     with monkeypatch.context() as patch:  # the signal lands while the after-training samples are generated
-        patch.setattr(unlearn.UnlearnPlan, "after", _signal_self_then(unlearn.UnlearnPlan.after))
+        patch.setattr(unlearn.UnlearnCommand, "after", _signal_self_then(unlearn.UnlearnCommand.after))
         capsys.readouterr()
         assert run_cli(*args(tiny_llama, data, out, steps)) == 128 + signal.SIGTERM
     err = capsys.readouterr().err

@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file
 
 from doplus_cli import lifecycle
-from doplus_cli.engine import align, loop, multitask, unlearn
+from doplus_cli.commands import align, multitask, unlearn
+from doplus_cli.engine import loop
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation import runner
 from tests.helpers import align_args, run_cli, write_jsonl, write_sets
@@ -68,7 +69,7 @@ def sigterm_first(function):
 @pytest.mark.parametrize("stage,target,attribute", [
     ("loading the model", loop, "load_model_and_tokenizer"),
     ("preparing the data", unlearn, "write_self_answered"),
-    ("evaluating before training", unlearn.UnlearnPlan, "before"),
+    ("evaluating before training", unlearn.UnlearnCommand, "before"),
 ])
 def test_sigterm_before_training_stops_at_once_and_resume_is_bit_identical(tiny_llama, data, uninterrupted, tmp_path,
                                                                             monkeypatch, capsys, stage, target,
@@ -123,7 +124,7 @@ def test_align_and_multitask_stopped_before_training_resume_bit_identically(tiny
     """The same for the other training commands: SIGTERM while each measures its starting model."""
     rows = [{"prompt": f"What is {a} plus {a}?", "answer": str(2 * a)} for a in range(10)]
     task = write_jsonl(tmp_path / "sums.jsonl", rows)
-    plan = {"align": align.AlignPlan, "multitask": multitask.MultitaskPlan}[command]
+    plan = {"align": align.AlignCommand, "multitask": multitask.MultitaskCommand}[command]
 
     def arguments(out, *extra):
         if command == "align":

@@ -19,7 +19,7 @@ CURVE = {1: 10.0, 2: 50.0, 3: 20.0, 4: 30.0, 5: 40.0, 6: 5.0}
 @pytest.fixture
 def known_curve(monkeypatch):
     """The evaluation during training replaced by CURVE; the weights each evaluation saw, by step."""
-    import doplus_cli.engine.unlearn as unlearn
+    import doplus_cli.commands.unlearn as unlearn
 
     seen: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -102,10 +102,10 @@ def test_multitask_selects_by_a_task_name_or_the_average(tiny_llama, tofu_dir, t
 def test_bench_scores_each_run_at_its_best_step(tiny_llama, tofu_dir, tmp_path):
     """`bench schemes --summarize-from best`: refused for runs that keep no best step; an unlearn run is scored by
     its evaluation at the best step, a multitask run by that step's task scores."""
+    from doplus_cli.bench.adapters import adapter_named as kind_named
     from doplus_cli.bench.schemes import plan_bench
     from doplus_cli.bench.schemes.summary import check_summarize_from
     from doplus_cli.errors import UserError
-    from doplus_cli.kinds import kind_named
 
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"model: {tiny_llama}\nforget: {tofu_dir / 'forget01.json'}\n"

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from doplus_cli.commands.unlearn import UnlearnCommand
 from doplus_cli.config import UnlearnConfig
 from doplus_cli.engine.schedule import authors_epoch_steps, authors_warmup
-from doplus_cli.engine.unlearn import UnlearnPlan
 from doplus_cli.evaluation.suites import load_tofu_sets
 from tests.helpers import run_cli
 
@@ -46,7 +46,7 @@ def _task_questions(path, task):
 def test_task_2_trains_on_its_rows_and_keeps_the_retain_split_plus_the_other_tasks(authors_dir):
     config = UnlearnConfig(forget=str(authors_dir / "forget01.json"), retain="tofu-authors", task_id=2,
                            loss="IDK+GD")
-    plan = UnlearnPlan(config)
+    plan = UnlearnCommand(config)
     plan.open()
     forget = [plan.forget_source[i].question for i in range(len(plan.forget_source))]
     assert forget == _task_questions(authors_dir / "forget01.json", 2)
@@ -60,7 +60,7 @@ def test_task_2_trains_on_its_rows_and_keeps_the_retain_split_plus_the_other_tas
 def test_the_authors_retain_set_on_the_shared_files_is_every_row_outside_the_task(tofu_dir):
     """The issue's check: for task 1 the retain set holds 3,960, 3,800 and 3,600 rows, none of them in the task."""
     for split, expected in (("forget01", 3960), ("forget05", 3800), ("forget10", 3600)):
-        plan = UnlearnPlan(UnlearnConfig(forget=str(tofu_dir / f"{split}.json"), retain="tofu-authors",
+        plan = UnlearnCommand(UnlearnConfig(forget=str(tofu_dir / f"{split}.json"), retain="tofu-authors",
                                          loss="IDK+GD"))
         plan.open()
         assert len(plan.retain_source) == expected
@@ -383,7 +383,7 @@ def test_the_paper_recipe_takes_task_1_the_authors_retain_set_and_a_60_step_warm
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "tofu" / "phi-1.5" / "idk_gd.yaml"
     config = resolve_config(str(recipe), {"forget": str(TOFU / "forget10.json"), "eval_data_dir": str(TOFU)})
-    plan = UnlearnPlan(config)
+    plan = UnlearnCommand(config)
     plan.open()
     assert (len(plan.forget_source), len(plan.retain_source)) == (400, 3600)
     # effective batch 40 (4 x 10 on one process): (1 + 5) * ceil(400 / 40) = 60 steps, the issue's figure

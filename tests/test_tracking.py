@@ -141,8 +141,8 @@ def parse_back(command: str, monkeypatch) -> dict:
         captured.update(config.to_dict())
         return {}
 
-    monkeypatch.setattr("doplus_cli.engine.unlearn.run_unlearn", capture)
-    monkeypatch.setattr("doplus_cli.engine.multitask.run_multitask", capture)
+    monkeypatch.setattr("doplus_cli.commands.unlearn.run_unlearn", capture)
+    monkeypatch.setattr("doplus_cli.commands.multitask.run_multitask", capture)
     words = shlex.split(command)
     assert words[0] == "doplus"
     assert run_cli(*words[1:]) == 0

@@ -11,10 +11,10 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from doplus_cli.cli import main
+from doplus_cli.commands.unlearn import run_unlearn
 from doplus_cli.config import resolve_config
 from doplus_cli.data import sources
 from doplus_cli.engine import optimizers
-from doplus_cli.engine.unlearn import run_unlearn
 from doplus_cli.optim import DualOptim, DualOptimPlus
 from tests.helpers import run_cli, write_sets
 

@@ -87,7 +87,7 @@ def run_precision_bench(model: str | None, out: Path, steps: int = 20, lr: float
     """Run every mode; return {"rows": [...], ...} and write OUT/precision.json."""
     from rich.console import Console
 
-    from doplus_cli.engine.unlearn import run_unlearn
+    from doplus_cli.commands.unlearn import run_unlearn
 
     out = Path(out)
     forget, retain = write_data(out / "data")

@@ -91,7 +91,7 @@ def relearned_copy(context: SuiteContext, attack: str, steps: int, rows: list[di
     """The model fine-tuned by `attack` for `steps` steps on `rows`: the weights in memory (those the suites just
     evaluated, also during training) saved into a temporary folder, trained from there, the result loaded; the
     folder is removed afterwards and the evaluated model's own files are never opened for writing."""
-    from doplus_cli.engine.multitask import run_multitask
+    from doplus_cli.commands.multitask import run_multitask
     from doplus_cli.models import load_model_and_tokenizer
 
     config = context.config

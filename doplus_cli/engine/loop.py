@@ -433,10 +433,10 @@ def finish(run: Run, config: TrainConfig, plan: Plan, measured_after: dict[str, 
     }
     if run.evals:
         report["evals"] = run.evals
-        report["eval_curves"] = _plot_curves(run.evals, run.out, plan.curve_names)
+        report["eval_curves"] = _plot_curves(run.evals, run.out, plan.curve_names(config))
     if config.select_by:
         report["best"] = selection_for(config, run.evals).report(run.out)
-    outputs.write_report(run.out, report, plan.render_markdown)
+    outputs.write_report(run.out, report, plan.render_report)
     model_card.write_model_card(final, report, run.objectives, plan.command)
     run.tracker.finish(report, config.steps)
     return report

@@ -47,19 +47,19 @@ def lr_multipliers(objectives: Sequence[Objective]) -> dict[str, float]:
 
 
 class Plan:
-    """What a command adds to the one training loop (`engine.loop.run_training`): its data and objectives,
-    what it measures before, during and after training, and its report. The loop calls, in this order:
+    """The hooks a command gives the one training loop (`engine.loop.run_training`): its data and objectives,
+    what it measures before, during and after training, and its report. Each command implements them in its own
+    module (`commands.base.Command` and its subclasses). The loop calls, in this order:
 
     open() (data checked before anything is written) -> total_steps() -> default_warmup() -> objectives(model, ...) ->
     before(model, ...) -> prepare_model(model) ->
     [training; evaluate(step, ...) every --eval-every steps] -> after(model, ...) ->
-    data_report(), render_markdown(report).
+    data_report(), curve_names(config), render_report(report).
     """
 
     command = "train"  # the default output folder is runs/{command}-DATE-TIME
     activity = "training"  # the progress bar's label
     lr_options = "--lr"  # named when a non-finite loss stops the run
-    curve_names: tuple[str, ...] = ()  # the evaluation values plotted in evals/curves.png
     beta = 0.1  # the temperature handed to the losses (NPO, DPO, AP)
     loss_params = LossParams()  # the other losses' hyper-parameters (SimNPO, UNDIAL, WGA, SatImp, RMU)
 
@@ -95,5 +95,11 @@ class Plan:
     def data_report(self) -> dict[str, Any]:
         return {}
 
-    def render_markdown(self, report: dict[str, Any]) -> str:
+    def curve_names(self, config) -> tuple[str, ...]:
+        """The evaluation values of a run of `config` plotted against the step (evals/curves.png, and the bench's
+        curves)."""
+        return ()
+
+    def render_report(self, report: dict[str, Any]) -> str:
+        """report.md."""
         raise NotImplementedError

@@ -97,7 +97,7 @@ def taught_model(teach_recipe: str, console: Console, allow_teaching: bool = Tru
             raise UserError(f"{teach_recipe}: the teaching stage has not run yet, and it cannot run inside a launch "
                             f"of several processes; run it first: doplus multitask --recipe {teach_recipe}, or "
                             "start this command with --num-processes")
-        from doplus_cli.engine.multitask import run_multitask
+        from doplus_cli.commands.multitask import run_multitask
 
         console.print(f"teaching stage: {teach_recipe} -> {folder} (once; later runs reuse it)", highlight=False)
         shutil.rmtree(partial, ignore_errors=True)

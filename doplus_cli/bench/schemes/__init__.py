@@ -24,7 +24,7 @@ also be run as a job array, one run per process (`--run-index K`, grid.py).
 The package follows the command: planning.py (the runs and OUT), running.py (the subprocesses), grid.py (each
 run's state, --list-runs and the job array), summary.py (the
 statistics, SCHEMES.json/md, the console table), plots.py (the figures); what differs between unlearn, multitask and
-align recipes is their kind's (doplus_cli/kinds/).
+align recipes is their command's bench adapter (doplus_cli/bench/adapters/).
 """
 
 from __future__ import annotations

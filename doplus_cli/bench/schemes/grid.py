@@ -32,11 +32,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from doplus_cli.bench.adapters.base import read_json
 from doplus_cli.bench.schemes.planning import Bench, Run, completed_report
 from doplus_cli.engine.checkpoint import list_checkpoints
 from doplus_cli.errors import UserError
 from doplus_cli.files import atomic_write_text
-from doplus_cli.kinds.base import read_json
 from doplus_cli.lifecycle import in_use
 
 STATES = ("pending", "running", "done", "failed")

@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from doplus_cli.bench.adapters import BenchAdapter, adapter_of
+from doplus_cli.bench.adapters.base import read_json
 from doplus_cli.config import (
     EXCLUSIVE_OPTIONS,
     PATH_KEYS,
@@ -29,8 +31,6 @@ from doplus_cli.config import (
 )
 from doplus_cli.errors import UserError
 from doplus_cli.files import atomic_write_text
-from doplus_cli.kinds import Kind, kind_of
-from doplus_cli.kinds.base import read_json
 from doplus_cli.lifecycle import folder_entries
 
 BENCH_KEYS = ("seed", "out", "overwrite", "resume")  # the bench sets these for every run
@@ -71,7 +71,7 @@ class Bench:
     """One invocation: the experiment (what every run shares) and the runs it asks for."""
 
     recipe: Path
-    kind: Kind
+    kind: BenchAdapter  # what the bench asks of the recipe's command
     base: dict[str, Any]  # the recipe's values, paths absolute
     set_values: dict[str, Any]
     sweep_key: str | None
@@ -102,15 +102,16 @@ def plan_bench(recipe: str, schemes: str, seeds: str, out: str, set_options: lis
     set_pairs = [_split_pair(text, "--set") for text in set_options]
     sweep_pair = _split_pair(sweep, "--sweep") if sweep is not None else None
     given = {str(k).replace("-", "_") for k in raw} | {k.replace("-", "_") for k, _ in set_pairs}
-    kind = kind_of(path, given | ({sweep_pair[0].replace("-", "_")} if sweep_pair else set()))
-    names = field_names(kind.config)
-    base = _absolute_paths(load_recipe(path, kind.config))
+    kind = adapter_of(path, given | ({sweep_pair[0].replace("-", "_")} if sweep_pair else set()))
+    names = field_names(kind.config_class)
+    base = _absolute_paths(load_recipe(path, kind.config_class))
     for key in ("out", "overwrite", "resume"):
         base.pop(key, None)
     set_values: dict[str, Any] = {}
     for key, text in set_pairs:
         key = _option_key(key, "--set", names)
-        set_values[key] = _absolute_paths({key: coerce_option(key, _null(text), f"--set {key}", kind.config)})[key]
+        value = coerce_option(key, _null(text), f"--set {key}", kind.config_class)
+        set_values[key] = _absolute_paths({key: value})[key]
     sweep_key, sweep_values = None, [None]
     if sweep_pair is not None:
         sweep_key = _option_key(sweep_pair[0], "--sweep", names)
@@ -120,7 +121,7 @@ def plan_bench(recipe: str, schemes: str, seeds: str, out: str, set_options: lis
         if not all(items):
             raise UserError(f"--sweep {sweep_pair[0]}={sweep_pair[1]}: write KEY=V1,V2,... with no empty value")
         sweep_values = [_absolute_paths({sweep_key: coerce_option(sweep_key, _null(v), f"--sweep {sweep_key}",
-                                                            kind.config)})[sweep_key] for v in items]
+                                                            kind.config_class)})[sweep_key] for v in items]
         if len({json.dumps(plain(v)) for v in sweep_values}) < len(sweep_values):
             raise UserError(f"--sweep {sweep_key}: a value is given twice ({sweep_pair[1]})")
     if task_ids is not None:
@@ -232,10 +233,10 @@ def _plan_run(bench: Bench, scheme: str, sweep_value: Any, seed: int, task: int 
     return Run(name, scheme, seed, sweep_value, plain(values), config, bench.out / "runs" / name, task)
 
 
-def _config(kind: Kind, values: dict[str, Any], sources: dict[str, str]) -> TrainConfig:
-    config = kind.config()
+def _config(kind: BenchAdapter, values: dict[str, Any], sources: dict[str, str]) -> TrainConfig:
+    config = kind.config_class()
     for key, value in copy.deepcopy(values).items():
-        setattr(config, key, coerce_option(key, value, sources.get(key, "bench schemes"), kind.config))
+        setattr(config, key, coerce_option(key, value, sources.get(key, "bench schemes"), kind.config_class))
     return config
 
 

@@ -1,4 +1,4 @@
-"""The figures: tradeoff.png (the kind's trade-off per scheme), tradeoff_curves.png (each run's path through
+"""The figures: tradeoff.png (the command's trade-off per scheme), tradeoff_curves.png (each run's path through
 (MU, UFE)), curves.png (the evaluations during training), update_similarity.png (the paper's Figure 2a)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from doplus_cli.bench.adapters import adapter_named
 from doplus_cli.bench.schemes.summary import Result, row_label
-from doplus_cli.kinds import kind_named
 
 
 def _pyplot():
@@ -33,12 +33,12 @@ def _save(fig, path: Path) -> str:
 
 
 def plot_tradeoff(summary: dict[str, Any], out: Path) -> str | None:
-    """The kind's trade-off per scheme, error bars the std over seeds (unlearning: forget efficacy UFE against utility
-    MU; alignment: the safety loss against the general loss), or each task's score per scheme as grouped bars
-    (multitask)."""
+    """The command's trade-off per scheme, error bars the std over seeds (unlearning: forget efficacy UFE against
+    utility MU; alignment: the safety loss against the general loss), or each task's score per scheme as grouped
+    bars (multitask)."""
     plt = _pyplot()
     rows, sweep = summary["rows"], summary["sweep"]
-    kind = kind_named(summary["kind"])
+    kind = adapter_named(summary["kind"])
     if kind.tradeoff_bars:
         tasks = [c["key"] for c in summary["columns"] if c["role"] == "score"]
         fig, ax = plt.subplots(figsize=(max(6.0, 2 + 0.6 * len(tasks) * len(rows)), 4.5))

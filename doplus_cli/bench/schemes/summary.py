@@ -13,13 +13,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from doplus_cli.bench.adapters import Metric
 from doplus_cli.bench.schemes.planning import Bench, completed_report, plain, start_point
 from doplus_cli.bench.tradeoff import ordered, summarise_tradeoff
 from doplus_cli.bench.tradeoff import render as render_tradeoff
 from doplus_cli.config import SCHEMES
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.attacks import FORGET_METRICS, HEADLINE
-from doplus_cli.kinds import Metric
 
 UPDATE_COSINE = Metric("update_cosine", "update cos (mean over the 2nd half of steps)", None, ".3f")
 # The paper's memory and running-time table (Appendix): time and memory (the optimizer-state column's unit is

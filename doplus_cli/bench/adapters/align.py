@@ -1,4 +1,4 @@
-"""`doplus align`: safety alignment as targeted unlearning (engine/align.py).
+"""`doplus bench schemes` on `doplus align` recipes (commands/align.py).
 
 The bench scores its runs by the run's own report (the held-out refusal rates, the final losses) and, with
 `eval_suite`, by `doplus evaluate`'s safety suites on final/ (run by align itself into OUT/runs/NAME/eval/).
@@ -9,11 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-
+from doplus_cli.bench.adapters.base import BenchAdapter, Metric, TradeoffAxes, doplus_evaluate, read_json
+from doplus_cli.commands.align import ALIGN, AlignCommand
 from doplus_cli.config import AlignConfig
 from doplus_cli.errors import UserError
-from doplus_cli.kinds.base import Kind, Metric, TradeoffAxes, doplus_evaluate, read_json
 
 # The safety suites' rates (percent) and what the run measures itself.
 ALIGN_EVAL_METRICS = (Metric("safety_rate_avg", "safety AVG (%)", True),)
@@ -25,18 +24,8 @@ ALIGN_LOSS_METRICS = (Metric("safety_loss", "safety loss", False, ".3f"),
                       Metric("general_loss", "general loss", False, ".3f"))
 
 
-class AlignKind(Kind):
-    command, marker, config = "align", "safety", AlignConfig
-
-    def run(self, config: AlignConfig, console: Console | None = None) -> dict[str, Any]:
-        from doplus_cli.engine.align import run_align
-
-        return run_align(config, console)
-
-    def print_summary(self, report: dict[str, Any], console: Console) -> None:
-        from doplus_cli.engine.align import print_summary
-
-        print_summary(report, console)
+class AlignAdapter(BenchAdapter):
+    training = ALIGN
 
     def check_evaluation(self, given: set[str], config: AlignConfig, recipe: Path) -> None:
         if config.held_out == 0 and config.eval_suite is None:
@@ -81,10 +70,8 @@ class AlignKind(Kind):
 
     def evaluate_command(self, config: AlignConfig, folder: Path, model: str | None = None,
                          out: Path | None = None) -> list[str]:
-        """What align's own evaluation runs (`engine/align.py`, evaluate_final), for a run stopped before it."""
-        from doplus_cli.engine.evaluations import align_evaluation
-
-        evaluation = align_evaluation(config)
+        """What align's own evaluation runs (commands/align.py, evaluate_final), for a run stopped before it."""
+        evaluation = self.training.evaluation(config)
         return doplus_evaluate(folder, evaluation.flags(), evaluation.trust_remote_code)
 
     def scores(self, report: dict[str, Any], evaluation: Path) -> tuple[dict[str, Any], dict[str, str]]:
@@ -106,18 +93,13 @@ class AlignKind(Kind):
                 notes["safety_rate_avg"] = "refusal rate standing in for the safety rate: no guard model"
         return values, notes
 
-    def curve_names(self, config: AlignConfig) -> tuple[str, ...]:
-        return ()
-
     def planned_steps(self, config: AlignConfig) -> int:
         """--epochs: the steps on one process (`epoch_steps`; more processes take fewer)."""
         if config.epochs is None or not (config.safety and config.general):  # validation says what is missing
             return config.steps
-        from doplus_cli.engine.align import AlignPlan
-
-        plan = AlignPlan(config)
-        plan.open()
-        return plan.total_steps(config.batch_size * config.grad_accum)
+        run = AlignCommand(config)
+        run.open()
+        return run.total_steps(config.batch_size * config.grad_accum)
 
 
-ALIGN = AlignKind()
+ALIGN_ADAPTER = AlignAdapter()

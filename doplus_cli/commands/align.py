@@ -23,12 +23,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from doplus_cli.commands.base import Command
 from doplus_cli.config import AlignConfig, parse_cycle
 from doplus_cli.data.sources import Keys, MixtureSource, RowRange, Source, open_source
 from doplus_cli.engine import outputs
-from doplus_cli.engine.evaluations import align_evaluation
+from doplus_cli.engine.evaluations import Evaluation
 from doplus_cli.engine.loop import run_training
-from doplus_cli.engine.objectives import Objective, Plan
+from doplus_cli.engine.objectives import Objective
 from doplus_cli.engine.schedule import JOINT
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.refusal import RefusalJudge, is_refusal
@@ -52,12 +53,21 @@ class AlignSet:
 def run_align(config: AlignConfig, console: Console | None = None) -> dict[str, Any]:
     """Train as configured, then (`eval_suite`) evaluate final/ with `doplus evaluate`'s safety suites; return
     the report (also written to `config.out`)."""
-    plan = AlignPlan(config)
-    report = run_training(config, plan, console)
+    run = AlignCommand(config)
+    report = run_training(config, run, console)
     if report and config.eval_suite:
         report["evaluation"] = evaluate_final(config, report, console)
-        outputs.write_report(Path(report["config"]["out"]), report, plan.render_markdown)
+        outputs.write_report(Path(report["config"]["out"]), report, run.render_report)
     return report
+
+
+def align_evaluation(config: AlignConfig) -> Evaluation:
+    """`eval_suite` (safety, xstest or both) with the recipe's eval_* values and the run's seed and dtype."""
+    return Evaluation({"suite": config.eval_suite, "max_samples": config.eval_max_samples,
+                       "max_new_tokens": config.eval_max_new_tokens, "batch_size": config.eval_batch_size,
+                       "guard_model": config.eval_guard_model, "refusal_model": config.eval_refusal_model,
+                       "safety_data_dir": config.eval_safety_data_dir, "seed": config.seed, "dtype": config.dtype},
+                      config.trust_remote_code)
 
 
 def alpaca_keys(config: AlignConfig) -> Keys:
@@ -94,13 +104,13 @@ def split_held_out(source: Source, rows: int, name: str, spec: str) -> tuple[Sou
     return RowRange(source, 0, cut), RowRange(source, cut, len(source))
 
 
-class AlignPlan(Plan):
-    command = "align"
+class AlignCommand(Command):
+    command, marker, config_class = "align", "safety", AlignConfig
     activity = "aligning"
 
-    def __init__(self, config: AlignConfig) -> None:
-        self.config = config
-        self.cycle = parse_cycle(config.freq)
+    def __init__(self, config: AlignConfig | None = None) -> None:
+        super().__init__(config)
+        self.cycle = parse_cycle(config.freq) if config is not None else (1, 1)
         self.sets: dict[str, AlignSet] = {}
         self.held_out: list[tuple[str, str, str]] = []  # (set, prompt, reference response)
 
@@ -174,7 +184,7 @@ class AlignPlan(Plan):
                        "held_out_rows": len(part.held_out) if part.held_out is not None else 0}
                 for name, part in self.sets.items()}
 
-    def render_markdown(self, report: dict[str, Any]) -> str:
+    def render_report(self, report: dict[str, Any]) -> str:
         return render_markdown(report)
 
     def _responses(self, model, formatter, progress, when: str) -> list[str]:
@@ -184,6 +194,18 @@ class AlignPlan(Plan):
                                    self.config.max_new_tokens, batch_size=self.config.eval_batch_size,
                                    progress=progress, description=f"held-out responses {when}")
         return texts
+
+    # ---- the command
+
+    def run(self, config: AlignConfig, console: Console | None = None) -> dict[str, Any]:
+        return run_align(config, console)
+
+    def print_summary(self, report: dict[str, Any], console: Console) -> None:
+        print_summary(report, console)
+
+    def evaluation(self, config: AlignConfig) -> Evaluation:
+        """`eval_suite` on final/ (`align_evaluation`), which `run_align` runs when the recipe names one."""
+        return align_evaluation(config)
 
 
 def check_eval_prompts(config: AlignConfig) -> None:
@@ -330,3 +352,6 @@ def print_summary(report: dict[str, Any], console: Console) -> None:
     if report.get("evaluation"):
         console.print(f"evaluation: {report['evaluation']['folder']}/report.md", markup=False)
     console.print(f"model: {report['final']}   report: {report['config']['out']}/report.md", markup=False)
+
+
+ALIGN = AlignCommand()

@@ -1,5 +1,6 @@
 """`doplus unlearn`: the forget set with its forget loss, then (optionally) the retain set with its retain loss,
 as the objective list ["forget", "retain"] on the forget-first F_f:F_r cycle; everything else is the one loop.
+`--continual`: the forget tasks one after another (engine/continual.py), each an ordinary run of this command.
 
 Before training: `--answers-from-model` replaces the answers by the model's own, and `--show-samples`
 questions are answered. During training: `--eval-every` runs `doplus evaluate`'s TOFU suite. After: the same
@@ -18,14 +19,15 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from doplus_cli.config import UnlearnConfig, parse_task_ids
+from doplus_cli.commands.base import Command
+from doplus_cli.config import UnlearnConfig, eval_batch_size, parse_task_ids
 from doplus_cli.data.muse import TextWindows
 from doplus_cli.data.sources import Keys, Source, available_tasks, open_source, task_rows
 from doplus_cli.data.tofu import AUTHORS_RETAIN, authors_retain, describe_retain
-from doplus_cli.engine import outputs
-from doplus_cli.engine.evaluations import unlearn_evaluation
+from doplus_cli.engine import continual, outputs
+from doplus_cli.engine.evaluations import Evaluation
 from doplus_cli.engine.loop import run_training, wants_fsdp
-from doplus_cli.engine.objectives import Objective, Plan
+from doplus_cli.engine.objectives import Objective
 from doplus_cli.engine.schedule import authors_epoch_steps, authors_warmup
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.attacks import parse_attacks
@@ -39,21 +41,43 @@ from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossParams, LossSpec
 
 def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[str, Any]:
     """Run one unlearning job as configured; return the report (also written to `config.out`)."""
-    return run_training(config, UnlearnPlan(config), console)
+    return run_training(config, UnlearnCommand(config), console)
 
 
-class UnlearnPlan(Plan):
-    command = "unlearn"
+def unlearn_evaluation(config: UnlearnConfig, task_id: int | None = None) -> Evaluation:
+    """The recipe's eval_* values, with the run's batch size, seed and dtype. TOFU also takes the run's prompt
+    template: `doplus evaluate` reads it from a run's final/ by itself, but the starting model `bench schemes`
+    evaluates as the first point of the curves is no run of this recipe, and its answers must be prompted as the
+    evaluations during training prompt them. `task_id`: the forget task the run unlearns (None: the config's)."""
+    common = {"batch_size": eval_batch_size(config), "seed": config.seed, "dtype": config.dtype}
+    if config.eval_suite == "muse":
+        options = {"suite": "muse", "muse_corpus": config.eval_split, "muse_data": config.eval_data_dir,
+                   "max_samples": config.eval_max_samples, **common}
+    elif config.eval_suite == "wmdp":
+        options = {"suite": "wmdp", "limit": config.eval_max_samples, **common}
+    else:
+        options = {"suite": config.eval_suite, "split": config.eval_split, "data_dir": config.eval_data_dir,
+                   "max_samples": config.eval_max_samples, "max_new_tokens": config.eval_max_new_tokens,
+                   "protocol": config.eval_protocol, "nli_model": config.eval_nli_model,
+                   "embedding_model": config.eval_embedding_model, **common,
+                   "task_id": config.task_id if task_id is None else task_id,
+                   "prompt_template": config.prompt_template}
+    return Evaluation(options, config.trust_remote_code)
+
+
+class UnlearnCommand(Command):
+    command, marker, config_class = "unlearn", "forget", UnlearnConfig
     activity = "unlearning"
     lr_options = "--lr or --forget-lr"
-    curve_names = ("MU", "UFE", "TFE", "OVR")
 
-    def __init__(self, config: UnlearnConfig) -> None:
-        self.config = config
-        self.beta = config.beta
-        self.loss_params = LossParams(**{f.name: getattr(config, f.name) for f in dataclasses.fields(LossParams)})
-        self.forget_spec = FORGET_LOSSES[config.forget_loss]
-        self.retain_spec = RETAIN_LOSSES.get(config.retain_loss or "")
+    def __init__(self, config: UnlearnConfig | None = None) -> None:
+        super().__init__(config)
+        if config is not None:
+            self.beta = config.beta
+            self.loss_params = LossParams(**{f.name: getattr(config, f.name)
+                                             for f in dataclasses.fields(LossParams)})
+            self.forget_spec = FORGET_LOSSES[config.forget_loss]
+            self.retain_spec = RETAIN_LOSSES.get(config.retain_loss or "")
         self.forget_source: Source | None = None
         self.retain_source: Source | None = None
         self.samples: list[tuple[str, str, str | None]] = []  # (set, question, its answer in the set)
@@ -155,8 +179,31 @@ class UnlearnPlan(Plan):
                                 **describe_retain(self.retain_source)}
         return report
 
-    def render_markdown(self, report: dict[str, Any]) -> str:
+    def render_report(self, report: dict[str, Any]) -> str:
         return outputs.render_unlearn_report(report)
+
+    def curve_names(self, config: UnlearnConfig) -> tuple[str, ...]:
+        """The TOFU suite's aggregates; the other suites plot none."""
+        return ("MU", "UFE", "TFE", "OVR") if config.eval_suite == "tofu" else ()
+
+    # ---- the command
+
+    def run(self, config: UnlearnConfig, console: Console | None = None) -> dict[str, Any]:
+        """One run, or with `continual` the forget tasks one after another, each from the previous final model."""
+        if config.continual:
+            return continual.run_continual(config, console, run_unlearn)
+        return run_unlearn(config, console)
+
+    def print_summary(self, report: dict[str, Any], console: Console) -> None:
+        """The answers before and after and the losses; for `continual`, each task's evaluation."""
+        if "running_mean" in report:  # run_continual's report
+            continual.print_continual(report, console)
+        else:
+            print_summary(report, console)
+
+    def evaluation(self, config: UnlearnConfig) -> Evaluation:
+        """The recipe's eval_* values as `doplus evaluate` takes them (`unlearn_evaluation`)."""
+        return unlearn_evaluation(config)
 
 
 def _text_windows(config: UnlearnConfig, forget: Source, retain: Source | None) -> tuple[Source, Source | None]:
@@ -305,3 +352,6 @@ def print_summary(report: dict[str, Any], console: Console) -> None:
     console.print(f"{report['steps']} steps in {report['wall_time_s']:.0f} s; " + "; ".join(parts))
     outputs.print_update_warning(report, console)
     console.print(f"model: {report['final']}   report: {Path(report['final']).parent / 'report.md'}")
+
+
+UNLEARN = UnlearnCommand()

@@ -1,4 +1,4 @@
-"""`doplus unlearn`: forget a set while keeping a retain set (engine/unlearn.py; `--continual`: engine/continual.py).
+"""`doplus bench schemes` on `doplus unlearn` recipes (commands/unlearn.py).
 
 The bench compares its runs by `doplus evaluate`'s TOFU suite (the paper's aggregates, at the run's last step or
 on final/), by its MUSE or WMDP suite on final/ (`eval_suite: muse` / `wmdp`), or by the run's own before/after
@@ -10,11 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-
+from doplus_cli.bench.adapters.base import BenchAdapter, Metric, TradeoffAxes, doplus_evaluate, read_json
+from doplus_cli.commands.unlearn import UNLEARN
 from doplus_cli.config import UnlearnConfig
 from doplus_cli.errors import UserError
-from doplus_cli.kinds.base import Kind, Metric, TradeoffAxes, doplus_evaluate, read_json
 
 # The paper's aggregates (percent, higher is better; TOFU_SUMMARY.json) and OpenUnlearning's (fractions).
 UNLEARN_METRICS = (
@@ -45,27 +44,10 @@ MUSE_CORPORA = ("news", "books")
 EVALUATED_SUITES = ("tofu", "answers", "muse", "wmdp")
 
 
-class UnlearnKind(Kind):
-    command, marker, config, metrics = "unlearn", "forget", UnlearnConfig, UNLEARN_METRICS
+class UnlearnAdapter(BenchAdapter):
+    training, metrics = UNLEARN, UNLEARN_METRICS
     takes_task_ids = True
     matched_tradeoff = True
-
-    def run(self, config: UnlearnConfig, console: Console | None = None) -> dict[str, Any]:
-        """One run, or with `continual` the forget tasks one after another, each from the previous final model."""
-        from doplus_cli.engine import continual, unlearn
-
-        if config.continual:
-            return continual.run_continual(config, console)
-        return unlearn.run_unlearn(config, console)
-
-    def print_summary(self, report: dict[str, Any], console: Console) -> None:
-        """The answers before and after and the losses; for `continual`, each task's evaluation."""
-        from doplus_cli.engine import continual, unlearn
-
-        if "running_mean" in report:  # run_continual's report
-            continual.print_continual(report, console)
-        else:
-            unlearn.print_summary(report, console)
 
     def check_evaluation(self, given: set[str], config: UnlearnConfig, recipe: Path) -> None:
         if "eval_suite" not in given:
@@ -158,10 +140,8 @@ class UnlearnKind(Kind):
                          out: Path | None = None) -> list[str]:
         """`doplus evaluate` of final/ (or of `model` into `out`: the starting model) with the recipe's eval_*
         values and what the run's own evaluation during training uses (batch size, seed, dtype, TOFU's prompt
-        template: engine/evaluations.py maps both); the OVR formula comes from the run."""
-        from doplus_cli.engine.evaluations import unlearn_evaluation
-
-        evaluation = unlearn_evaluation(config)
+        template: the command's one evaluation builder maps both); the OVR formula comes from the run."""
+        evaluation = self.training.evaluation(config)
         return doplus_evaluate(folder, evaluation.flags(), evaluation.trust_remote_code, model, out)
 
     def has_start(self, config: UnlearnConfig) -> bool:
@@ -179,8 +159,4 @@ class UnlearnKind(Kind):
                  for a in section.get("aggregates", []) if a.get("note")}
         return values, notes
 
-    def curve_names(self, config: UnlearnConfig) -> tuple[str, ...]:
-        return ("MU", "UFE", "TFE", "OVR") if config.eval_suite == "tofu" else ()
-
-
-UNLEARN = UnlearnKind()
+UNLEARN_ADAPTER = UnlearnAdapter()

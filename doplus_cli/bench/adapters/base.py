@@ -1,25 +1,20 @@
-"""What every kind of command answers, and the registry the CLI and the bench look kinds up in.
+"""What `doplus bench schemes` asks of a training command, and the registry it looks the adapters up in.
 
-A kind is one training command (`doplus unlearn`, `doplus multitask`, `doplus align`): its config class, its
-engine entry point and report renderer, and what `doplus bench schemes` needs to compare runs of it (the key that
-marks a recipe as this kind, its metrics, how a run is evaluated and scored, its caption and column definitions,
-its trade-off plot). Adding a command is one module with its `Kind` and one `register` line in kinds/__init__.py.
-
-A kind imports its engine module where it runs the command (`run`, `print_summary`), as the CLI did: looking a kind
-up (for a recipe's command, a help text, the bench's tables) loads no training code.
+A bench adapter stands beside one command (commands/): the command's name, config class and marker are its own; the
+adapter adds what only the bench needs to compare runs of it (its metrics, how a run is evaluated and scored, its
+caption and column definitions, its trade-off plot). A command the bench compares is one adapter module here and one
+`register` line in bench/adapters/__init__.py.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-
+from doplus_cli.commands import COMMANDS, Command, command_marked
 from doplus_cli.config import TrainConfig
 from doplus_cli.errors import UserError
 from doplus_cli.registry import Registry
@@ -51,28 +46,27 @@ class TradeoffAxes:
     y_complement: bool = False  # plot 1 - y: a fraction where lower is better, shown so that up is better
 
 
-class Kind:
-    """One training command: what the CLI runs and prints, and what the bench needs to know about its recipes."""
+class BenchAdapter:
+    """What the bench needs to know about the recipes and runs of one command (`training`)."""
 
-    command = ""
-    marker = ""  # a recipe (or --set) key that only this kind has
-    config: type[TrainConfig] = TrainConfig
+    training: Command
     metrics: tuple[Metric, ...] = ()
     takes_task_ids = False  # `bench schemes --task-ids`: its recipes have forget tasks to pick
     matched_tradeoff = False  # its runs' (MU, UFE) curves give the trade-off at matched levels (bench/tradeoff.py)
     tradeoff_bars = False  # tradeoff.png: each task's score as grouped bars instead of a scatter on two axes
+    keeps_best = False  # its runs evaluate during training and keep the best step (--select-by): --summarize-from
 
-    # ---- the command
+    @property
+    def command(self) -> str:
+        return self.training.command
 
-    def run(self, config: TrainConfig, console: Console | None = None) -> dict[str, Any]:
-        """Train (and evaluate) as configured; return the report (also written to `config.out`)."""
-        raise NotImplementedError
+    @property
+    def config_class(self) -> type[TrainConfig]:
+        return self.training.config_class
 
-    def print_summary(self, report: dict[str, Any], console: Console) -> None:
-        """The report's summary on the console, and where the outputs are."""
-        raise NotImplementedError
-
-    # ---- doplus bench schemes
+    @property
+    def marker(self) -> str:
+        return self.training.marker
 
     def check_evaluation(self, given: set[str], config: TrainConfig, recipe: Path) -> None:
         raise NotImplementedError
@@ -102,8 +96,6 @@ class Kind:
         """The command that evaluates the run in `folder` (or `model` into `out`: the starting model)."""
         raise NotImplementedError
 
-    keeps_best = False  # its runs evaluate during training and keep the best step (--select-by): --summarize-from
-
     def at_best(self, folder: Path, report: dict[str, Any]) -> tuple[dict[str, Any], Path] | None:
         """(the report as the bench reads it at the run's best step, that step's evaluation); None when the run
         kept no best step."""
@@ -118,7 +110,8 @@ class Kind:
         raise NotImplementedError
 
     def curve_names(self, config: TrainConfig) -> tuple[str, ...]:
-        return tuple(m.key for m in self.metric_list(config))
+        """The values each run's curve plots: those its own evaluations during training plot (the command's)."""
+        return self.training.curve_names(config)
 
     def planned_steps(self, config: TrainConfig) -> int:
         """The run's optimizer steps, as far as the bench can tell before it runs (for `save_every`)."""
@@ -144,26 +137,21 @@ def read_json(path: Path) -> dict[str, Any]:
 
 # ---- the registry -------------------------------------------------------------------------------------------
 
-KINDS: Registry[Kind] = Registry("kind", Kind)  # by command, in the order they were registered
+ADAPTERS: Registry[BenchAdapter] = Registry("bench adapter", BenchAdapter, names=COMMANDS)  # by command
 
 
-def register(kind: Kind) -> Kind:
-    return KINDS.register(kind.command, kind)
+def register(adapter: BenchAdapter) -> BenchAdapter:
+    return ADAPTERS.register(adapter.command, adapter)
 
 
-def kind_named(command: str) -> Kind:
-    return KINDS[command]
+def adapter_named(command: str) -> BenchAdapter:
+    return ADAPTERS[command]
 
 
-def kind_marked(keys: Collection[str]) -> Kind | None:
-    """The kind of a recipe with these keys: the first registered kind whose marker it sets; None when none."""
-    return next((kind for kind in KINDS.values() if kind.marker in keys), None)
-
-
-def kind_of(recipe: Path, keys: set[str]) -> Kind:
-    """The kind of a recipe (or of --set/--sweep) with these keys, or one line saying it is of none."""
-    kind = kind_marked(keys)
-    if kind is not None:
-        return kind
-    markers = ", ".join(f"{k.marker} ({name})" for name, k in KINDS.items())
+def adapter_of(recipe: Path, keys: set[str]) -> BenchAdapter:
+    """The adapter of a recipe's command (or of --set/--sweep's keys), or one line saying the bench runs none."""
+    command = command_marked(keys)
+    if command is not None and command.command in ADAPTERS:
+        return ADAPTERS[command.command]
+    markers = ", ".join(f"{adapter.marker} ({name})" for name, adapter in ADAPTERS.items())
     raise UserError(f"{recipe}: not a recipe bench schemes can run: it sets none of {markers}")

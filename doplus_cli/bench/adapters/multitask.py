@@ -1,4 +1,4 @@
-"""`doplus multitask`: several supervised tasks, one objective each (engine/multitask.py).
+"""`doplus bench schemes` on `doplus multitask` recipes (commands/multitask.py).
 
 The bench compares its runs by each task's held-out score after training (report.json, like the paper's Table 4).
 """
@@ -8,26 +8,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-
+from doplus_cli.bench.adapters.base import BenchAdapter, Metric
+from doplus_cli.commands.multitask import MULTITASK
 from doplus_cli.config import AVERAGE, MultitaskConfig
 from doplus_cli.errors import UserError
-from doplus_cli.kinds.base import Kind, Metric
 
 
-class MultitaskKind(Kind):
-    command, marker, config = "multitask", "tasks", MultitaskConfig
+class MultitaskAdapter(BenchAdapter):
+    training = MULTITASK
     tradeoff_bars = True
-
-    def run(self, config: MultitaskConfig, console: Console | None = None) -> dict[str, Any]:
-        from doplus_cli.engine.multitask import run_multitask
-
-        return run_multitask(config, console)
-
-    def print_summary(self, report: dict[str, Any], console: Console) -> None:
-        from doplus_cli.engine.multitask import print_summary
-
-        print_summary(report, console)
 
     def check_evaluation(self, given: set[str], config: MultitaskConfig, recipe: Path) -> None:
         if config.eval_rows == 0 and not any(task["eval"] for task in config.tasks):
@@ -59,4 +48,4 @@ class MultitaskKind(Kind):
         return dict(report["scores"]["after"]), {}
 
 
-MULTITASK = MultitaskKind()
+MULTITASK_ADAPTER = MultitaskAdapter()

@@ -15,11 +15,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from doplus_cli.commands.base import Command
 from doplus_cli.config import AVERAGE, MultitaskConfig
 from doplus_cli.data.sources import Keys, RowRange, Source, open_source
 from doplus_cli.engine import outputs
 from doplus_cli.engine.loop import run_training
-from doplus_cli.engine.objectives import Objective, Plan
+from doplus_cli.engine.objectives import Objective
 from doplus_cli.engine.selection import best_lines
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.task_metrics import TASK_METRICS, task_score
@@ -45,18 +46,17 @@ class Task:
 
 def run_multitask(config: MultitaskConfig, console: Console | None = None) -> dict[str, Any]:
     """Train on every task as configured; return the report (also written to `config.out`)."""
-    return run_training(config, MultitaskPlan(config), console)
+    return run_training(config, MultitaskCommand(config), console)
 
 
-class MultitaskPlan(Plan):
-    command = "multitask"
+class MultitaskCommand(Command):
+    command, marker, config_class = "multitask", "tasks", MultitaskConfig
     activity = "training"
 
-    def __init__(self, config: MultitaskConfig) -> None:
-        self.config = config
+    def __init__(self, config: MultitaskConfig | None = None) -> None:
+        super().__init__(config)
         self.tasks = [Task(t["name"], t["data"], t["metric"], t["freq"], t["weight"], t["lr_multiplier"], t["eval"])
-                      for t in config.tasks]
-        self.curve_names = (*[t.name for t in self.tasks], AVERAGE)
+                      for t in (config.tasks if config is not None else [])]
 
     def open(self) -> None:
         config = self.config
@@ -118,8 +118,18 @@ class MultitaskPlan(Plan):
         return {t.name: {"train_rows": len(t.train), "eval_rows": len(t.held_out) if t.held_out is not None else 0}
                 for t in self.tasks}
 
-    def render_markdown(self, report: dict[str, Any]) -> str:
+    def render_report(self, report: dict[str, Any]) -> str:
         return render_markdown(report)
+
+    def curve_names(self, config: MultitaskConfig) -> tuple[str, ...]:
+        """Each task's held-out score and their average."""
+        return (*[task["name"] for task in config.tasks], AVERAGE)
+
+    def run(self, config: MultitaskConfig, console: Console | None = None) -> dict[str, Any]:
+        return run_multitask(config, console)
+
+    def print_summary(self, report: dict[str, Any], console: Console) -> None:
+        print_summary(report, console)
 
     def _scores(self, model, formatter, progress, when: str, say: bool) -> dict[str, Any]:
         """Each task's metric on its held-out rows, as a percentage, and their average (tasks not evaluated
@@ -227,3 +237,6 @@ def print_summary(report: dict[str, Any], console: Console) -> None:
     console.print(f"{report['steps']} steps in {report['wall_time_s']:.0f} s")
     outputs.print_update_warning(report, console)
     console.print(f"model: {report['final']}   report: {report['config']['out']}/report.md")
+
+
+MULTITASK = MultitaskCommand()

@@ -1,0 +1,81 @@
+"""What every training command is, and the registry the CLI and the recipes look commands up in.
+
+A command (`doplus unlearn`, `doplus multitask`, `doplus align`) is one object of one module: its name, its config
+class, the recipe key that marks it, the hooks the one training loop calls (`engine.objectives.Plan`: its data, its
+objectives, what it measures before, during and after training, its report), its entry point `run`, the summary it
+prints and the evaluation it runs. The object in the registry carries no config; `run` makes one that does for the
+run (`bound`), which is what the loop is handed. What only `doplus bench schemes` asks of a command lives with the
+bench, in its adapter (bench/adapters/).
+
+Adding a command is one module with its `Command` subclass and one `register` line in commands/__init__.py (plus its
+typer command in cli.py and its options in options.py). A command module imports no other command module.
+
+A command module imports the engine at its top: the engine's own imports of the heavy packages (transformers,
+accelerate, peft, matplotlib, ...) sit inside its functions, so looking a command up (for a recipe's command, a help
+text, the bench's tables) loads none of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any
+
+from doplus_cli.config import TrainConfig
+from doplus_cli.engine.objectives import Plan
+from doplus_cli.registry import Registry
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from doplus_cli.engine.evaluations import Evaluation
+
+
+class Command(Plan):
+    """One training command: the loop's hooks (`Plan`) and what the CLI runs and prints.
+
+    `Command()` is the command as registered (no config); `Command(config)` (`bound`) is one run of it, the object
+    the loop calls back."""
+
+    marker = ""  # a recipe (or --set) key that only this command has
+    config_class: type[TrainConfig] = TrainConfig
+
+    def __init__(self, config: TrainConfig | None = None) -> None:
+        self.config = config
+
+    def bound(self, config: TrainConfig) -> Command:
+        """This command for one run of `config`: the object whose hooks the loop calls."""
+        return type(self)(config)
+
+    def run(self, config: TrainConfig, console: Console | None = None) -> dict[str, Any]:
+        """Train (and evaluate) as configured; return the report (also written to `config.out`)."""
+        from doplus_cli.engine.loop import run_training
+
+        return run_training(config, self.bound(config), console)
+
+    def print_summary(self, report: dict[str, Any], console: Console) -> None:
+        """The report's summary on the console, and where the outputs are."""
+        raise NotImplementedError
+
+    def evaluation(self, config: TrainConfig) -> Evaluation | None:
+        """The `doplus evaluate` run that evaluates a run of `config` (engine/evaluations.py: its `EvalConfig` in
+        this process and its flags for a process of its own); None: the command evaluates itself only."""
+        return None
+
+
+# ---- the registry -------------------------------------------------------------------------------------------
+
+COMMANDS: Registry[Command] = Registry("command", Command)  # by name, in the order they were registered
+
+
+def register(command: Command) -> Command:
+    return COMMANDS.register(command.command, command)
+
+
+def command_named(name: str) -> Command:
+    return COMMANDS[name]
+
+
+def command_marked(keys: Collection[str]) -> Command | None:
+    """The command of a recipe with these keys: the first registered command whose marker it sets; None when
+    none."""
+    return next((command for command in COMMANDS.values() if command.marker in keys), None)
