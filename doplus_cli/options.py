@@ -31,7 +31,8 @@ from doplus_cli.data.formatting import TEMPLATE_HELP
 from doplus_cli.errors import UserError
 from doplus_cli.registry import Registry
 
-# The config class each training command reads its options' defaults from (the kinds, a layer above, pair the same).
+# The config class each training command reads its options' defaults from (the command modules, a layer above,
+# pair each command with the same class).
 COMMAND_CONFIGS: dict[str, type[TrainConfig]] = {
     "unlearn": UnlearnConfig, "multitask": MultitaskConfig, "align": AlignConfig,
 }
@@ -58,8 +59,9 @@ class Option:
     def name(self) -> str:
         return self.flags.split("/")[0].removeprefix("--").replace("-", "_")
 
-    def flags_for(self, command: str) -> str:
-        return self.variant.get(command, {}).get("flags", self.flags)
+    def settings_for(self, command: str) -> dict[str, Any]:
+        """`flags`, `type` and `min` as `command` declares them."""
+        return {"flags": self.flags, "type": self.type, "min": self.min, **self.variant.get(command, {})}
 
     def help_for(self, command: str) -> str:
         """The help text `command` shows: its own words or the shared ones, its default and its name filled in."""
@@ -378,10 +380,10 @@ def option_type(name: str, command: str) -> Any:
     """The typer type of option `name` as `command` declares it: `Annotated[type | None, typer.Option(...)]` with
     that command's flags, help text (its default and name filled in) and range."""
     option = OPTIONS[name]
-    settings = {"type": option.type, "min": option.min, **option.variant.get(command, {})}
+    settings = option.settings_for(command)
     text = option.help_for(command)
     info = (typer.Argument(help=text) if option.argument
-            else typer.Option(option.flags_for(command), help=text, min=settings["min"]))
+            else typer.Option(settings["flags"], help=text, min=settings["min"]))
     return Annotated[settings["type"] | None, info]
 
 
@@ -448,5 +450,5 @@ def split_flags(declaration: str) -> tuple[list[str], list[str]]:
 def command_flags(command: str) -> dict[str, tuple[list[str], list[str]]]:
     """A command's options by name, each with its flags (see `split_flags`), its arguments left out; {} for a
     command without a `COMMAND_OPTIONS` entry."""
-    return {name: split_flags(OPTIONS[name].flags_for(command)) for name in COMMAND_OPTIONS.get(command, ())
+    return {name: split_flags(OPTIONS[name].settings_for(command)["flags"]) for name in COMMAND_OPTIONS.get(command, ())
             if not OPTIONS[name].argument}
