@@ -31,8 +31,8 @@ from doplus_cli.data.formatting import TEMPLATE_HELP
 from doplus_cli.errors import UserError
 from doplus_cli.registry import Registry
 
-# The config class each training command reads its options' defaults from (the command modules, a layer above,
-# pair each command with the same class).
+# The config class each training command reads its options' defaults from: the command modules (a layer above,
+# which this module cannot import) pair each command with the same class (tests/test_options_once.py checks).
 COMMAND_CONFIGS: dict[str, type[TrainConfig]] = {
     "unlearn": UnlearnConfig, "multitask": MultitaskConfig, "align": AlignConfig,
 }

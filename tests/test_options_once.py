@@ -139,3 +139,12 @@ def test_evaluates_help_lists_exactly_eval_configs_fields_and_compare(help_flags
                 for field in dataclasses.fields(EvalConfig)} | {"--compare", "--recipe", "--help"}
     assert set(help_flags["evaluate"]) == expected, (sorted(set(help_flags["evaluate"]) - expected),
                                                      sorted(expected - set(help_flags["evaluate"])))
+
+
+def test_the_options_read_each_commands_defaults_from_the_config_class_it_runs_with():
+    """options.py cannot import the command modules (a layer above), so it pairs command and config class itself:
+    the same pairs as the command registry, for every command that runs training."""
+    from doplus_cli.commands import COMMANDS
+
+    assert {name: command.config_class for name, command in COMMANDS.items()} == options.COMMAND_CONFIGS
+    assert set(COMMANDS) | {"evaluate"} == set(options.COMMAND_OPTIONS)
