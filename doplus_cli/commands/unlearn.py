@@ -242,7 +242,8 @@ def _evaluate_tofu(step, accelerator, model, tokenizer, config, out, progress, s
         if config.eval_attacks and step == config.steps:  # the last evaluation, also under attack
             from doplus_cli.engine.attacks import attack_runner
 
-            eval_config.attacks = parse_attacks(config.eval_attacks, eval_config.suites)
+            eval_config = dataclasses.replace(eval_config, attacks=parse_attacks(config.eval_attacks,
+                                                                                 eval_config.suites))
             attacks = attack_runner(progress.console if progress is not None else None)
         unwrapped = accelerator.unwrap_model(model)
         if "judges" not in state:

@@ -17,9 +17,11 @@ if TYPE_CHECKING:
     from doplus_cli.evaluation.suites import Judges
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalConfig:
-    """Every option of `doplus evaluate` (and of the evaluations `doplus unlearn --eval-every` runs)."""
+    """Every option of `doplus evaluate` (and of the evaluations `doplus unlearn --eval-every` runs). Frozen, as a
+    validated training config is final: a value settled later (the task and template of a run's final/, the
+    attacks of the last evaluation during training) makes a new one with `dataclasses.replace`."""
 
     model: str | None = None
     suites: tuple[str, ...] = ("tofu",)
