@@ -21,6 +21,7 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from doplus_cli.config import TrainConfig
+from doplus_cli.engine.loop import run_training
 from doplus_cli.engine.objectives import Plan
 from doplus_cli.registry import Registry
 
@@ -48,8 +49,6 @@ class Command(Plan):
 
     def run(self, config: TrainConfig, console: Console | None = None) -> dict[str, Any]:
         """Train (and evaluate) as configured; return the report (also written to `config.out`)."""
-        from doplus_cli.engine.loop import run_training
-
         return run_training(config, self.bound(config), console)
 
     def print_summary(self, report: dict[str, Any], console: Console) -> None:
