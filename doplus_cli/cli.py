@@ -143,8 +143,14 @@ def evaluate(**values: Any) -> None:
     print_summary(record, Console(highlight=False))
 
 
+# The benches' --recipe: a YAML file of the command's options but --json (which says how the result is printed,
+# not what is measured), under the flags given (options.with_recipe).
+BenchRecipe = options.option_type("recipe", "bench")
+
+
 @bench_app.command("optimizer")
 def bench_optimizer(
+    recipe: BenchRecipe = None,
     params: str = typer.Option("50M", "--params", help="Synthetic parameter count: 50M, 1.5G, 1B, 200k, 123456."),
     dtype: str = typer.Option("float32", "--dtype", help="Parameter dtype: float32 or bfloat16."),
     device: str = typer.Option("auto", "--device", help="auto (cuda if available), cpu or cuda."),
@@ -167,6 +173,10 @@ def bench_optimizer(
     """Step time, state bytes and bandwidth of DualOptim+ against torch AdamW on synthetic parameters."""
     from doplus_cli.bench.optimizer import BenchConfig, print_table, run_optimizer_bench
 
+    given = options.with_recipe(recipe, {"params": params, "dtype": dtype, "device": device, "steps": steps,
+                                         "warmup": warmup, "only": only, "seed": seed, "stability": stability,
+                                         "v_floor": v_floor}, ())
+    params, dtype, device, steps, warmup, only, seed, stability, v_floor = given.values()  # in the order given
     if v_floor is not None and not stability:
         raise UserError("--v-floor sets the floors of --stability's safeguarded rows: add --stability")
     if stability:
@@ -196,6 +206,7 @@ def bench_optimizer(
 
 @bench_app.command("precision")
 def bench_precision(
+    recipe: BenchRecipe = None,
     model: str | None = typer.Option(
         None, "--model", help="Hub id, local model folder or .gguf file [default: embedded SmolLM2-135M-Instruct]"
     ),
@@ -211,6 +222,9 @@ def bench_precision(
     changed, distance travelled against fp32, bytes per parameter, step time."""
     from doplus_cli.bench.precision import MODES, print_table, run_precision_bench
 
+    given = options.with_recipe(recipe, {"model": model, "out": out, "steps": steps, "lr": lr, "modes": modes},
+                                ("model",))  # a model folder is looked up next to the recipe first
+    model, out, steps, lr, modes = given.values()  # in the order given
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
     unknown = [m for m in chosen if m not in MODES]
     if unknown or not chosen:

@@ -1,5 +1,6 @@
 """The options of the commands that take a recipe (`doplus unlearn`, `multitask`, `align`, `evaluate`), each
-declared once.
+declared once; `doplus bench optimizer` and `bench precision` take `--recipe` from here too (`option_type`) and a
+recipe of their options through `with_recipe`.
 
 Every option is one `Option` in `OPTIONS`: its flags, the type of its value and its help text. Where the commands
 word or declare an option differently, the difference is data in that one entry (`words`: a command's own help;
@@ -409,7 +410,7 @@ def with_recipe(recipe: str | None, values: dict[str, Any], path_keys: tuple[str
     the recipe's. The recipe's keys are the names in `values` (config.recipe_options checks them and finds a
     relative path under `path_keys` next to the recipe; the caller leaves out what a recipe does not set, such as
     evaluate's --compare); each value is read as its flag's text would be (the option's type, with its range and
-    its words for true and false), a list as its items comma-separated."""
+    its words for true and false), a list as its items comma-separated. The values come back in the order given."""
     if recipe is None:
         return values
     context = get_current_context()
