@@ -23,7 +23,9 @@ RECIPE_ONLY = {"description", "teach", "tracker_project", "tracker_run_name", "t
 # Options that are no config field: the recipe itself, how the run is launched or planned, multitask's --task.
 NOT_CONFIG = {"--recipe", "--num-processes", "--dry-run", "--gpu-memory", "--help"}
 # Recipe keys of the options every training command shares that a command takes from a recipe without a flag of
-# its own: the reference model's placement where no loss has a reference model, evaluation during training in align.
+# its own, because they mean nothing there: the reference model's placement where the one loss (CE) has no reference
+# model, and evaluation during training in align, which evaluates after training only and reports nothing to select
+# by during it.
 WITHOUT_FLAG = {"unlearn": set(), "multitask": {"ref_offload"}, "align": {"ref_offload", "eval_every", "select_by"}}
 # Defaults the help says in words, for what the value means.
 DEFAULTS_IN_WORDS = {"keep_last": (0, "all"), "save_every": (0, "never"), "eval_every": (0, "never"),
