@@ -734,6 +734,23 @@ def validate_align(config: AlignConfig) -> None:
         raise UserError(f"--eval-max-samples must be at least 1, got {config.eval_max_samples}")
     if config.eval_max_new_tokens < 1:
         raise UserError(f"--eval-max-new-tokens must be at least 1, got {config.eval_max_new_tokens}")
+    check_no_reference(config, "align")
+    # Align answers its held-out rows and runs --eval-suite once training ends; nothing evaluates a step during it.
+    if config.eval_every:
+        raise UserError(f"eval_every {config.eval_every}: doplus align evaluates after training only (held_out, "
+                        "eval_suite), never during it; eval_every is for unlearn and multitask")
+    if config.select_by is not None:
+        raise UserError(f"select_by {config.select_by}: doplus align evaluates after training only (held_out, "
+                        "eval_suite), so no evaluated step can be kept as best/; select_by is for unlearn and "
+                        "multitask")
+
+
+def check_no_reference(config: TrainConfig, command: str) -> None:
+    """`ref_offload` places the frozen reference model of unlearn's NPO, DPO, KL and UNDIAL; multitask and align
+    train with CE alone, which builds none, so the key would do nothing there: refused rather than ignored."""
+    if config.ref_offload is not None:
+        raise UserError(f"ref_offload {config.ref_offload}: doplus {command} trains with CE, which has no reference "
+                        "model; ref_offload places the reference model of unlearn's NPO, DPO, KL and UNDIAL")
 
 
 # The values of an evaluation during training `--select-by` can keep the best of, and which way is better: unlearn's
@@ -800,6 +817,7 @@ def validate_multitask(config: MultitaskConfig) -> None:
     if config.eval_batch_size < 1:
         raise UserError(f"--eval-batch-size must be at least 1, got {config.eval_batch_size}")
     check_select_by(config)
+    check_no_reference(config, "multitask")
 
 
 def validate_loss_params(config: UnlearnConfig) -> None:

@@ -13,7 +13,15 @@ from typer.testing import CliRunner
 
 from doplus_cli import options
 from doplus_cli.cli import app
-from doplus_cli.config import AlignConfig, MultitaskConfig, UnlearnConfig, field_names
+from doplus_cli.config import (
+    TASK_DEFAULTS,
+    AlignConfig,
+    MultitaskConfig,
+    UnlearnConfig,
+    field_names,
+    resolve_config,
+)
+from doplus_cli.errors import UserError
 from doplus_cli.evaluation.runner import EvalConfig
 
 CONFIGS = {"unlearn": UnlearnConfig, "multitask": MultitaskConfig, "align": AlignConfig}
@@ -22,11 +30,16 @@ CONFIGS = {"unlearn": UnlearnConfig, "multitask": MultitaskConfig, "align": Alig
 RECIPE_ONLY = {"description", "teach", "tracker_project", "tracker_run_name", "tracker_group", "tracker_dir", "tasks"}
 # Options that are no config field: the recipe itself, how the run is launched or planned, multitask's --task.
 NOT_CONFIG = {"--recipe", "--num-processes", "--dry-run", "--gpu-memory", "--help"}
-# Recipe keys of the options every training command shares that a command takes from a recipe without a flag of
-# its own, because they mean nothing there: the reference model's placement where the one loss (CE) has no reference
-# model, and evaluation during training in align, which evaluates after training only and reports nothing to select
-# by during it.
+# Fields of the options every training command shares that a command has no flag for, because they mean nothing
+# there: the reference model's placement where the one loss (CE) has no reference model, and evaluation during
+# training in align, which evaluates after training only. The fields stay in the command's config (the loop reads
+# them on every config), so a recipe key names them, but that command's validation refuses a value for them
+# (checked below; tests/test_refused_keys.py has the messages).
 WITHOUT_FLAG = {"unlearn": set(), "multitask": {"ref_offload"}, "align": {"ref_offload", "eval_every", "select_by"}}
+# A value for each that the commands that use the field take.
+SET_VALUES = {"ref_offload": "cpu", "eval_every": 2, "select_by": "MU"}
+REQUIRED = {"unlearn": {"forget": "f.jsonl", "retain": "r.jsonl"}, "align": {"safety": "s.jsonl", "general": "g.jsonl"},
+            "multitask": {"tasks": [{**TASK_DEFAULTS, "name": "a", "data": "a.jsonl"}]}}
 # Defaults the help says in words, for what the value means.
 DEFAULTS_IN_WORDS = {"keep_last": (0, "all"), "save_every": (0, "never"), "eval_every": (0, "never"),
                      "save_adapter_only": (False, "merged model")}
@@ -134,6 +147,13 @@ def test_a_training_commands_help_lists_exactly_its_recipe_fields_and_the_launch
     listed = help_flags[command]
     assert len(listed) == len(set(listed))
     assert set(listed) == expected, (sorted(set(listed) - expected), sorted(expected - set(listed)))
+
+
+@pytest.mark.parametrize("command,key", [(c, k) for c, keys in WITHOUT_FLAG.items() for k in sorted(keys)])
+def test_a_field_a_command_has_no_flag_for_is_refused_by_it_not_ignored(command, key):
+    with pytest.raises(UserError, match=rf"^{key} {SET_VALUES[key]}: doplus {command} "):
+        resolve_config(None, {**REQUIRED[command], key: SET_VALUES[key]}, CONFIGS[command])
+    resolve_config(None, REQUIRED[command], CONFIGS[command])  # and without it the same config is valid
 
 
 def test_evaluates_help_lists_exactly_eval_configs_fields_and_compare(help_flags):
