@@ -271,7 +271,7 @@ TASK_DEFAULTS: dict[str, Any] = {"name": None, "data": None, "metric": "exact", 
                                  "eval": None, "lr_multiplier": 1.0}
 _TASK_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
 RESERVED_TASK_NAMES = ("joint", "total")  # a joint step's name and its summed loss term
-AVERAGE = "average"  # the mean of the tasks' scores, reported beside each task's (engine/multitask.py)
+AVERAGE = "average"  # the mean of the tasks' scores, reported beside each task's (commands/multitask.py)
 
 
 @dataclass
@@ -303,7 +303,7 @@ class AlignConfig(TrainConfig):
     input_key: str = "input"  # optional per row; when not empty it follows the instruction after a blank line
     output_key: str = "output"
     freq: str = "1:10"  # F_s:F_g: safety steps, then general steps, per cycle (the paper's F_f:F_r = 1:10)
-    epochs: float | None = None  # instead of steps: passes over the general set (engine/align.py, epoch_steps)
+    epochs: float | None = None  # instead of steps: passes over the general set (commands/align.py, epoch_steps)
     held_out: int = 4  # each set's last rows, kept out of training and answered before and after (0: none)
     eval_batch_size: int = 16  # prompts per greedy generation batch (held-out rows, the evaluation suite)
     # `doplus evaluate`'s safety suites on final/ after training, into OUT/eval/
@@ -754,7 +754,7 @@ def check_no_reference(config: TrainConfig, command: str) -> None:
 
 
 # The values of an evaluation during training `--select-by` can keep the best of, and which way is better: unlearn's
-# TOFU aggregates (percent; engine/unlearn.py), multitask's task scores and their average (engine/multitask.py).
+# TOFU aggregates (percent; commands/unlearn.py), multitask's task scores and their average (commands/multitask.py).
 UNLEARN_SELECTABLE = {"MU": True, "UFE": True, "TFE": True, "OVR": True}
 DIRECTIONS = {"max": True, "min": False}
 

@@ -1,5 +1,5 @@
 """One registry type for every table of named, pluggable things: losses, schemes, suites, attacks, metrics,
-prompt templates, protocols, kinds.
+prompt templates, protocols, options, commands, bench adapters.
 
 A `Registry` maps names to entries of one declared type, in the order they were registered, and is read as a
 mapping (`name in registry`, `registry[name]`, iteration, `.items()`). It refuses a second entry under a name it

@@ -4,7 +4,7 @@ setup: the accelerator, the run's folder, the model, the command's objectives (`
 LoRA, the shards, the scheme's optimizer and its LR schedule, a resumed run's state, the trackers: one `Run`;
 train: for each step pick the objective, draw its batch, compute its loss, backward, clip,
 `optimizer.step(objective=...)`, log; finish: final/, the report, the model card. `doplus unlearn` and `doplus
-multitask` only build the objective list and say what to measure (engine/unlearn.py, engine/multitask.py).
+multitask` only build the objective list and say what to measure (commands/unlearn.py, commands/multitask.py).
 Accelerate holds the device and process details, so the same loop runs on one CPU or many GPUs.
 """
 
