@@ -16,7 +16,7 @@ from rich.text import Text
 from doplus_cli import lifecycle, options
 from doplus_cli.bench.schemes import DEFAULT_SCHEMES, DEFAULT_SEEDS
 from doplus_cli.commands import command_named
-from doplus_cli.config import SCHEMES, resolve_config, task_from_option
+from doplus_cli.config import resolve_config, task_from_option
 from doplus_cli.errors import EXIT_FILE_VARIABLE, UserError, quiet_worker, worker_exit_code
 from doplus_cli.evaluation.runner import EvalConfig, resolve_eval_config, run_evaluate
 
@@ -143,40 +143,29 @@ def evaluate(**values: Any) -> None:
     print_summary(record, Console(highlight=False))
 
 
-# The benches' --recipe: a YAML file of the command's options but --json (which says how the result is printed,
-# not what is measured), under the flags given (options.with_recipe).
-BenchRecipe = options.option_type("recipe", "bench")
+# The benches' defaults, which click shows after each option's help (the options themselves: options.py). A bench's
+# --recipe is a YAML file of its options but --json (which says how the result is printed, not what is measured),
+# under the flags given (options.with_recipe); bench schemes' --recipe is the recipe of its runs, and required.
+BENCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "bench optimizer": {"params": "50M", "dtype": "float32", "device": "auto", "steps": 7, "warmup": 2,
+                        "json": False, "seed": 0, "stability": False},
+    "bench precision": {"out": "bench/precision", "steps": 20, "lr": 1e-5,
+                        "modes": "fp32,bf16-mixed,bf16,bf16-uncompensated", "json": False},
+    "bench schemes": {"recipe": ..., "schemes": DEFAULT_SCHEMES, "seeds": DEFAULT_SEEDS, "log_update_similarity": False,
+                      "fsdp": False, "keep_checkpoints": False, "summarize_from": "final", "list_runs": False,
+                      "json": False, "summarize": False},
+}
 
 
 @bench_app.command("optimizer")
-def bench_optimizer(
-    recipe: BenchRecipe = None,
-    params: str = typer.Option("50M", "--params", help="Synthetic parameter count: 50M, 1.5G, 1B, 200k, 123456."),
-    dtype: str = typer.Option("float32", "--dtype", help="Parameter dtype: float32 or bfloat16."),
-    device: str = typer.Option("auto", "--device", help="auto (cuda if available), cpu or cuda."),
-    steps: int = typer.Option(7, "--steps", min=5, help="Timed steps per optimizer (median is reported)."),
-    warmup: int = typer.Option(2, "--warmup", min=1, help="Untimed steps first (compilation happens here)."),
-    only: str | None = typer.Option(
-        None, "--only", help="Comma-separated subset of rows, e.g. adamw,doplus,doplus-8bit."
-    ),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout instead of a table."),
-    seed: int = typer.Option(0, "--seed"),
-    stability: bool = typer.Option(
-        False, "--stability",
-        help="Instead of speed: the paper's and the safeguarded DualOptim+ rule on a synthetic two-objective "
-        "problem where v̂_B + v̂_k passes through zero (largest step, float32 against float64, 8-bit against 32-bit).",
-    ),
-    v_floor: str | None = typer.Option(
-        None, "--v-floor", help="With --stability: the safeguarded rule's floors to run, comma-separated, each in "
-        "[0, 1) (0: the clamp alone), e.g. 0,0.01,0.02,0.05 [default: the default floor]"),
-) -> None:
+@options.takes("bench optimizer", BENCH_DEFAULTS["bench optimizer"])
+def bench_optimizer(**values: Any) -> None:
     """Step time, state bytes and bandwidth of DualOptim+ against torch AdamW on synthetic parameters."""
     from doplus_cli.bench.optimizer import BenchConfig, print_table, run_optimizer_bench
 
-    given = options.with_recipe(recipe, {"params": params, "dtype": dtype, "device": device, "steps": steps,
-                                         "warmup": warmup, "only": only, "seed": seed, "stability": stability,
-                                         "v_floor": v_floor}, ())
-    params, dtype, device, steps, warmup, only, seed, stability, v_floor = given.values()  # in the order given
+    recipe, as_json = values.pop("recipe"), values.pop("json")
+    given = options.with_recipe(recipe, values, ())
+    stability, v_floor, seed = given.pop("stability"), given.pop("v_floor"), given["seed"]
     if v_floor is not None and not stability:
         raise UserError("--v-floor sets the floors of --stability's safeguarded rows: add --stability")
     if stability:
@@ -192,9 +181,7 @@ def bench_optimizer(
             print_stability(rows)
         return
 
-    config = BenchConfig.from_cli(
-        params=params, dtype=dtype, device=device, steps=steps, warmup=warmup, only=only, seed=seed
-    )
+    config = BenchConfig.from_cli(**given)  # params, dtype, device, steps, warmup, only, seed
     result = run_optimizer_bench(config, progress=not as_json)
     if as_json:
         import json
@@ -205,26 +192,15 @@ def bench_optimizer(
 
 
 @bench_app.command("precision")
-def bench_precision(
-    recipe: BenchRecipe = None,
-    model: str | None = typer.Option(
-        None, "--model", help="Hub id, local model folder or .gguf file [default: embedded SmolLM2-135M-Instruct]"
-    ),
-    out: str = typer.Option("bench/precision", "--out", help="Output folder (one run per mode, precision.json)."),
-    steps: int = typer.Option(20, "--steps", min=3, help="Steps per run (IDK+GD, DualOptim+)."),
-    lr: float = typer.Option(1e-5, "--lr", help="Peak learning rate, decaying linearly to 0."),
-    modes: str = typer.Option("fp32,bf16-mixed,bf16,bf16-uncompensated", "--modes",
-                              help="Comma-separated: fp32, bf16-mixed, bf16, bf16-uncompensated (fp32 is the "
-                              "reference of the distances)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout instead of a table."),
-) -> None:
+@options.takes("bench precision", BENCH_DEFAULTS["bench precision"])
+def bench_precision(**values: Any) -> None:
     """Each --precision (and bf16 without compensation) on the same short unlearning run: weight elements
     changed, distance travelled against fp32, bytes per parameter, step time."""
     from doplus_cli.bench.precision import MODES, print_table, run_precision_bench
 
-    given = options.with_recipe(recipe, {"model": model, "out": out, "steps": steps, "lr": lr, "modes": modes},
-                                ("model",))  # a model folder is looked up next to the recipe first
-    model, out, steps, lr, modes = given.values()  # in the order given
+    recipe, as_json = values.pop("recipe"), values.pop("json")
+    given = options.with_recipe(recipe, values, ("model",))  # a model folder is looked up next to the recipe first
+    model, out, steps, lr, modes = (given[name] for name in ("model", "out", "steps", "lr", "modes"))
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
     unknown = [m for m in chosen if m not in MODES]
     if unknown or not chosen:
@@ -240,51 +216,8 @@ def bench_precision(
 
 
 @bench_app.command("schemes")
-def bench_schemes(
-    recipe: str = typer.Option(..., "--recipe", help="An unlearn recipe (with eval_suite), a multitask recipe "
-                               "(a tasks: list with held-out rows) or an align recipe (safety: ...)."),
-    schemes: str = typer.Option(
-        DEFAULT_SCHEMES, "--schemes", help="Comma-separated: " + SCHEMES.listing() + "."
-    ),
-    seeds: str = typer.Option(DEFAULT_SEEDS, "--seeds", help="Comma-separated seeds; each scheme runs once per seed."),
-    task_ids: str | None = typer.Option(None, "--task-ids", help="unlearn recipes on files whose rows carry task_id: "
-                                        "the forget tasks (1,2,3,4,5), an axis beside the seeds; tables pool them."),
-    out: str | None = typer.Option(None, "--out", help="Output folder [default: bench/RECIPE-NAME]"),
-    set_options: list[str] | None = typer.Option(
-        None, "--set", help="KEY=VALUE: a recipe value for every run (repeatable)."
-    ),
-    sweep: str | None = typer.Option(None, "--sweep", help="KEY=V1,V2,...: run every scheme and seed at each value."),
-    log_update_similarity: bool = typer.Option(
-        False, "--log-update-similarity", help="Record update_cosine/grad_cosine in every run and compare them."
-    ),
-    num_processes: int | None = typer.Option(None, "--num-processes", min=1, help="Processes per run."),
-    fsdp: bool = typer.Option(False, "--fsdp", help="Run every run with FSDP2 (with --num-processes)."),
-    keep_checkpoints: bool = typer.Option(
-        False, "--keep-checkpoints", help="Keep each run's checkpoints once it is evaluated (by default they are "
-        "removed, so the bench needs the disk of one run's checkpoints plus every run's final/)."
-    ),
-    summarize_from: str = typer.Option(
-        "final", "--summarize-from", help="Score each run by its final model, or by its best step (best: the runs "
-        "evaluate during training and keep their best step, --set select_by=METRIC --set eval_every=N)."
-    ),
-    list_runs: bool = typer.Option(
-        False, "--list-runs", help="Print the grid (index, scheme, seed, task, sweep value, state: pending, running, "
-        "done or failed) and run nothing."
-    ),
-    as_json: bool = typer.Option(False, "--json", help="With --list-runs: the grid as JSON, with each run's folder "
-                                 "and command."),
-    indexes: str | None = typer.Option(
-        None, "--indexes", help="With --list-runs: only the indexes of the runs in these states (e.g. pending,failed) "
-        "as SLURM's --array takes them (0-3,5); nothing when there are none."
-    ),
-    run_index: int | None = typer.Option(
-        None, "--run-index", help="Run only run K of the grid (--list-runs numbers them from 0) into the same --out: "
-        "one task of a job array. Many may run at once; the one that ends the grid writes the tables."
-    ),
-    summarize: bool = typer.Option(
-        False, "--summarize", help="Write the tables and figures from the runs that are done, and run nothing else."
-    ),
-) -> None:
+@options.takes("bench schemes", BENCH_DEFAULTS["bench schemes"])
+def bench_schemes(**values: Any) -> None:
     """Every scheme x seed on one recipe as ordinary runs, evaluated; mean ± std tables and plots."""
     from doplus_cli.bench.schemes import (
         array_syntax,
@@ -297,6 +230,9 @@ def bench_schemes(
         run_schemes_bench,
     )
 
+    (recipe, schemes, seeds, task_ids, out, set_options, sweep, log_update_similarity, num_processes, fsdp,
+     keep_checkpoints, summarize_from, list_runs, as_json, indexes, run_index, summarize) = (
+        values[name] for name in options.COMMAND_OPTIONS["bench schemes"])
     modes = [flag for flag, given in (("--list-runs", list_runs), ("--run-index", run_index is not None),
                                       ("--summarize", summarize)) if given]
     if len(modes) > 1:

@@ -1,15 +1,15 @@
-"""The options of the commands that take a recipe (`doplus unlearn`, `multitask`, `align`, `evaluate`), each
-declared once; `doplus bench optimizer` and `bench precision` take `--recipe` from here too (`option_type`) and a
-recipe of their options through `with_recipe`.
+"""The options of the commands that take a recipe (`doplus unlearn`, `multitask`, `align`, `evaluate`) and of the
+benches (`doplus bench optimizer`, `bench precision`, `bench schemes`), each declared once; `bench optimizer` and
+`bench precision` take a recipe of their options through `with_recipe`, as `evaluate` does.
 
 Every option is one `Option` in `OPTIONS`: its flags, the type of its value and its help text. Where the commands
 word or declare an option differently, the difference is data in that one entry (`words`: a command's own help;
 `variant`: a command's own flags, type or range), not a second declaration. A help text shows a training command's
 default as `{default}`, read from that command's config class (`COMMAND_CONFIGS`; config.py holds every default),
 and names the command as `{command}`. The flag's own default is None, "not given", so a recipe's value stands
-unless a flag replaces it. `doplus evaluate`'s defaults are EvalConfig's (evaluation/, a layer above): cli.py hands
-them to `takes`, click shows them, and `with_recipe` asks click's parameter source which options the command line
-gave.
+unless a flag replaces it. `doplus evaluate`'s defaults are EvalConfig's (evaluation/, a layer above), the
+benches' those their code runs with: cli.py hands them to `takes`, click shows them, and `with_recipe` asks click's
+parameter source which options the command line gave.
 
 `COMMAND_OPTIONS` lists each command's options by name, in the order of its help: `takes` makes them the signature
 of the command's function in cli.py (`option_type` builds each one's typer type for that command), and the model
@@ -27,7 +27,15 @@ import typer
 from typer._click.core import ParameterSource
 from typer._click.globals import get_current_context
 
-from doplus_cli.config import AlignConfig, MultitaskConfig, TrainConfig, UnlearnConfig, default_of, recipe_options
+from doplus_cli.config import (
+    SCHEMES,
+    AlignConfig,
+    MultitaskConfig,
+    TrainConfig,
+    UnlearnConfig,
+    default_of,
+    recipe_options,
+)
 from doplus_cli.data.formatting import TEMPLATE_HELP
 from doplus_cli.errors import UserError
 from doplus_cli.registry import Registry
@@ -105,11 +113,14 @@ WARMUP_HELP = "Linear warmup, then linear decay to 0 [default: {warmup}]"
 OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) for option in (
     # --- Every command -----------------------------------------------------------------------------------------
     Option("--recipe", str, "YAML recipe; flags given here override its values.",
-           words={"multitask": "YAML recipe (a tasks: list); flags override it."}),
+           words={"multitask": "YAML recipe (a tasks: list); flags override it.",
+                  "bench schemes": "An unlearn recipe (with eval_suite), a multitask recipe (a tasks: list with "
+                                   "held-out rows) or an align recipe (safety: ...)."}),
     Option("--model", str, "Hub id, local model folder or .gguf file [default: embedded SmolLM2-135M-Instruct]",
            words={"evaluate": "Hub id, model folder (e.g. a run's final/) or .gguf [default: embedded SmolLM2]"}),
     Option("--dtype", str, DTYPE_HELP + DEFAULT,
-           words={"evaluate": "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16."}),
+           words={"evaluate": "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16.",
+                  "bench optimizer": "Parameter dtype: float32 or bfloat16."}),
     Option("--trust-remote-code/--no-trust-remote-code", bool, "Allow the model's own code to run." + DEFAULT,
            words={"evaluate": "Allow the model's own code to run."},
            variant={"evaluate": {"flags": "--trust-remote-code"}}),
@@ -123,9 +134,12 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
            words={"evaluate": "Prompts per generation batch; NLL batches hold about 48 tokens per unit."},
            variant={"evaluate": {"min": 1}}),
     Option("--seed", int, "Seed for weights' RNG and data order." + DEFAULT,
-           words={"evaluate": "Seed (rejection answers drawn for TFE)."}),
+           words={"evaluate": "Seed (rejection answers drawn for TFE).",
+                  "bench optimizer": ""}),  # its row shows the default alone
     Option("--out", str, "Output folder [default: runs/{command}-DATE-TIME]",
-           words={"evaluate": "Output folder [default: evals/DATE-TIME]"}),
+           words={"evaluate": "Output folder [default: evals/DATE-TIME]",
+                  "bench precision": "Output folder (one run per mode, precision.json).",
+                  "bench schemes": "Output folder [default: bench/RECIPE-NAME]"}),
     Option("--overwrite/--no-overwrite", bool, "Replace the run in a non-empty --out folder." + DEFAULT,
            words={"evaluate": "Replace an evaluation already in --out."},
            variant={"evaluate": {"flags": "--overwrite"}}),
@@ -151,21 +165,29 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
     Option("--optimizer", str, "adamw or muon (doplus)." + DEFAULT),
     Option("--state-bits", int, "32 or 8 (blockwise 8-bit states)." + DEFAULT),
     Option("--betas", str, "AdamW betas as B1,B2" + DEFAULT),
-    Option("--lr", float, "Peak learning rate." + DEFAULT),
+    Option("--lr", float, "Peak learning rate." + DEFAULT,
+           words={"bench precision": "Peak learning rate, decaying linearly to 0."}),
     Option("--grad-accum", int, "Micro-steps per optimizer step (averaged)." + DEFAULT),
     Option("--weight-decay", float, "AdamW weight decay." + DEFAULT),
     Option("--max-grad-norm", float, "Gradient clipping (0: off)." + DEFAULT),
     Option("--lora-alpha", float, "LoRA alpha." + DEFAULT),
     Option("--lora-dropout", float, "LoRA dropout." + DEFAULT),
     Option("--save-adapter-only/--save-merged", bool, "final/ holds the LoRA adapter only [default: merged model]"),
-    Option("--fsdp/--no-fsdp", bool, "Shard weights, gradients and optimizer states across processes (FSDP2)."),
+    Option("--fsdp/--no-fsdp", bool, "Shard weights, gradients and optimizer states across processes (FSDP2).",
+           words={"bench schemes": "Run every run with FSDP2 (with --num-processes)."},
+           variant={"bench schemes": {"flags": "--fsdp"}}),
     Option("--keep-last", int, "Keep the newest K checkpoints [default: all]"),
-    Option("--log-update-similarity", bool, SIMILARITY_HELP),
+    Option("--log-update-similarity", bool, SIMILARITY_HELP,
+           words={"bench schemes": "Record update_cosine/grad_cosine in every run and compare them."}),
     Option("--report-to", str, REPORT_TO_HELP),
     Option("--base-update", str, "DualOptim+'s base state takes the gradient after-param (the rule), before-delta "
            "or after-delta (the paper's ablation)." + DEFAULT),
     Option("--v-floor", float, "DualOptim+'s safeguarded rule: the floor rho on its denominator, as a fraction of "
-           "v_B + |v_k|, in [0, 1) (0: the clamp at 10 lr alone)." + DEFAULT),
+           "v_B + |v_k|, in [0, 1) (0: the clamp at 10 lr alone)." + DEFAULT,
+           words={"bench optimizer": "With --stability: the safeguarded rule's floors to run, comma-separated, each "
+                                     "in [0, 1) (0: the clamp alone), e.g. 0,0.01,0.02,0.05 [default: the default "
+                                     "floor]"},
+           variant={"bench optimizer": {"type": str}}),
     Option("--base-source", str, "DualOptim+'s base state takes grad (the rule) or grad-minus-delta, g minus the "
            "delta (the paper's ablation)." + DEFAULT),
     Option("--doplus-rule", str, "DualOptim+'s AdamW rule: safeguarded (floor on the denominator, steps at most 10 "
@@ -174,7 +196,11 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
            "scaffold, fedcm, local-adam." + DEFAULT,
            words={"align": "joint (batches from the mixture of both sets), alternate, dualoptim, doplus, scaffold, "
                            "fedcm or local-adam." + DEFAULT}),
-    Option("--steps", int, "Optimizer steps." + DEFAULT, words={"align": "Optimizer steps (or --epochs)." + DEFAULT}),
+    Option("--steps", int, "Optimizer steps." + DEFAULT,
+           words={"align": "Optimizer steps (or --epochs)." + DEFAULT,
+                  "bench optimizer": "Timed steps per optimizer (median is reported).",
+                  "bench precision": "Steps per run (IDK+GD, DualOptim+)."},
+           variant={"bench optimizer": {"min": 5}, "bench precision": {"min": 3}}),
     Option("--warmup-steps", int, WARMUP_HELP.format(warmup="a tenth of the steps"),
            words={"unlearn": WARMUP_HELP.format(warmup="one pass over the forget set"),
                   "align": WARMUP_HELP.format(warmup="the first epoch with --epochs, else a tenth of the steps")}),
@@ -183,7 +209,7 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
     Option("--gradient-checkpointing/--no-gradient-checkpointing", bool, "Recompute activations in backward (less "
            "memory)." + DEFAULT),
     Option("--num-processes", int, "Run on N processes through `accelerate launch` (N GPUs, or N CPU processes "
-           "over gloo).", min=1),
+           "over gloo).", min=1, words={"bench schemes": "Processes per run."}),
     Option("--save-every", int, "Write checkpoints/step-N/ every N steps [default: never]"),
     Option("--dry-run", bool, "Print the run's memory plan (parameters; bytes of weights, gradients, optimizer "
            "states, activations; the total per process under DDP and FSDP for --num-processes) from the model's "
@@ -208,7 +234,9 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
            words={"align": "The first N prompts of each set [default: all]"}),
 
     # --- doplus unlearn --------------------------------------------------------------------------------------------
-    Option("--task-ids", str, "With --continual: the tasks, in order (1,2,3)."),
+    Option("--task-ids", str, "With --continual: the tasks, in order (1,2,3).",
+           words={"bench schemes": "unlearn recipes on files whose rows carry task_id: the forget tasks (1,2,3,4,5), "
+                                   "an axis beside the seeds; tables pool them."}),
     Option("--continual/--no-continual", bool, "Unlearn --task-ids one after another, each from the previous task's "
            "final model." + DEFAULT),
     Option("--question-key", str, "Question field." + DEFAULT),
@@ -319,6 +347,34 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
            "the first half of the forget rows; the other half is reported apart]"),
     Option("--relearn-steps", str, "Relearning attacks: K optimizer steps, or several comma-separated (one "
            "relearned copy each; the published presets are 50, 100, 150) [default: 50]"),
+
+    # --- doplus bench optimizer, precision and schemes --------------------------------------------------------------
+    Option("--json", bool, "Print the result as JSON on stdout instead of a table.",
+           words={"bench schemes": "With --list-runs: the grid as JSON, with each run's folder and command."}),
+    Option("--params", str, "Synthetic parameter count: 50M, 1.5G, 1B, 200k, 123456."),
+    Option("--device", str, "auto (cuda if available), cpu or cuda."),
+    Option("--warmup", int, "Untimed steps first (compilation happens here).", min=1),
+    Option("--only", str, "Comma-separated subset of rows, e.g. adamw,doplus,doplus-8bit."),
+    Option("--stability", bool, "Instead of speed: the paper's and the safeguarded DualOptim+ rule on a synthetic "
+           "two-objective problem where v̂_B + v̂_k passes through zero (largest step, float32 against float64, "
+           "8-bit against 32-bit)."),
+    Option("--modes", str, "Comma-separated: fp32, bf16-mixed, bf16, bf16-uncompensated (fp32 is the reference of "
+           "the distances)."),
+    Option("--schemes", str, "Comma-separated: " + SCHEMES.listing() + "."),
+    Option("--seeds", str, "Comma-separated seeds; each scheme runs once per seed."),
+    Option("--set", list[str], "KEY=VALUE: a recipe value for every run (repeatable)."),
+    Option("--sweep", str, "KEY=V1,V2,...: run every scheme and seed at each value."),
+    Option("--keep-checkpoints", bool, "Keep each run's checkpoints once it is evaluated (by default they are "
+           "removed, so the bench needs the disk of one run's checkpoints plus every run's final/)."),
+    Option("--summarize-from", str, "Score each run by its final model, or by its best step (best: the runs "
+           "evaluate during training and keep their best step, --set select_by=METRIC --set eval_every=N)."),
+    Option("--list-runs", bool, "Print the grid (index, scheme, seed, task, sweep value, state: pending, running, "
+           "done or failed) and run nothing."),
+    Option("--indexes", str, "With --list-runs: only the indexes of the runs in these states (e.g. pending,failed) "
+           "as SLURM's --array takes them (0-3,5); nothing when there are none."),
+    Option("--run-index", int, "Run only run K of the grid (--list-runs numbers them from 0) into the same --out: "
+           "one task of a job array. Many may run at once; the one that ends the grid writes the tables."),
+    Option("--summarize", bool, "Write the tables and figures from the runs that are done, and run nothing else."),
 )))
 
 
@@ -329,8 +385,8 @@ EVALUATE_PATH_KEYS = ("model", "data_dir", "forget", "retain", "lm_eval_include"
                       "muse_data", "muse_retrained", "relearn_data")
 
 # Each command's options, by name (a training command's config key, but for recipe, num_processes, dry_run,
-# gpu_memory and multitask's task; evaluate's EvalConfig fields, `suite` setting `suites`), in the order of its
-# help; cli.py's signatures take the same (tests/test_cli.py checks).
+# gpu_memory and multitask's task; evaluate's EvalConfig fields, `suite` setting `suites`; a bench's parameters), in
+# the order of its help; cli.py's signatures take the same (tests/test_cli.py, tests/test_options_once.py check).
 COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "unlearn": (
         "recipe", "model", "dtype", "precision", "save_dtype", "trust_remote_code", "forget", "retain", "task_id",
@@ -373,6 +429,14 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
         "prompt_template", "protocol", "retain_logs", "holdout", "guard_model", "refusal_model",
         "refusal_model_prompt", "safety_data_dir", "responses", "muse_corpus", "muse_data", "muse_retrained",
         "attacks", "relearn_data", "relearn_steps",
+    ),
+    "bench optimizer": (
+        "recipe", "params", "dtype", "device", "steps", "warmup", "only", "json", "seed", "stability", "v_floor",
+    ),
+    "bench precision": ("recipe", "model", "out", "steps", "lr", "modes", "json"),
+    "bench schemes": (
+        "recipe", "schemes", "seeds", "task_ids", "out", "set", "sweep", "log_update_similarity", "num_processes",
+        "fsdp", "keep_checkpoints", "summarize_from", "list_runs", "json", "indexes", "run_index", "summarize",
     ),
 }
 

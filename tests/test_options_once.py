@@ -1,6 +1,7 @@
-"""Each option of the commands that take a recipe is declared once (doplus_cli/options.py): one entry per flag, the
-commands' differences as data in that entry, every default a help text shows read from the config that sets it, and
-every command's help listing exactly the options its config lets a recipe set plus the few that are not config."""
+"""Each option of the commands that take a recipe and of the benches is declared once (doplus_cli/options.py): one
+entry per flag, the commands' differences as data in that entry, every default a help text shows read from the
+config that sets it (the benches': the one their code runs with), and every training command's help listing exactly
+the options its config lets a recipe set plus the few that are not config."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from doplus_cli.errors import UserError
 from doplus_cli.evaluation.runner import EvalConfig
 
 CONFIGS = {"unlearn": UnlearnConfig, "multitask": MultitaskConfig, "align": AlignConfig}
+BENCHES = ("bench optimizer", "bench precision", "bench schemes")
 # Config fields a recipe sets that have no flag: a recipe's description, its teaching recipe, the trackers' names and
 # folder, multitask's tasks (given one by one with --task).
 RECIPE_ONLY = {"description", "teach", "tracker_project", "tracker_run_name", "tracker_group", "tracker_dir", "tasks"}
@@ -169,4 +171,47 @@ def test_the_options_read_each_commands_defaults_from_the_config_class_it_runs_w
     from doplus_cli.commands import COMMANDS
 
     assert {name: command.config_class for name, command in COMMANDS.items()} == options.COMMAND_CONFIGS
-    assert set(COMMANDS) | {"evaluate"} == set(options.COMMAND_OPTIONS)
+    assert set(COMMANDS) | {"evaluate", *BENCHES} == set(options.COMMAND_OPTIONS)
+
+
+@pytest.mark.parametrize("command", BENCHES)
+def test_a_benchs_options_are_the_tables_in_its_order_and_its_help_lists_them(command):
+    """The benches declare no option of their own in cli.py: each parameter is the table's entry, with the flags,
+    help and range the table gives that bench."""
+    bench = typer.main.get_command(app).commands["bench"].commands[command.split()[1]]
+    parsed = {param.name: (param.opts, param.secondary_opts) for param in bench.params}
+    assert list(parsed.items()) == list(options.command_flags(command).items())
+    for param in bench.params:
+        assert (param.help or "") == options.OPTIONS[param.name].help_for(command), param.name
+    helps = [param.help for param in bench.params]
+    assert len(helps) == len(set(helps))
+    result = CliRunner().invoke(app, [*command.split(), "--help"], env={"COLUMNS": "160", "TERM": "dumb",
+                                                                         "NO_COLOR": "1"})
+    assert result.exit_code == 0, result.output
+    listed = re.findall(r"^  (--[a-z0-9-]+)", result.output, flags=re.MULTILINE)
+    assert listed == [options.split_flags(options.OPTIONS[name].settings_for(command)["flags"])[0][0]
+                      for name in options.COMMAND_OPTIONS[command]] + ["--help"]
+
+
+def test_each_default_a_bench_shows_is_the_one_its_code_runs_with():
+    """The defaults click shows for the benches (cli.BENCH_DEFAULTS) against the defaults of the functions that run
+    them, read from their signatures here."""
+    import inspect
+
+    from doplus_cli.bench.optimizer import BenchConfig
+    from doplus_cli.bench.precision import MODES, run_precision_bench
+
+    group = typer.main.get_command(app).commands["bench"]
+    shown_defaults = {command: {param.name: param.default for param in group.commands[command].params}
+                      for command in ("optimizer", "precision", "schemes")}
+    for name, parameter in inspect.signature(BenchConfig.from_cli).parameters.items():
+        if parameter.default is not inspect.Parameter.empty:
+            assert shown_defaults["optimizer"][name] == parameter.default, name
+    assert shown_defaults["optimizer"]["params"] == "50M"
+    for name in ("steps", "lr"):
+        assert shown_defaults["precision"][name] == inspect.signature(run_precision_bench).parameters[name].default
+    assert shown_defaults["precision"]["modes"] == ",".join(MODES)
+    assert shown_defaults["schemes"]["recipe"] is None and group.commands["schemes"].params[0].required
+    for command in shown_defaults:
+        for name in ("json", "stability", "list_runs", "summarize", "keep_checkpoints", "fsdp"):
+            assert shown_defaults[command].get(name, False) is False  # a switch is off unless given
