@@ -15,8 +15,8 @@ from rich.text import Text
 
 from doplus_cli import lifecycle, options
 from doplus_cli.bench.schemes import DEFAULT_SCHEMES, DEFAULT_SEEDS
-from doplus_cli.commands import command_named
-from doplus_cli.config import resolve_config, task_from_option
+from doplus_cli.commands import COMMANDS, Command, command_named
+from doplus_cli.config import resolve_config
 from doplus_cli.errors import EXIT_FILE_VARIABLE, UserError, quiet_worker, worker_exit_code
 from doplus_cli.evaluation.runner import EvalConfig, resolve_eval_config, run_evaluate
 
@@ -81,28 +81,18 @@ def _train(command: str, values: dict[str, Any]) -> None:
         training.print_summary(report, Console(highlight=False))
 
 
-@app.command()
-@options.takes("unlearn")
-def unlearn(**values: Any) -> None:
-    """Unlearn a forget set while keeping a retain set; writes final/, metrics.jsonl and a report."""
-    _train("unlearn", values)
+def _training_command(training: Command) -> Any:
+    """`doplus NAME` of a registered training command: its options (options.py) as the function's signature, its
+    help as its docstring, and the values, as config fields, handed to `_train`."""
+    def command(**values: Any) -> None:
+        _train(training.command, training.from_options(values))
+
+    command.__name__, command.__doc__ = training.command, training.help
+    return options.takes(training.command)(command)
 
 
-@app.command()
-@options.takes("multitask")
-def multitask(**values: Any) -> None:
-    """Train on several tasks at once, one DualOptim+ delta state per task; scores each task before and after."""
-    task = values.pop("task")
-    if task:
-        values["tasks"] = [task_from_option(text) for text in task]
-    _train("multitask", values)
-
-
-@app.command()
-@options.takes("align")
-def align(**values: Any) -> None:
-    """Safety alignment as targeted unlearning: learn the safe responses, keep the general ones."""
-    _train("align", values)
+for _training in COMMANDS.values():  # in the order of registration: unlearn, multitask, align
+    app.command(_training.command)(_training_command(_training))
 
 
 # The defaults of `doplus evaluate`'s options: EvalConfig's, the lists as typed (comma-separated); click shows them

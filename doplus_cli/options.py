@@ -27,24 +27,14 @@ import typer
 from typer._click.core import ParameterSource
 from typer._click.globals import get_current_context
 
-from doplus_cli.config import (
-    SCHEMES,
-    AlignConfig,
-    MultitaskConfig,
-    TrainConfig,
-    UnlearnConfig,
-    default_of,
-    recipe_options,
-)
+from doplus_cli.config import SCHEMES, TrainConfig, default_of, recipe_options
 from doplus_cli.data.formatting import TEMPLATE_HELP
 from doplus_cli.errors import UserError
 from doplus_cli.registry import Registry
 
-# The config class each training command reads its options' defaults from: the command modules (a layer above,
-# which this module cannot import) pair each command with the same class (tests/test_options_once.py checks).
-COMMAND_CONFIGS: dict[str, type[TrainConfig]] = {
-    "unlearn": UnlearnConfig, "multitask": MultitaskConfig, "align": AlignConfig,
-}
+# The config class each training command reads its options' defaults from, as the command declares it when it is
+# registered (`declare`, called by commands/base.py's `register`: the command modules are a layer above).
+COMMAND_CONFIGS: dict[str, type[TrainConfig]] = {}
 # A help text's place for the config field's default, and for the command's name.
 DEFAULT = " [default: {default}]"
 
@@ -387,41 +377,8 @@ EVALUATE_PATH_KEYS = ("model", "data_dir", "forget", "retain", "lm_eval_include"
 # Each command's options, by name (a training command's config key, but for recipe, num_processes, dry_run,
 # gpu_memory and multitask's task; evaluate's EvalConfig fields, `suite` setting `suites`; a bench's parameters), in
 # the order of its help; cli.py's signatures take the same (tests/test_cli.py, tests/test_options_once.py check).
+# A training command's list is its command object's `options`, added here when the command is registered.
 COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
-    "unlearn": (
-        "recipe", "model", "dtype", "precision", "save_dtype", "trust_remote_code", "forget", "retain", "task_id",
-        "task_ids", "continual", "question_key", "answer_key", "max_length", "text_window", "prompt_template",
-        "answers_from_model", "max_new_tokens", "loss", "beta", "simnpo_beta", "simnpo_gamma", "undial_beta",
-        "wga_beta", "satimp_beta1", "satimp_beta2", "rmu_layer", "rmu_coeff", "rmu_update_layers", "rmu_modules",
-        "forget_coeff", "retain_coeff", "scheme", "optimizer", "state_bits", "doplus_rule", "v_floor",
-        "base_update", "base_source", "forget_freq", "retain_freq", "betas", "steps", "lr", "forget_lr",
-        "batch_size", "grad_accum", "warmup_steps", "weight_decay", "max_grad_norm", "seed", "out", "overwrite",
-        "show_samples", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "gradient_checkpointing",
-        "save_adapter_only", "ref_offload", "fsdp", "num_processes", "dry_run", "gpu_memory", "save_every",
-        "keep_last", "resume", "accept_changed", "eval_every", "select_by", "eval_suite", "eval_split",
-        "eval_data_dir", "eval_max_samples", "eval_max_new_tokens", "eval_batch_size", "eval_nli_model",
-        "eval_embedding_model", "eval_protocol", "eval_attacks", "log_update_similarity", "report_to",
-    ),
-    "multitask": (
-        "recipe", "task", "freq", "prompt_key", "answer_key", "eval_rows", "eval_every", "select_by",
-        "eval_batch_size", "model", "dtype", "precision", "save_dtype", "trust_remote_code", "max_length",
-        "max_new_tokens", "scheme", "optimizer", "state_bits", "doplus_rule", "v_floor", "base_update",
-        "base_source", "prompt_template", "betas", "steps", "lr", "batch_size", "grad_accum", "warmup_steps",
-        "weight_decay", "max_grad_norm", "seed", "out", "overwrite", "lora_rank", "lora_alpha", "lora_targets",
-        "lora_dropout", "gradient_checkpointing", "save_adapter_only", "fsdp", "num_processes", "dry_run",
-        "gpu_memory", "save_every", "keep_last", "resume", "accept_changed", "log_update_similarity", "report_to",
-    ),
-    "align": (
-        "recipe", "safety", "general", "instruction_key", "input_key", "output_key", "freq", "epochs", "held_out",
-        "model", "dtype", "precision", "save_dtype", "trust_remote_code", "max_length", "max_new_tokens",
-        "prompt_template", "scheme", "optimizer", "state_bits", "doplus_rule", "v_floor", "base_update",
-        "base_source", "betas", "steps", "lr", "batch_size", "grad_accum", "warmup_steps", "weight_decay",
-        "max_grad_norm", "seed", "out", "overwrite", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout",
-        "gradient_checkpointing", "save_adapter_only", "fsdp", "num_processes", "dry_run", "gpu_memory",
-        "save_every", "keep_last", "resume", "accept_changed", "log_update_similarity", "report_to",
-        "eval_batch_size", "eval_suite", "eval_max_samples", "eval_max_new_tokens", "eval_guard_model",
-        "eval_refusal_model", "eval_safety_data_dir",
-    ),
     "evaluate": (
         "folders", "compare", "recipe", "model", "suite", "split", "task_id", "data_dir", "forget", "retain", "out",
         "max_samples", "batch_size", "generation_batch_size", "max_new_tokens", "embedding_model", "nli_model",
@@ -439,6 +396,18 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
         "fsdp", "keep_checkpoints", "summarize_from", "list_runs", "json", "indexes", "run_index", "summarize",
     ),
 }
+
+
+def declare(command: str, config_class: type[TrainConfig], names: tuple[str, ...]) -> None:
+    """Add a training command's options (by name, in the order of its help) and the config class their shown
+    defaults come from; a name the table lacks, or a command declared twice, is refused."""
+    if command in COMMAND_OPTIONS:
+        raise ValueError(f"the options of '{command}' are declared already")
+    unknown = [name for name in names if name not in OPTIONS]
+    if unknown:
+        raise ValueError(f"'{command}' takes options that OPTIONS does not declare: {', '.join(unknown)}")
+    COMMAND_OPTIONS[command] = tuple(names)
+    COMMAND_CONFIGS[command] = config_class
 
 
 def option_type(name: str, command: str) -> Any:

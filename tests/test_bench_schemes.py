@@ -240,7 +240,7 @@ def test_a_failing_run_stops_the_bench_and_names_its_log(tiny_llama, data, tofu_
     ("missing", "recipe file not found"),
     ("yaml", "not valid YAML"),
     ("unreadable", "cannot read the recipe"),
-    ("not_a_recipe", "not a recipe bench schemes can run: it sets none of tasks (multitask), forget (unlearn), "
+    ("not_a_recipe", "not a recipe bench schemes can run: it sets none of forget (unlearn), tasks (multitask), "
                      "safety (align)"),
 ])
 def test_bad_input_is_one_line_with_exit_code_2(tiny_llama, data, tofu_dir, tmp_path, capsys, case, needle):

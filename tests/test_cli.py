@@ -48,6 +48,49 @@ def test_each_training_command_takes_the_options_its_table_lists():
         assert list(parsed.items()) == list(command_flags(command).items())
 
 
+def test_a_registered_command_is_a_cli_command_from_its_module_alone(monkeypatch):
+    """A new training command is its module's `Command` and its registration: the CLI command, its help and its
+    options come from the command object (its `options` names, declared once in options.py's table)."""
+    import typer
+    from typer.testing import CliRunner
+
+    from doplus_cli import cli, options
+    from doplus_cli.commands.base import Command
+    from doplus_cli.config import UnlearnConfig
+
+    class Toy(Command):
+        command, marker, config_class = "toy", "toy_marker", UnlearnConfig
+        help = "A toy command that trains nothing."
+        options = ("recipe", "model", "lr", "out")
+
+        def from_options(self, values):
+            return {**values, "converted": True}
+
+    monkeypatch.setattr(options, "COMMAND_OPTIONS", dict(options.COMMAND_OPTIONS))
+    monkeypatch.setattr(options, "COMMAND_CONFIGS", dict(options.COMMAND_CONFIGS))
+    options.declare("toy", Toy.config_class, Toy.options)
+    with pytest.raises(ValueError, match="declared already"):
+        options.declare("toy", Toy.config_class, Toy.options)
+    with pytest.raises(ValueError, match="no_such_option"):
+        options.declare("toy2", Toy.config_class, ("lr", "no_such_option"))
+    handed = []
+    monkeypatch.setattr(cli, "_train", lambda command, values: handed.append((command, values)))
+    app = typer.Typer()
+    app.command("toy")(cli._training_command(Toy()))
+    app.command("other")(lambda: None)  # two commands: typer then dispatches by name
+
+    toy = typer.main.get_command(app).commands["toy"]
+    assert toy.help == "A toy command that trains nothing."
+    params = {p.name: p for p in toy.params}
+    assert list(params) == ["recipe", "model", "lr", "out"]  # only the options it names, in its order
+    assert params["lr"].opts == ["--lr"]
+    assert params["lr"].help.endswith(f"[default: {UnlearnConfig.lr}]")  # the default shown is its config class's
+
+    ran = CliRunner().invoke(app, ["toy", "--lr", "0.5"])
+    assert ran.exit_code == 0, ran.output
+    assert handed == [("toy", {"recipe": None, "model": None, "lr": 0.5, "out": None, "converted": True})]
+
+
 def test_more_processes_than_visible_gpus_is_one_line_and_exit_code_2(tiny_llama, tofu_dir, tmp_path, capsys,
                                                                       monkeypatch):
     """Seen on a one-GPU H200: `--num-processes 2` put both workers on the GPU and NCCL stopped them with

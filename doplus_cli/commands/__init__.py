@@ -1,7 +1,8 @@
 """The training commands, one module each: `doplus unlearn`, `doplus multitask`, `doplus align` (commands/base.py).
 
-A new command is one module with its `Command` and one `register` line here. A recipe is of the first registered
-command whose marker key it sets: `tasks` (multitask) before `forget` (unlearn) before `safety` (align).
+A new command is one module with its `Command` and one `register` line here; `doplus --help` lists the commands in
+the order of these lines. A recipe is of the command whose marker key it sets (`forget`, `tasks`, `safety`: each
+config class has its own marker alone; with several set, as by --set, the first registered wins).
 """
 
 from doplus_cli.commands.align import ALIGN
@@ -9,8 +10,8 @@ from doplus_cli.commands.base import COMMANDS, Command, command_marked, command_
 from doplus_cli.commands.multitask import MULTITASK
 from doplus_cli.commands.unlearn import UNLEARN
 
-register(MULTITASK)
 register(UNLEARN)
+register(MULTITASK)
 register(ALIGN)
 
 __all__ = ["COMMANDS", "Command", "command_marked", "command_named", "register"]

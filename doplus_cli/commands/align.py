@@ -106,6 +106,18 @@ def split_held_out(source: Source, rows: int, name: str, spec: str) -> tuple[Sou
 
 class AlignCommand(Command):
     command, marker, config_class = "align", "safety", AlignConfig
+    help = "Safety alignment as targeted unlearning: learn the safe responses, keep the general ones."
+    options = (
+        "recipe", "safety", "general", "instruction_key", "input_key", "output_key", "freq", "epochs", "held_out",
+        "model", "dtype", "precision", "save_dtype", "trust_remote_code", "max_length", "max_new_tokens",
+        "prompt_template", "scheme", "optimizer", "state_bits", "doplus_rule", "v_floor", "base_update",
+        "base_source", "betas", "steps", "lr", "batch_size", "grad_accum", "warmup_steps", "weight_decay",
+        "max_grad_norm", "seed", "out", "overwrite", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout",
+        "gradient_checkpointing", "save_adapter_only", "fsdp", "num_processes", "dry_run", "gpu_memory",
+        "save_every", "keep_last", "resume", "accept_changed", "log_update_similarity", "report_to",
+        "eval_batch_size", "eval_suite", "eval_max_samples", "eval_max_new_tokens", "eval_guard_model",
+        "eval_refusal_model", "eval_safety_data_dir",
+    )
     activity = "aligning"
 
     def __init__(self, config: AlignConfig | None = None) -> None:

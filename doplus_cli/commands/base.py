@@ -7,8 +7,9 @@ prints and the evaluation it runs. The object in the registry carries no config;
 run (`bound`), which is what the loop is handed. What only `doplus bench schemes` asks of a command lives with the
 bench, in its adapter (bench/adapters/).
 
-Adding a command is one module with its `Command` subclass and one `register` line in commands/__init__.py (plus its
-typer command in cli.py and its options in options.py). A command module imports no other command module.
+Adding a command is one module with its `Command` subclass and one `register` line in commands/__init__.py: the
+command names its options (`options`, each declared once in options.py's table) and its help, and cli.py makes
+`doplus NAME` of every registered command. A command module imports no other command module.
 
 A command module imports the engine at its top: the engine's own imports of the heavy packages (transformers,
 accelerate, peft, matplotlib, ...) sit inside its functions, so looking a command up (for a recipe's command, a help
@@ -20,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
+from doplus_cli import options
 from doplus_cli.config import TrainConfig
 from doplus_cli.engine.loop import run_training
 from doplus_cli.engine.objectives import Plan
@@ -39,6 +41,8 @@ class Command(Plan):
 
     marker = ""  # a recipe (or --set) key that only this command has
     config_class: type[TrainConfig] = TrainConfig
+    help = ""  # the command's line in `doplus --help`, and the first line of its own --help
+    options: tuple[str, ...] = ()  # its options by name, in the order of its --help (options.py declares each)
 
     def __init__(self, config: TrainConfig | None = None) -> None:
         self.config = config
@@ -50,6 +54,11 @@ class Command(Plan):
     def run(self, config: TrainConfig, console: Console | None = None) -> dict[str, Any]:
         """Train (and evaluate) as configured; return the report (also written to `config.out`)."""
         return run_training(config, self.bound(config), console)
+
+    def from_options(self, values: dict[str, Any]) -> dict[str, Any]:
+        """The values of its options as config fields (a command whose flag reads differently from its recipe key,
+        such as multitask's repeated --task, converts it here)."""
+        return values
 
     def print_summary(self, report: dict[str, Any], console: Console) -> None:
         """The report's summary on the console, and where the outputs are."""
@@ -67,7 +76,11 @@ COMMANDS: Registry[Command] = Registry("command", Command)  # by name, in the or
 
 
 def register(command: Command) -> Command:
-    return COMMANDS.register(command.command, command)
+    """The command under its name, and its options in options.py's table (the CLI builds `doplus NAME` from
+    both)."""
+    COMMANDS.register(command.command, command)
+    options.declare(command.command, command.config_class, command.options)
+    return command
 
 
 def command_named(name: str) -> Command:

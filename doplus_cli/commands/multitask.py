@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from doplus_cli.commands.base import Command
-from doplus_cli.config import AVERAGE, MultitaskConfig
+from doplus_cli.config import AVERAGE, MultitaskConfig, task_from_option
 from doplus_cli.data.sources import Keys, RowRange, Source, open_source
 from doplus_cli.engine import outputs
 from doplus_cli.engine.loop import run_training
@@ -51,7 +51,25 @@ def run_multitask(config: MultitaskConfig, console: Console | None = None) -> di
 
 class MultitaskCommand(Command):
     command, marker, config_class = "multitask", "tasks", MultitaskConfig
+    help = "Train on several tasks at once, one DualOptim+ delta state per task; scores each task before and after."
+    options = (
+        "recipe", "task", "freq", "prompt_key", "answer_key", "eval_rows", "eval_every", "select_by",
+        "eval_batch_size", "model", "dtype", "precision", "save_dtype", "trust_remote_code", "max_length",
+        "max_new_tokens", "scheme", "optimizer", "state_bits", "doplus_rule", "v_floor", "base_update",
+        "base_source", "prompt_template", "betas", "steps", "lr", "batch_size", "grad_accum", "warmup_steps",
+        "weight_decay", "max_grad_norm", "seed", "out", "overwrite", "lora_rank", "lora_alpha", "lora_targets",
+        "lora_dropout", "gradient_checkpointing", "save_adapter_only", "fsdp", "num_processes", "dry_run",
+        "gpu_memory", "save_every", "keep_last", "resume", "accept_changed", "log_update_similarity", "report_to",
+    )
     activity = "training"
+
+    def from_options(self, values: dict[str, Any]) -> dict[str, Any]:
+        """--task NAME=FILE,... (repeated) gives the recipe's `tasks` list."""
+        values = dict(values)
+        task = values.pop("task")
+        if task:
+            values["tasks"] = [task_from_option(text) for text in task]
+        return values
 
     def __init__(self, config: MultitaskConfig | None = None) -> None:
         super().__init__(config)

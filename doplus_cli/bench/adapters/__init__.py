@@ -17,8 +17,8 @@ from doplus_cli.bench.adapters.base import (
 from doplus_cli.bench.adapters.multitask import MULTITASK_ADAPTER
 from doplus_cli.bench.adapters.unlearn import UNLEARN_ADAPTER
 
-register(MULTITASK_ADAPTER)
 register(UNLEARN_ADAPTER)
+register(MULTITASK_ADAPTER)
 register(ALIGN_ADAPTER)
 
 __all__ = ["ADAPTERS", "BenchAdapter", "Metric", "TradeoffAxes", "adapter_named", "adapter_of", "register"]
