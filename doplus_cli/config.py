@@ -62,7 +62,7 @@ UPDATE_SCHEMES = tuple(dict.fromkeys(scheme.values["scheme"] for scheme in SCHEM
 
 OPTIMIZERS = ("adamw", "muon")
 DTYPES = ("auto", "float32", "bfloat16")
-PRECISIONS = ("auto", "fp32", "bf16-mixed", "bf16")  # engine/precision.py
+PRECISIONS = ("auto", "fp32", "bf16-mixed", "bf16")  # engine/training_precision.py
 SAVE_DTYPES = ("auto", "float32", "bfloat16")
 STATE_BITS = (32, 8)
 FORGET_LOSS_NAMES = tuple(FORGET_LOSSES)  # GA, NPO, DPO, ME, IDK, SimNPO, WGA, SatImp, UNDIAL, CE-U, RMU
@@ -90,7 +90,7 @@ class TrainConfig:
     teach: str | None = None  # a multitask recipe taught first (cached); its final model is the starting model
     dtype: str = "auto"  # the load dtype: auto is bfloat16 on CUDA, float32 on CPU
     # fp32, bf16-mixed (float32 master weights, bf16 autocast) or bf16 (bf16 weights, compensated updates);
-    # auto: bf16-mixed where the model loads in bfloat16 (CUDA), fp32 otherwise (engine/precision.py)
+    # auto: bf16-mixed where the model loads in bfloat16 (CUDA), fp32 otherwise (engine/training_precision.py)
     precision: str = "auto"
     save_dtype: str = "auto"  # final/'s dtype: auto is float32 under fp32, bfloat16 under bf16-mixed and bf16
     trust_remote_code: bool = False

@@ -33,7 +33,7 @@ from doplus_cli.config import TrainConfig
 from doplus_cli.data.batches import IndexStream
 from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.data.sources import MixtureSource
-from doplus_cli.engine import checkpoint, inputs, model_card, outputs, precision, sharding, tracking
+from doplus_cli.engine import checkpoint, inputs, model_card, outputs, sharding, tracking, training_precision
 from doplus_cli.engine.objectives import Objective, Plan, frequencies, lr_multipliers
 from doplus_cli.engine.optimizers import OptimizerSettings, build_optimizer, safeguard_fractions
 from doplus_cli.engine.schedule import JOINT, linear_warmup_schedule, objective_at, steps_per_objective
@@ -97,7 +97,7 @@ class Opened:
     and the model card hold them in place of what was asked (`auto`, none, the default folder)."""
 
     fsdp: bool  # --fsdp, or `accelerate launch` with an FSDP configuration
-    precision: str  # fp32, bf16-mixed or bf16: --precision auto settled by the load dtype (engine/precision.py)
+    precision: str  # fp32, bf16-mixed or bf16: --precision auto settled by the load dtype (training_precision.py)
     save_dtype: str  # float32 or bfloat16
     steps: int  # --steps, or the command's count from its data (align's --epochs)
     warmup_steps: int  # --warmup-steps or the command's default, at most `steps`
@@ -190,7 +190,7 @@ def _open_run(config: TrainConfig, plan: Plan, console: Console
     world = accelerator.num_processes
     fsdp = wants_fsdp(config, accelerator)
     # before the resume check: a checkpoint's config names the precision it used
-    run_precision, save_dtype = precision.resolve(config.precision, config.dtype, config.save_dtype)
+    run_precision, save_dtype = training_precision.resolve(config.precision, config.dtype, config.save_dtype)
     processes = checkpoint.Processes(accelerator, sharded=fsdp and world > 1)
     effective_batch = config.batch_size * config.grad_accum * world
     derived_steps = plan.total_steps(effective_batch)
@@ -255,7 +255,7 @@ def setup(config: TrainConfig, plan: Plan, console: Console) -> Iterator[Run]:
     main_process, world = accelerator.is_main_process, accelerator.num_processes
     sharded = config.fsdp and world > 1
     lora = _lora_settings(config)
-    weights_dtype = precision.weights_dtype(config.precision, config.dtype, lora=lora is not None)
+    weights_dtype = training_precision.weights_dtype(config.precision, config.dtype, lora=lora is not None)
     lifecycle.stage("loading the model")
     model, tokenizer, model_name = load_model_and_tokenizer(config.model, weights_dtype, config.trust_remote_code)
     formatter = PromptFormatter(tokenizer, config.max_length, config.prompt_template)
@@ -423,7 +423,7 @@ def finish(run: Run, config: TrainConfig, plan: Plan, measured_after: dict[str, 
         # this process's (its shards under FSDP): numel x element size of every state tensor, 8-bit codes and
         # block scales included (paper, Table 8)
         "optimizer_state_bytes": quant.optimizer_state_bytes(run.torch_optimizer),
-        "precision": precision.describe(config.precision, config.save_dtype),
+        "precision": training_precision.describe(config.precision, config.save_dtype),
         "environment": {**outputs.environment(run.accelerator.device, world, run.effective_batch, config.seed,
                                               trained_dtype), "precision": config.precision},
         **({"teach": config.taught} if config.taught else {}),
@@ -548,7 +548,7 @@ def _reference_model(config: TrainConfig, model: torch.nn.Module, accelerator, s
     if config.ref_offload == "8bit":
         return load_model_8bit(config.model, config.dtype, config.trust_remote_code, accelerator.device)
     reference = copy.deepcopy(model).eval().requires_grad_(False)
-    reference = reference.to(precision.reference_dtype(config.precision, config.dtype))
+    reference = reference.to(training_precision.reference_dtype(config.precision, config.dtype))
     if config.ref_offload == "cpu":
         return reference.to("cpu")
     if sharded:
@@ -559,7 +559,7 @@ def _reference_model(config: TrainConfig, model: torch.nn.Module, accelerator, s
 def _unsharded_lora_model(config: TrainConfig, lora: LoraSettings, full_weights: dict[str, torch.Tensor]
                           ) -> torch.nn.Module:
     """The starting model with the same adapters, holding the gathered weights of a sharded LoRA run."""
-    weights_dtype = precision.weights_dtype(config.precision, config.dtype, lora=True)
+    weights_dtype = training_precision.weights_dtype(config.precision, config.dtype, lora=True)
     base, _, _ = load_model_and_tokenizer(config.model, weights_dtype, config.trust_remote_code)
     model = apply_lora(base, lora)
     model.load_state_dict(full_weights)
@@ -737,7 +737,7 @@ def _accumulate_gradients(objective: str, run: Run, config: TrainConfig) -> dict
             total = 0.0
             for part in parts:
                 batch = part.next_batch(formatter, accelerator.device, config.seed)
-                with precision.autocast(config.precision, accelerator.device):  # bf16 forward under bf16-mixed
+                with training_precision.autocast(config.precision, accelerator.device):  # bf16 forward under bf16-mixed
                     value = part.loss.fn(context, batch)
                 sums[f"{part.name}_loss"] += value.item() / config.grad_accum
                 total = total + part.weight * value

@@ -4,7 +4,7 @@ The model is built on the meta device from its configuration only (transformers'
 `from_config` under `torch.device("meta")`: no weight file is read, no memory is taken), LoRA and RMU applied to
 it as a run applies them, and each parameter is then counted once per place a run keeps a copy of it:
 
-    weights              every parameter in the dtype the run trains it in (`engine/precision.py`: float32 under
+    weights              every parameter in the dtype the run trains it in (`training_precision.py`: float32 under
                          fp32 and bf16-mixed, bfloat16 under bf16; LoRA's frozen base at --dtype under bf16-mixed,
                          its adapters float32)
     gradients            one per trainable parameter, in its dtype
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from doplus_cli.config import AlignConfig, MultitaskConfig, TrainConfig, UnlearnConfig
-from doplus_cli.engine import precision as precisions
+from doplus_cli.engine import training_precision as precisions
 from doplus_cli.errors import UserError
 from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossParams
 from doplus_cli.optim.quant import BLOCKSIZE, MIN_8BIT_SIZE
