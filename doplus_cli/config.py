@@ -14,7 +14,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -22,6 +22,9 @@ from doplus_cli.data.formatting import check_prompt_template
 from doplus_cli.errors import UserError
 from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossParams, parse_layer_list
 from doplus_cli.registry import Registry
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11; doplus supports 3.10
 
 
 @dataclass(frozen=True)
