@@ -120,7 +120,7 @@ def test_the_package_registries_keep_their_names_and_messages():
     assert tuple(FORGET_LOSSES) == FORGET_LOSS_NAMES and list(RETAIN_LOSSES) == ["GD", "KL", "AP", "EMBED"]
     assert list(TASK_LOSSES) == ["CE"] and all(spec.name == name for name, spec in FORGET_LOSSES.items())
     assert tuple(TASK_METRICS) == TASK_METRIC_NAMES == ("exact", "choice", "edit_sim", "rouge_l")
-    assert list(KINDS) == ["multitask", "unlearn", "align"]
+    assert list(KINDS) == ["unlearn", "multitask", "align"]  # the order of `doplus --help`
     assert list(PROMPT_TEMPLATES) == ["question-answer", "phi-tofu", "llama2"]
     with pytest.raises(UserError) as error:
         parse_schemes("joint,nope")
