@@ -11,8 +11,8 @@ import torch
 import yaml
 from transformers import AutoTokenizer
 
-from doplus_cli.bench.adapters import adapter_of as kind_of
-from doplus_cli.bench.adapters.align import AlignAdapter as AlignKind
+from doplus_cli.bench.adapters import adapter_of
+from doplus_cli.bench.adapters.align import AlignAdapter
 from doplus_cli.commands.align import alpaca_keys, epoch_steps
 from doplus_cli.config import AlignConfig, resolve_config
 from doplus_cli.data.batches import build_batch
@@ -292,8 +292,8 @@ def test_bench_schemes_runs_an_align_recipe(tiny_llama, tmp_path, monkeypatch):
     recipe.write_text(yaml.safe_dump({
         "model": str(tiny_llama), "safety": f"{SAFETY}[0:14]", "general": f"{GENERAL}[0:26]", "held_out": 2,
         "epochs": 1, "batch_size": 2, "max_length": 48, "max_new_tokens": 4, "lr": 1e-3}))
-    assert isinstance(kind_of(recipe, {"safety", "general"}), AlignKind)
-    assert AlignKind().planned_steps(resolve_config(str(recipe), {}, AlignConfig)) == 12 + 2  # 12 general, 2 safety
+    assert isinstance(adapter_of(recipe, {"safety", "general"}), AlignAdapter)
+    assert AlignAdapter().planned_steps(resolve_config(str(recipe), {}, AlignConfig)) == 12 + 2  # 12 general, 2 safety
     out = tmp_path / "bench"
     assert run_cli("bench", "schemes", "--recipe", recipe, "--schemes", "joint,doplus", "--seeds", 0,
                    "--set", "steps=4", "--out", out) == 0
@@ -308,7 +308,7 @@ def test_bench_schemes_runs_an_align_recipe(tiny_llama, tmp_path, monkeypatch):
     assert report["steps"] == 4 and report["config"]["epochs"] is None  # --set steps replaced the recipe's epochs
     assert (out / "tradeoff.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(UserError, match="no evaluation: held_out is 0 and there is no eval_suite"):
-        AlignKind().check_evaluation(set(), AlignConfig(held_out=0), recipe)
+        AlignAdapter().check_evaluation(set(), AlignConfig(held_out=0), recipe)
 
 
 def test_bench_set_none_is_a_value_and_null_unsets(tiny_llama, tmp_path):

@@ -13,8 +13,7 @@ import time
 import pytest
 import yaml
 
-from doplus_cli.bench.adapters import ADAPTERS as KINDS
-from doplus_cli.bench.adapters import adapter_of as kind_of
+from doplus_cli.bench.adapters import ADAPTERS, adapter_of
 from doplus_cli.bench.schemes import (
     Result,
     mean_std,
@@ -280,9 +279,9 @@ def test_bad_input_is_one_line_with_exit_code_2(tiny_llama, data, tofu_dir, tmp_
 
 
 def test_kinds_statistics_and_update_similarity_window(tmp_path):
-    assert kind_of(tmp_path, {"tasks", "steps"}) is KINDS["multitask"]
-    assert kind_of(tmp_path, {"forget", "steps"}) is KINDS["unlearn"]
-    assert kind_of(tmp_path, {"safety", "general"}) is KINDS["align"]
+    assert adapter_of(tmp_path, {"tasks", "steps"}) is ADAPTERS["multitask"]
+    assert adapter_of(tmp_path, {"forget", "steps"}) is ADAPTERS["unlearn"]
+    assert adapter_of(tmp_path, {"safety", "general"}) is ADAPTERS["align"]
     assert mean_std([2.0, None, 4.0]) == {"mean": 3.0, "std": pytest.approx(2 ** 0.5), "n": 2}
     assert mean_std([5.0]) == {"mean": 5.0, "std": None, "n": 1}  # one seed: n/a, never 0
     points = [(1, 0.9), (2, 0.8), (3, 0.1), (4, 0.3)]

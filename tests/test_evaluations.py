@@ -14,7 +14,7 @@ import doplus_cli.cli as cli
 import doplus_cli.commands.unlearn as engine_unlearn
 import doplus_cli.evaluation.runner as runner
 import doplus_cli.evaluation.summary as summary
-from doplus_cli.bench.adapters import adapter_named as kind_named
+from doplus_cli.bench.adapters import adapter_named
 from doplus_cli.commands.align import align_evaluation, evaluate_final
 from doplus_cli.commands.unlearn import unlearn_evaluation
 from doplus_cli.config import AlignConfig, UnlearnConfig
@@ -62,7 +62,7 @@ def parsed(command: list[str], monkeypatch) -> EvalConfig:
 def test_the_command_line_parses_to_the_builders_config(case, tmp_path, monkeypatch):
     if case == "align":
         config = AlignConfig(**ALIGN)
-        evaluation, kind = align_evaluation(config), kind_named("align")
+        evaluation, kind = align_evaluation(config), adapter_named("align")
         command = kind.evaluate_command(config, tmp_path)
         expected = evaluation.config(str(tmp_path / "final"), str(tmp_path / "eval"))
         assert expected.suites == ("safety", "xstest")
@@ -71,7 +71,7 @@ def test_the_command_line_parses_to_the_builders_config(case, tmp_path, monkeypa
         if case != "tofu":  # the corpus, or the questions per task (lm-eval's --limit)
             values.update(eval_suite=case, eval_split="books" if case == "muse" else "forget10")
         config = UnlearnConfig(**values)
-        evaluation, kind = unlearn_evaluation(config), kind_named("unlearn")
+        evaluation, kind = unlearn_evaluation(config), adapter_named("unlearn")
         command = kind.evaluate_command(config, tmp_path, "start-model", tmp_path / "start")
         expected = evaluation.config("start-model", str(tmp_path / "start"))
     defaults = EvalConfig()
@@ -99,7 +99,7 @@ def test_the_evaluation_during_training_is_the_one_bench_runs_on_the_starting_mo
     engine_unlearn._evaluate_tofu(1, accelerator, model, None, config, tmp_path, None, state)
     during = seen[0]
     assert (during.prompt_template, during.dtype, during.trust_remote_code) == ("phi-tofu", "bfloat16", True)
-    command = kind_named("unlearn").evaluate_command(config, tmp_path, config.model, tmp_path / "start")
+    command = adapter_named("unlearn").evaluate_command(config, tmp_path, config.model, tmp_path / "start")
     started = parsed(command, monkeypatch)
     assert dataclasses.replace(started, out=None, overwrite=False) == during
 
@@ -111,4 +111,4 @@ def test_align_evaluates_final_as_its_kind_command_does(tmp_path, monkeypatch):
                         lambda eval_config, console: seen.append(eval_config) or {"sections": [], "wall_time_s": 0})
     report = {"config": {"out": str(tmp_path)}, "final": str(tmp_path / "final")}
     assert evaluate_final(config, report, None)["folder"] == str(Path(tmp_path) / "eval")
-    assert parsed(kind_named("align").evaluate_command(config, tmp_path), monkeypatch) == seen[0]
+    assert parsed(adapter_named("align").evaluate_command(config, tmp_path), monkeypatch) == seen[0]

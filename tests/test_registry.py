@@ -109,7 +109,7 @@ def test_the_package_registries_keep_their_names_and_messages():
     """The converted tables hold what the plain dicts held, in order, and the messages built from them read as
     before (the names joined by ", ")."""
     from doplus_cli.bench.schemes.planning import parse_schemes
-    from doplus_cli.commands import COMMANDS as KINDS
+    from doplus_cli.commands import COMMANDS
     from doplus_cli.config import FORGET_LOSS_NAMES, SCHEMES, TASK_METRIC_NAMES
     from doplus_cli.data.formatting import PROMPT_TEMPLATES, resolve_template
     from doplus_cli.errors import UserError
@@ -120,7 +120,7 @@ def test_the_package_registries_keep_their_names_and_messages():
     assert tuple(FORGET_LOSSES) == FORGET_LOSS_NAMES and list(RETAIN_LOSSES) == ["GD", "KL", "AP", "EMBED"]
     assert list(TASK_LOSSES) == ["CE"] and all(spec.name == name for name, spec in FORGET_LOSSES.items())
     assert tuple(TASK_METRICS) == TASK_METRIC_NAMES == ("exact", "choice", "edit_sim", "rouge_l")
-    assert list(KINDS) == ["unlearn", "multitask", "align"]  # the order of `doplus --help`
+    assert list(COMMANDS) == ["unlearn", "multitask", "align"]  # the order of `doplus --help`
     assert list(PROMPT_TEMPLATES) == ["question-answer", "phi-tofu", "llama2"]
     with pytest.raises(UserError) as error:
         parse_schemes("joint,nope")

@@ -102,7 +102,7 @@ def test_multitask_selects_by_a_task_name_or_the_average(tiny_llama, tofu_dir, t
 def test_bench_scores_each_run_at_its_best_step(tiny_llama, tofu_dir, tmp_path):
     """`bench schemes --summarize-from best`: refused for runs that keep no best step; an unlearn run is scored by
     its evaluation at the best step, a multitask run by that step's task scores."""
-    from doplus_cli.bench.adapters import adapter_named as kind_named
+    from doplus_cli.bench.adapters import adapter_named
     from doplus_cli.bench.schemes import plan_bench
     from doplus_cli.bench.schemes.summary import check_summarize_from
     from doplus_cli.errors import UserError
@@ -123,16 +123,16 @@ def test_bench_scores_each_run_at_its_best_step(tiny_llama, tofu_dir, tmp_path):
     (folder / "evals" / "step-4").mkdir(parents=True)
     (folder / "evals" / "step-4" / "eval.json").write_text("{}")
     report = {"best": {"metric": "MU", "step": 4}, "evals": [{"step": 4}, {"step": 6}], "steps": 6}
-    assert kind_named("unlearn").at_best(folder, report) == (report, folder / "evals" / "step-4")
-    assert kind_named("unlearn").at_best(folder, {**report, "best": {"step": 2}}) is None  # not evaluated there
+    assert adapter_named("unlearn").at_best(folder, report) == (report, folder / "evals" / "step-4")
+    assert adapter_named("unlearn").at_best(folder, {**report, "best": {"step": 2}}) is None  # not evaluated there
 
     report = {"best": {"step": 2}, "evals": [{"step": 2, "a": 50.0, "average": 50.0},
                                              {"step": 4, "a": 10.0, "average": 10.0}],
               "scores": {"before": {"a": 0.0, "average": 0.0}, "after": {"a": 10.0, "average": 10.0}}}
-    view, where = kind_named("multitask").at_best(folder, report)
+    view, where = adapter_named("multitask").at_best(folder, report)
     assert view["scores"]["after"] == {"a": 50.0, "average": 50.0} and where == folder
-    assert kind_named("multitask").scores(view, where)[0] == {"a": 50.0, "average": 50.0}
-    assert kind_named("align").at_best(folder, report) is None
+    assert adapter_named("multitask").scores(view, where)[0] == {"a": 50.0, "average": 50.0}
+    assert adapter_named("align").at_best(folder, report) is None
 
 
 def test_under_lora_best_holds_the_adapter(tiny_llama, tofu_dir, tmp_path, known_curve):
