@@ -71,7 +71,7 @@ def test_the_suite_loader_reads_every_set_and_the_sets_hang_together():
 def test_bench_planning_scores_a_muse_recipe_by_the_muse_suite(tmp_path):
     bench = plan_bench(str(RECIPES / "bench" / "muse_mini.yaml"), "joint,doplus", "0", str(tmp_path / "out"), [],
                        None, False)
-    kind, run = bench.kind, bench.runs[0]
+    kind, run = bench.adapter, bench.runs[0]
     keys = [m.key for m in kind.metric_list(run.config)]
     assert keys == ["forget_verbmem_ROUGE", "forget_knowmem_ROUGE", "retain_knowmem_ROUGE", "muse_privleak"]
     command = kind.evaluate_command(run.config, run.folder)
@@ -97,7 +97,7 @@ def test_bench_planning_scores_a_muse_recipe_by_the_muse_suite(tmp_path):
 def test_bench_planning_scores_a_wmdp_recipe_by_the_wmdp_suite(tmp_path):
     bench = plan_bench(str(RECIPES / "wmdp" / "rmu_zephyr_doplus.yaml"), "alternate,doplus", "42",
                        str(tmp_path / "out"), ["eval_max_samples=50"], None, False)
-    kind, run = bench.kind, bench.runs[0]
+    kind, run = bench.adapter, bench.runs[0]
     keys = [m.key for m in kind.metric_list(run.config)]
     assert keys == ["wmdp_bio/acc", "wmdp_cyber/acc", "wmdp_chem/acc", "mmlu/acc"]
     assert [m.higher_is_better for m in kind.metric_list(run.config)] == [False, False, False, True]

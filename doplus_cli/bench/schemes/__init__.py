@@ -86,7 +86,7 @@ def write_outputs(bench: Bench, index: dict[str, Any]) -> dict[str, Any]:
     results, unfinished = collect(bench, index)
     summary = summarise(bench, results, unfinished)
     figures = [f for f in (plot_tradeoff(summary, bench.out), plot_tradeoff_curves(summary, bench.out),
-                           plot_curves(summary, results, bench.kind.curve_names(bench.runs[0].config), bench.out),
+                           plot_curves(summary, results, bench.adapter.curve_names(bench.runs[0].config), bench.out),
                            plot_update_similarity(summary, results, bench.out), plot_attacks(summary, bench.out)) if f]
     summary["figures"] = figures
     atomic_write_text(bench.out / "SCHEMES.json", json.dumps(summary, indent=2) + "\n")
@@ -120,7 +120,7 @@ def run_schemes_bench(recipe: str, schemes: str, seeds: str, out: str | None, se
             tasks = f" x {len(bench.task_ids)} forget tasks" if task_ids is not None else ""
             say(f"{len(bench.runs)} runs ({len(bench.schemes)} schemes{tasks} x {len(bench.seeds)} seeds"
                 + (f" x {len(bench.sweep_values)} values of {bench.sweep_key}" if bench.sweep_key else "")
-                + f") of doplus {bench.kind.command} into {bench.out}")
+                + f") of doplus {bench.adapter.command} into {bench.out}")
             runner.run_all()
         left = [s for s in grid_states(bench) if s.state != "done"]
         if left:

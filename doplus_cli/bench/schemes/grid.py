@@ -63,7 +63,7 @@ def record_failure(run: Run, reason: str) -> None:
 
 def is_done(bench: Bench, run: Run) -> bool:
     report = completed_report(run.folder)
-    return report is not None and bench.kind.evaluation(run.folder, report) is not None
+    return report is not None and bench.adapter.evaluation(run.folder, report) is not None
 
 
 def state_of(bench: Bench, index: int) -> RunState:
@@ -119,7 +119,7 @@ def array_syntax(indexes: list[int]) -> str:
 
 def run_command(bench: Bench, run: Run) -> str:
     """The command of the run itself (what `--run-index` starts, before the run's evaluation)."""
-    return shlex.join(["doplus", bench.kind.command, "--recipe", str(run.recipe_path), "--out", str(run.folder)])
+    return shlex.join(["doplus", bench.adapter.command, "--recipe", str(run.recipe_path), "--out", str(run.folder)])
 
 
 def listing(bench: Bench, states: list[RunState]) -> list[dict[str, Any]]:
@@ -163,7 +163,7 @@ def print_listing(bench: Bench, states: list[RunState], bench_command: str, cons
     console.print(table)
     console.print(counts_line(states))
     console.print(f"run K: {bench.out}/runs/NAME/ from {bench.out}/recipes/NAME.yaml "
-                  f"(doplus {bench.kind.command} --recipe ... --out ..., then its evaluation), started by: "
+                  f"(doplus {bench.adapter.command} --recipe ... --out ..., then its evaluation), started by: "
                   f"{bench_command} --run-index K")
     failed = [s.index for s in states if s.state == "failed"]
     if failed:

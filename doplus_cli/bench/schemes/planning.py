@@ -71,7 +71,7 @@ class Bench:
     """One invocation: the experiment (what every run shares) and the runs it asks for."""
 
     recipe: Path
-    kind: BenchAdapter  # what the bench asks of the recipe's command
+    adapter: BenchAdapter  # what the bench asks of the recipe's command
     base: dict[str, Any]  # the recipe's values, paths absolute
     set_values: dict[str, Any]
     sweep_key: str | None
@@ -87,7 +87,7 @@ class Bench:
     def experiment(self) -> dict[str, Any]:
         """What every run of OUT shares; a later command into the same OUT must give the same."""
         return json.loads(json.dumps({
-            "kind": self.kind.command, "recipe": plain(self.base), "set": plain(self.set_values),
+            "kind": self.adapter.command, "recipe": plain(self.base), "set": plain(self.set_values),
             "sweep_key": self.sweep_key, "log_update_similarity": self.log_update_similarity}, default=str))
 
 
@@ -102,15 +102,15 @@ def plan_bench(recipe: str, schemes: str, seeds: str, out: str, set_options: lis
     set_pairs = [_split_pair(text, "--set") for text in set_options]
     sweep_pair = _split_pair(sweep, "--sweep") if sweep is not None else None
     given = {str(k).replace("-", "_") for k in raw} | {k.replace("-", "_") for k, _ in set_pairs}
-    kind = adapter_of(path, given | ({sweep_pair[0].replace("-", "_")} if sweep_pair else set()))
-    names = field_names(kind.config_class)
-    base = _absolute_paths(load_recipe(path, kind.config_class))
+    adapter = adapter_of(path, given | ({sweep_pair[0].replace("-", "_")} if sweep_pair else set()))
+    names = field_names(adapter.config_class)
+    base = _absolute_paths(load_recipe(path, adapter.config_class))
     for key in ("out", "overwrite", "resume"):
         base.pop(key, None)
     set_values: dict[str, Any] = {}
     for key, text in set_pairs:
         key = _option_key(key, "--set", names)
-        value = coerce_option(key, _null(text), f"--set {key}", kind.config_class)
+        value = coerce_option(key, _null(text), f"--set {key}", adapter.config_class)
         set_values[key] = _absolute_paths({key: value})[key]
     sweep_key, sweep_values = None, [None]
     if sweep_pair is not None:
@@ -121,16 +121,16 @@ def plan_bench(recipe: str, schemes: str, seeds: str, out: str, set_options: lis
         if not all(items):
             raise UserError(f"--sweep {sweep_pair[0]}={sweep_pair[1]}: write KEY=V1,V2,... with no empty value")
         sweep_values = [_absolute_paths({sweep_key: coerce_option(sweep_key, _null(v), f"--sweep {sweep_key}",
-                                                            kind.config_class)})[sweep_key] for v in items]
+                                                            adapter.config_class)})[sweep_key] for v in items]
         if len({json.dumps(plain(v)) for v in sweep_values}) < len(sweep_values):
             raise UserError(f"--sweep {sweep_key}: a value is given twice ({sweep_pair[1]})")
     if task_ids is not None:
-        if not kind.takes_task_ids:
+        if not adapter.takes_task_ids:
             raise UserError(f"--task-ids picks the forget tasks of an unlearn recipe; {path.name} is a "
-                            f"{kind.command} recipe")
+                            f"{adapter.command} recipe")
         if "task_id" in set_values or sweep_key == "task_id":
             raise UserError("--task-ids and --set/--sweep task_id: give the tasks once, with --task-ids")
-    bench = Bench(path, kind, base, set_values, sweep_key, sweep_values, scheme_names, seed_list,
+    bench = Bench(path, adapter, base, set_values, sweep_key, sweep_values, scheme_names, seed_list,
                   Path(out).expanduser().resolve(), log_update_similarity, task_ids=task_list)
     # Forget task, then seed outermost: a bench stopped part-way has every scheme on the first tasks and seeds, and
     # the schemes' runs alternate in time, so a change in the machine's speed falls on every scheme alike.
@@ -140,7 +140,7 @@ def plan_bench(recipe: str, schemes: str, seeds: str, out: str, set_options: lis
                 for value in sweep_values:
                     bench.runs.append(_plan_run(bench, scheme, value, seed, task))
     for run in bench.runs:
-        kind.check_evaluation(given | ({sweep_key} if sweep_key else set()), run.config, path)
+        adapter.check_evaluation(given | ({sweep_key} if sweep_key else set()), run.config, path)
     names_seen = [run.name for run in bench.runs]
     if len(set(names_seen)) < len(names_seen):
         raise UserError(f"--sweep {sweep_key}: two values give the same run folder name; choose distinct values")
@@ -218,7 +218,7 @@ def _plan_run(bench: Bench, scheme: str, sweep_value: Any, seed: int, task: int 
         name += f"-t{task}"
     name += f"-s{seed}"
     _keep_one_of_exclusive(values, sources, [str(bench.recipe), "--set", "--sweep"])
-    steps = bench.kind.planned_steps(_config(bench.kind, values, sources))
+    steps = bench.adapter.planned_steps(_config(bench.adapter, values, sources))
     # So that every run can resume after a kill: checkpoints about every tenth of the run, the newest kept.
     values.setdefault("save_every", max(1, steps // 10))
     values.setdefault("keep_last", 1)
@@ -228,7 +228,7 @@ def _plan_run(bench: Bench, scheme: str, sweep_value: Any, seed: int, task: int 
         group = scheme + (f"-{bench.sweep_key}={_name_part(sweep_value)}" if bench.sweep_key is not None else "")
         values.update({"tracker_project": f"doplus-bench-{bench.out.name}", "tracker_run_name": name,
                        "tracker_group": group, "tracker_dir": str(bench.out / "trackers")})
-    config = _config(bench.kind, values, sources)
+    config = _config(bench.adapter, values, sources)
     copy.deepcopy(config).validate()
     return Run(name, scheme, seed, sweep_value, plain(values), config, bench.out / "runs" / name, task)
 

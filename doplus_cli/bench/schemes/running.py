@@ -111,7 +111,7 @@ class Runner:
         """The model every run of a forget task starts from (the taught model), evaluated once per task into
         OUT/start/task-T/ (OUT/start/all/ without --task-ids) with the runs' evaluation settings: the first point of
         their curves. Its path is the one the task's first finished run reports."""
-        if not self.bench.kind.has_start(self.bench.runs[0].config):
+        if not self.bench.adapter.has_start(self.bench.runs[0].config):
             return
         for task in self.bench.task_ids:
             folder = start_folder(self.bench, task)
@@ -127,7 +127,7 @@ class Runner:
             what = "the starting model" + ("" if task is None else f" of task {task}")
             self._say("start", f"evaluating {what}: {model}")
             log = folder.with_name(folder.name + ".log")
-            command = self.bench.kind.evaluate_command(run.config, run.folder, model, folder)
+            command = self.bench.adapter.evaluate_command(run.config, run.folder, model, folder)
             seconds = self._call(command, log, f"the evaluation of {what}")
             if not (folder / "eval.json").is_file():
                 raise RunError(f"the evaluation of {what} wrote no eval.json; see its log {log}")
@@ -135,7 +135,7 @@ class Runner:
 
     def run_one(self, run: Run, label: str) -> None:
         """Skip, train (afresh, resumed or restarted) and/or evaluate one run, saying which in one line each."""
-        kind = self.bench.kind
+        kind = self.bench.adapter
         report = completed_report(run.folder)
         if report is not None and kind.evaluation(run.folder, report) is not None:
             self._say(label, "skipped: finished and evaluated")
@@ -173,7 +173,7 @@ class Runner:
         self._say(label, f"removed its checkpoints ({size / 1e9:.2f} GB; --keep-checkpoints keeps them)")
 
     def _train(self, run: Run, label: str) -> dict[str, Any]:
-        command = [sys.executable, "-m", "doplus_cli", self.bench.kind.command, "--recipe", str(run.recipe_path),
+        command = [sys.executable, "-m", "doplus_cli", self.bench.adapter.command, "--recipe", str(run.recipe_path),
                    "--out", str(run.folder)]
         checkpoints = list_checkpoints(run.folder / "checkpoints")
         if checkpoints:

@@ -60,8 +60,8 @@ def check_summarize_from(bench: Bench, value: str) -> str:
     if value not in SUMMARIZE_FROM:
         raise UserError(f"--summarize-from {value}: choose final or best")
     if value == "best":
-        if not bench.kind.keeps_best:
-            raise UserError(f"--summarize-from best: doplus {bench.kind.command} does not evaluate during training, "
+        if not bench.adapter.keeps_best:
+            raise UserError(f"--summarize-from best: doplus {bench.adapter.command} does not evaluate during training, "
                             "so its runs keep no best step")
         if not all(run.config.select_by and run.config.eval_every for run in bench.runs):
             raise UserError("--summarize-from best: the runs keep no best step; set select_by and eval_every in the "
@@ -77,14 +77,14 @@ def collect(bench: Bench, index: dict[str, Any]) -> tuple[list[Result], list[str
         report = completed_report(folder)
         evaluation = None
         if report is not None and bench.summarize_from == "best":
-            report, evaluation = bench.kind.at_best(folder, report) or (report, None)
+            report, evaluation = bench.adapter.at_best(folder, report) or (report, None)
         elif report is not None:
-            evaluation = bench.kind.evaluation(folder, report)
+            evaluation = bench.adapter.evaluation(folder, report)
         if report is None or evaluation is None:
             unfinished.append(name)
             continue
         records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        scores, notes = bench.kind.scores(report, evaluation)
+        scores, notes = bench.adapter.scores(report, evaluation)
         values = {**scores, **resources(report, records), **attack_values(evaluation)}
         cosines = [(r["step"], r["update_cosine"]) for r in records if r.get("update_cosine") is not None]
         values[UPDATE_COSINE.key] = second_half_mean(cosines, report["steps"])
@@ -164,7 +164,7 @@ def _state_metric(results: list[Result]) -> tuple[Metric, float]:
 
 def summarise(bench: Bench, results: list[Result], unfinished: list[str]) -> dict[str, Any]:
     """SCHEMES.json: per scheme and sweep value, every column's mean ± std over seeds, the best marked."""
-    scores = [m for m in bench.kind.metric_list(bench.runs[0].config)
+    scores = [m for m in bench.adapter.metric_list(bench.runs[0].config)
               if any(r.values.get(m.key) is not None for r in results)]
     state, unit = _state_metric(results)
     attacked = attack_columns(results)
@@ -193,7 +193,7 @@ def summarise(bench: Bench, results: list[Result], unfinished: list[str]) -> dic
     _mark_best(rows, columns)
     sweep = {"key": bench.sweep_key, "values": _sweep_values_seen(bench, results)} if bench.sweep_key else None
     tradeoff = None
-    if bench.kind.matched_tradeoff:
+    if bench.adapter.matched_tradeoff:
         by_name = {r.name: {"start": r.start, "evals": r.evals} for r in results}
         tradeoff = summarise_tradeoff(by_name, [(row_label(row, sweep), row["runs"]) for row in rows])
     partial: dict[str, list[dict[str, Any]]] = {}  # column -> each note on what it covers, with its run count
@@ -207,7 +207,7 @@ def summarise(bench: Bench, results: list[Result], unfinished: list[str]) -> dic
             partial[column.key] = [{"note": note, "runs": n} for note, n in counts.items()]
     return {
         "caption": caption(bench, results),
-        "kind": bench.kind.command,
+        "kind": bench.adapter.command,
         "recipe": str(bench.recipe),
         "set": plain(bench.set_values),
         "sweep": sweep,
@@ -281,8 +281,8 @@ def caption(bench: Bench, results: list[Result]) -> str:
     tasks = sorted({r.task_id for r in results if r.task_id is not None})
     devices = _distinct([f"{r.facts['device']}" + (f" x {r.facts['world_size']} processes"
                                                    if r.facts["world_size"] > 1 else "") for r in results])
-    what = bench.kind.describe(config, bench.sweep_key)
-    return (f"Update schemes on {bench.recipe.name} (doplus {bench.kind.command}{', ' + what if what else ''}): "
+    what = bench.adapter.describe(config, bench.sweep_key)
+    return (f"Update schemes on {bench.recipe.name} (doplus {bench.adapter.command}{', ' + what if what else ''}): "
             f"model {_distinct([r.facts['model'] for r in results])}, {_distinct([r.facts['steps'] for r in results])}"
             f" steps, " + (f"forget tasks {', '.join(map(str, tasks))} (task_id), " if tasks else "")
             + f"seeds {', '.join(map(str, seeds))}, {devices}"
@@ -297,7 +297,7 @@ def definitions(bench: Bench, results: list[Result], update_cosine: bool) -> lis
     """What each column is, for the lines under the table."""
     config = bench.runs[0].config
     memory_kinds = _distinct([r.facts["peak_memory_kind"] for r in results])
-    lines = bench.kind.score_definitions(config, [r.facts for r in results])
+    lines = bench.adapter.score_definitions(config, [r.facts for r in results])
     lines += [
         "train time: the sum of the optimizer steps' seconds in metrics.jsonl (a resumed run counts each step "
         "once; loading and evaluation left out).",
