@@ -11,7 +11,9 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from doplus_cli.evaluation.wmdp import describe_datasets
+from doplus_cli.evaluation import attacks
+from doplus_cli.evaluation.lm_eval_suite import run_lm_eval
+from doplus_cli.evaluation.wmdp import FORGET_TASKS, describe_datasets
 from tests.helpers import run_cli, write_jsonl
 
 # The built-in tasks' prompt (lm-eval's wmdp/_default_template_yaml and mmlu's): the question, four lettered
@@ -122,3 +124,69 @@ def test_offline_the_suite_names_the_hub_datasets_it_needs_in_one_line(tiny_llam
 def test_describe_datasets_lists_few_configs_and_counts_many():
     text = describe_datasets({"cais/mmlu": [f"s{i}" for i in range(5)], "cais/wmdp": ["wmdp-bio"], "local": []})
     assert text == "cais/mmlu (5 configs), cais/wmdp (wmdp-bio), local"
+
+
+def sign_quantized(linear: torch.nn.Linear) -> torch.nn.Linear:
+    """A stand-in for a quantizer that changes the tiny random model's answers: the weight times 6 (its own letter
+    is the same, D, for every question; scaled, the layers pick other letters). The NF4 grid itself is checked in
+    test_attacks.py."""
+    with torch.no_grad():
+        linear.weight.mul_(6.0)
+    return linear
+
+
+def test_wmdp_under_attack_scores_the_hazardous_tasks_alone_on_the_attacked_copies(tiny_llama, tmp_path):
+    """--attacks on the WMDP suite: a quantized copy and relearning on --relearn-data; each attacked copy runs
+    wmdp_bio, _cyber and _chem (not MMLU), and the quantized copy's accuracies are those of the model quantized
+    here and scored by lm-eval (a stand-in quantizer that changes its answers, so the scores can only come from the
+    attacked copy)."""
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    expected = write_tasks(tasks, tiny_llama)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    quantized = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+    head = quantized.get_output_embeddings()
+    for module in list(quantized.modules()):
+        if isinstance(module, torch.nn.Linear) and module is not head:
+            sign_quantized(module)
+    # lm-eval's own scores of the model scaled here (the suite's scoring is checked against the letters' summed
+    # log-probabilities in the test above; this model's answers depend on the context in ways that only the same
+    # scorer reproduces to the last question)
+    scored = run_lm_eval(quantized, tokenizer, list(FORGET_TASKS), batch_size=4, include_path=tasks)
+    quantized_expected = {task: scored["tasks"][task]["acc"] for task in FORGET_TASKS}
+    assert any(quantized_expected[task] != expected[task] for task in FORGET_TASKS)
+    relearn = write_jsonl(tmp_path / "bio.jsonl", [{"question": "Which agent is it?", "answer": "The first one."}] * 4)
+    out = tmp_path / "eval"
+    with attacks.QUANTIZERS.replaced("quant-4bit", sign_quantized):
+        assert run_cli("evaluate", "--model", tiny_llama, "--suite", "wmdp", "--lm-eval-include", tasks,
+                       "--batch-size", 4, "--attacks", "quant-4bit,relearn", "--relearn-data", relearn,
+                       "--relearn-steps", 2, "--out", out) == 0
+
+    summary = json.loads((out / "SUMMARY.json").read_text())
+    assert summary["mmlu/acc"] == pytest.approx(expected["mmlu"], abs=1e-12)  # the unattacked run: all four
+    section = json.loads((out / "eval.json").read_text())["attacks"]
+    assert [run["id"] for run in section["runs"]] == ["relearn-k2", "quant-4bit"]
+    assert section["runs"][0]["relearn"]["data"] == str(relearn) and section["runs"][0]["relearn"]["rows"] == 4
+    rows = {row["metric"]: row for row in section["metrics"] if row["suite"] == "wmdp"}
+    assert list(rows) == ["wmdp_bio/acc", "wmdp_cyber/acc", "wmdp_chem/acc"]
+    for metric, row in rows.items():
+        task = metric.split("/")[0]
+        assert row["recovered_when"] == "higher"
+        assert row["unattacked"] == pytest.approx(expected[task], abs=1e-12)
+        assert row["attacks"]["quant-4bit"]["value"] == pytest.approx(quantized_expected[task], abs=1e-12)
+    for attack in ("quant-4bit", "relearn-k2"):
+        saved = json.loads((out / "attacks" / attack / "WMDP.json").read_text())
+        assert [row["task"] for row in saved["wmdp"]["rows"]] == ["wmdp_bio", "wmdp_cyber", "wmdp_chem"]
+        assert "mmlu" not in saved["n_samples"]  # MMLU was not run on the attacked copy
+    assert "| wmdp | wmdp_bio/acc | higher |" in (out / "report.md").read_text()
+
+
+def test_wmdp_relearning_needs_relearn_data_and_takes_no_probe(tiny_llama, tmp_path, capsys):
+    base = ["evaluate", "--model", tiny_llama, "--suite", "wmdp", "--out", tmp_path / "e"]
+    for extra, needle in ((["--attacks", "relearn"], "--relearn-data FILE with --suite wmdp"),
+                          (["--attacks", "probe-prefix"], "attack 'probe-prefix' cannot be applied to suite wmdp")):
+        capsys.readouterr()
+        assert run_cli(*base, *extra) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "e").exists()

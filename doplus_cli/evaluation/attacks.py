@@ -45,7 +45,7 @@ class Attack:
 
 
 QA_SUITES = ("tofu", "real-world")
-WEIGHT_SUITES = ("tofu", "real-world", "muse")
+WEIGHT_SUITES = ("tofu", "real-world", "muse", "wmdp")
 
 ATTACKS: Registry[Attack] = Registry("attack", Attack, ((a.name, a) for a in (
     Attack("relearn", "relearn", "full fine-tuning on half of the forget rows: AdamW, lr 1e-5, batch 4, K steps",
@@ -80,9 +80,10 @@ FORGET_METRICS: dict[str, dict[str, int]] = {
     "tofu": {"forget_Q_A_ROUGE": 1, "forget_Q_A_Prob": 1, "forget_Truth_Ratio": 1, "UFE": -1},
     "real-world": {"rw_forget_Q_A_ROUGE": 1, "rw_forget_Q_A_Prob": 1, "rw_forget_Truth_Ratio": 1, "rw_UFE": -1},
     "muse": {"forget_verbmem_ROUGE": 1, "forget_knowmem_ROUGE": 1, "privleak": -1},
+    "wmdp": {"wmdp_bio/acc": 1, "wmdp_cyber/acc": 1, "wmdp_chem/acc": 1},
 }
 # Each forget suite's headline forget metric: the one `bench schemes` gives per attack and in the worst case.
-HEADLINE = {"tofu": "UFE", "real-world": "rw_UFE", "muse": "forget_knowmem_ROUGE"}
+HEADLINE = {"tofu": "UFE", "real-world": "rw_UFE", "muse": "forget_knowmem_ROUGE", "wmdp": "wmdp_bio/acc"}
 # The per-row file and the key under which a QA suite's forget rows are, for the held-out half of relearning.
 FORGET_ROWS = {"tofu": "TOFU_EVAL.json", "real-world": "REAL_WORLD_EVAL.json"}
 HELD_OUT_METRICS = {"rouge": 1, "probability": 1, "truth_ratio": 1}

@@ -84,10 +84,10 @@ def offline_message(include_path: str | None, task: str) -> str:
             "copies")
 
 
-def wmdp_section(result: Mapping[str, Any]) -> dict[str, Any]:
+def wmdp_section(result: Mapping[str, Any], tasks: Sequence[str] = WMDP_TASKS) -> dict[str, Any]:
     """The rows of the one table: each task's role, questions scored, accuracy and its standard error."""
     rows = []
-    for task in WMDP_TASKS:
+    for task in tasks:
         metrics = result["tasks"].get(task, {})
         rows.append({"task": task, "role": role_of(task), "n": result["n_samples"].get(task),
                      "acc": metrics.get(METRIC), "acc_stderr": metrics.get(f"{METRIC}_stderr")})
@@ -100,16 +100,19 @@ def summary_keys(section: Mapping[str, Any]) -> dict[str, float | None]:
 
 
 def run_wmdp_suite(context: SuiteContext) -> SuiteResult:
-    """The four tasks through lm-eval into WMDP.json; MMLU's accuracy is the utility AVG of the safety OVR."""
+    """The four tasks through lm-eval into WMDP.json; MMLU's accuracy is the utility AVG of the safety OVR. Under
+    attack (`forget_only`) the hazardous-knowledge tasks alone: the attacks report forget-side metrics only, and
+    MMLU's 14,042 questions would be most of each attacked copy's time."""
     config = context.config
+    tasks = FORGET_TASKS if context.forget_only else WMDP_TASKS
     try:
-        result = run_lm_eval(context.model, context.tokenizer, list(WMDP_TASKS), limit=config.limit,
+        result = run_lm_eval(context.model, context.tokenizer, list(tasks), limit=config.limit,
                              batch_size=config.batch_size, include_path=config.lm_eval_include, seed=config.seed)
     except DatasetUnreachable as error:
         raise UserError(offline_message(config.lm_eval_include, error.task)) from None
-    section = wmdp_section(result)
+    section = wmdp_section(result, tasks)
     write_json(context.out / "WMDP.json", {**result, "wmdp": section})
-    utility = next(row["acc"] for row in section["rows"] if row["task"] == UTILITY_TASKS[0])
+    utility = next((row["acc"] for row in section["rows"] if row["task"] == UTILITY_TASKS[0]), None)
     return SuiteResult({**summary_keys(section), **result["summary"]}, section, utility_avg=utility)
 
 
