@@ -316,6 +316,7 @@ class AlignConfig(TrainConfig):
     eval_guard_model: str | None = None  # None: Llama-Guard-2-8B when it loads, else the refusal judge; "none"
     eval_refusal_model: str | None = None  # a chat model labelling refusals (XSTest's protocol); None: offline judge
     eval_safety_data_dir: str | None = None  # None: the releases' files, downloaded once
+    eval_attacks: str | None = None  # the safety suite on final/ also under these attacks (quant-*, probe-prefix)
 
     def check(self) -> None:
         super().check()

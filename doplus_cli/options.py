@@ -267,7 +267,9 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
     Option("--eval-protocol", str, PROTOCOL_HELP + DEFAULT),
     Option("--eval-attacks", str, "The last evaluation (--eval-every) also runs on attacked copies of the final "
            "weights: relearn, relearn-lora, quant-8bit, quant-4bit, probe or all, comma-separated (docs/attacks.md) "
-           "[default: none]"),
+           "[default: none]",
+           words={"align": "The safety suite on final/ (--eval-suite) also runs on attacked copies: quant-8bit, "
+                           "quant-4bit, probe-prefix, comma-separated (docs/attacks.md) [default: none]"}),
 
     # --- doplus multitask ------------------------------------------------------------------------------------------
     Option("--task", list[str], "NAME=SOURCE[,metric=exact|choice|edit_sim|rouge_l][,freq=F][,weight=W][,eval=FILE]"

@@ -202,12 +202,18 @@ def test_eval_suite_runs_doplus_evaluate_on_final(tiny_llama, tmp_path):
     out = tmp_path / "evaluated"
     assert run_cli(*align_args(tiny_llama, out, "--steps", 2, "--eval-suite", "safety", "--eval-max-samples", 1,
                                "--eval-max-new-tokens", 4, "--eval-guard-model", "none",
-                               "--eval-safety-data-dir", SAFETY_DIR)) == 0
+                               "--eval-safety-data-dir", SAFETY_DIR, "--eval-attacks", "probe-prefix")) == 0
     summary = json.loads((out / "eval" / "SAFETY_SUMMARY.json").read_text())
     report = json.loads((out / "report.json").read_text())
     rows = {row[0]: row for row in report["evaluation"]["suites"]["safety"]["rows"]}
     assert set(rows) == {"I-Mali", "I-CoNa", "I-Cont", "Q-Harm", "AVG"} and rows["I-Mali"][1] == 1
     assert rows["AVG"][2] == summary["safety_rate_avg"]
+    # --eval-attacks: the safety suite again through prefix injection, its rate beside final/'s
+    attacked = json.loads((out / "eval" / "attacks" / "probe-prefix" / "SAFETY_SUMMARY.json").read_text())
+    [row] = report["evaluation"]["attacks"]
+    assert (row["suite"], row["metric"], row["recovered_when"]) == ("safety", "safety_rate_avg", "lower")
+    assert row["unattacked"] == summary["safety_rate_avg"]
+    assert row["attacks"]["probe-prefix"]["value"] == attacked["safety_rate_avg"]
     assert "## Evaluation of final/" in (out / "report.md").read_text()
 
 
@@ -229,6 +235,9 @@ def test_eval_suite_runs_doplus_evaluate_on_final(tiny_llama, tmp_path):
     ("eval_data_missing", "--eval-suite safety,xstest: EMPTY/I-MaliciousInstructions.json: file not found"),
     ("eval_offline", "--eval-suite xstest: https://raw.githubusercontent.com/paul-rottger/exaggerated-safety/main/"
                      "xstest_prompts.csv: offline (HF_HUB_OFFLINE is set) and not cached; pass --eval-safety-data-dir"),
+    ("eval_attacks_no_safety", "--eval-attacks needs --eval-suite safety"),
+    ("eval_attacks_probe", "attack 'probe-roleplay' cannot be applied to suite safety"),
+    ("eval_attacks_relearn", "--eval-attacks relearn: relearning an aligned model needs harmful text"),
 ])
 def test_bad_input_is_one_line_with_exit_code_2(tiny_llama, tmp_path, capsys, monkeypatch, case, needle):
     out = tmp_path / "out"
@@ -272,6 +281,11 @@ def test_bad_input_is_one_line_with_exit_code_2(tiny_llama, tmp_path, capsys, mo
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
         monkeypatch.setenv("DOPLUS_CACHE", str(tmp_path / "cache"))  # nothing downloaded before
         extra = ["--eval-suite", "xstest"]
+    elif case.startswith("eval_attacks"):
+        attack = {"eval_attacks_no_safety": "quant-4bit", "eval_attacks_probe": "probe-roleplay",
+                  "eval_attacks_relearn": "relearn"}[case]
+        suite = [] if case == "eval_attacks_no_safety" else ["--eval-suite", "safety"]
+        extra = [*suite, "--eval-safety-data-dir", SAFETY_DIR, "--eval-attacks", attack]
     args = ["align", "--model", tiny_llama, *(["--safety", safety] if safety else []), "--general", general,
             "--held-out", 2, *length, "--out", out, *extra]
     needle = needle.replace("BAD", str(bad)).replace("EMPTY", str(tmp_path / "empty"))

@@ -186,7 +186,7 @@ def probe_sets(tofu_dir):
     return load_tofu_sets("forget10", str(tofu_dir), 4)
 
 
-def test_probe_prompts_are_built_as_documented_at_token_level(tiny_chat_llama, probe_sets):
+def test_probe_prompts_are_built_as_documented_at_token_level(tiny_chat_llama, tiny_llama, probe_sets):
     tokenizer = AutoTokenizer.from_pretrained(tiny_chat_llama)
     formatter = PromptFormatter(tokenizer, max_length=512)
     forget, retain = probe_sets[0].samples, probe_sets[1].samples
@@ -218,6 +218,14 @@ def test_probe_prompts_are_built_as_documented_at_token_level(tiny_chat_llama, p
         scored = [t for t, label in zip(encoded.input_ids, encoded.labels) if label != -100]
         assert encoded.input_ids[:len(expected[name])] == expected[name]
         assert scored == plain_answer, name  # the same answer tokens are scored, after the probe's prompt
+    # a plain template: the prefix after its answer prefix ("Answer: Sure, ..."), the answer after the newline
+    plain = PromptFormatter(AutoTokenizer.from_pretrained(tiny_llama), max_length=512)
+    probe = attacks.probe_formatter("probe-prefix", plain, probe_sets)
+    assert probe.prompt_ids(question) == plain.tokenizer(
+        f"Question: {question}\nAnswer: Sure, here is the answer:\n", add_special_tokens=True)["input_ids"]
+    encoded = probe.encode(question, answer)
+    scored = [t for t, label in zip(encoded.input_ids, encoded.labels) if label != -100]
+    assert scored == plain.tokenizer(answer, add_special_tokens=False)["input_ids"] + [plain.tokenizer.eos_token_id]
     # rows without a paraphrased question cannot take the paraphrase probe (the suite is left out of it)
     bare = [replace(qa_set, samples=[replace(s, paraphrased_question=None) for s in qa_set.samples])
             for qa_set in probe_sets]

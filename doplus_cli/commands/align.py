@@ -13,6 +13,7 @@ The last `--held-out` rows of each set are answered before and after training.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -32,6 +33,7 @@ from doplus_cli.engine.loop import run_training
 from doplus_cli.engine.objectives import Objective
 from doplus_cli.engine.schedule import JOINT
 from doplus_cli.errors import UserError
+from doplus_cli.evaluation.attacks import ATTACKS, parse_attacks
 from doplus_cli.evaluation.refusal import RefusalJudge, is_refusal
 from doplus_cli.evaluation.runner import parse_suites
 from doplus_cli.evaluation.safety import prompt_sets
@@ -116,7 +118,7 @@ class AlignCommand(Command):
         "gradient_checkpointing", "save_adapter_only", "fsdp", "num_processes", "dry_run", "gpu_memory",
         "save_every", "keep_last", "resume", "accept_changed", "log_update_similarity", "report_to",
         "eval_batch_size", "eval_suite", "eval_max_samples", "eval_max_new_tokens", "eval_guard_model",
-        "eval_refusal_model", "eval_safety_data_dir",
+        "eval_refusal_model", "eval_safety_data_dir", "eval_attacks",
     )
     activity = "aligning"
 
@@ -142,6 +144,8 @@ class AlignCommand(Command):
             self.held_out += [(name, row.question, row.answer) for row in rows]
         if self.config.eval_suite:
             check_eval_prompts(self.config)
+        if self.config.eval_attacks:  # a bad name stops the run here, before training
+            check_eval_attacks(self.config)
 
     def _epoch_steps(self, epochs: float, effective_batch: int) -> int:
         return epoch_steps(epochs, len(self.sets["safety"].train), len(self.sets["general"].train), effective_batch,
@@ -220,6 +224,20 @@ class AlignCommand(Command):
         return align_evaluation(config)
 
 
+def check_eval_attacks(config: AlignConfig) -> None:
+    """--eval-attacks of align: known names that the safety suite can take; relearning needs text to relearn on,
+    which only `doplus evaluate --relearn-data` takes."""
+    suites = [s.strip() for s in (config.eval_suite or "").split(",") if s.strip()]
+    if "safety" not in suites:
+        raise UserError("--eval-attacks needs --eval-suite safety (or safety,xstest): the attacks are scored by the "
+                        "safety suite's harmful instructions")
+    names = parse_attacks(config.eval_attacks, tuple(suites))
+    relearn = next((name for name in names if ATTACKS[name].kind == "relearn"), None)
+    if relearn is not None:
+        raise UserError(f"--eval-attacks {relearn}: relearning an aligned model needs harmful text to relearn on; run "
+                        f"`doplus evaluate --model OUT/final --suite safety --attacks {relearn} --relearn-data FILE`")
+
+
 def check_eval_prompts(config: AlignConfig) -> None:
     """Read the evaluation suites' prompt files (downloading them once when online) before training, so that a
     missing, unreachable or malformed file is one error line now rather than after the run."""
@@ -235,13 +253,23 @@ def evaluate_final(config: AlignConfig, report: dict[str, Any], console: Console
     from doplus_cli.evaluation.runner import run_evaluate
 
     folder = Path(report["config"]["out"]) / "eval"
-    record = run_evaluate(align_evaluation(config).config(report["final"], str(folder)), console)
+    eval_config = align_evaluation(config).config(report["final"], str(folder))
+    attacks = None
+    if config.eval_attacks:
+        from doplus_cli.engine.attacks import attack_runner
+
+        eval_config = dataclasses.replace(eval_config, attacks=parse_attacks(config.eval_attacks, eval_config.suites))
+        attacks = attack_runner(console)
+    record = run_evaluate(eval_config, console, attacks)
     summary = {}
     for section in record["sections"]:
         if section["suite"] in ("safety", "xstest"):
             summary[section["suite"]] = {"judge": section.get("judge"), "columns": section["columns"],
                                          "rows": section["rows"]}
-    return {"folder": str(folder), "suites": summary, "wall_time_s": record["wall_time_s"]}
+    evaluation = {"folder": str(folder), "suites": summary, "wall_time_s": record["wall_time_s"]}
+    if "attacks" in record:  # the safety rate on each attacked copy beside final/'s (eval/report.md has the table)
+        evaluation["attacks"] = record["attacks"]["metrics"]
+    return evaluation
 
 
 # ---- the report ---------------------------------------------------------------------------------------------

@@ -188,7 +188,8 @@ def _run_suites(context: SuiteContext, model, folder: Path, entry: dict[str, Any
     for name in list(entry["suites"]):
         formatter = context.formatter
         if registry.ATTACKS[attack].kind == "probe":
-            formatter = registry.probe_formatter(attack, context.formatter, qa_sets(context.config, name))
+            sets = qa_sets(context.config, name) if attack in registry.PROBES_WITH_ROWS else []
+            formatter = registry.probe_formatter(attack, context.formatter, sets)
             if formatter is None:
                 entry["suites"].remove(name)
                 entry.setdefault("skipped", []).append(f"{name}: its forget rows have no paraphrased_question")

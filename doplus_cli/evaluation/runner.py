@@ -294,6 +294,8 @@ def run_evaluate(config: EvalConfig, console: Console | None = None,
 def check_attacks(config: EvalConfig) -> None:
     """The attacks' own inputs, before the model loads: the relearning file's rows, or a QA suite to take the
     default relearning rows from."""
+    if config.attacks and config.responses:
+        raise UserError("--attacks needs a model to attack: --responses scores responses already written")
     if not any(ATTACKS[name].kind == "relearn" for name in config.attacks):
         return
     if config.relearn_data is not None:
