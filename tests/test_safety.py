@@ -499,9 +499,8 @@ def test_safety_suite_under_prefix_injection_and_quantization(tiny_llama, tmp_pa
     """--attacks on the safety suite: prefix injection asks each harmful instruction with the answer already begun
     (here the model refuses whenever it sees the prefix, so the attacked rate is known), quantization reruns the
     suite on a copy; XSTest (no forget side) is not run again."""
-    from doplus_cli.evaluation.attacks import PREFIX_INJECTION
-
     from doplus_cli.evaluation import safety
+    from doplus_cli.evaluation.attacks import PREFIX_INJECTION
 
     original, seen = safety.greedy_generate, []
 
