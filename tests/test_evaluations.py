@@ -22,8 +22,8 @@ from doplus_cli.evaluation.suite_api import EvalConfig
 from tests.helpers import run_cli
 
 # Every eval_* option of each command, none at its default. No `doplus evaluate` flag carries eval_every (when
-# training evaluates) or eval_attacks (the attacks of unlearn's last evaluation during training, which the engine
-# adds to that one evaluation).
+# training evaluates) or unlearn's eval_attacks (the attacks of its last evaluation during training, which the
+# engine adds to that one evaluation); align's eval_attacks is the --attacks of its evaluation of final/.
 UNLEARN_TOFU = dict(
     model="start-model", eval_suite="tofu", eval_split="forget05", eval_data_dir="/data/tofu", eval_max_samples=3,
     eval_max_new_tokens=7, eval_nli_model="/judges/nli", eval_embedding_model="/judges/embedder",
@@ -33,7 +33,7 @@ UNLEARN_TOFU = dict(
 ALIGN = dict(
     eval_suite="safety, xstest", eval_max_samples=3, eval_max_new_tokens=7, eval_guard_model="none",
     eval_refusal_model="/judges/refusal", eval_safety_data_dir="/data/safety", eval_batch_size=5, eval_every=2,
-    seed=11, dtype="float32", trust_remote_code=True,
+    eval_attacks="quant-4bit,probe-prefix", seed=11, dtype="float32", trust_remote_code=True,
 )
 
 
@@ -106,9 +106,11 @@ def test_the_evaluation_during_training_is_the_one_bench_runs_on_the_starting_mo
 
 def test_align_evaluates_final_as_its_kind_command_does(tmp_path, monkeypatch):
     config = AlignConfig(**ALIGN)
-    seen: list[EvalConfig] = []
-    monkeypatch.setattr(runner, "run_evaluate",
-                        lambda eval_config, console: seen.append(eval_config) or {"sections": [], "wall_time_s": 0})
+    seen: list[tuple[EvalConfig, object]] = []
+    monkeypatch.setattr(runner, "run_evaluate", lambda eval_config, console, attacks=None: seen.append(
+        (eval_config, attacks)) or {"sections": [], "wall_time_s": 0})
     report = {"config": {"out": str(tmp_path)}, "final": str(tmp_path / "final")}
     assert evaluate_final(config, report, None)["folder"] == str(Path(tmp_path) / "eval")
-    assert parsed(adapter_named("align").evaluate_command(config, tmp_path), monkeypatch) == seen[0]
+    eval_config, attack_runner = seen[0]
+    assert eval_config.attacks == ("quant-4bit", "probe-prefix") and callable(attack_runner)
+    assert parsed(adapter_named("align").evaluate_command(config, tmp_path), monkeypatch) == eval_config

@@ -13,7 +13,6 @@ The last `--held-out` rows of each set are answered before and after training.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -68,7 +67,8 @@ def align_evaluation(config: AlignConfig) -> Evaluation:
     return Evaluation({"suite": config.eval_suite, "max_samples": config.eval_max_samples,
                        "max_new_tokens": config.eval_max_new_tokens, "batch_size": config.eval_batch_size,
                        "guard_model": config.eval_guard_model, "refusal_model": config.eval_refusal_model,
-                       "safety_data_dir": config.eval_safety_data_dir, "seed": config.seed, "dtype": config.dtype},
+                       "safety_data_dir": config.eval_safety_data_dir, "seed": config.seed, "dtype": config.dtype,
+                       "attacks": config.eval_attacks},
                       config.trust_remote_code)
 
 
@@ -255,10 +255,9 @@ def evaluate_final(config: AlignConfig, report: dict[str, Any], console: Console
     folder = Path(report["config"]["out"]) / "eval"
     eval_config = align_evaluation(config).config(report["final"], str(folder))
     attacks = None
-    if config.eval_attacks:
+    if eval_config.attacks:
         from doplus_cli.engine.attacks import attack_runner
 
-        eval_config = dataclasses.replace(eval_config, attacks=parse_attacks(config.eval_attacks, eval_config.suites))
         attacks = attack_runner(console)
     record = run_evaluate(eval_config, console, attacks)
     summary = {}

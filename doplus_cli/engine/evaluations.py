@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from doplus_cli.evaluation.attacks import parse_attacks
 from doplus_cli.evaluation.runner import parse_suites
 from doplus_cli.evaluation.suite_api import EvalConfig
 from doplus_cli.options import command_flags
@@ -29,7 +30,10 @@ class Evaluation:
     def config(self, model: str | None, out: str | None = None) -> EvalConfig:
         """The EvalConfig of `doplus evaluate --model MODEL` with these options (and `--out OUT --overwrite`)."""
         values = {name: value for name, value in self.options.items() if value is not None}
-        return EvalConfig(model=model, suites=parse_suites(values.pop("suite")), out=out, overwrite=out is not None,
+        suites = parse_suites(values.pop("suite"))
+        if "attacks" in values:  # as typed (comma-separated), as `doplus evaluate --attacks` parses it
+            values["attacks"] = parse_attacks(values["attacks"], suites)
+        return EvalConfig(model=model, suites=suites, out=out, overwrite=out is not None,
                           trust_remote_code=self.trust_remote_code, **values)
 
     def flags(self) -> list[tuple[str, Any]]:
