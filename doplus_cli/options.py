@@ -332,9 +332,10 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
            "hf:muse-bench/MUSE-News or MUSE-Books]"),
     Option("--muse-retrained", str, "muse: a retrained model (hub id or folder) whose Min-40% AUC is privleak's "
            "reference [default: --retain-logs, else MUSE's published retrained AUC]"),
-    Option("--attacks", str, "Run the forget suites again on attacked copies of the model and report the change: "
-           "relearn, relearn-lora, quant-8bit, quant-4bit, probe (probe-prefix, probe-roleplay, probe-incontext, "
-           "probe-paraphrase) or all, comma-separated (docs/attacks.md). The model on disk is never changed."),
+    Option("--attacks", str, "Run the forget suites (tofu, real-world, muse, wmdp, safety) again on attacked copies "
+           "of the model and report the change: relearn, relearn-lora, quant-8bit, quant-4bit, probe (probe-prefix, "
+           "probe-roleplay, probe-incontext, probe-paraphrase) or all, comma-separated (docs/attacks.md). The model "
+           "on disk is never changed."),
     Option("--relearn-data", str, "Relearning attacks: JSON lines with question, answer to fine-tune on [default: "
            "the first half of the forget rows; the other half is reported apart]"),
     Option("--relearn-steps", str, "Relearning attacks: K optimizer steps, or several comma-separated (one "
