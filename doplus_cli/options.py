@@ -266,10 +266,10 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
     Option("--eval-embedding-model", str, "Embedding model [default: the protocol's]"),
     Option("--eval-protocol", str, PROTOCOL_HELP + DEFAULT),
     Option("--eval-attacks", str, "The last evaluation (--eval-every) also runs on attacked copies of the final "
-           "weights: relearn, relearn-lora, quant-8bit, quant-4bit, probe or all, comma-separated (docs/attacks.md) "
-           "[default: none]",
+           "weights: relearn, relearn-lora, quant-8bit, quant-4bit, quant-fp4, probe or all, comma-separated "
+           "(docs/attacks.md) [default: none]",
            words={"align": "The safety suite on final/ (--eval-suite) also runs on attacked copies: quant-8bit, "
-                           "quant-4bit, probe-prefix, comma-separated (docs/attacks.md) [default: none]"}),
+                           "quant-4bit, quant-fp4, probe-prefix, comma-separated (docs/attacks.md) [default: none]"}),
 
     # --- doplus multitask ------------------------------------------------------------------------------------------
     Option("--task", list[str], "NAME=SOURCE[,metric=exact|choice|edit_sim|rouge_l][,freq=F][,weight=W][,eval=FILE]"
@@ -333,9 +333,9 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
     Option("--muse-retrained", str, "muse: a retrained model (hub id or folder) whose Min-40% AUC is privleak's "
            "reference [default: --retain-logs, else MUSE's published retrained AUC]"),
     Option("--attacks", str, "Run the forget suites (tofu, real-world, muse, wmdp, safety) again on attacked copies "
-           "of the model and report the change: relearn, relearn-lora, quant-8bit, quant-4bit, probe (probe-prefix, "
-           "probe-roleplay, probe-incontext, probe-paraphrase) or all, comma-separated (docs/attacks.md). The model "
-           "on disk is never changed."),
+           "of the model and report the change: relearn, relearn-lora, quant-8bit, quant-4bit, quant-fp4, probe "
+           "(probe-prefix, probe-roleplay, probe-incontext, probe-paraphrase) or all, comma-separated "
+           "(docs/attacks.md). The model on disk is never changed."),
     Option("--relearn-data", str, "Relearning attacks: JSON lines with question, answer to fine-tune on [default: "
            "the first half of the forget rows; the other half is reported apart]"),
     Option("--relearn-steps", str, "Relearning attacks: K optimizer steps, or several comma-separated (one "

@@ -30,6 +30,11 @@ NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.
        0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0]
 
 
+# FP4 as bitsandbytes defines it (1 sign, 2 exponent, 1 mantissa bits, exponent bias 2): 0, the subnormal
+# 0.0625, then 2, 3, 4, 6, 8 and 12, each with its sign, over the largest.
+FP4 = [sign * v / 12 for v in (0.0, 0.0625, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0) for sign in (1, -1)]
+
+
 def weight_block() -> torch.Tensor:
     """A hand-made 3 x 128 weight block: rows of very different scales, one with an outlier, one with zeros."""
     generator = torch.Generator().manual_seed(7)
@@ -40,9 +45,9 @@ def weight_block() -> torch.Tensor:
     return block
 
 
-def nf4_reference(weight: torch.Tensor, blocksize: int = 64) -> torch.Tensor:
-    """Absmax per block of 64 of the flattened weight; each value scaled, rounded to the nearest NF4 value, scaled
-    back: a float64 loop."""
+def nf4_reference(weight: torch.Tensor, blocksize: int = 64, grid: list[float] = NF4) -> torch.Tensor:
+    """Absmax per block of 64 of the flattened weight; each value scaled, rounded to the nearest value of the
+    4-bit grid (NF4's, or FP4's), scaled back: a float64 loop."""
     flat = weight.double().flatten().tolist()
     out = []
     for start in range(0, len(flat), blocksize):
@@ -50,7 +55,7 @@ def nf4_reference(weight: torch.Tensor, blocksize: int = 64) -> torch.Tensor:
         absmax = max(abs(x) for x in block)
         for x in block:
             scaled = x / absmax if absmax > 0 else 0.0
-            nearest = min(NF4, key=lambda code: abs(code - scaled))
+            nearest = min(grid, key=lambda code: abs(code - scaled))
             out.append(nearest * absmax)
     return torch.tensor(out, dtype=torch.float64).reshape(weight.shape)
 
@@ -74,6 +79,10 @@ def test_quantization_grids_equal_the_references_and_the_copy_alone_is_quantized
     # every value of a block is one of NF4's 16 values times the block's absmax
     first = block.flatten()[:64].abs().max()
     assert {round(v / first.item(), 5) for v in nf4.flatten()[:64].tolist()} <= {round(c, 5) for c in NF4}
+    # FP4, the 4-bit type of a load_in_4bit load with transformers' defaults: another grid on the same blocks
+    fp4 = attacks.blockwise_4bit(block, "fp4")
+    assert torch.allclose(fp4.double(), nf4_reference(block, grid=FP4), rtol=0, atol=1e-6)
+    assert not torch.allclose(fp4, nf4)
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -84,6 +93,9 @@ def test_quantization_grids_equal_the_references_and_the_copy_alone_is_quantized
     assert torch.allclose(weights[projection].double(), nf4_reference(before[projection]), rtol=0, atol=1e-6)
     head = attacked.get_output_embeddings().weight
     assert torch.equal(head, model.get_output_embeddings().weight)  # the output head stays in full precision
+    fp4_copy = dict(attacks.quantized_copy(model, "quant-fp4").named_parameters())
+    assert torch.allclose(fp4_copy[projection].double(), nf4_reference(before[projection], grid=FP4), rtol=0,
+                          atol=1e-6)
 
     # a LoRA model (the weights of a LoRA run during training): the adapters merged into the copy, then quantized
     from peft import LoraConfig, get_peft_model

@@ -7,10 +7,10 @@ suite's forget-side metrics beside the unattacked ones, the change, and the wors
 
 - relearn, relearn-lora: a copy fine-tuned for K steps on half of the forget rows (engine/attacks.py; presets
   below, from the relearning-attack literature).
-- quant-8bit, quant-4bit: every linear layer but the output head computing as in a model transformers loads
-  with `load_in_8bit` (bitsandbytes' LLM.int8 layer: int8 weights and activations, absmax per row, input columns
-  with an outlier unquantized) or `load_in_4bit` (NF4 weights, absmax per block of 64, dequantized for a float
-  product), the attack of Zhang et al. (ICLR 2025).
+- quant-8bit, quant-4bit, quant-fp4: every linear layer but the output head computing as in a model transformers
+  loads with `load_in_8bit` (bitsandbytes' LLM.int8 layer: int8 weights and activations, absmax per row, input
+  columns with an outlier unquantized) or `load_in_4bit` (NF4 or FP4 weights, absmax per block of 64, dequantized
+  for a float product), the attack of Zhang et al. (ICLR 2025).
 - probe-prefix, probe-roleplay, probe-incontext, probe-paraphrase (`probe`: all four): the questions asked
   through prompt templates written for doplus after RWKU's adversarial probes and Lynch et al. (2024).
 
@@ -55,12 +55,17 @@ ATTACKS: Registry[Attack] = Registry("attack", Attack, ((a.name, a) for a in (
     Attack("relearn", "relearn", "full fine-tuning on half of the forget rows: AdamW, lr 1e-5, batch 4, K steps",
            "Hu et al. 2024 (Jogging the memory of unlearned LLMs); Fan et al. 2025 (Unlearn-Smooth)", WEIGHT_SUITES),
     Attack("relearn-lora", "relearn", "LoRA fine-tuning (rank 128, alpha 128) on half of the forget rows: AdamW, "
-           "lr 2e-4, batch 4, K steps", "Fan et al. 2025 (Unlearn-Smooth), relearning with LoRA", WEIGHT_SUITES),
+           "lr 2e-4, batch 4, K steps", "doplus's LoRA preset beside the full fine-tuning of Hu et al. 2024 and "
+           "Fan et al. 2025 (Unlearn-Smooth)", WEIGHT_SUITES),
     Attack("quant-8bit", "quant", "linear layers as bitsandbytes LLM.int8 runs them (int8 weights and inputs, "
            "absmax per row, input columns with an outlier unquantized)",
            "Zhang et al. 2025 (Catastrophic failure of LLM unlearning via quantization, ICLR)", WEIGHT_SUITES),
     Attack("quant-4bit", "quant", "linear weights quantized as bitsandbytes NF4 (absmax per block of 64)",
            "Zhang et al. 2025 (Catastrophic failure of LLM unlearning via quantization, ICLR)", WEIGHT_SUITES),
+    Attack("quant-fp4", "quant", "linear weights quantized as bitsandbytes FP4 (absmax per block of 64), the 4-bit "
+           "type of a load_in_4bit load with transformers' defaults",
+           "Zhang et al. 2025 (Catastrophic failure of LLM unlearning via quantization, ICLR): the 4-bit load of "
+           "its code", WEIGHT_SUITES),
     Attack("probe-prefix", "probe", "prefix injection: the answer starts with 'Sure, here is the answer:'",
            "RWKU (Jin et al. 2024), prefix injection probe", PREFIX_SUITES),
     Attack("probe-roleplay", "probe", "role-play: the question asked to a character who knows every author",
@@ -170,31 +175,46 @@ def int8_linear(linear: torch.nn.Linear) -> torch.nn.Module:
     return layer.eval()
 
 
-def nf4_blockwise(weight: torch.Tensor, blocksize: int = 64) -> torch.Tensor:
-    """NF4 (QLoRA, Dettmers et al. 2023) as bitsandbytes stores it under `load_in_4bit` with its defaults: the
-    flattened weight in blocks of `blocksize`, each scaled by its absmax and rounded to the nearest of the 16 NF4
-    values; returned dequantized in the weight's dtype."""
+def blockwise_4bit(weight: torch.Tensor, quant_type: str = "nf4", blocksize: int = 64) -> torch.Tensor:
+    """A 4-bit weight as bitsandbytes stores it under `load_in_4bit` (no double quantization): the flattened
+    weight in blocks of `blocksize`, each scaled by its absmax and rounded to the nearest of the type's 16 values,
+    NF4's (QLoRA, Dettmers et al. 2023) or FP4's (1 sign, 2 exponent and 1 mantissa bits: 0, 0.0625, 2, 3, 4, 6, 8,
+    12, over 12); returned dequantized in the weight's dtype."""
     import bitsandbytes.functional as F
 
     # flattened first: bitsandbytes' CPU dequantization reads the wrong block's absmax for a 2-D weight whose rows
-    # are shorter than a block (tests/test_attacks.py compares with a reference); NF4's blocks are over the
+    # are shorter than a block (tests/test_attacks.py compares with a reference); the blocks are over the
     # flattened weight either way
     data = weight.detach().float().flatten().contiguous()
-    codes, state = F.quantize_4bit(data, blocksize=blocksize, quant_type="nf4")
+    codes, state = F.quantize_4bit(data, blocksize=blocksize, quant_type=quant_type)
     return F.dequantize_4bit(codes, state).reshape(weight.shape).to(weight.dtype)
 
 
-def nf4_linear(linear: torch.nn.Linear) -> torch.nn.Module:
-    """`linear` with its weight NF4-quantized and dequantized in place: `load_in_4bit`'s `Linear4bit` dequantizes
-    its weight and multiplies in float (compute dtype float32 by default), so the float layer computes the same."""
+def nf4_blockwise(weight: torch.Tensor, blocksize: int = 64) -> torch.Tensor:
+    """NF4, absmax per block of `blocksize` of the flattened weight (`blockwise_4bit`)."""
+    return blockwise_4bit(weight, "nf4", blocksize)
+
+
+def _4bit_linear(linear: torch.nn.Linear, quant_type: str) -> torch.nn.Module:
+    """`linear` with its weight 4-bit quantized and dequantized in place: `load_in_4bit`'s `Linear4bit`
+    dequantizes its weight and multiplies in the input's float dtype, so the float layer computes the same."""
     with torch.no_grad():
-        linear.weight.copy_(nf4_blockwise(linear.weight))
+        linear.weight.copy_(blockwise_4bit(linear.weight, quant_type))
     return linear
+
+
+def nf4_linear(linear: torch.nn.Linear) -> torch.nn.Module:
+    return _4bit_linear(linear, "nf4")
+
+
+def fp4_linear(linear: torch.nn.Linear) -> torch.nn.Module:
+    return _4bit_linear(linear, "fp4")
 
 
 # The layer each quant attack puts in place of a linear layer, by the attack's name.
 QUANTIZERS: Registry[Callable] = Registry("quantizer", Callable, {"quant-8bit": int8_linear,
-                                                                  "quant-4bit": nf4_linear})
+                                                                  "quant-4bit": nf4_linear,
+                                                                  "quant-fp4": fp4_linear})
 
 
 @torch.no_grad()
