@@ -246,9 +246,12 @@ def test_probe_prompts_are_built_as_documented_at_token_level(tiny_chat_llama, t
 
 def test_bad_attack_input_is_one_line_with_exit_code_2(tiny_llama, tofu_dir, tmp_path, capsys):
     base = ["evaluate", "--model", tiny_llama, "--data-dir", tofu_dir, "--max-samples", 2, "--out", tmp_path / "e"]
+    (tmp_path / "fieldless.jsonl").write_text('{"title": "a row with neither a question nor a text"}\n')
     cases = [
         (["--attacks", "relearn,jailbreak"], "unknown attack 'jailbreak'"),
         (["--attacks", "relearn", "--relearn-data", tmp_path / "nowhere.jsonl"], "nowhere.jsonl"),
+        (["--attacks", "relearn", "--relearn-data", tmp_path / "fieldless.jsonl"],
+         "fieldless.jsonl:1: missing field 'question'"),
         (["--attacks", "probe", "--suite", "muse"], "attack 'probe-prefix' cannot be applied to suite muse"),
         (["--attacks", "quant-8bit", "--suite", "lm-eval"], "no forget-side metrics"),
         (["--attacks", "relearn", "--relearn-steps", "0"], "--relearn-steps: '0'"),

@@ -11,6 +11,7 @@ import signal
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from doplus_cli.commands.multitask import run_multitask
 from doplus_cli.config import MultitaskConfig, resolve_config, task_from_option
@@ -358,3 +359,29 @@ def test_three_tasks_with_lora_and_8bit_states(tiny_llama, tasks, tmp_path):
     start, final = load_file(str(tiny_llama / "model.safetensors")), load_file(str(out / "final" / "model.safetensors"))
     changed = {k for k in start if not torch.equal(start[k], final[k])}
     assert changed and all(("proj" in k) for k in changed)  # adapted projections only; embeddings, norms unchanged
+
+
+def test_a_task_of_raw_text_trains_on_every_token(tiny_llama, tmp_path, capsys):
+    """Rows with only a `text` field: the task's loss is the CE of every token after the first (BOS included in
+    the input), computed here in float64 on the first step's one row; such a task takes no held-out evaluation."""
+    text = "The forgotten author was born in Kuwait City in 1956 and writes detective novels."
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"text": text}])
+    out = tmp_path / "text"
+    assert run_cli("multitask", "--model", tiny_llama, "--task", f"corpus={corpus}", "--steps", 1, "--lr", 1e-3,
+                   "--batch-size", 1, "--max-length", 64, "--eval-rows", 0, "--dtype", "float32",
+                   "--out", out) == 0
+    [record] = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, torch_dtype=torch.float64).eval()
+    ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0], dim=-1)
+    expected = -sum(log_probs[t - 1, ids[t]].item() for t in range(1, len(ids))) / (len(ids) - 1)
+    assert record["corpus_loss"] == pytest.approx(expected, rel=1e-4)
+
+    capsys.readouterr()
+    assert run_cli("multitask", "--model", tiny_llama, "--task", f"corpus={corpus}", "--steps", 1,
+                   "--eval-rows", 2, "--out", tmp_path / "refused") == 2
+    err = capsys.readouterr().err.strip()
+    assert "task 'corpus' has 1 row with only a 'text' field" in err and "--eval-rows 0" in err
+    assert err.count("\n") == 0 and not (tmp_path / "refused").exists()

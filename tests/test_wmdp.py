@@ -155,7 +155,8 @@ def test_wmdp_under_attack_scores_the_hazardous_tasks_alone_on_the_attacked_copi
     scored = run_lm_eval(quantized, tokenizer, list(FORGET_TASKS), batch_size=4, include_path=tasks)
     quantized_expected = {task: scored["tasks"][task]["acc"] for task in FORGET_TASKS}
     assert any(quantized_expected[task] != expected[task] for task in FORGET_TASKS)
-    relearn = write_jsonl(tmp_path / "bio.jsonl", [{"question": "Which agent is it?", "answer": "The first one."}] * 4)
+    # raw text, as the sources relearn on the forget corpus (every token trained on)
+    relearn = write_jsonl(tmp_path / "bio.jsonl", [{"text": f"Passage {i} of the hazardous corpus."} for i in range(4)])
     out = tmp_path / "eval"
     with attacks.QUANTIZERS.replaced("quant-4bit", sign_quantized):
         assert run_cli("evaluate", "--model", tiny_llama, "--suite", "wmdp", "--lm-eval-include", tasks,

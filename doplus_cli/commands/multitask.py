@@ -78,10 +78,16 @@ class MultitaskCommand(Command):
 
     def open(self) -> None:
         config = self.config
-        keys = Keys(config.prompt_key, config.answer_key, text_rows=False, question_flag="--prompt-key")
+        # a task of raw text (rows with only a `text` field) trains on every token, as a corpus: there is no answer
+        # to score it by, so it takes no held-out evaluation
+        keys = Keys(config.prompt_key, config.answer_key, text_rows=True, question_flag="--prompt-key")
         for task in self.tasks:
             role = f"task '{task.name}'"
             source = _open(task.data, role, keys)
+            if source.text_rows and (task.eval is not None or config.eval_rows > 0):
+                rows = "1 row" if source.text_rows == 1 else f"{source.text_rows} rows"
+                raise UserError(f"{task.data}: {role} has {rows} with only a 'text' field, which train on every "
+                                "token and have no answer to score: give it no eval file and set --eval-rows 0")
             if task.eval is not None:
                 task.train, task.held_out = source, _open(task.eval, role + " eval", keys)
                 task.held_out_from = f"{task.eval} ({len(task.held_out)} rows)"

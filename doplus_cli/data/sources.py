@@ -301,7 +301,7 @@ class RowRange:
     def __init__(self, source: Source, start: int, stop: int) -> None:
         self.source, self.start, self.stop = source, start, stop
         self.name = source.name
-        self.text_rows = getattr(source, "text_rows", 0)  # at most the whole source's (multitask allows none)
+        self.text_rows = getattr(source, "text_rows", 0)  # at most the whole source's
 
     def __len__(self) -> int:
         return self.stop - self.start

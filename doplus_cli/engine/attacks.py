@@ -59,8 +59,11 @@ def relearn_rows(config: EvalConfig) -> tuple[list[dict[str, str]], str, str | N
     if config.relearn_data is not None:
         from doplus_cli.data.sources import Keys, open_source
 
-        source = open_source(config.relearn_data, "--relearn-data", Keys(text_rows=False))
-        rows = [{"question": source[i].question, "answer": source[i].answer} for i in range(len(source))]
+        # question-answer rows, or raw text (a `text` field: every token is trained on, as the relearning of
+        # Unlearn-Smooth's MUSE and WMDP code does on the forget corpus)
+        source = open_source(config.relearn_data, "--relearn-data", Keys())
+        rows = [{"text": row.text} if row.is_text else {"question": row.question, "answer": row.answer}
+                for row in (source[i] for i in range(len(source)))]
         return rows, config.relearn_data, None, None
     forget = qa_sets(config, suite)[0]
     half = max(1, len(forget.samples) // 2)

@@ -301,7 +301,7 @@ def check_attacks(config: EvalConfig) -> None:
     if config.relearn_data is not None:
         from doplus_cli.data.sources import Keys, open_source
 
-        open_source(config.relearn_data, "--relearn-data", Keys(text_rows=False))
+        open_source(config.relearn_data, "--relearn-data", Keys())
     elif not set(QA_SUITES) & set(config.suites):
         raise UserError("--attacks relearn needs --relearn-data FILE with --suite " + ",".join(config.suites)
                         + " (the default relearning rows are half of the tofu or real-world forget rows)")
