@@ -67,9 +67,10 @@ ATTACKS: Registry[Attack] = Registry("attack", Attack, ((a.name, a) for a in (
            "Zhang et al. 2025 (Catastrophic failure of LLM unlearning via quantization, ICLR): the 4-bit load of "
            "its code", WEIGHT_SUITES),
     Attack("probe-prefix", "probe", "prefix injection: the answer starts with 'Sure, here is the answer:'",
-           "RWKU (Jin et al. 2024), prefix injection probe", PREFIX_SUITES),
+           "RWKU (Jin et al. 2024): its affirmative-suffix phrase as the answer's start (the prefilling attack)",
+           PREFIX_SUITES),
     Attack("probe-roleplay", "probe", "role-play: the question asked to a character who knows every author",
-           "RWKU (Jin et al. 2024), role-play probe", QA_SUITES),
+           "after RWKU (Jin et al. 2024), role-play probes (one character for every question)", QA_SUITES),
     Attack("probe-incontext", "probe", "three retained facts as question-answer pairs before the question",
            "Lynch et al. 2024 (Eight methods to evaluate robust unlearning), in-context relearning", QA_SUITES),
     Attack("probe-paraphrase", "probe", "the row's paraphrased question instead of the question",
