@@ -71,10 +71,10 @@ def int8_reference(weight: torch.Tensor) -> torch.Tensor:
 
 def test_quantization_grids_equal_the_references_and_the_copy_alone_is_quantized(tiny_llama):
     block = weight_block()
-    nf4 = attacks.nf4_blockwise(block)
+    nf4 = attacks.blockwise_4bit(block, "nf4")
     assert torch.allclose(nf4.double(), nf4_reference(block), rtol=0, atol=1e-6)
     narrow = block.reshape(12, 32)  # rows shorter than a block: the blocks still run over the flattened weight
-    assert torch.allclose(attacks.nf4_blockwise(narrow).double(), nf4_reference(narrow), rtol=0, atol=1e-6)
+    assert torch.allclose(attacks.blockwise_4bit(narrow, "nf4").double(), nf4_reference(narrow), rtol=0, atol=1e-6)
     assert (nf4[2, 64:] == 0).all()
     # every value of a block is one of NF4's 16 values times the block's absmax
     first = block.flatten()[:64].abs().max()

@@ -227,11 +227,11 @@ class AlignCommand(Command):
 def check_eval_attacks(config: AlignConfig) -> None:
     """--eval-attacks of align: known names that the safety suite can take; relearning needs text to relearn on,
     which only `doplus evaluate --relearn-data` takes."""
-    suites = [s.strip() for s in (config.eval_suite or "").split(",") if s.strip()]
+    suites = parse_suites(config.eval_suite) if config.eval_suite else ()
     if "safety" not in suites:
         raise UserError("--eval-attacks needs --eval-suite safety (or safety,xstest): the attacks are scored by the "
                         "safety suite's harmful instructions")
-    names = parse_attacks(config.eval_attacks, tuple(suites))
+    names = parse_attacks(config.eval_attacks, suites)
     relearn = next((name for name in names if ATTACKS[name].kind == "relearn"), None)
     if relearn is not None:
         raise UserError(f"--eval-attacks {relearn}: relearning an aligned model needs harmful text to relearn on; run "

@@ -25,6 +25,7 @@ import copy
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -191,12 +192,7 @@ def blockwise_4bit(weight: torch.Tensor, quant_type: str = "nf4", blocksize: int
     return F.dequantize_4bit(codes, state).reshape(weight.shape).to(weight.dtype)
 
 
-def nf4_blockwise(weight: torch.Tensor, blocksize: int = 64) -> torch.Tensor:
-    """NF4, absmax per block of `blocksize` of the flattened weight (`blockwise_4bit`)."""
-    return blockwise_4bit(weight, "nf4", blocksize)
-
-
-def _4bit_linear(linear: torch.nn.Linear, quant_type: str) -> torch.nn.Module:
+def four_bit_linear(linear: torch.nn.Linear, quant_type: str) -> torch.nn.Module:
     """`linear` with its weight 4-bit quantized and dequantized in place: `load_in_4bit`'s `Linear4bit`
     dequantizes its weight and multiplies in the input's float dtype, so the float layer computes the same."""
     with torch.no_grad():
@@ -204,18 +200,12 @@ def _4bit_linear(linear: torch.nn.Linear, quant_type: str) -> torch.nn.Module:
     return linear
 
 
-def nf4_linear(linear: torch.nn.Linear) -> torch.nn.Module:
-    return _4bit_linear(linear, "nf4")
-
-
-def fp4_linear(linear: torch.nn.Linear) -> torch.nn.Module:
-    return _4bit_linear(linear, "fp4")
-
-
 # The layer each quant attack puts in place of a linear layer, by the attack's name.
-QUANTIZERS: Registry[Callable] = Registry("quantizer", Callable, {"quant-8bit": int8_linear,
-                                                                  "quant-4bit": nf4_linear,
-                                                                  "quant-fp4": fp4_linear})
+QUANTIZERS: Registry[Callable] = Registry("quantizer", Callable, {
+    "quant-8bit": int8_linear,
+    "quant-4bit": partial(four_bit_linear, quant_type="nf4"),
+    "quant-fp4": partial(four_bit_linear, quant_type="fp4"),
+})
 
 
 @torch.no_grad()
