@@ -131,11 +131,11 @@ def test_an_effective_batch_that_does_not_divide_is_refused_before_anything_star
 
 
 def test_a_folder_with_a_started_run_resumes_and_usr1_requeues_the_job(tmp_path, bin_folder):
-    """OUT holds only config.yaml (a run stopped before its first checkpoint): --resume. SIGUSR1 to the batch shell
-    (SLURM's --signal=B:USR1 before the time limit): scancel sends SIGTERM to the step, the script waits for it
-    to end and requeues its own job."""
+    """OUT holds the run's record, .doplus-run.json (a run stopped before its first checkpoint): --resume. SIGUSR1 to
+    the batch shell (SLURM's --signal=B:USR1 before the time limit): scancel sends SIGTERM to the step, the script
+    waits for it to end and requeues its own job."""
     (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "config.yaml").write_text("steps: 10\n")
+    (tmp_path / "out" / ".doplus-run.json").write_text("{}\n")
     training = tmp_path / "training.pid"
     code, out, err = usr1_while_training(SCRIPT, environment(tmp_path, bin_folder, 2, 8, "4 32",
                                                              TRAINING=str(training)), training)

@@ -3,10 +3,13 @@
 #
 #   BENCH="--recipe recipes/tofu/llama2-7b/npo_gd.yaml --schemes joint,alternate,dualoptim,doplus --seeds 0,1,2 \
 #          --task-ids 1,2,3 --out bench/npo-llama2" bash recipes/cluster/slurm_bench_array.sh
+#   bash recipes/cluster/slurm_bench_array.sh --recipe recipes/tofu/llama2-7b/npo_gd.yaml --schemes joint,doplus \
+#          --out "bench/npo llama2"     # the same arguments given to the script: for paths holding spaces
 #
 # Started with bash (not sbatch), the script submits itself as an array over the runs of the grid still to do, as
 # `doplus bench schemes $BENCH --list-runs --indexes pending,failed` gives them (STATES=failed: only the failed
-# ones; MAX_AT_ONCE=8: at most 8 tasks at a time). Nothing to do is said in one line, and nothing is submitted.
+# ones; MAX_AT_ONCE=8: at most 8 tasks at a time), passing sbatch the script's own arguments for its tasks. Nothing
+# to do is said in one line, and nothing is submitted.
 # Each array task then runs `doplus bench schemes $BENCH --run-index $SLURM_ARRAY_TASK_ID`: that run alone, trained
 # and evaluated, into the bench's folder; the task that ends the last run writes SCHEMES.md, SCHEMES.json and the
 # figures. Watch the grid with `--list-runs`; write the tables from the runs done so far with `--summarize`.
@@ -19,8 +22,10 @@
 # A failed run (exit 1: its log is OUT/runs/NAME.log, why in OUT/runs/NAME.failed.json) is not requeued: fix the
 # cause, then STATES=failed bash recipes/cluster/slurm_bench_array.sh.
 #
-# BENCH is split on spaces (keep paths free of them). OUT must be on storage every node sees. For runs of several
-# processes each, add --num-processes N to BENCH and ask for N GPUs below. Adapt the #SBATCH lines to your cluster.
+# The arguments of `doplus bench schemes` are the script's own arguments when it has any, else BENCH split on
+# whitespace (no glob expansion; keep the paths in BENCH free of spaces). Either way each one reaches doplus as one
+# argument, never through a command string. OUT must be on storage every node sees. For runs of several processes
+# each, add --num-processes N to the arguments and ask for N GPUs below. Adapt the #SBATCH lines to your cluster.
 #SBATCH --job-name=doplus-bench
 #SBATCH --nodes=1
 #SBATCH --ntasks=1
@@ -33,22 +38,26 @@
 #SBATCH --output=%x-%A_%a.out
 set -euo pipefail
 
-BENCH=${BENCH:?set BENCH to the arguments of doplus bench schemes, e.g. BENCH="--recipe R.yaml --out bench/R"}
-# shellcheck disable=SC2206  # BENCH holds several arguments
-ARGS=($BENCH)
+if [ "$#" -gt 0 ]; then
+    ARGS=("$@")
+else
+    BENCH=${BENCH:?set BENCH to the arguments of doplus bench schemes, e.g. BENCH="--recipe R.yaml --out bench/R"}
+    read -r -d '' -a ARGS <<< "$BENCH" || true  # split on whitespace (newlines too), without glob expansion
+fi
 
 if [ -z "${SLURM_ARRAY_TASK_ID:-}" ]; then  # started by hand: submit the array
     STATES=${STATES:-pending,failed}
     INDEXES=$(doplus bench schemes "${ARGS[@]}" --list-runs --indexes "$STATES")
     if [ -z "$INDEXES" ]; then
-        echo "no run of the grid is $STATES: nothing to submit (doplus bench schemes $BENCH --list-runs shows it)"
+        echo "no run of the grid is $STATES: nothing to submit (doplus bench schemes ${ARGS[*]} --list-runs shows it)"
         exit 0
     fi
     echo "submitting runs $INDEXES of the grid"
-    exec sbatch --array="$INDEXES${MAX_AT_ONCE:+%$MAX_AT_ONCE}" "$0"
+    exec sbatch --array="$INDEXES${MAX_AT_ONCE:+%$MAX_AT_ONCE}" "$0" "$@"
 fi
 
 REQUEUE=0
+# shellcheck disable=SC2329  # the USR1 trap below invokes it; shellcheck misses that before the script's final exit
 on_time_limit() {
     REQUEUE=1
     kill -TERM "$BENCH_PID"  # the bench hands it to its run: a checkpoint, then exit 143

@@ -18,11 +18,14 @@
 # checkpoints/step-N/ (under FSDP each process its own shards), and the script then requeues its own job with
 # `scontrol requeue`. On preemption SLURM sends SIGTERM to the steps itself and requeues the job (the cluster's
 # PreemptMode must be REQUEUE, and its GraceTime long enough to write a checkpoint). When the job starts again and
-# OUT holds the run's config.yaml, the script adds --resume: the run continues bit-for-bit from its newest
-# checkpoint, or starts again from the beginning when it was stopped before its first one (a changed
-# configuration or another number of processes is refused, naming what differs). OUT must be on storage every
-# node sees; the run holds it with a lock, so a requeued job that overlaps a manual start stops in one line.
-# Adapt the #SBATCH lines to your cluster.
+# OUT holds OUT/.doplus-run.json (the record a run writes before anything else), the script adds --resume: the run
+# continues bit-for-bit from its newest checkpoint, or starts again from the beginning when it was stopped before
+# its first one (a changed configuration or another number of processes is refused, naming what differs). OUT
+# must be on storage every node sees; the run holds it with a lock, so a requeued job that overlaps a manual start
+# stops in one line.
+#
+# RECIPE, OUT and every other value reach `accelerate launch` as separate arguments, never through a command
+# string: a path may hold spaces or any other character. Adapt the #SBATCH lines to your cluster.
 #SBATCH --job-name=doplus-unlearn
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
@@ -56,29 +59,33 @@ if [ $((EFFECTIVE_BATCH % (BATCH * PROCESSES))) -ne 0 ]; then
 fi
 GRAD_ACCUM=$((EFFECTIVE_BATCH / (BATCH * PROCESSES)))
 
-EXTRA="--grad-accum $GRAD_ACCUM"
-LAUNCH="--multi_gpu --mixed_precision no --dynamo_backend no"
+EXTRA=(--grad-accum "$GRAD_ACCUM")
+LAUNCH=(--multi_gpu --mixed_precision no --dynamo_backend no)
 if [ "${FSDP:-0}" = "1" ]; then
-    LAUNCH="--config_file recipes/cluster/accelerate_fsdp.yaml"
+    LAUNCH=(--config_file recipes/cluster/accelerate_fsdp.yaml)
 fi
 if [ "$SAVE_EVERY" != "0" ]; then
-    EXTRA="$EXTRA --save-every $SAVE_EVERY --keep-last 2"
+    EXTRA+=(--save-every "$SAVE_EVERY" --keep-last 2)
 fi
-if [ -f "$OUT/config.yaml" ]; then  # a run started here: from its newest checkpoint, or again from the start
-    EXTRA="$EXTRA --resume"
+if [ -f "$OUT/.doplus-run.json" ]; then  # a run started here: from its newest checkpoint, or again from the start
+    EXTRA+=(--resume)
 fi
 
 REQUEUE=0
+# shellcheck disable=SC2329  # the USR1 trap below invokes it; shellcheck misses that before the script's final exit
 on_time_limit() {
     REQUEUE=1
     scancel --signal=TERM "$SLURM_JOB_ID"  # the steps' processes, not this shell: they checkpoint and exit 143
 }
 trap on_time_limit USR1
 
-srun --kill-on-bad-exit=1 bash -c "accelerate launch $LAUNCH \
-    --num_machines $SLURM_NNODES --num_processes $PROCESSES \
-    --machine_rank \$SLURM_NODEID --main_process_ip $MASTER_ADDR --main_process_port $MASTER_PORT \
-    -m doplus_cli unlearn --recipe $RECIPE --out $OUT $EXTRA" &
+# Each node's machine rank is SLURM_NODEID in that node's own environment, so it is expanded by the step's shell,
+# whose command is the fixed string below; every other value reaches it as a positional argument ("$@").
+# shellcheck disable=SC2016  # single quotes on purpose: $SLURM_NODEID and $@ expand on each node, not here
+srun --kill-on-bad-exit=1 bash -c 'exec accelerate launch --machine_rank "$SLURM_NODEID" "$@"' doplus-node \
+    "${LAUNCH[@]}" --num_machines "$SLURM_NNODES" --num_processes "$PROCESSES" \
+    --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT" \
+    -m doplus_cli unlearn --recipe "$RECIPE" --out "$OUT" "${EXTRA[@]}" &
 SRUN=$!
 trap ':' TERM  # on preemption: wait for the steps to checkpoint instead of dying before them
 
