@@ -15,19 +15,22 @@ class UserError(Exception):
     exit_code = 2
 
 
-def shown(value: object, limit: int = 60) -> str:
-    """`value` as an error message shows it: its repr, at most `limit` characters (a longer one cut, ending in
-    '...'), so that no message echoes a value of any size. reprlib makes the repr without walking the whole of a
-    long or deeply nested value."""
+def shown(value: object, limit: int = 60, quoted: bool = True) -> str:
+    """`value` as an error message shows it: its repr (`quoted=False`: a string's text without quotes, as a flag's
+    value is typed), at most `limit` characters (a longer one cut, ending in '...'), on one line, so that no message
+    echoes a value of any size. reprlib makes the repr without walking the whole of a long or deeply nested value."""
     import reprlib
 
-    short = reprlib.Repr()
-    short.maxstring = short.maxother = short.maxlong = limit
-    short.maxlevel = 2
-    try:
-        text = short.repr(value)
-    except Exception:  # an int past Python's digit limit, an object whose repr fails
-        text = f"<{type(value).__name__}>"
+    if isinstance(value, str) and not quoted:
+        text = repr(value[:limit + 1])[1:-1]  # line breaks and control characters escaped
+    else:
+        short = reprlib.Repr()
+        short.maxstring = short.maxother = short.maxlong = limit
+        short.maxlevel = 2
+        try:
+            text = short.repr(value)
+        except Exception:  # an int past Python's digit limit, an object whose repr fails
+            text = f"<{type(value).__name__}>"
     return text if len(text) <= limit else text[:max(limit - 3, 1)] + "..."
 
 
