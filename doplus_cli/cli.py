@@ -107,12 +107,12 @@ EVALUATE_DEFAULTS = {
 
 
 @app.command()
-@options.takes("evaluate", EVALUATE_DEFAULTS)
+@options.takes("evaluate", EVALUATE_DEFAULTS, context=True)
 def evaluate(**values: Any) -> None:
     """Evaluate a model: TOFU/real-world indicators and MU/UFE/TFE/OVR, lm-eval, safety and XSTest."""
     from doplus_cli.evaluation.report import compare_table
 
-    folders, recipe = values.pop("folders"), values.pop("recipe")
+    context, folders, recipe = values.pop("context"), values.pop("folders"), values.pop("recipe")
     if values.pop("compare"):
         if not folders or len(folders) < 2:
             raise UserError("--compare needs at least two evaluation folders: doplus evaluate --compare DIR1 DIR2")
@@ -122,7 +122,7 @@ def evaluate(**values: Any) -> None:
         raise UserError(f"unexpected argument '{folders[0]}' (folders are only taken with --compare)")
     from doplus_cli.evaluation.summary import print_summary
 
-    values = options.with_recipe(recipe, values, options.EVALUATE_PATH_KEYS)
+    values = options.with_recipe(context, recipe, values, options.EVALUATE_PATH_KEYS)
     config = resolve_eval_config(values)
     runner = None
     if config.attacks:  # relearning trains through the engine, which the evaluation layer cannot import
@@ -148,13 +148,13 @@ BENCH_DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 @bench_app.command("optimizer")
-@options.takes("bench optimizer", BENCH_DEFAULTS["bench optimizer"])
+@options.takes("bench optimizer", BENCH_DEFAULTS["bench optimizer"], context=True)
 def bench_optimizer(**values: Any) -> None:
     """Step time, state bytes and bandwidth of DualOptim+ against torch AdamW on synthetic parameters."""
     from doplus_cli.bench.optimizer import BenchConfig, print_table, run_optimizer_bench
 
-    recipe, as_json = values.pop("recipe"), values.pop("json")
-    given = options.with_recipe(recipe, values, ())
+    context, recipe, as_json = values.pop("context"), values.pop("recipe"), values.pop("json")
+    given = options.with_recipe(context, recipe, values, ())
     stability, v_floor, seed = given.pop("stability"), given.pop("v_floor"), given["seed"]
     if v_floor is not None and not stability:
         raise UserError("--v-floor sets the floors of --stability's safeguarded rows: add --stability")
@@ -182,14 +182,14 @@ def bench_optimizer(**values: Any) -> None:
 
 
 @bench_app.command("precision")
-@options.takes("bench precision", BENCH_DEFAULTS["bench precision"])
+@options.takes("bench precision", BENCH_DEFAULTS["bench precision"], context=True)
 def bench_precision(**values: Any) -> None:
     """Each --precision (and bf16 without compensation) on the same short unlearning run: weight elements
     changed, distance travelled against fp32, bytes per parameter, step time."""
     from doplus_cli.bench.precision import MODES, print_table, run_precision_bench
 
-    recipe, as_json = values.pop("recipe"), values.pop("json")
-    given = options.with_recipe(recipe, values, ("model",))  # a model folder is looked up next to the recipe first
+    context, recipe, as_json = values.pop("context"), values.pop("recipe"), values.pop("json")
+    given = options.with_recipe(context, recipe, values, ("model",))  # a model folder: next to the recipe first
     model, out, steps, lr, modes = (given[name] for name in ("model", "out", "steps", "lr", "modes"))
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
     unknown = [m for m in chosen if m not in MODES]
@@ -415,17 +415,15 @@ def main(argv: list[str] | None = None) -> None:
     Usage errors (unknown option, bad value) come from click; they are printed as one line too, with a
     pointer to `--help`. `--debug` re-raises instead, with the full traceback.
     """
-    from typer._click.exceptions import ClickException, NoArgsIsHelpError
-
     _quiet_libraries()
     argv = _resume_defaults_to_latest(list(sys.argv[1:] if argv is None else argv))
     _argv["value"] = argv
     try:
         code = app(args=argv, standalone_mode=False)
-    except NoArgsIsHelpError as error:
-        error.show()
-        sys.exit(error.exit_code)
-    except ClickException as error:
+    except _click_error_type() as error:
+        if type(error).__name__ == "NoArgsIsHelpError":  # a group called alone: its help, as click prints it
+            error.show()
+            sys.exit(error.exit_code)
         if _debug["on"]:
             raise
         command = error.ctx.command_path if getattr(error, "ctx", None) is not None else "doplus"
@@ -449,6 +447,13 @@ def main(argv: list[str] | None = None) -> None:
     _leave_process_group()
     if isinstance(code, int) and code != 0:
         sys.exit(code)
+
+
+def _click_error_type() -> type[Exception]:
+    """click's `ClickException`, the base of every usage error it raises, found from typer's public `BadParameter`
+    (one of them): typer before 0.26 runs on the click package, 0.26 and later on a copy of click it carries
+    inside and does not export. `NoArgsIsHelpError` is told by its name, as typer's own error printer does."""
+    return next(kind for kind in typer.BadParameter.__mro__ if kind.__name__ == "ClickException")
 
 
 def _leave_process_group() -> None:

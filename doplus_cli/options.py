@@ -24,8 +24,6 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import typer
-from typer._click.core import ParameterSource
-from typer._click.globals import get_current_context
 
 from doplus_cli.config import SCHEMES, TrainConfig, default_of, recipe_options
 from doplus_cli.data.formatting import TEMPLATE_HELP
@@ -424,15 +422,18 @@ def option_type(name: str, command: str) -> Any:
     return Annotated[settings["type"] | None, info]
 
 
-def takes(command: str, defaults: dict[str, Any] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def takes(command: str, defaults: dict[str, Any] | None = None, context: bool = False
+          ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Give a command function (`def unlearn(**values)`) the options `COMMAND_OPTIONS` lists for `command`, in that
     order, each defaulting to its value in `defaults`, else None ("not given"): typer reads them from the
     signature (click shows a default that is not None after the help text), and the function receives them by
-    name, the names of the config fields they set."""
+    name, the names of the config fields they set. `context`: the function also receives typer's context as
+    `context` (typer's documented way to reach it), which `with_recipe` asks where each value came from."""
     defaults = defaults or {}
 
     def decorate(function: Callable[..., Any]) -> Callable[..., Any]:
-        function.__signature__ = inspect.Signature([
+        own = [inspect.Parameter("context", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)]
+        function.__signature__ = inspect.Signature((own if context else []) + [
             inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=defaults.get(name),
                               annotation=option_type(name, command))
             for name in COMMAND_OPTIONS[command]], return_annotation=None)
@@ -440,22 +441,31 @@ def takes(command: str, defaults: dict[str, Any] | None = None) -> Callable[[Cal
     return decorate
 
 
-def with_recipe(recipe: str | None, values: dict[str, Any], path_keys: tuple[str, ...]) -> dict[str, Any]:
-    """A command's option values (as its function received them) with a recipe under them: an option the command
-    line gave keeps its value (click's parameter source tells it from its default), any other the recipe sets takes
-    the recipe's. The recipe's keys are the names in `values` (config.recipe_options checks them and finds a
-    relative path under `path_keys` next to the recipe; the caller leaves out what a recipe does not set, such as
-    evaluate's --compare); each value is read as its flag's text would be (the option's type, with its range and
-    its words for true and false), a list as its items comma-separated. The values come back in the order given."""
+def with_recipe(context: typer.Context, recipe: str | None, values: dict[str, Any], path_keys: tuple[str, ...]
+                ) -> dict[str, Any]:
+    """A command's option values (as its function received them, with its `context`: `takes(..., context=True)`)
+    with a recipe under them: an option the command line gave keeps its value (click's parameter source tells it
+    from its default), any other the recipe sets takes the recipe's. The recipe's keys are the names in `values`
+    (config.recipe_options checks them and finds a relative path under `path_keys` next to the recipe; the caller
+    leaves out what a recipe does not set, such as evaluate's --compare); each value is read as its flag's text
+    would be (the option's type, with its range and its words for true and false), a list as its items
+    comma-separated. The values come back in the order given."""
     if recipe is None:
         return values
-    context = get_current_context()
     params = {param.name: param for param in context.command.params if param.name in values}
     resolved = dict(values)
     for key, value in recipe_options(recipe, list(params), path_keys).items():
-        if context.get_parameter_source(key) is not ParameterSource.COMMANDLINE:
+        if not given_on_the_command_line(context, key):
             resolved[key] = recipe_value(params[key], value, f"{recipe}: option '{key}'", context)
     return resolved
+
+
+def given_on_the_command_line(context: typer.Context, name: str) -> bool:
+    """Whether the command line gave option `name` (not its default, an environment variable or a prompt), by the
+    public `Context.get_parameter_source`. Its enum is read by member name: typer before 0.26 returns click's
+    `ParameterSource`, typer 0.26 and later that of the click it carries inside, which it does not export."""
+    source = context.get_parameter_source(name)
+    return source is not None and source.name == "COMMANDLINE"
 
 
 def recipe_value(param: Any, value: Any, where: str, context: Any) -> Any:
