@@ -177,3 +177,41 @@ def test_the_optimizer_pages_examples_run(tmp_path):
         done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
                               env=child_env(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1"), timeout=300)
         assert done.returncode == 0, (number, done.stderr[-2000:])
+
+
+def _documented_bench_commands() -> list[tuple[str, str]]:
+    """(page, command) for every `doplus bench schemes --recipe recipes/...` the README and the docs show, in a
+    bash block or inline."""
+    import re
+
+    found = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = page.read_text()
+        inline = re.findall(r"`(doplus bench schemes --recipe recipes/[^`]+)`", text)
+        for command in [*_doplus_commands(text), *inline]:
+            if command.startswith("doplus bench schemes --recipe recipes/"):
+                found.append((page.name, command))
+    return found
+
+
+def test_every_documented_bench_command_passes_the_benchs_checks(tmp_path, capsys):
+    """Each shipped recipe a page runs through `doplus bench schemes` has what the bench compares runs by (an
+    evaluation suite and its data): the page's command, with --list-runs, plans its runs as a user's copy of the
+    recipe with the data beside it."""
+    import shlex
+
+    from tests.helpers import recipe_beside_shared_data, run_cli
+
+    commands = _documented_bench_commands()
+    recipes = {shlex.split(command)[4] for _, command in commands}
+    assert {"recipes/tofu/phi-1.5/npo_gd.yaml", "recipes/real_world/idk_gd.yaml"} <= recipes
+    for number, (page, command) in enumerate(commands):
+        args = shlex.split(command)[3:]
+        folder = tmp_path / str(number)
+        args[1] = str(recipe_beside_shared_data(args[1].removeprefix("recipes/").removesuffix(".yaml"), folder))
+        for flag in ("--out", "--run-index"):
+            if flag in args:
+                del args[args.index(flag):args.index(flag) + 2]
+        args = [a.replace("=SAFETY_DIR", f"={folder / 'data' / 'safety'}") for a in args]
+        code = run_cli("bench", "schemes", *args, "--out", folder / "bench", "--list-runs")
+        assert code == 0, (page, command, capsys.readouterr().err)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from doplus_cli.config import AlignConfig, MultitaskConfig, resolve_config
+from doplus_cli.config import AlignConfig, MultitaskConfig, read_recipe, resolve_config
 from tests.helpers import recipe_beside_shared_data
 
 ROOT = Path(__file__).resolve().parents[1] / "recipes"
@@ -80,6 +80,8 @@ def test_recipe_resolves(shipped, tmp_path):
         assert config.model == {"phi-1.5": "locuslab/tofu_ft_phi-1.5", "llama2-7b": "locuslab/tofu_ft_llama2-7b"}[
             shipped.parent.name]
         assert config.forget_coeff == (0.1 if config.loss == "ME+GD" else 1.0)
+        # `doplus bench schemes` compares runs by the suite the recipe names (the default is not enough)
+        assert read_recipe(path)["eval_suite"] == "tofu" and config.eval_every == 0  # the paper: final/ only
     if "bench" in shipped.parts:  # `doplus bench schemes` needs an evaluation suite
         assert config.eval_suite in ("tofu", "answers", "muse") and Path(config.forget.partition("[")[0]).is_file()
         if config.eval_suite == "muse":  # mini-MUSE, copied with the recipe: the teaching stage and the MUSE folder
@@ -93,6 +95,9 @@ def test_recipe_resolves(shipped, tmp_path):
         assert config.model == "meta-llama/Meta-Llama-3-8B-Instruct" and config.lr == 5e-6
         assert config.batch_size * config.grad_accum == 128 and config.answers_from_model
         assert Path(config.forget).is_file() and Path(config.retain).is_file()
+        # the bench scores each run by its answers before and after, on every question of each set
+        assert config.eval_suite == "answers"
+        assert config.show_samples >= max(len(_rows(config.forget)), len(_rows(config.retain)))
     if "wmdp" in shipped.parts:  # the WMDP authors' zephyr RMU run (rmu/unlearn.py, run_rmu_zephyr.ipynb)
         assert config.model == "HuggingFaceH4/zephyr-7b-beta" and config.loss == "RMU+EMBED"
         assert (config.rmu_layer, config.rmu_update_layers, config.rmu_coeff, config.retain_coeff) == (7, "5,6,7", 6.5,
