@@ -215,3 +215,26 @@ def test_every_documented_bench_command_passes_the_benchs_checks(tmp_path, capsy
         args = [a.replace("=SAFETY_DIR", f"={folder / 'data' / 'safety'}") for a in args]
         code = run_cli("bench", "schemes", *args, "--out", folder / "bench", "--list-runs")
         assert code == 0, (page, command, capsys.readouterr().err)
+
+
+def test_the_tutorials_run_count_is_the_benchs():
+    """The number of runs the TOFU tutorial says its bench command starts: schemes × tasks × seeds, with the
+    bench's own defaults for what the command leaves out."""
+    import re
+    import shlex
+
+    from doplus_cli.bench.schemes import DEFAULT_SCHEMES, DEFAULT_SEEDS
+
+    page = (ROOT / "docs" / "tutorial-tofu.md").read_text()
+    (command,) = [c for c in _doplus_commands(page) if c.startswith("doplus bench schemes")]
+    args = shlex.split(command)
+
+    def listed(flag: str, default: str) -> int:
+        return len((args[args.index(flag) + 1] if flag in args else default).split(","))
+
+    schemes, tasks, seeds = listed("--schemes", DEFAULT_SCHEMES), listed("--task-ids", "1"), listed("--seeds",
+                                                                                                     DEFAULT_SEEDS)
+    said = re.search(r"This runs (\d+) ordinary `doplus unlearn` runs \((\d+) schemes × (\d+) tasks × (\d+) seeds",
+                     " ".join(page.split()))
+    assert said, "the tutorial no longer states its run count as 'This runs N ... (S schemes × T tasks × D seeds'"
+    assert tuple(map(int, said.groups())) == (schemes * tasks * seeds, schemes, tasks, seeds)
