@@ -165,6 +165,24 @@ def test_muon_rule_matches_reference_loop():
     check_muon_rule(torch.device("cpu"), atol=1e-6)
 
 
+@pytest.mark.parametrize("shape", [(16, 8), (8, 16), (12, 12)], ids=["tall", "wide", "square"])
+@pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw"])
+def test_newton_schulz_and_the_shape_scaling_are_torch_muons_to_the_bit(shape, adjust_lr_fn):
+    """doplus's own NewtonSchulz5 and learning-rate scaling (kernels.newton_schulz, muon_lr_scale) against one
+    step of the public torch.optim.Muon from a zero weight without momentum, Nesterov or decay: that step is
+    -η'·NS5(g), so the two must agree bit for bit."""
+    from doplus_cli.optim.kernels import muon_lr_scale, newton_schulz
+
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    weight = torch.nn.Parameter(torch.zeros(shape))
+    weight.grad = grad.clone()
+    torch.optim.Muon([weight], lr=1.0, weight_decay=0.0, momentum=0.0, nesterov=False,
+                     adjust_lr_fn=adjust_lr_fn).step()
+    ours = torch.zeros(shape).add_(newton_schulz(grad, (3.4445, -4.7750, 2.0315), 5, 1e-7),
+                                   alpha=-muon_lr_scale(adjust_lr_fn, torch.Size(shape)))
+    assert torch.equal(weight.detach(), ours)
+
+
 def test_muon_param_groups_keep_embeddings_and_head_on_adamw():
     class Tiny(torch.nn.Module):
         def __init__(self):

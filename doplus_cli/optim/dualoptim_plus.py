@@ -53,6 +53,7 @@ from doplus_cli.optim.kernels import (
     adamw_plus_fused_8bit,
     adamw_plus_reference,
     muon_plus_reference,
+    newton_schulz,
 )
 from doplus_cli.optim.multi_tensor import MultiTensorKernel, triton_installed
 
@@ -589,13 +590,12 @@ def _sharded_orthogonalize(param: Tensor, s: MuonPlusScalars):
     """NewtonSchulz5 of the whole matrix, of which each process holds some rows: gather the rows, run the
     iteration on the whole matrix (every process the same), keep this process's rows."""
     from torch.distributed.tensor import DTensor, distribute_tensor
-    from torch.optim._muon import _zeropower_via_newtonschulz
 
     def orthogonalize(rows: Tensor) -> Tensor:
         whole = DTensor.from_local(
             rows, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
         ).full_tensor()
-        update = _zeropower_via_newtonschulz(whole, s.ns_coefficients, s.ns_steps, s.ns_eps)
+        update = newton_schulz(whole, s.ns_coefficients, s.ns_steps, s.ns_eps)
         return distribute_tensor(update, param.device_mesh, param.placements, src_data_rank=None).to_local()
 
     return orthogonalize

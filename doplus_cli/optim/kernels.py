@@ -428,6 +428,45 @@ class MuonPlusScalars:
     adjust_lr_fn: str | None
 
 
+def newton_schulz(x: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> Tensor:
+    """NewtonSchulz5: the quintic Newton–Schulz iteration that orthogonalises a 2-D update (Jordan et al., "Muon:
+    An optimizer for hidden layers in neural networks"), returned in bfloat16 as `torch.optim.Muon` returns it.
+
+        X ← G / max(‖G‖_F, ε) in bfloat16 (Gᵀ for a tall G);  `steps` times: A = X·Xᵀ;  X ← a·X + (b·A + c·A²)·X
+
+    The same operations in the same order and dtype as torch's Muon (its `torch.addmm` fusions included), so the
+    result is torch's to the bit; `tests/test_optim_rules.py` compares it with a step of `torch.optim.Muon`."""
+    if steps >= 100:
+        raise ValueError("Number of steps must be less than 100 for computational efficiency")
+    if x.ndim != 2:
+        raise ValueError("Input tensor gradient must be a 2D matrix")
+    if len(coefficients) != 3:
+        raise ValueError("Coefficients must be a tuple of exactly 3 values")
+    a, b, c = coefficients
+    tall = x.size(0) > x.size(1)
+    y = x.bfloat16()
+    if tall:
+        y = y.T
+    y.div_(y.norm().clamp(min=eps))  # spectral norm at most 1
+    for _ in range(steps):
+        gram = y @ y.T
+        y = torch.addmm(y, torch.addmm(gram, gram, gram, beta=b, alpha=c), y, beta=a)
+    return y.T if tall else y
+
+
+def muon_lr_scale(adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """η'/η, the scaling of the learning rate by the shape A×B of the weight, as `torch.optim.Muon`'s
+    `adjust_lr_fn`: "original" (the default, Jordan et al.) √max(1, A/B), keeping the update's RMS across
+    rectangular matrices; "match_rms_adamw" (Moonshot, "Muon is Scalable for LLM Training") 0.2·√max(A, B),
+    matching AdamW's update RMS; any other value 1."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return math.sqrt(max(1, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return 1.0
+
+
 def muon_plus_reference(
     param: Tensor, grad: Tensor, base_momentum_buffer: Tensor, momentum_buffer: Tensor, s: MuonPlusScalars,
     orthogonalize: Callable[[Tensor], Tensor] | None = None, full_shape: torch.Size | None = None,
@@ -443,16 +482,14 @@ def muon_plus_reference(
     the bf16 weight's compensation buffer (module docstring), or None. Returns the
     step diagnostics (|Δθ|/η = |λ·θ + (η'/η)·o|), as `adamw_plus_reference` does.
     """
-    from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
-
     if orthogonalize is None:
         def orthogonalize(x: Tensor) -> Tensor:
-            return _zeropower_via_newtonschulz(x, s.ns_coefficients, s.ns_steps, s.ns_eps)
+            return newton_schulz(x, s.ns_coefficients, s.ns_steps, s.ns_eps)
 
     g = grad.to(momentum_buffer.dtype)
     momentum_buffer.mul_(s.momentum).add_(g - base_momentum_buffer)
     update = orthogonalize(base_momentum_buffer + momentum_buffer)
-    scale = _adjust_lr(1.0, s.adjust_lr_fn, full_shape or param.shape)  # η'/η
+    scale = muon_lr_scale(s.adjust_lr_fn, full_shape or param.shape)  # η'/η
     theta_old = read_master(param, compensation, momentum_buffer.dtype)
     theta = theta_old * (1.0 - s.lr * s.weight_decay)
     theta.add_(update.to(theta.dtype), alpha=-s.lr * scale)
