@@ -304,8 +304,8 @@ def _lower_true_token(logits: Tensor, labels: Tensor, amount: float) -> Tensor:
 def undial(ctx: LossContext, batch: Batch) -> Tensor:
     """UNDIAL (Dong et al., 2024, "UNDIAL: Self-Distillation with Adjusted Logits for Robust Unlearning in Large
     Language Models"): mean over answer tokens of CE(softmax(z_ref - beta * onehot(y_t)), p_theta), the frozen
-    reference's logits with the true token's lowered by beta as a soft target. Answer tokens only (an earlier
-    OpenUnlearning averaged over every position, prompt and padding included); default beta 10."""
+    reference's logits with the true token's lowered by beta as a soft target. Answer tokens only (older
+    OpenUnlearning releases average over every position, prompt and padding included); default beta 10."""
     tensors = batch["answer"]
     logits, labels, mask = shifted(logits_of(ctx.model, tensors), tensors["labels"])
     ref_logits = _reference_logits(ctx, tensors)

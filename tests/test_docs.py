@@ -1,5 +1,6 @@
 """README and CI agree: .ci/run runs the README's test command exactly."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -128,19 +129,87 @@ def test_the_readmes_recipes_exist():
         assert (ROOT / recipe).is_file(), recipe
 
 
-def test_user_facing_files_say_nothing_of_how_doplus_was_developed():
-    """No development runs, issue numbers or work sessions in what a user reads."""
-    import re
+# Words and phrases that narrate how doplus or a result was made (a work session, an attempt, a test run cut short,
+# files carried to a machine) instead of saying what it is; a result names its command, version, commit and machine.
+def _phrases(patterns: list[str]) -> re.Pattern:
+    """One pattern of several, a space in each matching any run of white space (a phrase may wrap)."""
+    return re.compile("|".join(p.replace(" ", r"\s+") for p in patterns), re.I)
 
-    pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").glob("*.md"),
-             *(ROOT / "recipes").rglob("*.yaml"), *(ROOT / "recipes").rglob("*.sh"), *(ROOT / "recipes").rglob("*.py")]
-    words = re.compile(r"\bstop \d+|\bissue #?\d+|\bsession\b", re.I)
-    found = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in pages for m in words.finditer(p.read_text())]
-    # the code's comments, docstrings, help and errors too ("session" names process sessions there)
+
+NARRATIVE = _phrases([
+    r"\bsessions?\b", r"\bthis (?:stop|sprint|iteration|round)\b", r"\bissue #?\d+", r"\bstop \d+\b",
+    r"\bearlier\b", r"\b(?:first|second|third|later|earlier|previous) attempts?\b", r"\bat (?:the|that) time\b",
+    r"\bwe (?:tried|found|ran|saw|measured|decided|chose|kept|dropped|noticed|fixed|added|removed|had|wanted|used)\b",
+    r"\bnot kept\b", r"\bturned out\b", r"\bfor now\b", r"\bbefore the changes\b", r"\bmidway\b",
+    r"\bstopped after \d[\d.,]* ?(?:s|seconds?|min|minutes?)\b", r"\b\d[\d,]* passed, \d[\d,]* (?:failed|errored)\b",
+    r"\btravelled\b", r"\b(?:one|two|three|\d+) calls on\b", r"\bnot re-?run\b", r"\bwere to run\b",
+    r"\b(?:measured|run|tested) so far\b",
+    r"\b(?:was|were) (?:run|measured|made|written|taken|recorded) on (?:\d|(?:mon|tues|wednes|thurs|fri|satur|sun)day"
+    r"|jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)",
+])
+# Where such a word is the product's own vocabulary: process sessions, an earlier version or checkpoint, the
+# distance the weights travelled (bench precision), a kill midway through a removal.
+NOT_NARRATIVE = _phrases([
+    r"process sessions?", r"start_new_session", r"\bsetsid\b", r'scope="session"',
+    r"earlier (?:versions?|checkpoints?|steps?|tokens?|start|run of the same command)", r"'earlier'",
+    r"distance travelled", r"weights travelled", r"travelled =", r"/ travelled", r"kill midway",
+])
+
+
+def narrative(text: str) -> list[str]:
+    """The narrative phrases in `text`, each with its line; a match inside an allowed phrase is left out."""
+    allowed = [m.span() for m in NOT_NARRATIVE.finditer(text)]
+    found = []
+    for match in NARRATIVE.finditer(text):
+        if not any(start <= match.start() < end for start, end in allowed):
+            line = text[text.rfind("\n", 0, match.start()) + 1:].split("\n", 1)[0]
+            found.append(f"{' '.join(match.group(0).split())!r} in: {line.strip()[:120]}")
+    return found
+
+
+@pytest.mark.parametrize("sentence", [
+    "Two calls on one machine; the packages missing there travelled as files.",
+    "The suite with CUDA visible (stopped after 250 s): 913 passed, 120 failed or errored.",
+    "only scored, never read: before the changes, once midway (after the first retraining) and at the end.",
+    "Figures from this session; the first attempt was slower.",
+    "We tried a larger batch and it was not kept.",
+    "The benchmark was run on 3 May on two cores, the best at the time.",
+    "Fixed in stop 39 (issue #12); the earlier figures are gone.",
+])
+def test_the_narrative_check_catches_development_narrative(sentence):
+    assert narrative(sentence), sentence
+
+
+@pytest.mark.parametrize("sentence", [
+    "In a process session of its own (start_new_session): Ctrl-C reaches this process only.",
+    "Resuming from an earlier checkpoint; an earlier version of OpenUnlearning averaged over every position.",
+    "distance travelled vs fp32: how far the weights travelled against the fp32 run.",
+    "doplus 0.2.0 at commit 8745293; one NVIDIA H200; `python3 -m pytest -n 14 tests`.",
+])
+def test_the_narrative_check_leaves_product_vocabulary(sentence):
+    assert not narrative(sentence), sentence
+
+
+def test_user_facing_files_say_nothing_of_how_doplus_was_developed():
+    """No development narrative in what a user reads: the README, the docs, the changelog, the recipes and the
+    package's help, messages, docstrings and comments."""
+    files = [ROOT / "README.md", ROOT / "CHANGELOG.md",
+             *(p for pattern in ("*.md", "*.py") for p in (ROOT / "docs").rglob(pattern)),
+             *(p for pattern in ("*.yaml", "*.sh", "*.py") for p in (ROOT / "recipes").rglob(pattern)),
+             *(ROOT / "doplus_cli").rglob("*.py")]
+    found = [f"{p.relative_to(ROOT)}: {hit}" for p in files for hit in narrative(p.read_text())]
+    # the tests' own comments and docstrings name no development runs or issues either
     code = re.compile(r"\bstop \d+|\bissue #?\d+", re.I)
-    found += [f"{p.relative_to(ROOT)}: {m.group(0)}" for folder in ("doplus_cli", "tests")
-              for p in (ROOT / folder).rglob("*.py") for m in code.finditer(p.read_text())]
+    found += [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in (ROOT / "tests").rglob("*.py") if p.name != "test_docs.py"
+              for m in code.finditer(p.read_text())]
     assert not found, found
+
+
+def test_no_users_example_reads_the_test_data_folder():
+    """The test data folder beside the checkout (../shared) is the tests' own; a page's examples use the user's
+    layout (data/tofu, data/safety)."""
+    pages = [p for p in (ROOT / "docs").glob("*.md") if p.name != "development.md"]
+    assert [p.name for p in pages if "../shared" in p.read_text() or "shared/data" in p.read_text()] == []
 
 
 def test_a_suite_worker_runs_one_torch_thread():
@@ -238,3 +307,16 @@ def test_the_tutorials_run_count_is_the_benchs():
                      " ".join(page.split()))
     assert said, "the tutorial no longer states its run count as 'This runs N ... (S schemes × T tasks × D seeds'"
     assert tuple(map(int, said.groups())) == (schemes * tasks * seeds, schemes, tasks, seeds)
+
+
+def test_the_index_sends_each_command_to_a_page_that_documents_it():
+    """A command named in a link of the docs index (`doplus bench precision`, `bench schemes`) is on the page the
+    link opens."""
+    index = (ROOT / "docs" / "index.md").read_text()
+    missing = []
+    for text, target in re.findall(r"\[([^\]]+)\]\(([\w.-]+\.md)(?:#[^)]*)?\)", index):
+        page = (ROOT / "docs" / target).read_text()
+        for name in re.findall(r"`(?:doplus )?(bench \w+|unlearn|multitask|align|evaluate|recipes)`", text):
+            if name not in page:
+                missing.append(f"{name} -> {target}")
+    assert missing == []
