@@ -320,3 +320,32 @@ def test_the_index_sends_each_command_to_a_page_that_documents_it():
             if name not in page:
                 missing.append(f"{name} -> {target}")
     assert missing == []
+
+
+def test_the_results_and_reproducing_pages_name_only_flags_doplus_has():
+    import typer.main
+
+    from doplus_cli.cli import app
+
+    def flags(command) -> set[str]:
+        found = {flag for param in command.params for flag in (*param.opts, *param.secondary_opts)}
+        for inner in getattr(command, "commands", {}).values():
+            found |= flags(inner)
+        return found
+
+    known = flags(typer.main.get_command(app))
+    for name in ("results.md", "reproducing.md"):
+        named = set(re.findall(r"`(--[a-z][a-z0-9-]*)", (ROOT / "docs" / name).read_text()))
+        assert named - known == set(), name
+
+
+def test_reproducing_runs_the_papers_baselines_and_ablations_from_the_scheme_table():
+    """The paper's federated-learning baselines and its base-state ablations are schemes of config.SCHEMES; the page
+    names each and calls none of them unimplemented."""
+    from doplus_cli.config import FL_SCHEMES, SCHEMES
+
+    page = (ROOT / "docs" / "reproducing.md").read_text()
+    ablations = [name for name, scheme in SCHEMES.items() if {"base_update", "base_source"} & set(scheme.values)]
+    assert len(ablations) == 3
+    assert [name for name in (*FL_SCHEMES, *ablations) if name not in page] == []
+    assert "not implemented" not in page
