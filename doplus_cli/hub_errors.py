@@ -181,38 +181,33 @@ def _transport_reason(chain: list[BaseException]) -> str:
     return innermost[:120]
 
 
-_WAITS = {"bounded": False}
+def _bound(request) -> None:
+    """A request hook: a request sent without a timeout waits at most HF_HUB_DOWNLOAD_TIMEOUT seconds (read at each
+    request) to connect and for each part of the answer; a request with its own timeout keeps it."""
+    from huggingface_hub import constants
+
+    timeout = request.extensions.get("timeout")
+    if isinstance(timeout, dict) and None in timeout.values():
+        seconds = float(constants.HF_HUB_DOWNLOAD_TIMEOUT)
+        request.extensions["timeout"] = {key: seconds if value is None else value for key, value in timeout.items()}
 
 
 def bound_hub_waits() -> None:
     """Give each request huggingface_hub sends without a timeout one: transformers looks a model's revision up
     (`HfApi.repo_info`) with none, so a hub that accepts the connection and never answers would hold a load for
-    good, and the timeout line would never be said. Such a request now waits at most HF_HUB_DOWNLOAD_TIMEOUT
-    seconds (read at each request) to connect and for each part of the answer; a request with its own timeout
-    keeps it. Installed once per process, through huggingface_hub's client factory, before doplus loads from the
-    hub; a huggingface_hub without that factory is left as it is."""
-    if _WAITS["bounded"]:
-        return
+    good, and the timeout line would never be said. Called before doplus loads from the hub: it adds `_bound` to
+    the request hooks of the client huggingface_hub shares (its public `get_session`) unless that client has it,
+    so a client made anew (after a fork, or by another client factory) gets it at the next load. A
+    huggingface_hub whose client takes no request hooks (before 1.0, on requests) is left as it is."""
     try:
-        from huggingface_hub import constants
-        from huggingface_hub.utils import set_client_factory
-        from huggingface_hub.utils._http import default_client_factory  # the client huggingface_hub would build
+        from huggingface_hub import get_session
     except ImportError:
         return
-
-    def bound(request) -> None:
-        timeout = request.extensions.get("timeout")
-        if isinstance(timeout, dict) and None in timeout.values():
-            seconds = float(constants.HF_HUB_DOWNLOAD_TIMEOUT)
-            request.extensions["timeout"] = {key: seconds if value is None else value for key, value in timeout.items()}
-
-    def bounded_client():
-        client = default_client_factory()
-        client.event_hooks = {**client.event_hooks, "request": [*client.event_hooks["request"], bound]}
-        return client
-
-    set_client_factory(bounded_client)
-    _WAITS["bounded"] = True
+    client = get_session()
+    hooks = getattr(client, "event_hooks", None)
+    if not isinstance(hooks, dict) or _bound in hooks.get("request", ()):
+        return
+    client.event_hooks = {**hooks, "request": [*hooks.get("request", ()), _bound]}
 
 
 def _seconds(name: str) -> str:

@@ -293,3 +293,16 @@ def test_a_request_sent_without_a_timeout_gets_one(monkeypatch, hub_server):
     with pytest.raises(Exception) as raised:
         HfApi(endpoint=endpoint).model_info(spec)
     assert diagnose(raised.value) == hub_errors.Diagnosis(hub_errors.TIMEOUT, None, "timed out")
+
+
+def test_a_client_huggingface_hub_makes_anew_gets_the_bound_at_the_next_load():
+    """huggingface_hub closes its shared client after a fork (and when another client factory is set) and makes a
+    new one on the next request: the bound goes on that one at doplus's next load, once."""
+    from huggingface_hub import close_session, get_session
+
+    hub_errors.bound_hub_waits()
+    assert hub_errors._bound in get_session().event_hooks["request"]
+    close_session()  # as in a forked process
+    hub_errors.bound_hub_waits()
+    hub_errors.bound_hub_waits()
+    assert get_session().event_hooks["request"].count(hub_errors._bound) == 1
