@@ -371,10 +371,12 @@ RECOMPILE_LIMIT = 32
 
 
 def _raise_recompile_limit() -> None:
-    import torch._dynamo.config as dynamo_config
+    """Through `torch.compiler.config`, the public face of dynamo's settings; a torch without the setting there
+    keeps its own limit."""
+    import torch.compiler.config as compiler_config
 
-    if getattr(dynamo_config, "recompile_limit", RECOMPILE_LIMIT) < RECOMPILE_LIMIT:
-        dynamo_config.recompile_limit = RECOMPILE_LIMIT
+    if getattr(compiler_config, "recompile_limit", RECOMPILE_LIMIT) < RECOMPILE_LIMIT:
+        compiler_config.recompile_limit = RECOMPILE_LIMIT
 
 
 def fallbacks() -> dict[str, str]:
