@@ -13,12 +13,12 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from doplus_cli import lifecycle, options
+from doplus_cli import __version__, lifecycle, options
 from doplus_cli.bench.schemes import DEFAULT_SCHEMES, DEFAULT_SEEDS
 from doplus_cli.commands import COMMANDS, Command, command_named
 from doplus_cli.config import resolve_config
 from doplus_cli.errors import EXIT_FILE_VARIABLE, UserError, quiet_worker, worker_exit_code
-from doplus_cli.evaluation.runner import EvalConfig, resolve_eval_config, run_evaluate
+from doplus_cli.evaluation.runner import SUITE_REGISTRY, EvalConfig, resolve_eval_config, run_evaluate
 
 app = typer.Typer(
     name="doplus",
@@ -27,6 +27,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # help texts show [default: ...] and hf:NAME[:CONFIG][@SPLIT] literally
+    context_settings={"help_option_names": ["-h", "--help"]},  # every command's too: click passes it down
 )
 bench_app = typer.Typer(help="Measure optimizer speed and memory; compare the update schemes end to end.",
                         no_args_is_help=True)
@@ -40,9 +41,17 @@ _debug = {"on": False}
 _argv: dict[str, list[str]] = {"value": []}  # the arguments main() parsed, for --num-processes relaunching
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"doplus {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def _root(
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks for errors."),
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print doplus's version and exit."),
 ) -> None:
     _debug["on"] = debug
 
@@ -107,9 +116,10 @@ EVALUATE_DEFAULTS = {
 
 
 @app.command()
-@options.takes("evaluate", EVALUATE_DEFAULTS, context=True)
+@options.takes("evaluate", EVALUATE_DEFAULTS, context=True, names={"suites": SUITE_REGISTRY.listing()})
 def evaluate(**values: Any) -> None:
-    """Evaluate a model: TOFU/real-world indicators and MU/UFE/TFE/OVR, lm-eval, safety and XSTest."""
+    """Evaluate a model with the suites of --suite: TOFU/real-world indicators and MU/UFE/TFE/OVR, MUSE, WMDP,
+    lm-eval, privacy, safety and XSTest."""
     from doplus_cli.evaluation.report import compare_table
 
     context, folders, recipe = values.pop("context"), values.pop("folders"), values.pop("recipe")

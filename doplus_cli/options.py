@@ -60,9 +60,12 @@ class Option:
         """`flags`, `type` and `min` as `command` declares them."""
         return {"flags": self.flags, "type": self.type, "min": self.min, **self.variant.get(command, {})}
 
-    def help_for(self, command: str) -> str:
-        """The help text `command` shows: its own words or the shared ones, its default and its name filled in."""
+    def help_for(self, command: str, names: Mapping[str, str] | None = None) -> str:
+        """The help text `command` shows: its own words or the shared ones, its default and its name filled in, and
+        each `{key}` of `names` (lists a layer above hands in, such as evaluate's `{suites}`)."""
         text = self.words.get(command, self.help).replace("{command}", command)
+        for key, listed in (names or {}).items():
+            text = text.replace("{" + key + "}", listed)
         if "{default}" in text:
             text = text.replace("{default}", shown(default_of(self.name, COMMAND_CONFIGS[command])))
         return text
@@ -190,7 +193,11 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
                   "bench precision": "Steps per run (IDK+GD, DualOptim+)."},
            variant={"bench optimizer": {"min": 5}, "bench precision": {"min": 3}}),
     Option("--warmup-steps", int, WARMUP_HELP.format(warmup="a tenth of the steps"),
-           words={"unlearn": WARMUP_HELP.format(warmup="one pass over the forget set"),
+           words={"unlearn": WARMUP_HELP.format(
+               warmup="one epoch of the F_f:F_r cycle as the DualOptim+ authors count it: ceil(forget rows / "
+                      "effective batch) x (F_f + F_r) / F_f steps (counted on the retain rows when the retain side "
+                      "runs out first; Joint: ceil(forget rows / effective batch)), at most --steps; none when that "
+                      "is 1"),
                   "align": WARMUP_HELP.format(warmup="the first epoch with --epochs, else a tenth of the steps")}),
     Option("--lora-rank", int, "Train LoRA adapters of rank R (peft) [default: {default}, every weight]"),
     Option("--lora-targets", str, "Modules to adapt, comma-separated [default: peft's for the architecture]"),
@@ -297,7 +304,7 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
     # --- doplus evaluate -------------------------------------------------------------------------------------------
     Option("folders", list[str], "With --compare: evaluation folders to compare.", argument=True),
     Option("--compare", bool, "Print the given evaluation folders side by side."),
-    Option("--suite", str, "tofu, real-world, lm-eval, privacy, safety, xstest, muse, or several comma-separated."),
+    Option("--suite", str, "{suites}, or several comma-separated."),
     Option("--split", str, "TOFU forget split: forget01, forget05, forget10."),
     Option("--data-dir", str, TOFU_FOLDER_HELP + " from the hub]"),
     Option("--max-samples", int, "At most N questions per set (quick looks)."),
@@ -411,31 +418,32 @@ def declare(command: str, config_class: type[TrainConfig], names: tuple[str, ...
     COMMAND_CONFIGS[command] = config_class
 
 
-def option_type(name: str, command: str) -> Any:
+def option_type(name: str, command: str, names: Mapping[str, str] | None = None) -> Any:
     """The typer type of option `name` as `command` declares it: `Annotated[type | None, typer.Option(...)]` with
-    that command's flags, help text (its default and name filled in) and range."""
+    that command's flags, help text (its default, name and `names` filled in) and range."""
     option = OPTIONS[name]
     settings = option.settings_for(command)
-    text = option.help_for(command)
+    text = option.help_for(command, names)
     info = (typer.Argument(help=text) if option.argument
             else typer.Option(settings["flags"], help=text, min=settings["min"]))
     return Annotated[settings["type"] | None, info]
 
 
-def takes(command: str, defaults: dict[str, Any] | None = None, context: bool = False
-          ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def takes(command: str, defaults: dict[str, Any] | None = None, context: bool = False,
+          names: Mapping[str, str] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Give a command function (`def unlearn(**values)`) the options `COMMAND_OPTIONS` lists for `command`, in that
     order, each defaulting to its value in `defaults`, else None ("not given"): typer reads them from the
     signature (click shows a default that is not None after the help text), and the function receives them by
     name, the names of the config fields they set. `context`: the function also receives typer's context as
-    `context` (typer's documented way to reach it), which `with_recipe` asks where each value came from."""
+    `context` (typer's documented way to reach it), which `with_recipe` asks where each value came from. `names`
+    fills each `{key}` of the help texts (`Option.help_for`)."""
     defaults = defaults or {}
 
     def decorate(function: Callable[..., Any]) -> Callable[..., Any]:
         own = [inspect.Parameter("context", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)]
         function.__signature__ = inspect.Signature((own if context else []) + [
             inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=defaults.get(name),
-                              annotation=option_type(name, command))
+                              annotation=option_type(name, command, names))
             for name in COMMAND_OPTIONS[command]], return_annotation=None)
         return function
     return decorate

@@ -177,3 +177,72 @@ def test_launch_asks_for_a_free_rendezvous_port_unless_the_job_sets_one(tiny_lla
     assert "--num-processes" not in err
     assert not out.exists()
     assert not os.path.exists(os.path.dirname(env[EXIT_FILE_VARIABLE]))
+
+
+def test_version_prints_doplus_and_the_packages_version(capsys):
+    import re
+    from pathlib import Path
+
+    from doplus_cli import __version__
+
+    try:
+        main(["--version"])
+    except SystemExit as done:
+        assert done.code in (0, None)
+    assert capsys.readouterr().out == f"doplus {__version__}\n"
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1) == __version__
+
+
+def _every_command(command, path=()):
+    """(path, click command) for the app and every command and group under it."""
+    yield path, command
+    for name, inner in getattr(command, "commands", {}).items():
+        yield from _every_command(inner, (*path, name))
+
+
+def test_h_is_help_on_every_command():
+    import typer.main
+    from typer.testing import CliRunner
+
+    from doplus_cli.cli import app
+
+    env = {"COLUMNS": "120", "TERM": "dumb", "NO_COLOR": "1"}
+    paths = [path for path, _ in _every_command(typer.main.get_command(app))]
+    assert ("bench", "schemes") in paths and ("recipes", "list") in paths and ("unlearn",) in paths
+    for path in paths:
+        short = CliRunner().invoke(app, [*path, "-h"], env=env)
+        long = CliRunner().invoke(app, [*path, "--help"], env=env)
+        assert short.exit_code == long.exit_code == 0, (path, short.output)
+        assert short.output == long.output and "-h, --help" in long.output, path
+
+
+def test_evaluates_suite_help_names_every_registered_suite():
+    """The --suite help is made from the suite registry, so a new suite (wmdp, muse) is listed without a second
+    list to keep."""
+    import typer.main
+
+    from doplus_cli.cli import app
+    from doplus_cli.evaluation.runner import SUITE_REGISTRY
+
+    evaluate = typer.main.get_command(app).commands["evaluate"]
+    (suite,) = [param for param in evaluate.params if param.name == "suites" or "--suite" in param.opts]
+    assert suite.help.startswith(SUITE_REGISTRY.listing() + ",")
+    assert "wmdp" in suite.help and "muse" in suite.help
+
+
+def test_unlearns_warmup_help_says_the_authors_cycle_epoch():
+    """`doplus unlearn`'s warm-up default is one epoch of the F_f:F_r cycle as the authors count it
+    (commands/unlearn.py default_warmup, engine/schedule.authors_epoch_steps), not one pass over the forget set."""
+    import typer.main
+
+    from doplus_cli.cli import app
+    from doplus_cli.engine.schedule import authors_epoch_steps, authors_warmup
+
+    unlearn = typer.main.get_command(app).commands["unlearn"]
+    (warmup,) = [param for param in unlearn.params if "--warmup-steps" in param.opts]
+    assert "one pass over the forget set" not in warmup.help
+    assert "ceil(forget rows / effective batch) x (F_f + F_r) / F_f" in warmup.help and "at most --steps" in warmup.help
+    # the formula the help states, against the code on the paper's setting: 400 forget rows, batch 40, 1:5
+    assert authors_warmup(authors_epoch_steps("doplus", 400, 3600, 1, 5, 40)) == -(-400 // 40) * (1 + 5) // 1 == 60
+    assert authors_warmup(authors_epoch_steps("joint", 400, 3600, 1, 5, 40)) == 10

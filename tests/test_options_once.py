@@ -70,7 +70,7 @@ def help_flags():
     for command in (*CONFIGS, "evaluate"):
         result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "160", "TERM": "dumb", "NO_COLOR": "1"})
         assert result.exit_code == 0, result.output
-        found[command] = re.findall(r"^  (--[a-z0-9-]+)", result.output, flags=re.MULTILINE)
+        found[command] = re.findall(r"^  (?:-h, )?(--[a-z0-9-]+)", result.output, flags=re.MULTILINE)
     return found
 
 
@@ -188,7 +188,7 @@ def test_a_benchs_options_are_the_tables_in_its_order_and_its_help_lists_them(co
     result = CliRunner().invoke(app, [*command.split(), "--help"], env={"COLUMNS": "160", "TERM": "dumb",
                                                                          "NO_COLOR": "1"})
     assert result.exit_code == 0, result.output
-    listed = re.findall(r"^  (--[a-z0-9-]+)", result.output, flags=re.MULTILINE)
+    listed = re.findall(r"^  (?:-h, )?(--[a-z0-9-]+)", result.output, flags=re.MULTILINE)
     assert listed == [options.split_flags(options.OPTIONS[name].settings_for(command)["flags"])[0][0]
                       for name in options.COMMAND_OPTIONS[command]] + ["--help"]
 
