@@ -21,6 +21,57 @@ def test_readme_opens_with_the_install_and_quickstart_command():
     blocks = [b.split("```", 1)[0].strip() for b in readme.split("```bash\n")[1:]]
     assert "doplus " in blocks[0] and "torch==2.13.0" in blocks[0]
     assert "torch==2.13.0" in next(b for b in blocks if "pytest" in b)
+    # from PyPI alone: PyTorch's CPU index is an optional line of its own, after the command
+    assert "--index-url" not in blocks[0]
+    optional = blocks[1]
+    assert "--index-url https://download.pytorch.org/whl/cpu" in optional and "doplus " not in optional
+
+
+def _section(markdown: str, heading: str) -> str:
+    return markdown.split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_readmes_own_data_section_shows_layouts_doplus_reads(tmp_path):
+    """Each sample row of the README's "Your model, your data" table is read by doplus's file reader as its layout
+    says (the question-only row with --answers-from-model); the quickstart's files are that question-only layout,
+    and its recipe sets answers_from_model."""
+    import json
+
+    from doplus_cli.config import resolve_config
+    from doplus_cli.data.sources import JsonlSource, Keys
+
+    readme = (ROOT / "README.md").read_text()
+    section = _section(readme, "## Your model, your data")
+    assert "doplus unlearn --model ORG/MODEL --forget forget.jsonl --retain retain.jsonl --out runs/mine" in section
+    rows = {line.split("|")[1].strip(): json.loads(re.search(r"`(\{.*?\})`", line).group(1))
+            for line in section.splitlines() if line.startswith("| ") and "`{" in line}
+    assert set(rows) == {"question and answer", "question only", "plain text"}
+    for layout, row in rows.items():
+        path = tmp_path / "rows.jsonl"
+        path.write_text(json.dumps(row) + "\n")
+        read = JsonlSource(str(path), Keys(need_answer=layout != "question only"))[0]
+        assert (read.question, read.answer, read.text) == (row.get("question"), row.get("answer"), row.get("text"))
+    config = resolve_config(str(ROOT / "recipes" / "quickstart.yaml"), {})
+    assert config.answers_from_model and "quickstart_*.jsonl" in section
+    for path in (config.forget, config.retain):
+        assert {key for line in open(path) for key in json.loads(line)} == {"name", "question"}
+    assert "messages" in section  # chat transcripts are said not to be read: no reader takes them
+    assert "## Your model, your data" in (ROOT / "docs" / "index.md").read_text()
+
+
+def test_the_readmes_scoring_fields_are_the_real_world_suites():
+    """The fields the README names for `doplus evaluate --suite real-world` are the ones its reader requires."""
+    from doplus_cli.errors import UserError
+    from doplus_cli.evaluation.suites import _sample
+
+    section = _section((ROOT / "README.md").read_text(), "## Your model, your data")
+    assert "--suite real-world --forget forget.jsonl --retain retain.jsonl" in section
+    row = {"question": "q", "answer": "a", "paraphrased_answer": "p", "perturbed_answer": ["w"]}
+    assert _sample(row, "row", need_paraphrase=True).answer == "a"
+    for field in row:
+        assert f"`{field}`" in section or field in ("question", "answer")
+        with pytest.raises(UserError):
+            _sample({k: v for k, v in row.items() if k != field}, "row", need_paraphrase=True)
 
 
 def _anchors(markdown: str) -> set[str]:
