@@ -13,7 +13,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from doplus_cli.data.sources import Row, Source, read_json_lines
+from doplus_cli.data.sources import Row, Source, path_problem, read_json_lines
 from doplus_cli.errors import UserError
 from doplus_cli.hub_errors import bound_hub_waits, dataset_error
 
@@ -60,9 +60,12 @@ def muse_rows(data: str, config: str, split: str, max_rows: int | None = None) -
 
 
 def _file_rows(path: str, fields: Sequence[str], max_rows: int | None) -> tuple[list[dict[str, str]], str]:
-    if not os.path.isfile(path):
+    problem = path_problem(path)
+    if problem == "file not found":
         raise UserError(f"{path}: not found (a MUSE folder holds <config>/<split>.jsonl files, see "
                         "docs/evaluation.md)")
+    if problem is not None:
+        raise UserError(f"{path}: {problem}")
     rows = []
     for line in read_json_lines(path, first_line_hint=False):
         record = line.record

@@ -12,12 +12,14 @@ import bisect
 import json
 import os
 import re
+import stat
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from doplus_cli.errors import UserError
+from doplus_cli.data.fetching import fetch_hint
+from doplus_cli.errors import UserError, shown
 from doplus_cli.hub_errors import bound_hub_waits, dataset_error
 
 
@@ -63,14 +65,71 @@ def alpaca_prompt(instruction: str, input_text: str) -> str:
     return f"{instruction}\n\n{input_text}" if input_text else instruction
 
 
+# The longest line of a JSON-lines file doplus reads (64 MiB): a line is held whole while it is parsed, so a file
+# without line breaks is refused here rather than read into memory; the longest rows of the sets doplus reads
+# (MUSE's raw book text) are far shorter.
+MAX_LINE_BYTES = 64 * 2**20
+# The largest JSON-array file (256 MiB): an array is parsed whole, in memory; a larger set is written as JSON lines,
+# which doplus reads row by row.
+MAX_ARRAY_BYTES = 256 * 2**20
+
+
+def path_problem(path: str | os.PathLike) -> str | None:
+    """Why `path` cannot be read as a file, in a few words (None: it is a regular file): not found, a folder, a FIFO,
+    a device, a socket. A FIFO or a device is refused rather than read: a data file is read twice (every line
+    checked first, then each row by its byte offset), and a read from either may never end."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a broken symbolic link (its target does not exist)" if os.path.islink(path) else "file not found"
+    except NotADirectoryError:
+        return "file not found (a part of the path is a file, not a folder)"
+    except PermissionError:
+        return "cannot be read (permission denied)"
+    except OSError as error:
+        return f"cannot be read ({error.strerror or type(error).__name__})"
+    except ValueError:
+        return "not a usable path (it holds a NUL character)"
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "is a folder"
+    kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "something other than a file")
+    return f"is {kind}, not a regular file"
+
+
+def check_file(path: str | os.PathLike) -> None:
+    """A regular file at `path`, or one line naming it and saying what it is instead (`path_problem`)."""
+    problem = path_problem(path)
+    if problem is not None:
+        why = "; doplus reads a data file twice (checked, then row by row)" if "regular" in problem else ""
+        hint = fetch_hint(path) if problem.startswith("file not found") else None  # a known set: its command
+        raise UserError(f"{path}: {problem}{why}" + (f"; {hint}" if hint else ""))
+
+
 def parse_json_line(raw: bytes, path: str, line_number: int, first_line_hint: bool = True) -> object:
     """One line of a JSON-lines file, or a one-line error naming the file and line (on line 1, with
-    `first_line_hint`, saying that doplus reads one object per line)."""
+    `first_line_hint`, saying that doplus reads one object per line): malformed JSON, bytes that are not UTF-8,
+    a NUL byte (a binary or UTF-16 file), nesting deeper than Python's parser takes."""
+    where = f"{path}:{line_number}"
+    nul = raw.find(b"\0")
+    if nul >= 0:
+        raise UserError(f"{where}: a NUL byte at column {nul + 1}: not UTF-8 text (a binary file, or UTF-16?); "
+                        "doplus reads UTF-8 JSON lines")
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        text = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
+    except UnicodeDecodeError as error:
+        raise UserError(f"{where}: byte 0x{raw[error.start]:02x} at column {error.start + 1} is not UTF-8; doplus "
+                        "reads UTF-8 JSON lines") from None
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise UserError(f"{where}: JSON nested too deeply (more than Python's parser takes)") from None
+    except ValueError as error:  # JSONDecodeError, and an integer past Python's digit limit
         hint = " (doplus reads JSON lines: one object per line)" if line_number == 1 and first_line_hint else ""
-        raise UserError(f"{path}:{line_number}: malformed JSON ({getattr(error, 'msg', error)}){hint}") from None
+        reason = getattr(error, "msg", None) or " ".join(str(error).split())[:120]
+        raise UserError(f"{where}: malformed JSON ({reason}){hint}") from None
 
 
 class JsonLine(NamedTuple):
@@ -86,9 +145,14 @@ def read_json_lines(path: str, first_line_hint: bool = True) -> Iterator[JsonLin
     """Each non-blank line of a JSON-lines file, parsed as it is reached (`parse_json_line`: a malformed line is
     one error naming the file and line). The forget, retain and evaluation sets, holdout files and judged
     responses are all read here."""
+    check_file(path)
     with open(path, "rb") as handle:
-        offset = 0
-        for number, raw in enumerate(handle, start=1):
+        offset, number = 0, 0
+        while raw := handle.readline(MAX_LINE_BYTES + 1):
+            number += 1
+            if len(raw) > MAX_LINE_BYTES:
+                raise UserError(f"{path}:{number}: a line longer than {MAX_LINE_BYTES // 2**20} MiB; doplus reads "
+                                "JSON lines, one row per line")
             start, offset = offset, offset + len(raw)
             if raw.strip():
                 yield JsonLine(number, start, len(raw), parse_json_line(raw, path, number, first_line_hint))
@@ -101,7 +165,7 @@ def task_id_of(record: object, where: str) -> int | None:
         return None
     value = record["task_id"]
     if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.strip().isdigit())):
-        raise UserError(f"{where}: field 'task_id' must be a whole number, got {value!r}")
+        raise UserError(f"{where}: field 'task_id' must be a whole number, got {shown(value)}")
     return int(value)
 
 
@@ -162,8 +226,7 @@ class JsonlSource:
         self.name = path
         self.path = path
         self.keys = keys
-        if not os.path.isfile(path):
-            raise UserError(f"{path}: file not found" if not os.path.isdir(path) else f"{path}: is a folder")
+        check_file(path)
         self._offsets = array("q")
         self._lengths = array("q")
         self._line_numbers = array("q")
@@ -190,6 +253,10 @@ class JsonlSource:
             return None
         return [None if task < 0 else task for task in self._task_ids]
 
+    def place(self, index: int) -> str:
+        """Where row `index` is: FILE:LINE."""
+        return f"{self.path}:{self._line_numbers[index]}"
+
     def _parse(self, raw: bytes, line_number: int) -> Row:
         return _row_from(parse_json_line(raw, self.path, line_number), self.keys, f"{self.path}:{line_number}")
 
@@ -212,28 +279,71 @@ class JsonArraySource:
 
     def __init__(self, path: str, keys: Keys = Keys()) -> None:
         self.name = path
+        check_file(path)
+        if os.path.getsize(path) > MAX_ARRAY_BYTES:
+            raise UserError(f"{path}: a JSON array larger than {MAX_ARRAY_BYTES // 2**20} MiB, which doplus would "
+                            "parse whole in memory; write it as JSON lines (one object per line), read row by row")
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_ARRAY_BYTES + 1)
+        nul = raw.find(b"\0")
+        if nul >= 0:
+            raise UserError(f"{path}:{_line_at(raw, nul)}: a NUL byte: not UTF-8 text (a binary file, or UTF-16?); "
+                            "doplus reads UTF-8 JSON")
         try:
-            with open(path, "rb") as handle:
-                text = handle.read().decode()
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as error:
+            raise UserError(f"{path}:{_line_at(raw, error.start)}: byte 0x{raw[error.start]:02x} is not UTF-8; doplus "
+                            "reads UTF-8 JSON") from None
+        try:
             records = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        except RecursionError:
+            raise UserError(f"{path}:{_too_deep_line(text)}: JSON nested too deeply (more than Python's parser "
+                            "takes)") from None
+        except ValueError as error:  # JSONDecodeError, and an integer past Python's digit limit
             line = getattr(error, "lineno", None)
             where = f"{path}:{line}" if line else path
-            raise UserError(f"{where}: malformed JSON ({getattr(error, 'msg', error)})") from None
+            reason = getattr(error, "msg", None) or " ".join(str(error).split())[:120]
+            raise UserError(f"{where}: malformed JSON ({reason})") from None
         if not isinstance(records, list):  # pragma: no cover - only called on files that start with "["
             raise UserError(f"{path}: expected a JSON array of objects")
         lines = _element_lines(text, len(records))
         wheres = [f"{path}:{line}: element {i + 1}" for i, line in enumerate(lines)]
+        self._wheres = wheres
         self._rows = [_row_from(record, keys, where) for record, where in zip(records, wheres)]
         ids = [task_id_of(record, where) for record, where in zip(records, wheres)]
         self.task_ids = ids if any(task is not None for task in ids) else None
         self.text_rows = sum(row.is_text for row in self._rows)
+
+    def place(self, index: int) -> str:
+        """Where row `index` is: FILE:LINE: element N."""
+        return self._wheres[index]
 
     def __len__(self) -> int:
         return len(self._rows)
 
     def __getitem__(self, index: int) -> Row:
         return self._rows[index]
+
+
+def _too_deep_line(text: str) -> int:
+    """The line on which the element of the JSON array `text` starts that is nested too deeply to parse (1 when
+    the array cannot be walked element by element)."""
+    decoder, position = json.JSONDecoder(), text.find("[") + 1
+    while 0 < position < len(text):
+        while position < len(text) and text[position] in " \t\r\n,":
+            position += 1
+        try:
+            _, position = decoder.raw_decode(text, position)
+        except RecursionError:
+            return text.count("\n", 0, position) + 1
+        except ValueError:
+            break
+    return 1
+
+
+def _line_at(raw: bytes, offset: int) -> int:
+    """The line of `raw` on which byte `offset` lies, from 1."""
+    return raw.count(b"\n", 0, offset) + 1
 
 
 def _element_lines(text: str, count: int) -> list[int]:
@@ -291,6 +401,10 @@ class HubSource:
     def __len__(self) -> int:
         return len(self._data)
 
+    def place(self, index: int) -> str:
+        """Where row `index` is: SPEC[INDEX]."""
+        return f"{self.name}[{index}]"
+
     def __getitem__(self, index: int) -> Row:
         return _row_from(self._data[int(index)], self.keys, f"{self.name}[{index}]")
 
@@ -311,6 +425,9 @@ class RowRange:
         ids = getattr(self.source, "task_ids", None)
         return None if ids is None else ids[self.start:self.stop]
 
+    def place(self, index: int) -> str:
+        return row_place(self.source, self.start + index)
+
     def __getitem__(self, index: int) -> Row:
         if not 0 <= index < len(self):
             raise IndexError(index)
@@ -327,6 +444,9 @@ class RowSubset:
         ids = getattr(source, "task_ids", None)
         self.task_ids = None if ids is None else [ids[i] for i in self.indices]
 
+    def place(self, index: int) -> str:
+        return row_place(self.source, self.indices[index])
+
     def __len__(self) -> int:
         return len(self.indices)
 
@@ -334,6 +454,12 @@ class RowSubset:
         if not 0 <= index < len(self):
             raise IndexError(index)
         return self.source[self.indices[index]]
+
+
+def row_place(source: Source, index: int) -> str:
+    """Where row `index` of `source` is, for a message: FILE:LINE for a file, SPEC[INDEX] for a hub set."""
+    place = getattr(source, "place", None)
+    return place(index) if place is not None else f"{source.name}: row {index + 1}"
 
 
 def available_tasks(source: Source) -> list[int]:
@@ -353,6 +479,10 @@ def task_rows(source: Source, spec: str, task_id: int) -> RowSubset:
     """One forget task of a file whose rows carry `task_id`; a task the file does not hold is one line naming the
     file and the ids it has."""
     have = available_tasks(source)
+    untasked = next((i for i, task in enumerate(getattr(source, "task_ids", None) or []) if task is None), None)
+    if have and untasked is not None:  # such a row belongs to no task: it would be left out without a word
+        raise UserError(f"{row_place(source, untasked)}: missing field 'task_id', which the file's other rows carry "
+                        f"(task ids {_id_list(have)}): give every row of a file of forget tasks its task_id")
     if task_id not in have:
         raise UserError(f"{spec}: no rows with task_id {task_id} (its rows have task ids {_id_list(have)})")
     return select_tasks(source, [task_id], name=f"{spec} (task {task_id})")

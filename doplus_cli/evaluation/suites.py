@@ -16,7 +16,7 @@ from typing import Any
 
 from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.data.rejections import rejection_for
-from doplus_cli.data.sources import read_json_lines, task_id_of
+from doplus_cli.data.sources import check_file, read_json_lines, task_id_of
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation import metrics
 from doplus_cli.evaluation import openunlearning as ou
@@ -97,15 +97,19 @@ def _read_file(path: str, need_paraphrase: bool, max_samples: int | None, task_i
     """A set's rows, and what was read: {"file_rows", "task_id", "tasks"}. With `by_task`, a file whose rows carry
     `task_id` (the DualOptim+ authors' TOFU forget files) gives the rows of one task (`task_id`, default 1); then
     the first `max_samples` of them."""
-    if not os.path.isfile(path):
-        raise UserError(f"{path}: file not found")
-    samples, task_ids = [], []
+    check_file(path)
+    samples, task_ids, wheres = [], [], []
     for line in read_json_lines(path):
         where = f"{path}:{line.number}"
         samples.append(_sample(line.record, where, need_paraphrase))
         task_ids.append(task_id_of(line.record, where))
+        wheres.append(where)
     read = {"file_rows": len(samples), "task_id": None,
             "tasks": sorted({t for t in task_ids if t is not None}) if by_task else []}
+    if read["tasks"] and None in task_ids:  # such a row belongs to no task: it would be left out without a word
+        raise UserError(f"{wheres[task_ids.index(None)]}: missing field 'task_id', which the file's other rows carry "
+                        f"(task ids {', '.join(map(str, read['tasks']))}): give every row of a file of forget tasks "
+                        "its task_id")
     if read["tasks"]:
         chosen = 1 if task_id is None else task_id
         if chosen not in read["tasks"]:
