@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
+import pickle
 import shutil
 import tempfile
+import zipfile
 from pathlib import Path
 
 import torch
@@ -80,12 +83,22 @@ def gguf_to_folder(gguf_path: Path) -> Path:
         return folder
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    with open(gguf_path, "rb") as handle:
+        magic = handle.read(4)
+    if magic != b"GGUF":
+        raise UserError(f"{gguf_path}: not a GGUF file (it does not start with the GGUF magic bytes): a corrupt or "
+                        "foreign model file")
     log.info("converting %s to a safetensors folder (once; later runs load %s)", gguf_path, folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                         dtype=torch.float32)
+        except Exception as error:  # the GGUF reader raises what its parse of damaged bytes comes to
+            reason = " ".join(str(error).split())[:160] or type(error).__name__
+            raise UserError(f"{gguf_path}: a corrupt or unreadable GGUF file ({reason})") from error
         # A GGUF-loaded model refuses save_pretrained while it still carries its GGUF quantizer.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
@@ -171,6 +184,116 @@ def _from_hub(spec: str | None, source: str) -> bool:
     return spec is not None and source == spec and not os.path.isdir(os.path.expanduser(spec))
 
 
+def _cannot_load(spec: str | None, source: str, description: str, error: Exception, what: str) -> UserError | None:
+    """The one line for a model or tokenizer that did not load from `source` (`what`: what could not be loaded), or
+    None to let `error` through (a hub model whose error is none of a download's or a model's). From a local
+    folder every error is the folder's: a damaged weights file is named with what is wrong with it (`damaged`),
+    any other error is said with the folder."""
+    if _from_hub(spec, source) and (failure := _hub_error(source, error)) is not None:
+        return failure
+    local = os.path.isdir(source)
+    reason = _weights_error(error)
+    if local:
+        found = damaged(Path(source))
+        files = weights_files(Path(source))
+        if found is None and reason is not None and len(files) == 1:
+            found = files[0], reason
+        if found is not None:
+            return UserError(f"{found[0]}: a corrupt or unreadable model file ({found[1]})")
+    elif reason is not None:
+        return UserError(f"{description}: cannot load {what}: a weights file is corrupt or unreadable ({reason})")
+    if not local and not isinstance(error, (OSError, ValueError, ImportError)):
+        return None
+    text = " ".join(str(error).split())[:200] or type(error).__name__
+    return UserError(f"{description}: cannot load {what} from it ({text})")
+
+
+# The weights files transformers reads from a model folder.
+WEIGHTS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+_SAFETENSORS_HEADER_LIMIT = 100_000_000  # the largest header safetensors itself reads
+
+
+def weights_files(folder: Path) -> list[Path]:
+    """The weights files of a model folder, by name."""
+    try:
+        return sorted(p for p in folder.iterdir() if p.suffix in WEIGHTS_SUFFIXES and p.is_file())
+    except OSError:
+        return []
+
+
+def damaged(folder: Path) -> tuple[Path, str] | None:
+    """The first weights file of `folder` that is not whole, and what is wrong with it (None: each looks whole): a
+    safetensors file's header and length are checked against each other, a PyTorch file's zip archive against its
+    checksums. Read after a load failed, to name the file."""
+    for file in weights_files(folder):
+        try:
+            problem = _safetensors_problem(file) if file.suffix == ".safetensors" else _torch_file_problem(file)
+        except OSError as error:
+            problem = f"cannot be read: {error.strerror or type(error).__name__}"
+        if problem is not None:
+            return file, problem
+    return None
+
+
+def _safetensors_problem(file: Path) -> str | None:
+    size = file.stat().st_size
+    with open(file, "rb") as handle:
+        head = handle.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if length < 0 or length > _SAFETENSORS_HEADER_LIMIT:
+            return f"{size} bytes, not a safetensors file (no header length at its start)"
+        if 8 + length > size:
+            return f"cut short: {size} bytes, its header alone says {8 + length}"
+        header_bytes = handle.read(length)
+    try:
+        header = json.loads(header_bytes)
+        end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"), default=0)
+        end = int(end)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError):
+        return "its header is damaged (not the JSON a safetensors file starts with)"
+    if 8 + length + end > size:
+        return f"cut short: {size} bytes, its header says {8 + length + end}"
+    return None
+
+
+def _torch_file_problem(file: Path) -> str | None:
+    with open(file, "rb") as handle:
+        head = handle.read(4)
+    if head == b"PK\x03\x04":  # torch.save's zip format
+        try:
+            with zipfile.ZipFile(file) as archive:
+                bad = archive.testzip()
+        except (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError) as error:
+            return f"cut short or damaged (its zip archive cannot be read: {' '.join(str(error).split())[:80]})"
+        return f"damaged: {bad} inside it fails its checksum" if bad else None
+    if head[:1] == b"\x80":  # a pickle, torch.save's legacy format: torch.load's own error says more
+        return None
+    return "not a PyTorch weights file (neither a zip archive nor a pickle)"
+
+
+def _weights_error(error: BaseException) -> str | None:
+    """What a weights file's loader raised, when it says the file is damaged or holds more than weights, along the
+    error's chain; None for another error."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = " ".join(str(current).split())
+        if type(current).__name__ == "SafetensorError":
+            return f"not a whole safetensors file: {text[:120]}"
+        if isinstance(current, pickle.UnpicklingError):
+            if "weights only load failed" in text.lower():
+                return ("it holds Python objects besides tensors, which doplus does not unpickle (it loads with "
+                        "torch.load(weights_only=True)); convert it to safetensors where you trust its source")
+            return f"not a PyTorch weights file: {text[:120]}"
+        if isinstance(current, EOFError):
+            return "cut short (it ends inside its data)"
+        if isinstance(current, RuntimeError) and ("PytorchStreamReader" in text or "zip archive" in text):
+            return "cut short or damaged (its zip archive cannot be read)"
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def load_tokenizer(spec: str | None, trust_remote_code: bool = False):
     """The tokenizer of `spec`, with a pad token (the EOS token when it has none)."""
     from transformers import AutoTokenizer
@@ -178,12 +301,13 @@ def load_tokenizer(spec: str | None, trust_remote_code: bool = False):
     source, _ = model_folder(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except UserError:
+        raise
     except Exception as error:  # a transport error (a proxy's) can come through unwrapped
-        if _from_hub(spec, source) and (failure := _hub_error(source, error)) is not None:
-            raise failure from error
-        if not isinstance(error, (OSError, ValueError)):
+        failure = _cannot_load(spec, source, str(spec), error, "a tokenizer")
+        if failure is None:
             raise
-        raise UserError(f"{spec}: cannot load a tokenizer from it ({error})".splitlines()[0]) from error
+        raise failure from error
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise UserError(f"{spec}: the tokenizer has neither a pad token nor an EOS token")
@@ -204,12 +328,13 @@ def load_model_8bit(spec: str | None, dtype: str, trust_remote_code: bool, devic
             source, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code,
             quantization_config=BitsAndBytesConfig(load_in_8bit=True), device_map={"": str(device)},
         )
+    except UserError:
+        raise
     except Exception as error:  # a transport error (a proxy's) can come through unwrapped
-        if _from_hub(spec, source) and (failure := _hub_error(source, error)) is not None:
-            raise failure from error
-        if not isinstance(error, (OSError, ValueError, ImportError)):
+        failure = _cannot_load(spec, source, description, error, "the 8-bit reference model")
+        if failure is None:
             raise
-        raise UserError(f"{description}: cannot load the 8-bit reference model ({error})".splitlines()[0]) from error
+        raise failure from error
     return model.eval().requires_grad_(False)
 
 
@@ -223,12 +348,13 @@ def load_model_and_tokenizer(spec: str | None, dtype: str = "auto", trust_remote
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code
         )
+    except UserError:
+        raise
     except Exception as error:  # a transport error (a proxy's) can come through unwrapped
-        if _from_hub(spec, source) and (failure := _hub_error(source, error)) is not None:
-            raise failure from error
-        if not isinstance(error, (OSError, ValueError)):
+        failure = _cannot_load(spec, source, description, error, "a causal LM")
+        if failure is None:
             raise
-        raise UserError(f"{description}: cannot load a causal LM from it ({error})".splitlines()[0]) from error
+        raise failure from error
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer, description
