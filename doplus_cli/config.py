@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -19,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from doplus_cli.data.formatting import check_prompt_template
-from doplus_cli.errors import UserError
+from doplus_cli.data.sources import path_problem
+from doplus_cli.errors import UserError, shown
 from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossParams, parse_layer_list
 from doplus_cli.registry import Registry
 
@@ -330,11 +332,11 @@ def parse_task_ids(text: Any, flag: str = "--task-ids") -> list[int]:
         raise UserError(f"{flag} is empty: give one or more task ids, e.g. {flag} 1,2,3")
     bad = next((item for item in items if not item.isdigit()), None)
     if bad is not None:
-        raise UserError(f"{flag} {text}: '{bad}' is not a whole number >= 0")
+        raise UserError(f"{flag} {shown(str(text), quoted=False)}: {shown(bad)} is not a whole number >= 0")
     ids = [int(item) for item in items]
     repeated = next((task for task in ids if ids.count(task) > 1), None)
     if repeated is not None:
-        raise UserError(f"{flag} {text}: task {repeated} is given twice")
+        raise UserError(f"{flag} {shown(str(text), quoted=False)}: task {repeated} is given twice")
     return ids
 
 
@@ -342,8 +344,8 @@ def parse_cycle(text: str) -> tuple[int, int]:
     """`F_s:F_g` (or `F_s,F_g`) -> (safety steps, general steps) per cycle, each a whole number >= 1."""
     items = [item.strip() for item in str(text).replace(",", ":").split(":")]
     if len(items) != 2 or not all(item.isdigit() and int(item) >= 1 for item in items):
-        raise UserError(f"--freq {text}: write F_s:F_g, safety steps then general steps per cycle, each a whole "
-                        "number >= 1 (the paper's 1:10)")
+        raise UserError(f"--freq {shown(str(text), quoted=False)}: write F_s:F_g, safety steps then general steps "
+                        "per cycle, each a whole number >= 1 (the paper's 1:10)")
     return int(items[0]), int(items[1])
 
 
@@ -352,15 +354,15 @@ def task_from_option(text: str) -> dict[str, Any]:
     first, *rest = text.split(",")
     name, sep, data = first.partition("=")
     if not sep or not name.strip() or not data.strip():
-        raise UserError(f"--task '{text}': write NAME=SOURCE[,metric=M][,freq=F][,weight=W][,eval=FILE] "
+        raise UserError(f"--task {shown(text)}: write NAME=SOURCE[,metric=M][,freq=F][,weight=W][,eval=FILE] "
                         "(a task needs a name and a data source)")
     task: dict[str, Any] = {"name": name.strip(), "data": data.strip()}
     for item in rest:
         key, sep, value = item.partition("=")
         if not sep:
-            raise UserError(f"--task '{text}': '{item}' is not KEY=VALUE")
+            raise UserError(f"--task {shown(text)}: {shown(item)} is not KEY=VALUE")
         task[key.strip()] = value.strip()
-    return _checked_task(task, f"--task '{text}'")
+    return _checked_task(task, f"--task {shown(text)}")
 
 
 def _checked_task(task: Any, where: str) -> dict[str, Any]:
@@ -370,29 +372,31 @@ def _checked_task(task: Any, where: str) -> dict[str, Any]:
     for key in task:
         if key not in TASK_DEFAULTS:
             hint = difflib.get_close_matches(str(key), list(TASK_DEFAULTS), n=1)
-            raise UserError(f"{where}: unknown task key '{key}'" + (f" (did you mean '{hint[0]}'?)" if hint else ""))
+            raise UserError(f"{where}: unknown task key {shown(str(key))}"
+                            + (f" (did you mean '{hint[0]}'?)" if hint else ""))
     task = {**TASK_DEFAULTS, **task}
     if not task["name"] or not isinstance(task["name"], str):
         raise UserError(f"{where}: a task without a name (give it name: NAME)")
     name = task["name"]
     if not _TASK_NAME.match(name) or name in RESERVED_TASK_NAMES:
-        raise UserError(f"{where}: task name '{name}' must start with a letter and hold only letters, digits, "
+        raise UserError(f"{where}: task name {shown(name)} must start with a letter and hold only letters, digits, "
                         f"'_' and '-', and not be {' or '.join(RESERVED_TASK_NAMES)}")
     if not task["data"] or not isinstance(task["data"], str):
-        raise UserError(f"{where}: task '{name}' has no data source (data: FILE.jsonl or hf:NAME[:CONFIG][@SPLIT])")
+        raise UserError(f"{where}: task {shown(name)} has no data source (data: FILE.jsonl or "
+                        "hf:NAME[:CONFIG][@SPLIT])")
     if task["metric"] not in TASK_METRIC_NAMES:
-        raise UserError(f"{where}: task '{name}': unknown metric '{task['metric']}': choose one of "
+        raise UserError(f"{where}: task {shown(name)}: unknown metric {shown(task['metric'])}: choose one of "
                         f"{', '.join(TASK_METRIC_NAMES)}")
     for key, kind in (("freq", int), ("weight", float), ("lr_multiplier", float)):
-        value = task[key]
+        value, field_where = task[key], f"{where}: task {shown(name)}: {key}"
         try:
             if isinstance(value, bool) or (kind is int and float(value) != int(float(value))):
                 raise ValueError
-            task[key] = kind(float(value)) if kind is int else float(value)
-        except (TypeError, ValueError):
-            raise UserError(f"{where}: task '{name}': {key} must be a number, got {value!r}") from None
+            task[key] = kind(float(value)) if kind is int else finite(float(value), field_where)
+        except (TypeError, ValueError, OverflowError):  # OverflowError: int(inf)
+            raise UserError(f"{field_where} must be a number, got {shown(value)}") from None
         if not task[key] >= 0:
-            raise UserError(f"{where}: task '{name}': {key} must be >= 0, got {value!r}")
+            raise UserError(f"{where}: task {shown(name)}: {key} must be >= 0, got {shown(value)}")
     return task
 
 
@@ -405,19 +409,111 @@ def default_of(name: str, cls: type[TrainConfig] = UnlearnConfig) -> Any:
     return {f.name: f.default for f in dataclasses.fields(cls)}[name]
 
 
+# A recipe is a short file of option values (the shipped ones hold at most 5 KB), and is read within these bounds
+# whoever wrote it: at most 256 KiB (PyYAML's parser reads about 100 KB a second at worst), mappings and lists
+# nested at most 20 deep (the shipped recipes nest 3 deep), no YAML anchors or aliases (one alias may stand for a
+# value of any size: a "billion laughs" file of a few hundred bytes), no key twice in a mapping (YAML would keep the
+# last one without a word).
+MAX_RECIPE_BYTES = 256 * 2**10
+MAX_RECIPE_DEPTH = 20
+
+
+class RecipeRefused(yaml.MarkedYAMLError):
+    """A recipe that is valid YAML but outside what a recipe may hold; its mark is where."""
+
+
+class RecipeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with a recipe's bounds: anchors and aliases, nesting deeper than MAX_RECIPE_DEPTH and a
+    key given twice in a mapping are refused where they are found, and a value that a constructor cannot make (an
+    integer past Python's digit limit, a date that does not exist) is refused with its mark."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.depth = 0
+
+    def compose_node(self, parent, index):  # PyYAML's signature
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            what = "an alias" if isinstance(event, yaml.AliasEvent) else "an anchor"
+            sign = "*" if isinstance(event, yaml.AliasEvent) else "&"
+            raise RecipeRefused(problem=f"{what} ({sign}{event.anchor[:30]}): recipes take no YAML "
+                                        "anchors or aliases, write each value out", problem_mark=event.start_mark)
+        nested = isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent))
+        if nested and self.depth >= MAX_RECIPE_DEPTH:
+            raise RecipeRefused(problem=f"nested more than {MAX_RECIPE_DEPTH} levels deep, deeper than a recipe's "
+                                        "values go", problem_mark=event.start_mark)
+        self.depth += nested
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= nested
+
+    def construct_object(self, node, deep=False):
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, OverflowError) as error:
+            value = node.value if isinstance(node, yaml.ScalarNode) else node.tag
+            reason = " ".join(str(error).split())[:80]
+            raise RecipeRefused(problem=f"cannot read {shown(value)} ({reason})",
+                                problem_mark=node.start_mark) from None
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            self.flatten_mapping(node)
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                twice = key in seen
+                seen.add(key)
+            except TypeError:  # an unhashable key: the constructor below says so
+                continue
+            if twice:
+                raise RecipeRefused(problem=f"key {shown(key)} is given twice in the same mapping (YAML would keep "
+                                            "the last one without a word); give it once",
+                                    problem_mark=key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
 def read_recipe(path: str | os.PathLike) -> dict[str, Any]:
-    """A YAML recipe's mapping as written (keys not checked), or one line saying why it cannot be read."""
+    """A YAML recipe's mapping as written (keys not checked), or one line saying why it cannot be read: naming the
+    file and, where YAML or a recipe's bounds (`RecipeLoader`, MAX_RECIPE_BYTES) are broken, the line."""
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{path}: recipe file not found")
+    problem = path_problem(path)
+    if problem is not None:
+        raise UserError(f"{path}: recipe file not found" if problem == "file not found" else f"{path}: {problem}")
     try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError) as error:
-        raise UserError(f"{path}: cannot read the recipe ({getattr(error, 'strerror', None) or error})") from error
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_RECIPE_BYTES + 1)
+    except OSError as error:
+        raise UserError(f"{path}: cannot read the recipe ({error.strerror or type(error).__name__})") from error
+    if len(raw) > MAX_RECIPE_BYTES:
+        raise UserError(f"{path}: larger than {MAX_RECIPE_BYTES // 2**10} KiB, the most a recipe may be (a recipe "
+                        "holds option values; data goes in the files it names)")
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        raise UserError(f"{path}:{line}: cannot read the recipe (byte 0x{raw[error.start]:02x} is not UTF-8; a "
+                        "recipe is UTF-8 text)") from None
+    loader = None
+    try:
+        loader = RecipeLoader(text)  # its reader refuses control characters (a NUL byte) at once
+        data = loader.get_single_data()
+    except RecipeRefused as error:
+        raise UserError(f"{path}:{error.problem_mark.line + 1}: {error.problem}") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        raise UserError(f"{where}: not valid YAML ({getattr(error, 'problem', error)})") from error
+        if mark is None and isinstance(getattr(error, "position", None), int):  # yaml.reader.ReaderError
+            where = f"{path}:{text.count(chr(10), 0, error.position) + 1}"
+        else:
+            where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        problem = getattr(error, "problem", None) or getattr(error, "reason", None) or str(error)
+        problem = " ".join(str(problem).split())[:120]
+        raise UserError(f"{where}: not valid YAML ({problem})") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -437,7 +533,7 @@ def recipe_options(path: str | os.PathLike, names: list[str],
         if key not in names:
             hint = difflib.get_close_matches(key, names, n=1)
             suggestion = f" (did you mean '{hint[0]}'?)" if hint else ""
-            raise UserError(f"{path}: unknown option '{raw_key}'{suggestion}")
+            raise UserError(f"{path}: unknown option {shown(str(raw_key))}{suggestion}")
         if key in path_keys and isinstance(value, str):
             value = _next_to_recipe(value, path.parent)
         values[key] = value
@@ -480,10 +576,39 @@ def _next_to_recipe(value: str, folder: Path) -> str:
 
 
 def resolve_config(recipe: str | None, overrides: dict[str, Any], cls: type[TrainConfig] = UnlearnConfig):
-    """Defaults, then the recipe, then command-line overrides (None means "not given"); validated."""
-    config = _resolve(recipe, overrides, cls)
-    config.validate()
+    """Defaults, then the recipe, then command-line overrides (None means "not given"); validated. A value the
+    recipe set that validation refuses is said against the recipe's file and key (`said_against_recipe`)."""
+    config, sources = _resolve(recipe, overrides, cls)
+    try:
+        config.validate()
+    except UserError as error:
+        said = said_against_recipe(error, recipe, sources)
+        if said is error:
+            raise
+        raise said from None
     return config
+
+
+# The option a validation message is about: the first flag it names, or the name in "unknown NAME 'VALUE'" (`_choice`)
+_SUBJECT = re.compile(r"--([a-z][a-z0-9-]*)|^unknown ([a-z][a-z0-9-]*) ")
+
+
+def said_against_recipe(error: UserError, recipe: str | None, sources: dict[str, str]) -> UserError:
+    """`error` from validation (whose messages name options by their flags, `--lr ...`), said against the recipe's
+    file and key when the option it is about took its value from the recipe: `--lr must be ...` becomes
+    `RECIPE: option 'lr' must be ...`; an error about a flag given on the command line stays as it is."""
+    message = str(error)
+    subject = _SUBJECT.search(message)
+    if recipe is None or subject is None:
+        return error
+    key = (subject[1] or subject[2]).replace("-", "_")
+    if sources.get(key) != str(recipe):
+        return error
+    if subject[1] and subject.start() == 0:  # "--lr must be ..." -> "option 'lr' must be ..."
+        message = f"option '{key}'{message[subject.end():]}"
+    else:
+        message = f"option '{key}': {message}"
+    return type(error)(f"{recipe}: {message}")
 
 
 def _resolve(recipe: str | None, overrides: dict[str, Any], cls: type[TrainConfig]):
@@ -508,7 +633,7 @@ def _resolve(recipe: str | None, overrides: dict[str, Any], cls: type[TrainConfi
     config = cls()
     for key, value in values.items():
         setattr(config, key, coerce_option(key, value, sources[key], cls))
-    return config
+    return config, sources
 
 
 def coerce_option(key: str, value: Any, source: str, cls: type[TrainConfig] = UnlearnConfig) -> Any:
@@ -535,12 +660,12 @@ def coerce_option(key: str, value: Any, source: str, cls: type[TrainConfig] = Un
         if kind.startswith("float"):
             if isinstance(value, bool):
                 raise ValueError
-            return float(value)  # YAML reads 1e-5 (no dot) as a string; float() takes it
+            return finite(float(value), where)  # YAML reads 1e-5 (no dot) as a string; float() takes it
         if kind.startswith("tuple"):
             items = value.split(",") if isinstance(value, str) else list(value)
-            if len(items) != 2:
+            if len(items) != 2 or any(isinstance(item, bool) for item in items):
                 raise ValueError
-            return (float(items[0]), float(items[1]))
+            return (finite(float(items[0]), where), finite(float(items[1]), where))
         if kind.startswith("dict"):
             return dict(value)
         if kind.startswith("list"):
@@ -552,14 +677,22 @@ def coerce_option(key: str, value: Any, source: str, cls: type[TrainConfig] = Un
         if isinstance(value, (dict, list)):
             raise ValueError
         return str(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: int(inf), float(10**400)
         expected = kind.replace(" | None", "").replace("tuple[float, float]", "two numbers like 0.9,0.95")
-        raise UserError(f"{where} must be {expected}, got {value!r}") from None
+        raise UserError(f"{where} must be {expected}, got {shown(value)}") from None
+
+
+def finite(number: float, where: str) -> float:
+    """`number`, or one line (`where` must be a finite number) for inf and nan: every float an option or a recipe
+    sets is finite (a learning rate, a weight or a beta of inf or nan makes every update inf or nan)."""
+    if not math.isfinite(number):
+        raise UserError(f"{where} must be a finite number, got {number}")
+    return number
 
 
 def _choice(name: str, value: Any, choices: tuple) -> None:
     if value not in choices:
-        raise UserError(f"unknown {name} '{value}': choose one of {', '.join(map(str, choices))}")
+        raise UserError(f"unknown {name} {shown(str(value))}: choose one of {', '.join(map(str, choices))}")
 
 
 REF_OFFLOADS = (None, "cpu", "8bit")
@@ -578,7 +711,7 @@ PROTOCOL_NAMES = ("doplus", "paper")
 def check_protocol(name: str) -> str:
     """`name`, or a one-line error for a protocol that evaluation/protocol.py does not define."""
     if name not in PROTOCOL_NAMES:
-        raise UserError(f"unknown --protocol '{name}': choose {', '.join(PROTOCOL_NAMES)}")
+        raise UserError(f"unknown --protocol {shown(str(name))}: choose {', '.join(PROTOCOL_NAMES)}")
     return name
 
 
@@ -603,8 +736,8 @@ def parse_report_to(text: str | None) -> list[str]:
     unknown = [item for item in items if item not in (*TRACKERS, "all")]
     if unknown or ("none" in items):
         bad = unknown[0] if unknown else "none"
-        raise UserError(f"--report-to {text}: unknown tracker '{bad}': choose none, or one or more of "
-                        f"{', '.join(TRACKERS)}, all (comma-separated)")
+        raise UserError(f"--report-to {shown(str(text), quoted=False)}: unknown tracker {shown(bad)}: choose none, "
+                        f"or one or more of {', '.join(TRACKERS)}, all (comma-separated)")
     if "all" in items:
         names = [name for name in TRACKERS if _tracker_installed(name)]
         if not names:
@@ -646,8 +779,8 @@ def validate_training(config: TrainConfig) -> None:
     if config.save_adapter_only and config.lora_rank == 0:
         raise UserError("--save-adapter-only needs LoRA (--lora-rank R)")
     if config.ref_offload not in REF_OFFLOADS:
-        raise UserError(f"unknown --ref-offload '{config.ref_offload}': choose cpu (keep the reference model on the "
-                        "CPU) or 8bit (LLM.int8 weights through bitsandbytes)")
+        raise UserError(f"unknown --ref-offload {shown(config.ref_offload)}: choose cpu (keep the reference model on "
+                        "the CPU) or 8bit (LLM.int8 weights through bitsandbytes)")
     for name in ("save_every", "keep_last", "eval_every"):
         if getattr(config, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")
@@ -675,8 +808,8 @@ def parse_accept_changed(text: str | None) -> set[str]:
         return set(ACCEPT_CHANGED_KINDS)
     unknown = sorted(kinds - set(ACCEPT_CHANGED_KINDS))
     if unknown:
-        raise UserError(f"--accept-changed {text}: unknown kind '{unknown[0]}' (choose from "
-                        f"{', '.join(ACCEPT_CHANGED_KINDS)}, all; comma-separated)")
+        raise UserError(f"--accept-changed {shown(str(text), quoted=False)}: unknown kind {shown(unknown[0])} "
+                        f"(choose from {', '.join(ACCEPT_CHANGED_KINDS)}, all; comma-separated)")
     return kinds
 
 
@@ -732,7 +865,7 @@ def validate_align(config: AlignConfig) -> None:
     if config.eval_suite is not None:
         suites = [s.strip() for s in config.eval_suite.split(",") if s.strip()]
         if not suites or any(s not in ALIGN_EVAL_SUITES for s in suites):
-            raise UserError(f"unknown --eval-suite '{config.eval_suite}' for align: choose safety, xstest or "
+            raise UserError(f"unknown --eval-suite {shown(config.eval_suite)} for align: choose safety, xstest or "
                             "safety,xstest (other suites: run `doplus evaluate` on final/)")
     if config.eval_max_samples is not None and config.eval_max_samples < 1:
         raise UserError(f"--eval-max-samples must be at least 1, got {config.eval_max_samples}")
@@ -744,9 +877,9 @@ def validate_align(config: AlignConfig) -> None:
         raise UserError(f"eval_every {config.eval_every}: doplus align evaluates after training only (held_out, "
                         "eval_suite), never during it; eval_every is for unlearn and multitask")
     if config.select_by is not None:
-        raise UserError(f"select_by {config.select_by}: doplus align evaluates after training only (held_out, "
-                        "eval_suite), so no evaluated step can be kept as best/; select_by is for unlearn and "
-                        "multitask")
+        raise UserError(f"select_by {shown(config.select_by, quoted=False)}: doplus align evaluates after training "
+                        "only (held_out, eval_suite), so no evaluated step can be kept as best/; select_by is for "
+                        "unlearn and multitask")
 
 
 def check_no_reference(config: TrainConfig, command: str) -> None:
@@ -768,10 +901,11 @@ def parse_select_by(text: str, known: dict[str, bool]) -> tuple[str, bool]:
     metric, _, direction = str(text).partition(":")
     metric = metric.strip()
     if metric not in known:
-        raise UserError(f"--select-by {text}: unknown metric '{metric}': choose one of {', '.join(known)} (the "
-                        "values the evaluation during training reports)")
+        raise UserError(f"--select-by {shown(text, quoted=False)}: unknown metric {shown(metric)}: choose one of "
+                        f"{', '.join(known)} (the values the evaluation during training reports)")
     if direction and direction.strip() not in DIRECTIONS:
-        raise UserError(f"--select-by {text}: the direction after ':' is max or min, got '{direction}'")
+        raise UserError(f"--select-by {shown(text, quoted=False)}: the direction after ':' is max or min, got "
+                        f"{shown(direction)}")
     return metric, DIRECTIONS[direction.strip()] if direction else known[metric]
 
 
@@ -788,7 +922,8 @@ def check_select_by(config: TrainConfig) -> None:
         return
     parse_select_by(config.select_by, selectable_metrics(config))
     if not config.eval_every:
-        raise UserError(f"--select-by {config.select_by}: nothing is evaluated during training; add --eval-every N")
+        raise UserError(f"--select-by {shown(config.select_by, quoted=False)}: nothing is evaluated during training; "
+                        "add --eval-every N")
 
 
 def validate_multitask(config: MultitaskConfig) -> None:
@@ -802,11 +937,12 @@ def validate_multitask(config: MultitaskConfig) -> None:
     if config.freq is not None:
         items = [item.strip() for item in str(config.freq).split(",")]
         if len(items) != len(names):
-            raise UserError(f"--freq {config.freq}: {len(items)} frequencies for {len(names)} tasks "
-                            f"({', '.join(names)}); give one per task, in order")
+            raise UserError(f"--freq {shown(config.freq, quoted=False)}: {len(items)} frequencies for {len(names)} "
+                            f"tasks ({', '.join(names)}); give one per task, in order")
         for task, item in zip(config.tasks, items):
             if not item.isdigit():
-                raise UserError(f"--freq {config.freq}: '{item}' (task '{task['name']}') is not a whole number >= 0")
+                raise UserError(f"--freq {shown(config.freq, quoted=False)}: {shown(item)} (task '{task['name']}') is "
+                                "not a whole number >= 0")
             task["freq"] = int(item)
     if config.scheme != "joint" and not any(task["freq"] > 0 for task in config.tasks):
         raise UserError(f"every task has frequency 0 ({', '.join(names)}): at least one needs steps of its own")
@@ -853,7 +989,7 @@ def validate_unlearn(config: UnlearnConfig) -> None:
     parts = config.loss.split("+")
     if len(parts) > 2 or parts[0] not in FORGET_LOSS_NAMES or (len(parts) == 2 and parts[1] not in RETAIN_LOSS_NAMES):
         raise UserError(
-            f"unknown loss '{config.loss}': write FORGET or FORGET+RETAIN with FORGET in "
+            f"unknown loss {shown(config.loss)}: write FORGET or FORGET+RETAIN with FORGET in "
             f"{{{', '.join(FORGET_LOSS_NAMES)}}} and RETAIN in {{{', '.join(RETAIN_LOSS_NAMES)}}}, e.g. NPO+GD"
         )
     for name in ("forget_freq", "retain_freq", "show_samples"):
@@ -872,7 +1008,7 @@ def validate_unlearn(config: UnlearnConfig) -> None:
         raise UserError(f"--forget-lr must be a number >= 0, got {config.forget_lr}")
     check_protocol(config.eval_protocol)
     if config.eval_every and config.eval_suite != "tofu":
-        raise UserError(f"unknown --eval-suite '{config.eval_suite}' for evaluation during training: only tofu "
+        raise UserError(f"unknown --eval-suite {shown(config.eval_suite)} for evaluation during training: only tofu "
                         "(run `doplus evaluate --suite ...` on final/ afterwards for the others)")
     check_select_by(config)
     if config.forget is None:
