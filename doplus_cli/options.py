@@ -19,12 +19,14 @@ card writes its command line from `command_flags` (engine/model_card.py).
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import typer
 
+from doplus_cli import errors
 from doplus_cli.config import SCHEMES, TrainConfig, default_of, recipe_options
 from doplus_cli.data.formatting import TEMPLATE_HELP
 from doplus_cli.errors import UserError
@@ -424,9 +426,18 @@ def option_type(name: str, command: str, names: Mapping[str, str] | None = None)
     option = OPTIONS[name]
     settings = option.settings_for(command)
     text = option.help_for(command, names)
+    finite = finite_number if settings["type"] is float else None
     info = (typer.Argument(help=text) if option.argument
-            else typer.Option(settings["flags"], help=text, min=settings["min"]))
+            else typer.Option(settings["flags"], help=text, min=settings["min"], callback=finite))
     return Annotated[settings["type"] | None, info]
+
+
+def finite_number(value: float | None) -> float | None:
+    """Every float option's check, as given on the command line or in a recipe (`recipe_value`): inf and nan are
+    refused (a learning rate, weight or beta of inf or nan makes every update inf or nan)."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter("input should be a finite number (not inf or nan)")
+    return value
 
 
 def takes(command: str, defaults: dict[str, Any] | None = None, context: bool = False,
@@ -486,13 +497,13 @@ def recipe_value(param: Any, value: Any, where: str, context: Any) -> Any:
     if isinstance(value, list) and all(isinstance(item, (str, int, float)) for item in value):
         value = ",".join(str(item) for item in value)
     if isinstance(value, (dict, list)):
-        raise UserError(f"{where} must be one value, got {value!r}")
+        raise UserError(f"{where} must be one value, got {errors.shown(value)}")
     text = value if isinstance(value, bool) and param.is_flag else str(value)  # as typed: 2.5 is no integer
     try:
         return param.process_value(context, text)
     except typer.BadParameter as error:
         message = error.message[:1].lower() + error.message[1:]
-        raise UserError(f"{where}: {message}, got {value!r}") from None
+        raise UserError(f"{where}: {message}, got {errors.shown(value)}") from None
 
 
 def split_flags(declaration: str) -> tuple[list[str], list[str]]:
