@@ -36,7 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from doplus_cli.engine import inputs
-from doplus_cli.errors import RunError, UserError, write_failure
+from doplus_cli.errors import RunError, UserError, shown, write_failure
 from doplus_cli.files import file_sha256
 from doplus_cli.losses import LossParams
 from doplus_cli.optim.distributed import local_shard
@@ -395,6 +395,72 @@ class DamagedCheckpoint(UserError):
     """A checkpoint whose files do not match its manifest (or whose manifest cannot be read)."""
 
 
+# A manifest lists a checkpoint's files and the run's inputs: a few kilobytes. A larger file is not one doplus wrote.
+MAX_MANIFEST_BYTES = 16 * 2**20
+
+
+def read_manifest(manifest_file: Path) -> dict[str, Any]:
+    """A checkpoint's manifest.json, read and checked in shape (whatever its bytes: a DamagedCheckpoint line naming
+    it otherwise): a JSON object of at most MAX_MANIFEST_BYTES with an integer `format`, `files` mapping plain file
+    names to {size: integer >= 0, sha256: string}, and `inputs` and `software`, when present, objects of the shape
+    engine/inputs.py records."""
+    try:
+        with open(manifest_file, "rb") as handle:
+            raw = handle.read(MAX_MANIFEST_BYTES + 1)
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise ValueError(f"larger than {MAX_MANIFEST_BYTES // 2**20} MiB")
+        manifest = json.loads(raw.decode("utf-8"))
+        problem = _manifest_problem(manifest)
+        if problem:
+            raise ValueError(problem)
+    except RecursionError:
+        raise DamagedCheckpoint(f"{manifest_file}: unreadable manifest (JSON nested too deeply)") from None
+    except (OSError, ValueError) as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        reason = " ".join(str(error).split())[:120] or type(error).__name__
+        raise DamagedCheckpoint(f"{manifest_file}: unreadable manifest ({reason})") from None
+    return manifest
+
+
+def _manifest_problem(manifest: Any) -> str | None:
+    """What makes `manifest` (parsed JSON) no manifest doplus wrote, in a few words; None when it has the shape."""
+    if not isinstance(manifest, dict):
+        return f"a JSON {type(manifest).__name__}, not an object"
+    version, files = manifest.get("format"), manifest.get("files")
+    if isinstance(version, bool) or not isinstance(version, int):
+        return "no integer 'format'"
+    if not isinstance(files, dict):
+        return "no 'files' object"
+    for name, entry in files.items():
+        if not name or "/" in name or "\\" in name or "\0" in name or name.startswith("."):
+            return "a file name outside the folder"
+        if len(name) > 255 or not name.isprintable() or not _encodable(name):
+            return f"a file name no checkpoint holds ({shown(name)})"
+        if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
+            return f"no sha256 for {shown(name)}"
+        size = entry.get("size")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            return f"no size for {shown(name)}"
+    for key in ("inputs", "software"):
+        if manifest.get(key) is not None and not isinstance(manifest[key], dict):
+            return f"'{key}' is not an object"
+    inputs = manifest.get("inputs") or {}
+    data = inputs.get("data")
+    if data is not None and not (isinstance(data, dict) and all(isinstance(entry, dict) for entry in data.values())):
+        return "'inputs' holds data entries that are not objects"
+    for key in ("model", "software"):
+        if inputs.get(key) is not None and not isinstance(inputs[key], dict):
+            return f"'inputs.{key}' is not an object"
+    return None
+
+
+def _encodable(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate, which no file name on disk holds
+        return False
+    return True
+
+
 def verify_checkpoint(path: Path) -> dict[str, Any] | None:
     """Check every file of checkpoint `path` against its manifest (size, then sha256); return the manifest, or
     None for a checkpoint written without one. A mismatch is one line naming the file and what is wrong."""
@@ -403,18 +469,12 @@ def verify_checkpoint(path: Path) -> dict[str, Any] | None:
         if not (path / "state.json").is_file():
             raise DamagedCheckpoint(f"{path}: not a doplus checkpoint folder (no {MANIFEST}, no state.json)")
         return None
-    try:
-        manifest = json.loads(manifest_file.read_text())
-        version = int(manifest["format"])
-        listed = {str(name): (int(entry["size"]), str(entry["sha256"])) for name, entry in manifest["files"].items()}
-        if any("/" in name or name.startswith(".") for name in listed):
-            raise ValueError("a file name outside the folder")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        reason = " ".join(str(error).split())[:120] or type(error).__name__
-        raise DamagedCheckpoint(f"{manifest_file}: unreadable manifest ({reason})") from None
+    manifest = read_manifest(manifest_file)
+    version = manifest["format"]
+    listed = {name: (entry["size"], entry["sha256"]) for name, entry in manifest["files"].items()}
     if version > MANIFEST_FORMAT:
-        raise DamagedCheckpoint(f"{manifest_file}: format {version}, written by a newer doplus (this one reads up "
-                                f"to format {MANIFEST_FORMAT}); resume it with that doplus")
+        raise DamagedCheckpoint(f"{manifest_file}: format {shown(version)}, written by a newer doplus (this one reads "
+                                f"up to format {MANIFEST_FORMAT}); resume it with that doplus")
     for name, (size, sha256) in listed.items():
         file = path / name
         if not file.is_file():
