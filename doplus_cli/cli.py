@@ -373,10 +373,13 @@ def _resume_defaults_to_latest(argv: list[str]) -> list[str]:
 
 @recipes_app.command("list")
 def recipes_list() -> None:
-    """Every shipped recipe: its name (for `doplus recipes copy`), the command it is for, its description."""
+    """Every shipped recipe: its name (for `doplus recipes copy`), the command it is for, whether it runs with
+    what doplus ships or which data sets it needs (docs/data-sets.md says how to fetch each), its description."""
     from doplus_cli.recipes import list_recipes, recipes_root
 
     recipes = list_recipes()
+    data = {recipe.name: "needs " + ", ".join(recipe.needs) if recipe.needs
+            else "-" if recipe.command not in COMMANDS else "ships with doplus" for recipe in recipes}
     console = Console(highlight=False)
     if console.is_terminal:
         from rich.table import Table
@@ -384,18 +387,21 @@ def recipes_list() -> None:
         table = Table(title=f"recipes in {recipes_root()}", title_justify="left")
         table.add_column("name", no_wrap=True)
         table.add_column("command", no_wrap=True)
+        table.add_column("data")
         table.add_column("description")
         for recipe in recipes:
-            table.add_row(recipe.name, recipe.command, recipe.description)
+            table.add_row(recipe.name, recipe.command, data[recipe.name], recipe.description)
         console.print(table)
         return
     # no terminal (a batch log, a pipe): one plain line per recipe, nothing wrapped
     name_width = max(len(r.name) for r in recipes)
     command_width = max(len(r.command) for r in recipes)
+    data_width = max(len(text) for text in data.values())
     print(f"recipes in {recipes_root()}")
-    print(f"{'name':<{name_width}}  {'command':<{command_width}}  description")
+    print(f"{'name':<{name_width}}  {'command':<{command_width}}  {'data':<{data_width}}  description")
     for recipe in recipes:
-        print(f"{recipe.name:<{name_width}}  {recipe.command:<{command_width}}  {recipe.description}")
+        print(f"{recipe.name:<{name_width}}  {recipe.command:<{command_width}}  {data[recipe.name]:<{data_width}}  "
+              f"{recipe.description}")
 
 
 @recipes_app.command("copy")

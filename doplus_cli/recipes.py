@@ -3,7 +3,8 @@
 The recipes live in the repository's `recipes/` folder. A wheel carries the same files as the package
 `doplus_cli._recipes` (pyproject.toml maps that package to `recipes/`), so they are found from a checkout, an
 editable install and an installed wheel alike. A recipe's name is its path under the recipes root without
-`.yaml` (`quickstart`, `tofu/phi-1.5/idk_gd`, `bench/mini_tofu`).
+`.yaml` (`quickstart`, `tofu/phi-1.5/idk_gd`, `bench/mini_tofu`). `doplus recipes list` says which recipes run as
+shipped and which read data doplus does not ship, naming each set (`data/fetching.py`, docs/data-sets.md).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from doplus_cli.commands import command_marked
 from doplus_cli.config import PATH_KEYS, TASK_PATH_KEYS, read_recipe
+from doplus_cli.data.fetching import DATA_SETS, data_set_of
 from doplus_cli.errors import UserError, writing
 
 
@@ -40,6 +42,7 @@ class Recipe:
     path: Path
     command: str
     description: str
+    needs: tuple[str, ...] = ()  # the data sets it reads that do not ship with doplus (empty: it runs as shipped)
 
 
 def _command_of(data: dict[str, Any]) -> str:
@@ -71,8 +74,46 @@ def list_recipes(root: Path | None = None) -> list[Recipe]:
         name = path.relative_to(root).with_suffix("").as_posix()
         description = data.get("description")
         description = str(description) if description is not None else _first_comment(path)
-        found.append(Recipe(name, path, _command_of(data), description))
+        found.append(Recipe(name, path, _command_of(data), description, data_needed(path, root)))
     return found
+
+
+# The data an evaluation suite reads from the hub when the recipe names no folder for it.
+SUITE_DATA = {"muse": "muse", "wmdp": "wmdp", "safety": "safety-evaluation", "xstest": "xstest"}
+
+
+def data_needed(path: Path, root: Path, seen: set[Path] | None = None) -> tuple[str, ...]:
+    """The data sets the recipe at `path` reads that do not ship under the recipes root, each once: the local
+    files it names that are not there, the hub sets it trains on, the hub data of its evaluation suite; and its
+    teaching recipe's. A set of `DATA_SETS` by its short name, any other hub set as `hub NAME`, any other file by
+    its path."""
+    seen = set() if seen is None else seen
+    path = path.resolve()
+    if path in seen:
+        return ()
+    seen.add(path)
+    data = read_recipe(path)
+    needed: list[str] = []
+    for key, value in _local_paths(data):
+        if key == "model" or value == "tofu-authors":  # a model is no data; the authors' retain set is forget's
+            continue
+        if value.startswith("hf:"):
+            name = data_set_of(value)
+            needed.append(DATA_SETS[name].short if name else "hub " + value[3:].split(":")[0].split("@")[0])
+            continue
+        file = (path.parent / _strip_rows(value)).resolve() if not os.path.isabs(value) else Path(value)
+        if _inside(file, root.resolve()) and file.exists():
+            if key == "teach":
+                needed += data_needed(file, root, seen)
+            continue
+        name = data_set_of(_strip_rows(value))
+        needed.append(DATA_SETS[name].short if name else _strip_rows(value))
+    suites = str(data.get("eval_suite") or "").split(",")
+    local = {"muse": data.get("eval_data_dir"), "safety": data.get("eval_safety_data_dir"),
+             "xstest": data.get("eval_safety_data_dir")}
+    needed += [DATA_SETS[SUITE_DATA[suite.strip()]].short for suite in suites
+               if suite.strip() in SUITE_DATA and not local.get(suite.strip())]
+    return tuple(dict.fromkeys(needed))
 
 
 def find_recipe(name: str, root: Path | None = None) -> Recipe:

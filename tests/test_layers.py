@@ -195,6 +195,7 @@ REGISTRIES = [
     ("doplus_cli.losses", "RETAIN_LOSSES"),
     ("doplus_cli.losses", "TASK_LOSSES"),
     ("doplus_cli.data.formatting", "PROMPT_TEMPLATES"),
+    ("doplus_cli.data.fetching", "DATA_SETS"),
     ("doplus_cli.evaluation.task_metrics", "TASK_METRICS"),
     ("doplus_cli.evaluation.runner", "SUITE_REGISTRY"),
     ("doplus_cli.evaluation.attacks", "ATTACKS"),

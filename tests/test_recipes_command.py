@@ -24,6 +24,21 @@ def test_list_shows_every_recipe_with_its_command(capsys):
     assert len(rows) == len(list(recipes_root().rglob("*.yaml")))
 
 
+def test_list_says_which_recipes_run_as_shipped_and_which_data_the_others_need(capsys):
+    """The data column: `ships with doplus` when every file a recipe reads is in the recipes folder (written by
+    doplus, or generated there), else `needs` and each data set it reads from elsewhere."""
+    assert run_cli("recipes", "list") == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = lines[1].index("data")
+    data = {line.split()[0]: line[start:].split("  ")[0].strip() for line in lines[2:] if line.strip()}
+    for name in ("quickstart", "multitask/demo", "bench/muse_mini", "bench/real_world_mini", "real_world/idk_gd"):
+        assert data[name] == "ships with doplus", name
+    assert data["tofu/phi-1.5/npo_gd"] == data["bench/mini_tofu"] == "needs TOFU"  # mini_tofu: its teaching stage too
+    assert data["align/demo"] == "needs Safety-Tuned LLaMAs, Alpaca"
+    assert data["muse/news_npo_gd"] == "needs MUSE" and data["wmdp/rmu_zephyr"] == "needs WMDP"
+    assert data["multitask/trace_llama2"] == "needs TRACE" and data["cluster/accelerate_fsdp"] == "-"
+
+
 def test_copy_quickstart_brings_its_data_and_the_copy_resolves(tmp_path, capsys):
     assert run_cli("recipes", "copy", "quickstart", tmp_path) == 0
     out = capsys.readouterr().out

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from doplus_cli.data.fetching import fetch_hint
 from doplus_cli.data.sources import read_json_lines
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.refusal import LABELS, agreement, is_refusal, known_label, xstest_prefix_label
@@ -97,7 +98,7 @@ def _download(url: str, name: str, option: str = "--safety-data-dir") -> Path:
 
 def _json_file(path: Path) -> Any:
     if not path.is_file():
-        raise UserError(f"{path}: file not found")
+        raise UserError(f"{path}: file not found" + (f"; {hint}" if (hint := fetch_hint(path)) else ""))
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as error:
@@ -131,7 +132,7 @@ def read_xstest(data_dir: str | None, option: str = "--safety-data-dir") -> tupl
     """XSTest's prompts (`id, prompt, type, label, ...`; label safe or unsafe) with their file line."""
     path = Path(data_dir) / XSTEST_FILE if data_dir else _download(XSTEST_URL, XSTEST_FILE, option)
     if not path.is_file():
-        raise UserError(f"{path}: file not found")
+        raise UserError(f"{path}: file not found" + (f"; {hint}" if (hint := fetch_hint(path)) else ""))
     rows = []
     with open(path, newline="", encoding="utf-8") as handle:
         reader = csv.DictReader(handle)
