@@ -139,9 +139,10 @@ class TrainConfig:
     fsdp: bool = False  # full shard (FSDP2) across processes: weights, gradients and optimizer states
     # Checkpoints and resume
     save_every: int = 0  # 0: no checkpoints
-    keep_last: int = 0  # 0: keep every checkpoint
+    keep_last: int | None = None  # None: keep every checkpoint
     resume: str | None = None  # "latest" or a checkpoint folder
     accept_changed: str | None = None  # "data,model,software" (or "all"): resume on inputs changed since the start
+    accept_unverified: bool = False  # resume from a checkpoint without a manifest (doplus 0.1 and 0.2 wrote none)
     # Evaluation during training, at every N-th step and at the end
     eval_every: int = 0  # 0: never
     # Keep the evaluated step that is best by this metric as OUT/best/ (unlearn: MU, UFE, TFE, OVR; multitask: a
@@ -781,13 +782,21 @@ def validate_training(config: TrainConfig) -> None:
     if config.ref_offload not in REF_OFFLOADS:
         raise UserError(f"unknown --ref-offload {shown(config.ref_offload)}: choose cpu (keep the reference model on "
                         "the CPU) or 8bit (LLM.int8 weights through bitsandbytes)")
-    for name in ("save_every", "keep_last", "eval_every"):
+    for name in ("save_every", "eval_every"):
         if getattr(config, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")
+    if config.keep_last is not None and config.keep_last < 1:
+        raise UserError(f"--keep-last must be at least 1 (the newest checkpoint is always kept), got "
+                        f"{config.keep_last}; leave it out to keep every checkpoint")
     if config.resume is not None and config.out is None:
         raise UserError("--resume needs --out: the folder of the run to continue")
+    if config.resume is not None and config.overwrite:
+        raise UserError("--resume and --overwrite: --resume continues the run in --out, --overwrite replaces it; "
+                        "give one of them")
     if config.accept_changed and config.resume is None:
         raise UserError("--accept-changed applies to a resumed run: add --resume")
+    if config.accept_unverified and config.resume is None:
+        raise UserError("--accept-unverified applies to a resumed run: add --resume")
     parse_accept_changed(config.accept_changed)
     check_prompt_template(config.prompt_template)
     parse_report_to(config.report_to)  # an unknown tracker or a missing package: one line, before any model loads

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -46,23 +48,80 @@ class WriteError(UserError):
     finished, and the same command run again goes on from what was complete."""
 
 
+# What makes a write fail that is the place's doing, not doplus's: a full disk or quota, a read-only file system, no
+# permission, a missing folder, a file too large for the file system, a failing device.
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT,
+                          errno.ENOTDIR, errno.EISDIR, errno.EFBIG, errno.EIO})
+# torch.save to a path and some writers report the failure as text alone: words that still say it was the write
 _WRITE_WORDS = ("write", "ioerror", "storagefull", "no space", "os error", "permission denied", "read-only")
+# how the Rust io::Error of safetensors and tokenizers prints its errno: "(os error 28)", "Os { code: 28, ..."
+_RUST_ERRNO = re.compile(r"\bos error (\d+)|\bOs \{ code: (\d+)")
+
+
+def errno_of(error: BaseException) -> int | None:
+    """The errno behind a failed write, along the error's chain (`__cause__`, `__context__`): an OSError's own, or
+    the one a library's message carries (torch.save into a Python file raises a RuntimeError whose context is the
+    file's OSError; safetensors prints Rust's "os error N")."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno:
+            return current.errno
+        match = _RUST_ERRNO.search(str(current)[:2000])
+        if match:
+            return int(match.group(1) or match.group(2))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _probe_errno(path: object) -> int | None:
+    """The errno a small write beside `path` fails with now (None: it succeeds): what a writer that kept only text
+    of its failure (torch.save to a path: "unexpected pos") met. The probe's file is this call's own and removed."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    folder = Path(str(path))
+    while not folder.is_dir() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        handle, name = tempfile.mkstemp(prefix=".doplus-write-probe-", dir=folder)
+    except OSError as error:
+        return error.errno
+    try:
+        os.write(handle, bytes(1 << 16))
+        os.fsync(handle)
+    except OSError as error:
+        return error.errno
+    finally:
+        os.close(handle)
+        os.unlink(name)
+    return None
 
 
 def write_failure(path: object, error: BaseException, then: str = "") -> WriteError | None:
-    """The one-line WriteError for `error` raised while writing `path` (None: not a failed write). torch.save
-    and safetensors report a full disk as RuntimeError / SafetensorError, with no path; an OSError may name
-    the file that failed, which is then named instead of `path`."""
+    """The one-line WriteError for `error` raised while writing `path` (None: not a failed write). The failure is
+    recognised by its errno wherever the chain of errors holds one (a full disk or quota, a read-only or
+    unwritable place; `WRITE_ERRNOS`), by the words of a writer that reports only text, or, for such a writer's
+    bare message, by the errno a small write beside `path` meets now. An OSError may name the file that failed,
+    which is then named instead of `path`."""
+    number = errno_of(error)
     if isinstance(error, OSError):
         where, reason = error.filename or path, error.strerror or str(error)
-    elif isinstance(error, RuntimeError) or type(error).__name__ == "SafetensorError":
-        text = " ".join(str(error).split())
-        if not any(word in text.lower() for word in _WRITE_WORDS):
-            return None
-        where, reason = path, text[:200]
-    else:
+        return WriteError(f"{where}: cannot write ({reason}){then}")
+    if number is None and not isinstance(error, RuntimeError) and type(error).__name__ != "SafetensorError":
         return None
-    return WriteError(f"{where}: cannot write ({reason}){then}")
+    if number is None:
+        text = " ".join(str(error).split())
+        if any(word in text.lower() for word in _WRITE_WORDS):
+            return WriteError(f"{path}: cannot write ({text[:200]}){then}")
+        number = _probe_errno(path)
+    if number is None or number not in WRITE_ERRNOS:
+        return None
+    import os
+
+    return WriteError(f"{path}: cannot write ({os.strerror(number)}){then}")
 
 
 @contextmanager

@@ -29,6 +29,30 @@ def write_json(path: Path, data: Any) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
+def process_umask() -> int:
+    """The process's umask, read without changing it (Linux's /proc/self/status; elsewhere set and put back)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(folder_or_files: Path | list[Path]) -> None:
+    """Give files the mode the process's umask gives a new file: safetensors writes its files 0600, which would keep
+    a run's weights from the colleagues who read everything else it wrote on a shared file system."""
+    paths = folder_or_files if isinstance(folder_or_files, list) else [
+        p for p in Path(folder_or_files).rglob("*") if p.is_file()]
+    mode = 0o666 & ~process_umask()
+    for path in paths:
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, mode)
+
+
 HASH_CHUNK = 16 << 20  # bytes read at a time: a checkpoint or model file is hashed without holding it in memory
 
 

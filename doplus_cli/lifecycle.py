@@ -1,7 +1,7 @@
 """A run's life in its output folder: one run per folder, and SIGTERM or Ctrl-C from the run's first second.
 
-One run per folder: the run holds an advisory lock on `OUT/.doplus.lock` (filelock's `UnixFileLock`, the
-operating system's `flock`) from its start to its end, so a second start on the same folder stops at once with one
+One run per folder: the run holds an advisory lock on `OUT/.doplus.lock` (the operating system's `flock`,
+`FolderLock`) from its start to its end, so a second start on the same folder stops at once with one
 line naming the holder (host, process id, since when; from `OUT/.doplus-holder.json`). The operating system
 releases the lock when the holding process ends, however it ends, so a killed run leaves nothing to clear by hand.
 A launch of several processes is held by the process that launches them (doplus's `--num-processes`) or by the
@@ -16,6 +16,7 @@ stop, and the loop ends after the current step with a checkpoint.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shlex
@@ -24,12 +25,14 @@ import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+from doplus_cli import ownership
 from doplus_cli.errors import EXIT_FILE_VARIABLE, UserError, writing
 from doplus_cli.files import atomic_write_text
+from doplus_cli.ownership import RECORD_NAME
 
 LOCK_NAME = ".doplus.lock"
 HOLDER_NAME = ".doplus-holder.json"
@@ -195,37 +198,39 @@ def holding(folder: str | os.PathLike, command: str) -> Iterator[Path]:
     if not _ACTIVE:
         raise RuntimeError("holding() needs an active run_guard()")
     guard = _ACTIVE[0]
-    with _folder(folder) as path:
-        key = os.path.realpath(path)
-        if (key in guard.held or _held_by_launcher(key) or _locks_off()
-                or os.environ.get("RANK", "0") != "0"):  # a torchrun worker: its first process holds it
+    path, created = _folder(folder)
+    key = os.path.realpath(path)
+    if (key in guard.held or _held_by_launcher(key) or _locks_off()
+            or os.environ.get("RANK", "0") != "0"):  # a torchrun worker: its first process holds it
+        try:
             yield path
-            return
-        with _folder_lock(path, key, command):
-            guard.held.add(key)
-            try:
-                yield path
-            finally:
-                guard.held.discard(key)
+        finally:
+            if created:  # no lock here: only an empty folder goes
+                with suppress(OSError):
+                    path.rmdir()
+        return
+    with _folder_lock(path, key, command, created):
+        guard.held.add(key)
+        try:
+            yield path
+        finally:
+            guard.held.discard(key)
 
 
 def in_use(folder: str | os.PathLike) -> str | None:
     """Who holds `folder` (as `holder()` says it), or None when no process does. The lock is tried and at once let
     go; a folder without a lock file was never held. Another process's start in that same instant would find the
     folder held, so this is for listing, never called on a folder a run is about to take."""
-    from filelock import Timeout
-
     path = Path(folder)
     if not (path / LOCK_NAME).is_file() or _locks_off():
         return None
     if os.path.realpath(path) in (_ACTIVE[0].held if _ACTIVE else set()):
         return holder(path)
-    lock = _unix_lock(path / LOCK_NAME, timeout=0)
+    lock = FolderLock(path / LOCK_NAME)
     try:
-        lock.acquire()
-    except Timeout:
-        return holder(path)
-    except OSError:
+        if not lock.acquire(blocking=False):
+            return holder(path)
+    except UserError:
         return None
     lock.release()
     return None
@@ -236,72 +241,103 @@ def shared_turn(folder: str | os.PathLike) -> Iterator[None]:
     """The turn of this process among those that share `folder` (a bench's job-array workers): it waits for the
     others' (each a moment's writing, or the starting model's one evaluation). Not the folder's run lock: a folder
     one process holds for hours can still be shared this way."""
-    with _folder(folder) as path:
-        if _locks_off():
-            yield
-            return
-        lock = _unix_lock(path / SHARED_LOCK_NAME, timeout=-1)
-        _acquire(lock, path / SHARED_LOCK_NAME)
-        try:
-            yield
-        finally:
-            lock.release()
+    path, _ = _folder(folder)
+    if _locks_off():
+        yield
+        return
+    lock = FolderLock(path / SHARED_LOCK_NAME)
+    lock.acquire(blocking=True)
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _locks_off() -> bool:
     return os.environ.get(LOCK_SWITCH, "").lower() == "off"
 
 
-def _unix_lock(file: Path, timeout: float):
-    from filelock import UnixFileLock
+class FolderLock:
+    """An exclusive `flock` on a lock file, held until `release()` or the end of the process.
 
-    # preserve_lock_file: the lock file stays (unlinking a flock'd file races with the next taker); without a
-    # soft fallback a file system that cannot flock says so instead of leaving a marker a kill would strand
-    return UnixFileLock(str(file), timeout=timeout, thread_local=False, preserve_lock_file=True,
-                        fallback_to_soft=False)
+    Written here rather than taken from filelock because of one step filelock does not take: after the lock is
+    granted, the file it locked must still be the one at the path. A run that created a folder and wrote nothing
+    into it removes the folder again, lock file included, while it holds the lock; a start that opened the old file
+    just before and is granted its lock just after would otherwise hold a lock nobody else can see, beside a run
+    that takes the new one. Such a start tries again on the file now at the path."""
+
+    def __init__(self, file: Path) -> None:
+        self.file = Path(file)
+        self.fd: int | None = None
+
+    def acquire(self, blocking: bool) -> bool:
+        """Take the lock (waiting for it when `blocking`); False when another process holds it. A file system that
+        refuses locks is one line; a folder that disappears meanwhile reads as held (its holder removed it)."""
+        while True:
+            try:
+                fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o666)  # the process's umask applies
+            except FileNotFoundError:
+                return False
+            except OSError as error:
+                raise UserError(f"{self.file}: cannot create the folder's lock ({error.strerror or error})") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                os.close(fd)
+                return False
+            except OSError as error:
+                os.close(fd)
+                raise UserError(f"{self.file}: cannot lock the folder ({error.strerror or error}); on Lustre mount "
+                                f"with -o flock, or set {LOCK_SWITCH}=off and keep to one run per folder yourself"
+                                ) from None
+            if _same_file(fd, self.file):
+                self.fd = fd
+                return True
+            os.close(fd)  # its holder removed that file before letting go: try the one at the path now
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the last descriptor lets the lock go
+            self.fd = None
 
 
-def _acquire(lock, file: Path) -> None:
-    """`lock.acquire()`, a file system that refuses locks said in one line (filelock's Timeout passes through)."""
-    from filelock import Timeout
-
+def _same_file(fd: int, file: Path) -> bool:
     try:
-        lock.acquire()
-    except Timeout:  # a TimeoutError, so an OSError too: another process holds it
-        raise
-    except OSError as error:
-        raise UserError(f"{file}: cannot lock the folder ({error.strerror or error}); on Lustre mount with -o "
-                        f"flock, or set {LOCK_SWITCH}=off and keep to one run per folder yourself") from None
+        opened, named = os.fstat(fd), os.stat(file)
+    except OSError:
+        return False
+    return (opened.st_dev, opened.st_ino) == (named.st_dev, named.st_ino)
 
 
-@contextmanager
-def _folder(folder: str | os.PathLike) -> Iterator[Path]:
-    """`folder`, created if missing; when this created it and it holds nothing but lock files at the end (a run
-    that failed on bad input), removed again, after the locks taken inside are released."""
+def _folder(folder: str | os.PathLike) -> tuple[Path, bool]:
+    """(`folder`, whether this call created it): made with one `mkdir`, so of several starts that race for a new
+    folder exactly one creates it, and only that one may ever remove it."""
     path = Path(folder)
     if path.exists() and not path.is_dir():
         raise UserError(f"{folder}: --out exists and is a file, not a folder")
-    created = not path.exists()
     with writing(path, "; choose another --out"):
-        path.mkdir(parents=True, exist_ok=True)
-    try:
-        yield path
-    finally:
-        if created:
-            _remove_if_unused(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir()
+        except FileExistsError:
+            if not path.is_dir():
+                raise UserError(f"{folder}: --out exists and is a file, not a folder") from None
+            return path, False
+    return path, True
 
 
 def _remove_if_unused(path: Path) -> None:
-    """Remove a folder this command created and wrote nothing into but the lock's files, once its lock is released
-    (`_folder` encloses the lock's context). A start in the same instant
-    would find its folder gone and fail in one line; nothing of a run is ever removed."""
+    """Remove a folder this process created and holds the lock of, when nothing but the lock's files (and a record
+    of entries none of which were written) is in it: a run that failed on bad input leaves no folder behind. Called
+    while the lock is held, so no other run can have taken the folder; the lock file goes last before the folder."""
     try:
-        if path.is_dir() and not folder_entries(path):
-            for name in LOCK_FILES:
-                (path / name).unlink(missing_ok=True)
-            path.rmdir()
+        if not path.is_dir() or folder_entries(path):
+            return
+        for name in (HOLDER_NAME, RECORD_NAME, SHARED_LOCK_NAME, LOCK_NAME):
+            (path / name).unlink(missing_ok=True)
+        path.rmdir()
     except OSError:
-        pass  # a file appeared, or the folder is not ours to remove: leave it
+        pass  # a file appeared meanwhile: the folder is in use, leave it
 
 
 def _held_by_launcher(key: str) -> bool:
@@ -311,15 +347,17 @@ def _held_by_launcher(key: str) -> bool:
 
 
 @contextmanager
-def _folder_lock(path: Path, key: str, command: str) -> Iterator[None]:
-    from filelock import Timeout
-
-    lock = _unix_lock(path / LOCK_NAME, timeout=0)
+def _folder_lock(path: Path, key: str, command: str, created: bool) -> Iterator[None]:
+    lock = FolderLock(path / LOCK_NAME)
     try:
-        _acquire(lock, path / LOCK_NAME)
-    except Timeout:
+        acquired = lock.acquire(blocking=False)
+    except UserError:
+        if created:  # a file system where no process can hold the folder: the one this start made goes again
+            _remove_if_unused(path)
+        raise
+    if not acquired:
         raise FolderInUse(f"{path}: another doplus run holds this folder ({holder(path)}); wait for it to end, "
-                          "or choose another --out") from None
+                          "or choose another --out")
     previous = os.environ.get(HELD_VARIABLE)
     try:
         atomic_write_text(path / HOLDER_NAME, json.dumps(
@@ -333,6 +371,8 @@ def _folder_lock(path: Path, key: str, command: str) -> Iterator[None]:
         else:
             os.environ[HELD_VARIABLE] = previous
         (path / HOLDER_NAME).unlink(missing_ok=True)  # still locked: no other run has written its own yet
+        if created:
+            _remove_if_unused(path)
         lock.release()
 
 
@@ -346,5 +386,15 @@ def holder(path: Path) -> str:
 
 
 def folder_entries(path: Path) -> list[Path]:
-    """The folder's entries other than the lock's files."""
-    return [p for p in path.iterdir() if p.name not in LOCK_FILES and not p.name.startswith(HOLDER_NAME)]
+    """The folder's entries other than the lock's files and a record of entries none of which exist
+    (ownership.py)."""
+    entries = [p for p in path.iterdir() if p.name not in LOCK_FILES and not p.name.startswith(HOLDER_NAME)]
+    record = path / RECORD_NAME
+    if record in entries:
+        try:
+            written = ownership.present(path, ownership.read(path))
+        except UserError:
+            written = [RECORD_NAME]  # a damaged record: the folder is not empty
+        if not written:
+            entries.remove(record)
+    return entries

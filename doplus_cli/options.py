@@ -169,7 +169,7 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
     Option("--fsdp/--no-fsdp", bool, "Shard weights, gradients and optimizer states across processes (FSDP2).",
            words={"bench schemes": "Run every run with FSDP2 (with --num-processes)."},
            variant={"bench schemes": {"flags": "--fsdp"}}),
-    Option("--keep-last", int, "Keep the newest K checkpoints [default: all]"),
+    Option("--keep-last", int, "Keep the newest K checkpoints (K >= 1) [default: all]", min=1),
     Option("--log-update-similarity", bool, SIMILARITY_HELP,
            words={"bench schemes": "Record update_cosine/grad_cosine in every run and compare them."}),
     Option("--report-to", str, REPORT_TO_HELP),
@@ -216,6 +216,9 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
     Option("--accept-changed", str, "With --resume: go on although these inputs changed since the run started: "
            "data, model, software (comma-separated, or all). Without it such a resumption is refused, naming what "
            "changed."),
+    Option("--accept-unverified", bool, "With --resume: go on from a checkpoint that has no manifest.json (doplus "
+           "0.1 and 0.2 wrote none), whose files therefore cannot be checked. Without it such a checkpoint is "
+           "refused."),
     Option("--eval-every", int, "Evaluate every N steps (and at the end) into OUT/evals/step-N/ [default: never]",
            words={"multitask": "Score every task every N steps (and at the end) [default: never]"}),
     Option("--select-by", str, SELECT_BY_HELP.format(metrics="MU, UFE, TFE or OVR"),

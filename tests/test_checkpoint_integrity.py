@@ -1,8 +1,8 @@
 """Checkpoints that prove they are intact, a resumption that notices changed inputs, and no non-finite weights
 saved: a damaged checkpoint (cut short, a flipped bit, an unreadable manifest) is passed over by `--resume` and
-named in one line when asked for; saved states that do not fit are one line; a checkpoint without a manifest still
-resumes; an edited data file, model file or library version is refused unless accepted; a NaN after a step stops
-the run before anything saves it."""
+named in one line when asked for; saved states that do not fit are one line; a checkpoint without a manifest
+resumes only with --accept-unverified; an edited data file, model file or library version is refused unless
+accepted; a NaN after a step stops the run before anything saves it."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from doplus_cli import ownership
 from doplus_cli.engine import checkpoint as ckpt
 from doplus_cli.engine import inputs
 from doplus_cli.errors import UserError
@@ -103,15 +104,17 @@ def test_a_damaged_checkpoint_is_named_in_one_line_and_latest_falls_back_to_an_i
     assert f"resuming from {step2} at step 2" in err
     assert same_weights(load_file(str(whole / "model.safetensors")), weights(out))
 
+    (out / "report.json").unlink()  # unfinished again: a finished run is not resumed
     (step2 / "manifest.json").write_text('{"format": 1, "files": ')  # cut short: unreadable
     assert run_cli(*run, "--resume", step2) == 2
     lines = last_lines(capsys)
     assert len(lines) == 1 and "manifest.json: unreadable manifest" in lines[0], lines
 
 
-def test_a_checkpoint_without_a_manifest_resumes_and_says_it_could_not_be_verified(tiny_llama, data, tmp_path, capsys):
-    """The files a checkpoint holds without its manifest and a run folder without inputs.json: what a doplus that
-    wrote neither left."""
+def test_a_checkpoint_without_a_manifest_is_refused_unless_accepted_unverified(tiny_llama, data, tmp_path, capsys):
+    """What a doplus that wrote no manifest, no inputs.json and no record of its files left (0.1 and 0.2): resumed
+    only with --accept-unverified, which takes the folder on; without it, a byte-flipped file whose manifest was
+    deleted would be trained on, so it is refused, by name and as `latest`."""
     out, whole = tmp_path / "run", tmp_path / "whole"
     run = args(tiny_llama, data / "forget.jsonl", data / "retain.jsonl", out, 4, "--save-every", 2)
     assert run_cli(*run) == 0
@@ -120,13 +123,21 @@ def test_a_checkpoint_without_a_manifest_resumes_and_says_it_could_not_be_verifi
     step2 = out / "checkpoints" / "step-2"
     (step2 / "manifest.json").unlink()
     (out / "inputs.json").unlink()
+    (out / ownership.RECORD_NAME).unlink()
     capsys.readouterr()
-    assert run_cli(*run, "--resume", step2) == 0
+    for resume in (step2, "latest"):
+        assert run_cli(*run, "--resume", resume) == 2
+        lines = last_lines(capsys)
+        assert len(lines) == 1 and f"{step2}: has no manifest.json" in lines[0], lines
+        assert "--accept-unverified" in lines[0], lines
+    assert run_cli(*run, "--resume", step2, "--accept-unverified") == 0
     err = capsys.readouterr().err
     assert "written without a manifest.json, so its files could not be verified" in err
     assert "inputs were not recorded" in err
+    assert "a run written before doplus recorded its files" in err
     assert same_weights(load_file(str(whole / "model.safetensors")), weights(out))
     assert (out / "inputs.json").is_file()  # recorded for the checkpoints that follow
+    assert "final" in ownership.read(out)["entries"]  # taken on: --overwrite now replaces what the run wrote
 
 
 def test_saved_weights_or_optimizer_states_that_do_not_fit_are_one_line(tmp_path):

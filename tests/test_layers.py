@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("configuration", ("doplus_cli.config", "doplus_cli.options")),
     ("components", ("doplus_cli.data", "doplus_cli.losses", "doplus_cli.models", "doplus_cli.lora",
                     "doplus_cli.generation", "doplus_cli.decoding", "doplus_cli.files",
-                    "doplus_cli.lifecycle", "doplus_cli.hub_errors")),
+                    "doplus_cli.lifecycle", "doplus_cli.ownership", "doplus_cli.hub_errors")),
     ("optimizers", ("doplus_cli.optim",)),
     ("foundations", ("doplus_cli.errors", "doplus_cli.progress", "doplus_cli.registry", "doplus_cli")),
 ]

@@ -321,7 +321,8 @@ def test_three_tasks_on_two_processes_at_batch_b_equal_one_process_at_2b(tiny_ll
 
     one, two = tmp_path / "one", tmp_path / "two"
     base = ["--steps", 6, "--save-every", 0]
-    assert run_cli(*mt_args(tiny_llama, tasks, one, *base, "--batch-size", 4, *extra)) == 0
+    unsharded = [e for e in extra if e != "--fsdp"]  # FSDP needs two processes: the one-process run is its reference
+    assert run_cli(*mt_args(tiny_llama, tasks, one, *base, "--batch-size", 4, *unsharded)) == 0
     two_processes(mt_args(tiny_llama, tasks, two, *base, "--batch-size", 2, *extra))
     report = json.loads((two / "report.json").read_text())
     assert report["environment"]["world_size"] == 2 and report["environment"]["effective_batch"] == 4

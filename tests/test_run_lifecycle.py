@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from doplus_cli import lifecycle
+from doplus_cli import lifecycle, ownership
 from doplus_cli.commands import align, multitask, unlearn
 from doplus_cli.engine import loop
 from doplus_cli.errors import UserError
@@ -149,19 +150,20 @@ def test_align_and_multitask_stopped_before_training_resume_bit_identically(tiny
 def test_resume_without_a_checkpoint_refuses_another_configuration_and_a_finished_run(tiny_llama, data, uninterrupted,
                                                                                       tmp_path, capsys):
     out = tmp_path / "changed"
-    out.mkdir()
+    out.mkdir()  # a run stopped before its first checkpoint: its record and config.yaml, at another lr
+    shutil.copy(uninterrupted / ownership.RECORD_NAME, out)
     (out / "config.yaml").write_text((uninterrupted / "config.yaml").read_text().replace("lr: 0.001", "lr: 0.002"))
     capsys.readouterr()
     assert run_cli(*args(tiny_llama, data, out, "--resume")) == 2
     err = capsys.readouterr().err.strip()
     assert "started with another configuration (lr)" in err and "\n" not in err
     assert run_cli(*args(tiny_llama, data, uninterrupted, "--resume")) == 2  # finished, its checkpoints removed
-    assert "holds a finished run and no checkpoint" in capsys.readouterr().err
+    assert "the run there has finished" in capsys.readouterr().err
     unrelated = tmp_path / "unrelated"
     unrelated.mkdir()
     (unrelated / "notes.txt").write_text("not a run")
     assert run_cli(*args(tiny_llama, data, unrelated, "--resume")) == 2  # never trains among someone's files
-    assert "holds no doplus run to resume" in capsys.readouterr().err
+    assert "no `doplus unlearn` was started here" in capsys.readouterr().err
     assert sorted(p.name for p in unrelated.iterdir() if not p.name.startswith(".doplus")) == ["notes.txt"]
 
 

@@ -290,7 +290,7 @@ def _bad(tmp_path, name, lines):
         ("missing_model", "does-not-exist: model path does not exist"),
         ("offline_hub", "this-model-xyz: not in the local Hugging Face cache, and offline mode is set (HF_HUB_OFFLINE"),
         ("offline_hub_data", "hf:nobody-has/this-data: not in the local Hugging Face cache, and offline mode is set"),
-        ("nonempty_out", "output folder exists and is not empty"),
+        ("nonempty_out", "report.md: exists and doplus did not write it"),
         ("unknown_option", "No such option: --forgett"),
         ("bad_number", "option 'lr' must be float"),
         ("recipe_typo", "unknown option 'stepz' (did you mean 'steps'?)"),
@@ -319,9 +319,9 @@ def test_bad_input_is_one_line_with_exit_code_2(tiny_llama, data, tmp_path, caps
         good["--model"] = "nobody-has/this-model-xyz"
     elif case == "offline_hub_data":
         good["--retain"] = "hf:nobody-has/this-data"
-    elif case == "nonempty_out":
+    elif case == "nonempty_out":  # a file of the user's where the run writes its own
         (tmp_path / "out").mkdir()
-        (tmp_path / "out" / "notes.txt").write_text("keep me")
+        (tmp_path / "out" / "report.md").write_text("keep me")
     elif case == "unknown_option":
         flags = ["--forgett", "x"]
     elif case == "bad_number":
@@ -341,10 +341,10 @@ def test_bad_input_is_one_line_with_exit_code_2(tiny_llama, data, tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert needle in err
     assert err.count("\n") == 0 and "Traceback" not in err
-    if case == "nonempty_out":
-        assert (tmp_path / "out" / "notes.txt").read_text() == "keep me"
-        assert run_cli(*args, "--overwrite") == 0
-        assert (tmp_path / "out" / "final").is_dir() and (tmp_path / "out" / "notes.txt").exists()
+    if case == "nonempty_out":  # --overwrite replaces a run's files, never the user's
+        assert run_cli(*args, "--overwrite") == 2
+        assert (tmp_path / "out" / "report.md").read_text() == "keep me"
+        assert not (tmp_path / "out" / "final").exists()
 
 
 def test_debug_shows_the_traceback(tiny_llama, data, tmp_path):
@@ -379,6 +379,7 @@ def test_lora_checkpoints_hold_the_adapters_and_resume_exactly(tiny_llama, data,
     assert run_cli(*base_args(tiny_llama, data, out, *extra, "--save-every", 2)) == 0
     saved = load_file(str(out / "checkpoints" / "step-2" / "model.safetensors"))
     assert saved and all("lora_" in name for name in saved)  # adapters only
+    (out / "report.json").unlink()  # as a run stopped after step 2: a finished run is not resumed
     assert run_cli(*base_args(tiny_llama, data, out, *extra, "--save-every", 2),
                    "--resume", out / "checkpoints" / "step-2") == 0
     a = load_file(str(tmp_path / "a" / "final" / "adapter_model.safetensors"))
@@ -417,7 +418,7 @@ def test_reference_model_placements(tiny_llama, data, tmp_path):
 
 def test_answers_from_model_trains_on_the_models_own_answers_and_they_are_the_answers_before(tiny_llama, data,
                                                                                               tmp_path):
-    """The real-world setting: the targets are the starting model's greedy answers (out/data/*.jsonl), and the
+    """The real-world setting: the targets are the starting model's greedy answers (out/answers/*.jsonl), and the
     before/after table's "before" is exactly those targets (not generated a second time)."""
     from doplus_cli.data.formatting import PromptFormatter
     from doplus_cli.generation import greedy_generate
@@ -425,7 +426,7 @@ def test_answers_from_model_trains_on_the_models_own_answers_and_they_are_the_an
 
     out = tmp_path / "own"
     assert run_cli(*base_args(tiny_llama, data, out, "--steps", 2, "--answers-from-model", "--show-samples", 3)) == 0
-    written = {role: [json.loads(line) for line in open(out / "data" / f"{role}.jsonl")]
+    written = {role: [json.loads(line) for line in open(out / "answers" / f"{role}.jsonl")]
                for role in ("forget", "retain")}
     model, tokenizer, _ = load_model_and_tokenizer(str(tiny_llama), "float32", False)
     questions = [row["question"] for row in written["forget"]]

@@ -116,7 +116,8 @@ class AlignCommand(Command):
         "base_source", "betas", "steps", "lr", "batch_size", "grad_accum", "warmup_steps", "weight_decay",
         "max_grad_norm", "seed", "out", "overwrite", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout",
         "gradient_checkpointing", "save_adapter_only", "fsdp", "num_processes", "dry_run", "gpu_memory",
-        "save_every", "keep_last", "resume", "accept_changed", "log_update_similarity", "report_to",
+        "save_every", "keep_last", "resume", "accept_changed", "accept_unverified", "log_update_similarity",
+        "report_to",
         "eval_batch_size", "eval_suite", "eval_max_samples", "eval_max_new_tokens", "eval_guard_model",
         "eval_refusal_model", "eval_safety_data_dir", "eval_attacks",
     )
@@ -194,6 +195,10 @@ class AlignCommand(Command):
                                for when in ("before", "after")}
         measured = {"held_out": {"samples": samples, "refusal_rate": rates, "judge": judge.name}} if samples else {}
         return {"epochs": self.config.epochs, "cycle": list(self.cycle), **measured}
+
+    def outputs(self, config: AlignConfig) -> tuple[str, ...]:
+        """eval/: `doplus evaluate` of final/ after training (--eval-suite)."""
+        return ("eval",) if config.eval_suite else ()
 
     def data_report(self) -> dict[str, Any]:
         return {name: {"source": part.spec, "train_rows": len(part.train),

@@ -59,7 +59,8 @@ class MultitaskCommand(Command):
         "base_source", "prompt_template", "betas", "steps", "lr", "batch_size", "grad_accum", "warmup_steps",
         "weight_decay", "max_grad_norm", "seed", "out", "overwrite", "lora_rank", "lora_alpha", "lora_targets",
         "lora_dropout", "gradient_checkpointing", "save_adapter_only", "fsdp", "num_processes", "dry_run",
-        "gpu_memory", "save_every", "keep_last", "resume", "accept_changed", "log_update_similarity", "report_to",
+        "gpu_memory", "save_every", "keep_last", "resume", "accept_changed", "accept_unverified",
+        "log_update_similarity", "report_to",
     )
     activity = "training"
 

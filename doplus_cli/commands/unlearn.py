@@ -38,6 +38,9 @@ from doplus_cli.evaluation.suites import load_tofu_sets
 from doplus_cli.generation import greedy_generate, write_self_answered
 from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossParams, LossSpec, checked_rmu_layer, prepare_rmu
 
+# OUT/answers/: the starting model's own answers to the forget and retain questions (--answers-from-model)
+ANSWERS = "answers"
+
 
 def run_unlearn(config: UnlearnConfig, console: Console | None = None) -> dict[str, Any]:
     """Run one unlearning job as configured; return the report (also written to `config.out`)."""
@@ -78,7 +81,8 @@ class UnlearnCommand(Command):
         "batch_size", "grad_accum", "warmup_steps", "weight_decay", "max_grad_norm", "seed", "out", "overwrite",
         "show_samples", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "gradient_checkpointing",
         "save_adapter_only", "ref_offload", "fsdp", "num_processes", "dry_run", "gpu_memory", "save_every",
-        "keep_last", "resume", "accept_changed", "eval_every", "select_by", "eval_suite", "eval_split",
+        "keep_last", "resume", "accept_changed", "accept_unverified", "eval_every", "select_by", "eval_suite",
+        "eval_split",
         "eval_data_dir", "eval_max_samples", "eval_max_new_tokens", "eval_batch_size", "eval_nli_model",
         "eval_embedding_model", "eval_protocol", "eval_attacks", "log_update_similarity", "report_to",
     )
@@ -197,6 +201,10 @@ class UnlearnCommand(Command):
     def render_report(self, report: dict[str, Any]) -> str:
         return outputs.render_unlearn_report(report)
 
+    def outputs(self, config: UnlearnConfig) -> tuple[str, ...]:
+        """answers/: the model's own answers it trains on (--answers-from-model)."""
+        return (ANSWERS,) if config.answers_from_model else ()
+
     def curve_names(self, config: UnlearnConfig) -> tuple[str, ...]:
         """The TOFU suite's aggregates; the other suites plot none."""
         return ("MU", "UFE", "TFE", "OVR") if config.eval_suite == "tofu" else ()
@@ -296,10 +304,10 @@ def _check_eval_attacks(config: UnlearnConfig) -> None:
 
 
 def _self_answer(model, formatter, config, out, forget_source, retain_source, progress, accelerator, reuse=False):
-    """Replace the sets' answers by the model's own greedy answers, written to out/data/*.jsonl (a resumed run
+    """Replace the sets' answers by the model's own greedy answers, written to out/answers/*.jsonl (a resumed run
     reads the files its first part wrote)."""
     keys = Keys()
-    paths = {"forget": str(out / "data" / "forget.jsonl"), "retain": str(out / "data" / "retain.jsonl")}
+    paths = {"forget": str(out / ANSWERS / "forget.jsonl"), "retain": str(out / ANSWERS / "retain.jsonl")}
     reuse = reuse and all(os.path.isfile(p) for p in paths.values())
     if accelerator.is_main_process and not reuse:
         write_self_answered(model, formatter, forget_source, paths["forget"], config.max_new_tokens, progress)

@@ -10,8 +10,8 @@ Its `manifest.json`, written last, lists every file with its size and sha256, th
 torch, transformers and accelerate versions, the number of processes, the precision and the run's inputs
 (engine/inputs.py). A resumption checks every file against it first: a checkpoint damaged after it was written
 (a copy cut short, a storage fault, a flipped bit) is named with the file and what is wrong, and `--resume
-latest` passes over it to the newest intact one. A checkpoint without a manifest (doplus 0.2 wrote none) still
-resumes, with a line saying its files could not be verified.
+latest` passes over it to the newest intact one. A checkpoint without a manifest (doplus 0.1 and 0.2 wrote none)
+is refused, since nothing says its files are whole, unless `--accept-unverified` takes it as it is.
 
 On several processes each one writes its own RNG states (`rng.rank{R}.pt`). Under FSDP each one also writes
 its shard of the weights and of the optimizer states (`model.rank{R}.safetensors`, `optimizer.rank{R}.pt`),
@@ -37,14 +37,14 @@ from safetensors.torch import load_file, save_file
 
 from doplus_cli.engine import inputs
 from doplus_cli.errors import RunError, UserError, shown, write_failure
-from doplus_cli.files import file_sha256
+from doplus_cli.files import file_sha256, follow_umask
 from doplus_cli.losses import LossParams
 from doplus_cli.optim.distributed import local_shard
 
 # Options that may change between a run and its resumption: they do not change what is computed.
 RESUMABLE_CHANGES = {"resume", "overwrite", "save_every", "keep_last", "show_samples", "description", "out",
                      "log_update_similarity", "save_dtype", "report_to", "tracker_project", "tracker_run_name",
-                     "tracker_group", "tracker_dir", "accept_changed"}
+                     "tracker_group", "tracker_dir", "accept_changed", "accept_unverified"}
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"
 # The manifest's format: a resumption reads formats up to this one and refuses a newer one.
@@ -219,6 +219,13 @@ class Processes:
         return self.name(stem, suffix) if self.sharded else f"{stem}{suffix}"
 
 
+def _save_torch(obj: Any, path: Path) -> None:
+    """torch.save into a file doplus opened: a failed write then carries the file's OSError (its errno: a full
+    disk, a quota), where torch.save given a path reports only "unexpected pos"."""
+    with open(path, "wb") as handle:
+        torch.save(obj, handle)
+
+
 def _fsync(paths) -> None:
     for path in paths:  # the data reach the disk before the rename makes the checkpoint visible
         with open(path, "rb") as handle:
@@ -263,11 +270,12 @@ def _write_manifest(folder: Path, files: dict[str, dict[str, Any]], step: int, p
 
 def save_checkpoint(
     folder: Path, step: int, model: torch.nn.Module, optimizer, scheduler, streams: dict[str, Any],
-    config: dict[str, Any], records: list[dict[str, Any]], extra: dict[str, Any], keep_last: int,
+    config: dict[str, Any], records: list[dict[str, Any]], extra: dict[str, Any], keep_last: int | None,
     processes: Processes | None = None,
 ) -> Path:
-    """Write `folder/step-{step}` atomically; prune to the newest `keep_last` (0 keeps all). Every process
+    """Write `folder/step-{step}` atomically; prune to the newest `keep_last` (None keeps all). Every process
     calls it; each writes its own part."""
+    keep_last = keep_last or 0
     processes = processes or Processes()
     final = folder / f"step-{step}"
     tmp = folder / f".step-{step}.tmp"
@@ -281,18 +289,19 @@ def save_checkpoint(
         model_file = tmp / processes.weights_name("model", ".safetensors")
         optimizer_file = tmp / processes.weights_name("optimizer", ".pt")
         save_file(trainable_state(model), str(model_file))
-        torch.save(optimizer.state_dict(), optimizer_file)
+        follow_umask([model_file])
+        _save_torch(optimizer.state_dict(), optimizer_file)
         written += [model_file, optimizer_file]
     rng = rng_state()
     rng["python"], rng["numpy"] = _python_state_to_json(rng["python"]), _numpy_state_to_json(rng["numpy"])
     rng_file = tmp / processes.name("rng", ".pt")
-    torch.save(rng, rng_file)
+    _save_torch(rng, rng_file)
     written.append(rng_file)
     files = {}  # every process hashes its own files; the main process lists them all in the manifest
     for part in processes.gather(_synced_and_described(written)):
         files.update(part)
     if processes.main:
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        _save_torch(scheduler.state_dict(), tmp / "scheduler.pt")
         state = {
             "step": step,
             "world_size": processes.world,
@@ -332,7 +341,7 @@ class CheckpointWriter:
     step's records and the command's own state."""
 
     def __init__(self, out: Path, model: torch.nn.Module, optimizer, scheduler, streams: dict[str, Any],
-                 config: dict[str, Any], keep_last: int, processes: Processes) -> None:
+                 config: dict[str, Any], keep_last: int | None, processes: Processes) -> None:
         self.folder = out / "checkpoints"
         self.model, self.optimizer, self.scheduler, self.streams = model, optimizer, scheduler, streams
         self.config, self.keep_last, self.processes = config, keep_last, processes
@@ -344,6 +353,15 @@ class CheckpointWriter:
         found = non_finite_in(self.model, self.optimizer)
         if any(self.processes.gather(found is not None)):
             raise NonFiniteState(step, found, self.folder)
+        changed = None
+        if self.processes.main:
+            try:
+                inputs.check_data_unchanged(self.folder.parent, self.config, f"before writing step-{step}")
+            except UserError as error:
+                changed = str(error)
+        changed = self.processes.broadcast(changed)
+        if changed is not None:
+            raise UserError(changed)
         try:
             return save_checkpoint(self.folder, step, self.model, self.optimizer, self.scheduler, self.streams,
                                    self.config, records, extra, self.keep_last, self.processes)
@@ -494,15 +512,18 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def find_checkpoint(resume: str, out: Path) -> tuple[Path, dict[str, Any] | None]:
-    """(the checkpoint, its verified manifest or None): `latest` -> the newest intact checkpoint under
-    OUT/checkpoints, each damaged newer one passed over with a line saying why; otherwise the given folder, which
-    must be intact."""
+def find_checkpoint(resume: str, out: Path, accept_unverified: bool = False) -> tuple[Path, dict[str, Any] | None]:
+    """(the checkpoint, its verified manifest, or None for one without a manifest taken under `accept_unverified`):
+    `latest` -> the newest intact checkpoint under OUT/checkpoints, each damaged or unverifiable newer one passed
+    over with a line saying why; otherwise the given folder, which must be intact."""
     if resume != "latest":
         path = Path(resume)
         if not path.is_dir():
             raise UserError(f"{resume}: not a doplus checkpoint folder (no such folder)")
-        return path, verify_checkpoint(path)
+        manifest = verify_checkpoint(path)
+        if manifest is None and not accept_unverified:
+            raise UserError(_unverified(path))
+        return path, manifest
     found = list_checkpoints(out / "checkpoints")
     if not found:
         raise UserError(f"{out}: no checkpoint to resume from (checkpoints/step-N/ is written by --save-every)")
@@ -513,10 +534,18 @@ def find_checkpoint(resume: str, out: Path) -> tuple[Path, dict[str, Any] | None
         except DamagedCheckpoint as error:
             damaged.append(str(error))
             continue
+        if manifest is None and not accept_unverified:
+            damaged.append(_unverified(path))
+            continue
         for problem in damaged:
             _say(f"{problem}; passed over for the newest intact checkpoint, {path}")
         return path, manifest
     raise UserError(f"{out}: no intact checkpoint to resume from: {'; '.join(damaged)}")
+
+
+def _unverified(path: Path) -> str:
+    return (f"{path}: has no {MANIFEST}, so its files cannot be checked (a damaged file would be trained on); pass "
+            "--accept-unverified to resume from it as it is (doplus 0.1 and 0.2 wrote no manifest)")
 
 
 def read_state(path: Path) -> dict[str, Any]:
@@ -528,7 +557,7 @@ def read_state(path: Path) -> dict[str, Any]:
 
 
 def open_resume(resume: str, out: Path, config: dict[str, Any], processes: Processes,
-                accept_changed: str | None = None) -> tuple[Path, dict[str, Any]]:
+                accept_changed: str | None = None, accept_unverified: bool = False) -> tuple[Path, dict[str, Any]]:
     """(the checkpoint `--resume` names, its saved state), after checking its files against its manifest; refused
     when it was written by another process layout, with a configuration that changes what is computed
     (`config`: this run's, resolved), or on inputs that changed since (data, model, software; engine/inputs.py)
@@ -536,7 +565,7 @@ def open_resume(resume: str, out: Path, config: dict[str, Any], processes: Proce
     verdict, failure = None, None
     if processes.main:
         try:
-            verdict = ("ok", *_checked_resume(resume, out, config, processes, accept_changed))
+            verdict = ("ok", *_checked_resume(resume, out, config, processes, accept_changed, accept_unverified))
         except Exception as error:  # every process ends, not only the main one
             failure, verdict = error, ("error", type(error).__name__, str(error))
     verdict = processes.broadcast(verdict)
@@ -548,8 +577,8 @@ def open_resume(resume: str, out: Path, config: dict[str, Any], processes: Proce
 
 
 def _checked_resume(resume: str, out: Path, config: dict[str, Any], processes: Processes,
-                    accept_changed: str | None) -> tuple[str, dict[str, Any]]:
-    path, manifest = find_checkpoint(resume, out)
+                    accept_changed: str | None, accept_unverified: bool) -> tuple[str, dict[str, Any]]:
+    path, manifest = find_checkpoint(resume, out, accept_unverified)
     if manifest is None:
         _say(f"{path}: written without a {MANIFEST}, so its files could not be verified; resuming from it as it is")
     saved = read_state(path)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,13 +22,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from doplus_cli.config import UnlearnConfig, parse_task_ids
+from doplus_cli import ownership
+from doplus_cli.config import UnlearnConfig, parse_report_to, parse_task_ids
 from doplus_cli.engine import outputs
 from doplus_cli.engine.checkpoint import list_checkpoints
 from doplus_cli.engine.loop import default_out_dir
 from doplus_cli.errors import UserError
 from doplus_cli.files import atomic_write_text
-from doplus_cli.lifecycle import folder_entries
 
 AGGREGATES = ("MU", "UFE", "TFE", "OVR")
 
@@ -46,32 +45,42 @@ def _completed(folder: Path) -> dict[str, Any] | None:
     return report if report.get("status") == "completed" else None
 
 
+CONTINUAL = "doplus unlearn --continual"  # the command the folder's record names (ownership.py)
+
+
+def continual_outputs(config: UnlearnConfig, order: list[int]) -> tuple[str, ...]:
+    """The entries a continual run writes in OUT: recorded before it writes any of them."""
+    names = ["config.yaml", "continual.json", "report.md", *(task_folder(Path(), task).name for task in order)]
+    if parse_report_to(config.report_to) and config.tracker_dir is None:
+        names.append("trackers")  # the tasks' tracker runs, side by side
+    return tuple(names)
+
+
 def _prepare(config: UnlearnConfig, out: Path, order: list[int]) -> None:
-    """A fresh OUT, or one this command may continue (--resume) or replace (--overwrite)."""
+    """A fresh OUT, or one this command may continue (--resume) or replace (--overwrite: what its record lists)."""
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: --out exists and is a file, not a folder")
-    if not out.is_dir() or not folder_entries(out):  # the lock's files do not count
+    names = continual_outputs(config, order)
+    if config.resume is None:
+        ownership.begin(out, CONTINUAL, names, config.overwrite, then=", or --resume latest to continue its tasks")
         return
-    if config.resume is not None:
-        saved = out / "config.yaml"
-        if saved.is_file():
-            import yaml
+    if not ownership.is_started(out, CONTINUAL):
+        if not ((out / "config.yaml").is_file() and any(task_folder(out, task).is_dir() for task in order)):
+            raise UserError(f"{out}: no `{CONTINUAL}` was started here (no {ownership.RECORD_NAME}), so there is "
+                            "nothing to resume; start it without --resume")
+        ownership.adopt(out, CONTINUAL, names)  # a continual run of a doplus that kept no record
+    saved = out / "config.yaml"
+    if saved.is_file():
+        import yaml
 
-            before = yaml.safe_load(saved.read_text()) or {}
-            now = {**config.to_dict(), "out": str(out), "resume": before.get("resume")}
-            changed = sorted(k for k in now if k not in ("resume", "overwrite") and before.get(k) != now[k])
-            if changed:
-                raise UserError(f"{out}: the continual run there was started with other options ({', '.join(changed)})"
-                                "; resume with the same ones, or start a new --out")
-        return
-    if not config.overwrite:
-        raise UserError(f"{out}: output folder exists and is not empty (pass --resume latest to continue its tasks, "
-                        "or --overwrite to replace them)")
-    for task in order:
-        shutil.rmtree(task_folder(out, task), ignore_errors=True)
-    for name in ("continual.json", "report.md", "config.yaml"):
-        (out / name).unlink(missing_ok=True)
-    shutil.rmtree(out / "trackers", ignore_errors=True)  # the tasks' tracker runs (--report-to)
+        before = yaml.safe_load(saved.read_text()) or {}
+        now = {**config.to_dict(), "out": str(out), "resume": before.get("resume")}
+        changed = sorted(k for k in now if k not in ("resume", "overwrite", "accept_changed", "accept_unverified")
+                         and before.get(k) != now[k])
+        if changed:
+            raise UserError(f"{out}: the continual run there was started with other options ({', '.join(changed)})"
+                            "; resume with the same ones, or start a new --out")
+    ownership.claim(out, CONTINUAL, names)
 
 
 def run_continual(config: UnlearnConfig, console: Console | None,
@@ -84,8 +93,8 @@ def run_continual(config: UnlearnConfig, console: Console | None,
         raise UserError("--task-id and --continual: the tasks come from --task-ids (give --task-ids only)")
     out = Path(config.out or default_out_dir("unlearn"))
     config = config.replace(out=str(out))
-    _prepare(config, out, order)
     out.mkdir(parents=True, exist_ok=True)
+    _prepare(config, out, order)
     outputs.write_config(out, {**config.to_dict(), "out": str(out)})
     model, rows = config.model, []
     for index, task in enumerate(order):

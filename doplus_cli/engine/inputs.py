@@ -254,6 +254,23 @@ def changes(recorded: dict[str, Any], now: dict[str, Any]) -> dict[str, list[str
     return found
 
 
+def check_data_unchanged(out: Path, config: dict[str, Any], when: str) -> None:
+    """Stop a run whose data files changed since it recorded them (an edit made while the run reads its rows
+    lazily, which would train on rows that no record names): one line naming the file. A `stat` per file unless it
+    was written since; hub datasets are left out (their cached copy does not change under a run)."""
+    recorded = read(out)
+    if recorded is None:
+        return
+    before = recorded.get("data") or {}
+    now = {label: _describe_data(spec, before.get(label)) for label, spec in _data_specs(config).items()
+           if not spec.startswith("hf:") and label in before}
+    found = changes({"data": {label: before[label] for label in now}}, {"data": now}).get("data")
+    if found:
+        raise UserError(f"{'; '.join(found)}: changed while the run was reading it; the run stopped {when} (the "
+                        "checkpoints written before are kept): restore the file and run the same command with "
+                        "--resume, or start the run again on the new file")
+
+
 def check_unchanged(checkpoint: Path, recorded: dict[str, Any] | None, software: dict[str, Any] | None,
                     config: dict[str, Any], out: Path, accept_changed: str | None,
                     say: Callable[[str], None]) -> None:

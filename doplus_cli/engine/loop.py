@@ -28,8 +28,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from doplus_cli import lifecycle
-from doplus_cli.config import TrainConfig
+from doplus_cli import lifecycle, ownership
+from doplus_cli.config import TrainConfig, parse_report_to
 from doplus_cli.data.batches import IndexStream
 from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.data.sources import MixtureSource
@@ -189,6 +189,9 @@ def _open_run(config: TrainConfig, plan: Plan, console: Console
     plan.open()  # every data file is checked before anything is written
     world = accelerator.num_processes
     fsdp = wants_fsdp(config, accelerator)
+    if config.fsdp and world == 1:
+        raise UserError("--fsdp shards the model across processes and this run has one: add --num-processes N "
+                        "(N >= 2, or start it with accelerate launch), or leave out --fsdp")
     # before the resume check: a checkpoint's config names the precision it used
     run_precision, save_dtype = training_precision.resolve(config.precision, config.dtype, config.save_dtype)
     processes = checkpoint.Processes(accelerator, sharded=fsdp and world > 1)
@@ -201,33 +204,70 @@ def _open_run(config: TrainConfig, plan: Plan, console: Console
                     out=config.out or _shared_default_out(accelerator, plan.command))
     resolved = opened.applied_to(config)
     lifecycle.hold(opened.out, f"doplus {plan.command}")  # before anything in the folder is read or written
-    if resolved.resume and _interrupted_before_a_checkpoint(resolved, Path(opened.out)):
-        if accelerator.is_main_process:
-            console.print(f"{opened.out}: no checkpoint was written before the run stopped; starting it again from "
-                          "the beginning", highlight=False)
-            outputs.prepare_out_dir(opened.out, overwrite=True)
-            inputs.record(Path(opened.out), resolved.to_dict())
-        accelerator.wait_for_everyone()
-        return accelerator, opened, None, None
+    out, main = Path(opened.out), accelerator.is_main_process
+    command, names = f"doplus {plan.command}", run_outputs(resolved, plan)
     if resolved.resume:
-        resume_from, saved = checkpoint.open_resume(resolved.resume, Path(opened.out), resolved.to_dict(), processes,
-                                                    resolved.accept_changed)
+        legacy = _check_resumable(resolved, out, command, names, main)
+        if _interrupted_before_a_checkpoint(resolved, out):
+            if main:
+                console.print(f"{out}: no checkpoint was written before the run stopped; starting it again from "
+                              "the beginning", highlight=False)
+                ownership.begin(out, command, names, overwrite=True)
+                inputs.record(out, resolved.to_dict())
+            accelerator.wait_for_everyone()
+            return accelerator, opened, None, None
+        resume_from, saved = checkpoint.open_resume(resolved.resume, out, resolved.to_dict(), processes,
+                                                    resolved.accept_changed, resolved.accept_unverified)
+        if main and legacy:
+            ownership.adopt(out, command, names)
+            console.print(f"{out}: a run written before doplus recorded its files; its entries ({', '.join(names)}) "
+                          f"are now recorded in {ownership.RECORD_NAME}", highlight=False)
+        elif main:
+            ownership.claim(out, command, names)  # what the run writes now and did not before (--report-to)
         return accelerator, opened, resume_from, saved
-    out = outputs.prepare_out_dir(opened.out, resolved.overwrite) if accelerator.is_main_process else Path(opened.out)
-    if accelerator.is_main_process:  # what a resumption compares the data, model and software with
-        inputs.record(out, resolved.to_dict())
+    if main:
+        ownership.begin(out, command, names, resolved.overwrite, then=", or --resume to continue it")
+        inputs.record(out, resolved.to_dict())  # what a resumption compares the data, model and software with
     return accelerator, opened, None, None
 
 
+def run_outputs(config: TrainConfig, plan: Plan) -> tuple[str, ...]:
+    """The entries a run of `config` writes directly in OUT: recorded in OUT's record before the run writes any of
+    them (ownership.py), so that `--overwrite` replaces exactly these and a user's own files are never touched."""
+    names = ["config.yaml", inputs.INPUTS_FILE, "metrics.jsonl", "checkpoints", "final", "report.json", "report.md"]
+    if config.select_by:
+        names.append(BEST)
+    if config.eval_every:
+        names.append("evals")  # evals/step-N/, evals/curves.png
+    if parse_report_to(config.report_to) and config.tracker_dir is None:
+        names.append("trackers")
+    return (*names, *plan.outputs(config))
+
+
+def _check_resumable(config: TrainConfig, out: Path, command: str, names: tuple[str, ...], main: bool) -> bool:
+    """`--resume` needs a started run of the command in OUT that has not finished. True: OUT holds a run written by
+    a doplus that kept no record of its files (its checkpoints and config.yaml show it), which the resumption takes
+    on once its checkpoint is accepted."""
+    if (out / "report.json").is_file():
+        raise UserError(f"{out}: the run there has finished ({out / 'report.json'}); nothing to resume (pass "
+                        "--overwrite instead of --resume to run it again)")
+    if ownership.is_started(out, command):
+        return False
+    if checkpoint.list_checkpoints(out / "checkpoints") and (out / "config.yaml").is_file():
+        return True
+    if config.resume == "latest":
+        raise UserError(f"{out}: no `{command}` was started here (no {ownership.RECORD_NAME}), so there is nothing "
+                        "to resume; start it without --resume")
+    if main:  # a checkpoint of another folder, continued in this one
+        ownership.begin(out, command, names, overwrite=False)
+    return False
+
+
 def _interrupted_before_a_checkpoint(config: TrainConfig, out: Path) -> bool:
-    """`--resume latest` on a folder without a checkpoint: a run stopped before its first one (a config.yaml at
-    most), which starts again from the beginning with the same configuration; a finished run or another
-    configuration is refused."""
+    """`--resume latest` on a started run without a checkpoint: it stopped before its first one and starts again
+    from the beginning with the same configuration; another configuration is refused."""
     if config.resume != "latest" or checkpoint.list_checkpoints(out / "checkpoints"):
         return False
-    if (out / "report.json").is_file():
-        raise UserError(f"{out}: holds a finished run and no checkpoint to resume from; pass --overwrite to run it "
-                        "again")
     saved = out / "config.yaml"
     if saved.is_file():
         import yaml
@@ -237,10 +277,6 @@ def _interrupted_before_a_checkpoint(config: TrainConfig, out: Path) -> bool:
         if keys:
             raise UserError(f"{saved}: the run in this folder was started with another configuration "
                             f"({', '.join(keys)}); resume with the same options, or pass --overwrite")
-    elif out.is_dir() and any(entry.name not in outputs.RUN_FILES for entry in lifecycle.folder_entries(out)):
-        # files that no doplus run wrote: never train among them
-        raise UserError(f"{out}: holds no doplus run to resume (no config.yaml, no checkpoint) and is not empty; "
-                        "choose another --out")
     return True
 
 
@@ -401,6 +437,7 @@ def _stop_with_checkpoint(run: Run, stop: StopRequest, step: int) -> None:
 def finish(run: Run, config: TrainConfig, plan: Plan, measured_after: dict[str, Any],
            full_weights: dict[str, torch.Tensor] | None, started: float) -> dict[str, Any]:
     """On the main process: final/, report.json and report.md, the model card and the trackers' final values."""
+    inputs.check_data_unchanged(run.out, config.to_dict(), "before writing final/")
     final, trained_dtype, lora_report = _save_final(run, config, full_weights)
     cycle = frequencies(run.objectives)
     records = run.metrics.records
@@ -436,8 +473,9 @@ def finish(run: Run, config: TrainConfig, plan: Plan, measured_after: dict[str, 
         report["eval_curves"] = _plot_curves(run.evals, run.out, plan.curve_names(config))
     if config.select_by:
         report["best"] = selection_for(config, run.evals).report(run.out)
+    outputs.complete_environment(report)
+    model_card.write_model_card(final, report, run.objectives, plan.command)  # before report.json, the last file
     outputs.write_report(run.out, report, plan.render_report)
-    model_card.write_model_card(final, report, run.objectives, plan.command)
     run.tracker.finish(report, config.steps)
     return report
 

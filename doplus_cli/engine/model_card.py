@@ -28,7 +28,7 @@ from doplus_cli.options import command_flags
 
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded default's weights (models.EMBEDDED_NAME)
 # config.yaml keys that change nothing the run computes, or that a fresh run must not repeat
-_NOT_IN_COMMAND = ("resume", "accept_changed", "overwrite", "description", "teach")
+_NOT_IN_COMMAND = ("resume", "accept_changed", "accept_unverified", "overwrite", "description", "teach")
 # report.json keys that are not results (how the run went, or said elsewhere in the card)
 _NOT_RESULTS = ("config", "environment", "evals", "eval_curves", "samples", "final", "model", "status", "data",
                 "steps_per_objective", "precision", "teach", "lora", "reference", "losses", "update_sizes",

@@ -95,6 +95,11 @@ class Plan:
     def data_report(self) -> dict[str, Any]:
         return {}
 
+    def outputs(self, config) -> tuple[str, ...]:
+        """The entries a run of `config` writes directly in OUT beyond the loop's own (`engine.loop.run_outputs`):
+        recorded before the run writes anything, so that only they are ever replaced (ownership.py)."""
+        return ()
+
     def curve_names(self, config) -> tuple[str, ...]:
         """The evaluation values of a run of `config` plotted against the step (evals/curves.png, and the bench's
         curves)."""

@@ -20,42 +20,14 @@ import torch
 import yaml
 
 from doplus_cli.engine.selection import best_lines
-from doplus_cli.errors import UserError, writing
+from doplus_cli.errors import writing
 from doplus_cli.evaluation import compute
-from doplus_cli.files import atomic_write_text
-from doplus_cli.lifecycle import folder_entries
+from doplus_cli.files import atomic_write_text, follow_umask
 from doplus_cli.optim import kernels, multi_tensor
-
-# Everything a run writes; `--overwrite` removes these and nothing else.
-RUN_FILES = ("config.yaml", "metrics.jsonl", "report.json", "report.md", "final", "best", "data", "evals", "eval",
-             "checkpoints", "trackers", "inputs.json")
-
 
 # what a run that failed to write says next (errors.WriteError)
 AGAIN = "; free space (or fix the permission), then run the same command again: --resume goes on from the newest " \
         "checkpoint, if one was written"
-
-
-def prepare_out_dir(path: str, overwrite: bool) -> Path:
-    """Create `path`, or refuse an existing non-empty folder unless `overwrite` (the lock's files do not count)."""
-    out = Path(path)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{path}: --out exists and is a file, not a folder")
-    if out.is_dir() and folder_entries(out):
-        if not overwrite:
-            raise UserError(f"{path}: output folder exists and is not empty (pass --overwrite to replace its run)")
-        with writing(out):
-            for name in RUN_FILES:
-                target = out / name
-                if target.is_dir():
-                    shutil.rmtree(target)
-                elif target.exists():
-                    target.unlink()
-            for stale in out.glob("*.tmp*"):
-                shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink()
-    with writing(out, "; choose another --out"):
-        out.mkdir(parents=True, exist_ok=True)
-    return out
 
 
 def write_config(out: Path, resolved: dict[str, Any]) -> None:
@@ -95,6 +67,7 @@ def save_final(model: torch.nn.Module, tokenizer, out: Path, state_dict: dict | 
         with writing(final, AGAIN):
             model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": state_dict} if state_dict else {}))
             tokenizer.save_pretrained(tmp)
+            follow_umask(tmp)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -363,10 +336,9 @@ def environment_lines(env: dict[str, Any]) -> list[str]:
               f"slower): {reason}" for dtype, reason in (env.get("linear_fallbacks") or {}).items())]
 
 
-def write_report(out: Path, report: dict[str, Any], render: Callable[[dict[str, Any]], str]) -> None:
-    """report.md (written by `render`, the command's own), then report.json; the
-    environment records the compiled kernels that fell back to eager code in this process, and the dtypes whose
-    linear layers evaluations could not run on oneDNN's packed product on this CPU."""
+def complete_environment(report: dict[str, Any]) -> None:
+    """The report's environment records the compiled kernels that fell back to eager code in this process, and the
+    dtypes whose linear layers evaluations could not run on oneDNN's packed product on this CPU."""
     failed = {**kernels.fallbacks(), **multi_tensor.fallbacks()}
     if "environment" in report and failed:
         report["environment"]["eager_fallbacks"] = failed
@@ -374,5 +346,11 @@ def write_report(out: Path, report: dict[str, Any], render: Callable[[dict[str, 
                 if reason is not None}
     if "environment" in report and unpacked:
         report["environment"]["linear_fallbacks"] = unpacked
+
+
+def write_report(out: Path, report: dict[str, Any], render: Callable[[dict[str, Any]], str]) -> None:
+    """report.md (written by `render`, the command's own), then report.json, last: a folder with report.json holds
+    a finished run (`complete_environment` first)."""
+    complete_environment(report)
     atomic_write_text(out / "report.md", render(report))
     atomic_write_text(out / "report.json", json.dumps(report, indent=2) + "\n")

@@ -8,7 +8,6 @@ chosen suites need and runs each one's `run(context)` in the order given."""
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -17,9 +16,9 @@ from typing import Any
 
 from rich.console import Console
 
-from doplus_cli import decoding, lifecycle
+from doplus_cli import decoding, lifecycle, ownership
 from doplus_cli.data.formatting import check_prompt_template
-from doplus_cli.errors import UserError
+from doplus_cli.errors import UserError, writing
 from doplus_cli.evaluation.attacks import ATTACKS, QA_SUITES, parse_attacks, parse_relearn_steps
 from doplus_cli.evaluation.compute import compute_floor, linear_kernel, matmul_gflops, packed_linears
 from doplus_cli.evaluation.lm_eval_suite import LM_EVAL_SUITE
@@ -119,24 +118,32 @@ def load_judges(config: EvalConfig, device: str, need: bool) -> Judges:
 FINISHED_SUITES = "suites.partial.json"
 
 
-def prepare_eval_dir(path: str, overwrite: bool, resume: bool = False) -> Path:
-    """Create `path`, or refuse one holding an evaluation unless `overwrite` (replace it) or `resume` (an
-    interrupted one, continued)."""
+EVALUATE = "doplus evaluate"  # the command an evaluation folder's record names (ownership.py)
+
+
+def eval_outputs(suites: tuple[str, ...]) -> tuple[str, ...]:
+    """The entries `doplus evaluate` of `suites` writes in its folder: recorded before it writes any of them."""
+    names = [name for suite in suites if suite in SUITE_REGISTRY for name in SUITE_REGISTRY[suite].files]
+    return (*names, "SUMMARY.json", "report.md", "eval.json", FINISHED_SUITES, "attacks")
+
+
+def prepare_eval_dir(path: str, overwrite: bool, resume: bool = False, suites: tuple[str, ...] = ()) -> Path:
+    """Create `path`, or refuse one holding an evaluation unless `overwrite` (what that evaluation wrote is removed,
+    nothing else) or `resume` (an interrupted one, continued); files of the user's that an evaluation of `suites`
+    would write over are refused in one line."""
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise UserError(f"{path}: --out exists and is a file, not a folder")
-    names = (*(name for suite in SUITE_REGISTRY.values() for name in suite.files), "SUMMARY.json", "report.md",
-             "eval.json", FINISHED_SUITES)
-    if resume and not overwrite and (out / "eval.json").is_file():
-        raise UserError(f"{path}: holds a finished evaluation, nothing to resume (pass --overwrite to run it again)")
-    if out.is_dir() and any((out / n).exists() for n in names) and not (resume and not overwrite):
-        if not overwrite:
-            raise UserError(f"{path}: holds an evaluation already (pass --overwrite to replace it, or --resume to "
-                            "continue an interrupted one)")
-        for n in names:
-            (out / n).unlink(missing_ok=True)
-        shutil.rmtree(out / "attacks", ignore_errors=True)  # the attacked runs' files
-    out.mkdir(parents=True, exist_ok=True)
+    with writing(out, "; choose another --out"):
+        out.mkdir(parents=True, exist_ok=True)
+    names = eval_outputs(suites)
+    if resume and ownership.is_started(out, EVALUATE):
+        if (out / "eval.json").is_file():
+            raise UserError(f"{path}: holds a finished evaluation, nothing to resume (pass --overwrite instead of "
+                            "--resume to run it again)")
+        ownership.claim(out, EVALUATE, names)
+        return out
+    ownership.begin(out, EVALUATE, names, overwrite, then=", or --resume to continue an interrupted one")
     return out
 
 
@@ -336,7 +343,7 @@ def _run_evaluate(config: EvalConfig, console: Console | None, attacks: AttackRu
         check_responses(config)
     check_attacks(config)
     out = lifecycle.hold(config.out or "evals/" + time.strftime("%Y%m%d-%H%M%S"), "doplus evaluate")
-    out = prepare_eval_dir(str(out), config.overwrite, config.resume)
+    out = prepare_eval_dir(str(out), config.overwrite, config.resume, config.suites)
     lifecycle.stage("loading the model")
     if config.responses is not None and "lm-eval" not in config.suites:  # nothing to generate: no model
         model, tokenizer, name = None, None, f"responses from {config.responses}"

@@ -21,7 +21,8 @@ from doplus_cli.bench.schemes.grid import failure_record, record_failure
 from doplus_cli.bench.schemes.planning import Bench, Run, completed_report, start_folder
 from doplus_cli.engine.checkpoint import list_checkpoints
 from doplus_cli.errors import RunError, UserError, writing
-from doplus_cli.lifecycle import FolderInUse, folder_entries, holding, in_use
+from doplus_cli.lifecycle import FolderInUse, holding, in_use
+from doplus_cli.ownership import RECORD_NAME
 
 
 class Stopped(UserError):
@@ -179,12 +180,9 @@ class Runner:
         if checkpoints:
             command.append("--resume")
             self._say(label, f"resumed from {checkpoints[-1].name} (log: {run.log})")
-        elif (run.folder / "config.yaml").is_file():  # stopped before its first checkpoint: --resume starts it again
+        elif (run.folder / RECORD_NAME).is_file():  # stopped before its first checkpoint: --resume starts it again
             command.append("--resume")
             self._say(label, f"started again: it stopped before its first checkpoint (log: {run.log})")
-        elif run.folder.exists() and folder_entries(run.folder):
-            command.append("--overwrite")
-            self._say(label, f"started again: its folder held no run (log: {run.log})")
         else:
             self._say(label, f"started (log: {run.log})")
         if self.num_processes and self.num_processes > 1:

@@ -1,0 +1,240 @@
+"""A user's files are never deleted or written over: an output folder's record (ownership.py) lists what doplus
+wrote there, `--overwrite` removes exactly that, `--resume` needs a run that was started, and the folder's lock is
+never taken from the run that holds it.
+
+The documented flow comes first: `doplus recipes copy quickstart my-run/`, then a run with `--out my-run`, which
+must keep the recipe's own data/ whether or not `--overwrite` is given."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from doplus_cli import lifecycle, ownership
+from doplus_cli.errors import UserError
+from tests.helpers import run_cli, write_sets
+
+
+@pytest.fixture(scope="module")
+def data(tofu_dir, tmp_path_factory):
+    return write_sets(tofu_dir, tmp_path_factory.mktemp("user-files-data"), 6, 8)
+
+
+def args(model, data, out, *extra):
+    return ["unlearn", "--model", model, "--forget", data / "forget.jsonl", "--retain", data / "retain.jsonl",
+            "--loss", "GA+GD", "--steps", 2, "--lr", 1e-3, "--batch-size", 2, "--max-length", 48,
+            "--show-samples", 0, "--out", out, *extra]
+
+
+def tree(folder: Path) -> dict[str, str]:
+    """Every file under `folder` (lock files aside) with the sha256 of its contents."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.startswith(".doplus")}
+
+
+def error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    return lines[0]
+
+
+def test_the_documented_recipes_copy_flow_keeps_the_recipes_own_data(tiny_chat_llama, tmp_path, capsys):
+    """`recipes copy quickstart my-run/` puts the recipe's data in my-run/data/; a run with --out my-run (the
+    model's own answers go to answers/, not data/) then works, and so does the same run with --overwrite, and the
+    data is byte for byte what was copied."""
+    folder = tmp_path / "my-run"
+    assert run_cli("recipes", "copy", "quickstart", f"{folder}/") == 0
+    copied = tree(folder)
+    assert any(name.startswith("data/") for name in copied)
+    run = ["unlearn", "--recipe", folder / "quickstart.yaml", "--out", folder, "--model", tiny_chat_llama,
+           "--steps", 2, "--max-new-tokens", 4, "--show-samples", 0, "--max-length", 48]
+    assert run_cli(*run) == 0
+    assert (folder / "final").is_dir() and (folder / "answers" / "forget.jsonl").is_file()
+    assert {k: v for k, v in tree(folder).items() if k in copied} == copied
+    capsys.readouterr()
+    assert run_cli(*run) == 2  # a run is there now: replacing it needs --overwrite
+    line = error_line(capsys)
+    assert "holds a `doplus unlearn` started" in line and "--overwrite" in line, line
+    assert run_cli(*run, "--overwrite") == 0
+    assert {k: v for k, v in tree(folder).items() if k in copied} == copied
+    record = ownership.read(folder)
+    assert "data" not in record["entries"] and "answers" in record["entries"]
+
+
+def test_overwrite_removes_exactly_what_the_run_recorded(tiny_llama, data, tmp_path, capsys):
+    """User files beside a run (made before it, and after it) survive --overwrite; the run's own entries are
+    replaced; a user file where the run must write stops the run in one line, with or without --overwrite, and
+    is left as it was."""
+    out = tmp_path / "out"
+    (out / "mine").mkdir(parents=True)
+    (out / "mine" / "notes.txt").write_text("mine\n")
+    (out / "evals").mkdir()  # the run writes evals/ only with --eval-every: this one is the user's
+    (out / "evals" / "keep.txt").write_text("mine too\n")
+    assert run_cli(*args(tiny_llama, data, out)) == 0
+    (out / "later.txt").write_text("written after the run\n")
+    before = tree(out)
+    first = json.loads((out / "report.json").read_text())["wall_time_s"]
+    assert run_cli(*args(tiny_llama, data, out, "--overwrite")) == 0
+    after = tree(out)
+    for name in ("mine/notes.txt", "evals/keep.txt", "later.txt"):
+        assert after[name] == before[name]
+    assert json.loads((out / "report.json").read_text())["wall_time_s"] != first  # replaced, not kept
+    assert "evals" not in ownership.read(out)["entries"]
+
+    clash = tmp_path / "clash"
+    clash.mkdir()
+    (clash / "report.md").write_text("my own report\n")
+    for extra in ((), ("--overwrite",)):
+        capsys.readouterr()
+        assert run_cli(*args(tiny_llama, data, clash, *extra)) == 2
+        line = error_line(capsys)
+        assert f"{clash / 'report.md'}: exists and doplus did not write it" in line, line
+        assert (clash / "report.md").read_text() == "my own report\n"
+        assert not (clash / "config.yaml").exists() and not (clash / ownership.RECORD_NAME).exists()
+
+
+def test_resume_where_no_run_was_started_refuses_and_deletes_nothing(tiny_llama, data, tmp_path, capsys,
+                                                                      monkeypatch, tofu_dir):
+    """The README's layout: TOFU in data/tofu/ of the working directory, and `--out . --resume` there."""
+    work = tmp_path / "work"
+    (work / "data" / "tofu").mkdir(parents=True)
+    for name in ("forget10.json", "retain90.json"):
+        if (tofu_dir / name).is_file():
+            shutil.copy(tofu_dir / name, work / "data" / "tofu" / name)
+    (work / "data" / "tofu" / "notes.txt").write_text("mine\n")
+    before = tree(work)
+    monkeypatch.chdir(work)
+    capsys.readouterr()
+    assert run_cli(*args(tiny_llama, data, ".", "--resume")) == 2
+    line = error_line(capsys)
+    assert "no `doplus unlearn` was started here" in line and "nothing to resume" in line, line
+    assert tree(work) == before
+
+
+def test_a_damaged_or_foreign_record_is_one_line_and_nothing_is_deleted(tiny_llama, data, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious").mkdir()
+    (out / "precious" / "thesis.tex").write_text("years of work\n")
+    for record in ('{"format": 1, "command": "doplus unlearn", "entries": ["../precious"]}',
+                   '{"format": 1, "command": "doplus unlearn", "entries": ["precious/thesis.tex"]}',
+                   '{"format": 1, "command": "doplus unlearn", "entries": ',
+                   '[' * 100_000):
+        (out / ownership.RECORD_NAME).write_text(record)
+        capsys.readouterr()
+        assert run_cli(*args(tiny_llama, data, out, "--overwrite")) == 2
+        line = error_line(capsys)
+        assert "unreadable record of what doplus wrote" in line and len(line) < 400, line
+        assert (out / "precious" / "thesis.tex").read_text() == "years of work\n"
+    (out / ownership.RECORD_NAME).write_text('{"format": 1, "command": "doplus evaluate", "entries": ["precious"]}')
+    assert run_cli(*args(tiny_llama, data, out, "--overwrite")) == 2
+    assert "holds the files of a `doplus evaluate`" in error_line(capsys)
+    assert (out / "precious" / "thesis.tex").is_file()
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (("--resume", "--overwrite"), "--resume and --overwrite"),
+    (("--keep-last", 0), "--keep-last"),
+    (("--accept-unverified",), "--accept-unverified applies to a resumed run"),
+    (("--fsdp",), "--fsdp shards"),
+])
+def test_flags_that_contradict_each_other_or_mean_nothing_are_refused(tiny_llama, data, tmp_path, capsys, extra,
+                                                                      expected):
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert run_cli(*args(tiny_llama, data, out, *extra)) == 2
+    line = error_line(capsys)
+    assert expected in line, line
+    assert not out.exists() or not any(out.iterdir())
+
+
+def _holder_file(folder: Path) -> None:
+    (folder / lifecycle.HOLDER_NAME).write_text(json.dumps({"host": "h", "pid": 1, "command": "doplus unlearn",
+                                                            "since": "now"}))
+
+
+def test_a_start_that_loses_the_race_for_a_new_folder_never_removes_the_winners_lock_or_folder(tmp_path,
+                                                                                                monkeypatch):
+    """This start creates the folder, and another run takes its lock first (between this one's mkdir and its lock):
+    this one stops in one line, and the winner's lock file, holder file and folder stay."""
+    folder = tmp_path / "new"
+    winner: dict[str, lifecycle.FolderLock] = {}
+    real_flock = fcntl.flock
+
+    def winner_first(fd, operation):
+        if not winner:
+            lock = lifecycle.FolderLock(folder / lifecycle.LOCK_NAME)
+            winner["lock"] = lock  # its own descriptor: flock refuses this start's
+            assert lock.acquire(blocking=False)
+            _holder_file(folder)
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", winner_first)
+    with pytest.raises(lifecycle.FolderInUse, match="another doplus run holds this folder"):
+        with lifecycle.run_guard():
+            lifecycle.hold(folder, "doplus unlearn")
+    monkeypatch.setattr(fcntl, "flock", real_flock)
+    assert (folder / lifecycle.LOCK_NAME).is_file() and (folder / lifecycle.HOLDER_NAME).is_file()
+    assert lifecycle.in_use(folder) is not None  # still held, by the winner
+    winner["lock"].release()
+
+
+def test_a_lock_granted_on_a_file_its_holder_removed_is_not_held(tmp_path, monkeypatch):
+    """A start opened the lock file just before its holder removed it (a run that failed on bad input removes the
+    folder it created) and is granted the lock just after, while a third run holds the file now at the path: the
+    late start must see the folder as held, never believe it holds it beside the third."""
+    folder = tmp_path / "f"
+    folder.mkdir()
+    first = lifecycle.FolderLock(folder / lifecycle.LOCK_NAME)
+    assert first.acquire(blocking=False)
+    third: dict[str, lifecycle.FolderLock] = {}
+    real_flock = fcntl.flock
+
+    def holder_leaves_and_a_third_run_comes(fd, operation):
+        if not third:
+            (folder / lifecycle.LOCK_NAME).unlink()  # the holder's clean-up
+            first.release()
+            lock = lifecycle.FolderLock(folder / lifecycle.LOCK_NAME)
+            third["lock"] = lock
+            assert lock.acquire(blocking=False)  # a new file at the path
+        return real_flock(fd, operation)
+
+    late = lifecycle.FolderLock(folder / lifecycle.LOCK_NAME)
+    monkeypatch.setattr(fcntl, "flock", holder_leaves_and_a_third_run_comes)
+    assert late.acquire(blocking=False) is False
+    third["lock"].release()
+    assert late.acquire(blocking=False) is True  # free now: taken on the file at the path
+    late.release()
+
+
+def test_a_file_system_without_locks_is_one_line(tmp_path, monkeypatch):
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with pytest.raises(UserError, match="cannot lock the folder"):
+        with lifecycle.run_guard():
+            lifecycle.hold(tmp_path / "nfs", "doplus unlearn")
+    assert not (tmp_path / "nfs").exists()  # created by this start, which held nothing: removed again
+
+
+def test_files_a_run_writes_follow_the_umask(tiny_llama, data, tmp_path):
+    """safetensors writes its files 0600; a run's weights are readable as the process's umask says, like every
+    other file it writes (colleagues on a shared cluster read final/)."""
+    previous = os.umask(0o022)
+    try:
+        out = tmp_path / "shared"
+        assert run_cli(*args(tiny_llama, data, out, "--steps", 3, "--save-every", 2)) == 0
+    finally:
+        os.umask(previous)
+    for path in (out / "final" / "model.safetensors", out / "checkpoints" / "step-2" / "model.safetensors",
+                 out / "checkpoints" / "step-2" / "optimizer.pt", out / "report.json", out / "config.yaml"):
+        assert oct(path.stat().st_mode & 0o777) == oct(0o644), path
