@@ -10,7 +10,7 @@
   Python's own standard library installed on this machine, the answer its next line (metric `edit_sim`).
 
 Every file is in the TRACE layout {"prompt": ..., "answer": ...}; rows are seeded, so the same Python
-version writes the same files. The committed files were written with Python 3.11.
+version writes the same files; the shipped files are Python 3.11's.
 """
 
 from __future__ import annotations
