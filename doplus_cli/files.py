@@ -24,6 +24,17 @@ def atomic_write_text(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def save_figure(figure: Any, path: Path, dpi: int = 120) -> None:
+    """A matplotlib figure as PNG, written aside and renamed as `atomic_write_text` writes text."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with writing(path):
+            figure.savefig(tmp, dpi=dpi, format="png")
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_json(path: Path, data: Any) -> None:
     """`data` as indented JSON, written atomically."""
     atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")

@@ -322,7 +322,8 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
            "both]"),
     Option("--tasks", str, "lm-eval tasks, comma-separated."),
     Option("--limit", float, "lm-eval: samples per task (or a fraction < 1)."),
-    Option("--lm-eval-include", str, "Folder of extra lm-eval task YAMLs."),
+    Option("--lm-eval-include", str, "Folder of extra lm-eval task YAMLs. lm-eval runs the Python a task names "
+           "(`!function file.fn`) from that folder: give only a folder whose code you trust."),
     Option("--protocol", str, PROTOCOL_HELP),
     Option("--retain-logs", str, "A retain model's TOFU_EVAL.json (doplus's or OpenUnlearning's): forget_quality "
            "and privleak's reference AUC; muse: a retrained model's MUSE_EVAL.json."),

@@ -34,7 +34,9 @@ from typing import Any
 
 import torch
 
+from doplus_cli import ownership
 from doplus_cli.config import resolve_config
+from doplus_cli.files import atomic_write_text, write_json
 from doplus_cli.models import load_model_and_tokenizer
 
 MODES = ("fp32", "bf16-mixed", "bf16", "bf16-uncompensated")
@@ -52,7 +54,7 @@ def write_data(folder: Path) -> tuple[Path, Path]:
                        f"{('baker', 'pilot', 'nurse', 'painter')[i % 4]} there."} for i, name in enumerate(_NAMES)]
     paths = folder / "forget.jsonl", folder / "retain.jsonl"
     for path, part in zip(paths, (rows[:16], rows[16:])):
-        path.write_text("".join(json.dumps(row) + "\n" for row in part))
+        atomic_write_text(path, "".join(json.dumps(row) + "\n" for row in part))
     return paths
 
 
@@ -90,6 +92,9 @@ def run_precision_bench(model: str | None, out: Path, steps: int = 20, lr: float
     from doplus_cli.commands.unlearn import run_unlearn
 
     out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    # the bench's own folder: a run again replaces what the last one wrote, and nothing of anyone else's
+    ownership.begin(out, "doplus bench precision", ("data", *MODES, "precision.json"), overwrite=True)
     forget, retain = write_data(out / "data")
     start = _start_weights(model)
     finals: dict[str, dict[str, torch.Tensor]] = {}
@@ -128,7 +133,7 @@ def run_precision_bench(model: str | None, out: Path, steps: int = 20, lr: float
             del row[key]
     result = {"model": model or "embedded SmolLM2-135M-Instruct", "steps": steps, "lr": lr,
               "threads": torch.get_num_threads(), "rows": rows}
-    (out / "precision.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out / "precision.json", result)
     return result
 
 

@@ -40,6 +40,7 @@ from doplus_cli.engine.schedule import JOINT, linear_warmup_schedule, objective_
 from doplus_cli.engine.selection import BEST, Selection, selection_for
 from doplus_cli.engine.similarity import UpdateSimilarity
 from doplus_cli.errors import RunError, UserError, worker_exit_code
+from doplus_cli.files import save_figure
 from doplus_cli.lifecycle import StopRequest
 from doplus_cli.lora import LoraSettings, adapter_norms, apply_lora, final_model
 from doplus_cli.losses import LossContext, PartTally, local_token_count
@@ -734,8 +735,10 @@ def _plot_curves(evals: list[dict[str, Any]], out: Path, names: Sequence[str]) -
     path = out / "evals" / "curves.png"
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        save_figure(fig, path)
+    finally:
+        plt.close(fig)
     return str(path)
 
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import statistics
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 
 from doplus_cli.bench.adapters import adapter_named
 from doplus_cli.bench.schemes.summary import Result, row_label
+from doplus_cli.files import save_figure
 
 
 def _pyplot():
@@ -24,11 +24,11 @@ def _pyplot():
 
 def _save(fig, path: Path) -> str:
     """Save as PNG under a temporary name, then rename (as `atomic_write_text` does for text)."""
-    tmp = path.with_name(path.name + ".tmp")
     fig.tight_layout()
-    fig.savefig(tmp, dpi=120, format="png")
-    os.replace(tmp, path)
-    _pyplot().close(fig)
+    try:
+        save_figure(fig, path)
+    finally:
+        _pyplot().close(fig)
     return path.name
 
 
