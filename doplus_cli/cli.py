@@ -68,10 +68,12 @@ def _train(command: str, values: dict[str, Any]) -> None:
     dry_run, gpu_memory = values.pop("dry_run"), values.pop("gpu_memory")
     training = command_named(command)
     config = resolve_config(recipe, values, training.config_class)
-    if dry_run:  # the memory plan from the model's config alone: nothing trained, loaded or written
-        from doplus_cli.engine.memory_plan import dry_run as memory_plan
+    if dry_run:  # every check before the model loads, and the plan: nothing loaded, trained or written
+        from doplus_cli.engine.teach import teaching_plan
 
-        print(memory_plan(config, num_processes, gpu_memory))
+        teaching = (teaching_plan(config, lambda teach: command_named("multitask").bound(teach).open())
+                    if config.teach else None)
+        print(training.dry_run(config, num_processes, gpu_memory, teaching))
         return
     launched = "LOCAL_RANK" in os.environ  # a worker of accelerate launch: the engine names and holds the folder
     launching = num_processes is not None and num_processes > 1 and not launched
@@ -132,8 +134,14 @@ def evaluate(**values: Any) -> None:
         raise UserError(f"unexpected argument '{folders[0]}' (folders are only taken with --compare)")
     from doplus_cli.evaluation.summary import print_summary
 
+    dry_run = values.pop("dry_run")
     values = options.with_recipe(context, recipe, values, options.EVALUATE_PATH_KEYS)
     config = resolve_eval_config(values)
+    if dry_run:
+        from doplus_cli.evaluation.runner import evaluate_dry_run
+
+        print(evaluate_dry_run(config))
+        return
     runner = None
     if config.attacks:  # relearning trains through the engine, which the evaluation layer cannot import
         from doplus_cli.engine.attacks import attack_runner
@@ -164,10 +172,16 @@ def bench_optimizer(**values: Any) -> None:
     from doplus_cli.bench.optimizer import BenchConfig, print_table, run_optimizer_bench
 
     context, recipe, as_json = values.pop("context"), values.pop("recipe"), values.pop("json")
+    dry_run = values.pop("dry_run")
     given = options.with_recipe(context, recipe, values, ())
     stability, v_floor, seed = given.pop("stability"), given.pop("v_floor"), given["seed"]
     if v_floor is not None and not stability:
         raise UserError("--v-floor sets the floors of --stability's safeguarded rows: add --stability")
+    if dry_run:
+        from doplus_cli.bench.optimizer import optimizer_dry_run
+
+        print(optimizer_dry_run(BenchConfig.from_cli(**given), stability))
+        return
     if stability:
         from doplus_cli.bench.stability import parse_floors, print_stability, stability_rows
 
@@ -199,12 +213,18 @@ def bench_precision(**values: Any) -> None:
     from doplus_cli.bench.precision import MODES, print_table, run_precision_bench
 
     context, recipe, as_json = values.pop("context"), values.pop("recipe"), values.pop("json")
+    dry_run = values.pop("dry_run")
     given = options.with_recipe(context, recipe, values, ("model",))  # a model folder: next to the recipe first
     model, out, steps, lr, modes = (given[name] for name in ("model", "out", "steps", "lr", "modes"))
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
     unknown = [m for m in chosen if m not in MODES]
     if unknown or not chosen:
         raise UserError(f"--modes {modes}: choose from {', '.join(MODES)}")
+    if dry_run:
+        from doplus_cli.bench.precision import precision_dry_run
+
+        print(precision_dry_run(model, out, steps, lr, chosen))
+        return
     _quiet_libraries()
     result = run_precision_bench(model, out, steps, lr, chosen, say=lambda line: err_console.print(Text(line)))
     if as_json:
@@ -231,16 +251,23 @@ def bench_schemes(**values: Any) -> None:
     )
 
     (recipe, schemes, seeds, task_ids, out, set_options, sweep, log_update_similarity, num_processes, fsdp,
-     keep_checkpoints, summarize_from, list_runs, as_json, indexes, run_index, summarize) = (
+     keep_checkpoints, summarize_from, list_runs, as_json, indexes, run_index, summarize, dry_run) = (
         values[name] for name in options.COMMAND_OPTIONS["bench schemes"])
     modes = [flag for flag, given in (("--list-runs", list_runs), ("--run-index", run_index is not None),
-                                      ("--summarize", summarize)) if given]
+                                      ("--summarize", summarize), ("--dry-run", dry_run)) if given]
     if len(modes) > 1:
         raise UserError(f"{' and '.join(modes)}: give one of them")
     if (as_json or indexes is not None) and not list_runs:
         raise UserError(f"{'--json' if as_json else '--indexes'} goes with --list-runs")
     # Without a terminal (a batch job's log) rich would fold the tables into 80 columns.
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    if dry_run:
+        from doplus_cli.bench.schemes import schemes_dry_run
+
+        bench = plan(recipe, schemes, seeds, out, list(set_options or []), sweep, log_update_similarity, task_ids,
+                     summarize_from)
+        print(schemes_dry_run(bench, num_processes, fsdp))
+        return
     if list_runs:
         states_wanted = parse_states(indexes) if indexes is not None else None
         bench = plan(recipe, schemes, seeds, out, list(set_options or []), sweep, log_update_similarity, task_ids,

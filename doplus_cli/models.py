@@ -134,6 +134,56 @@ def model_folder(spec: str | None) -> tuple[str, str]:
     return spec, spec
 
 
+def check_model(spec: str | None) -> tuple[str, bool]:
+    """What a run would load as its model, checked without loading its weights: (a line saying what was found,
+    whether its config.json is at hand for the memory plan). A local model that is missing, not a model, or holds
+    a weights file that is cut short or damaged is one line; a hub id is looked up in the local cache, reported as
+    not checked where it is not there and the hub cannot be asked (offline), and asked for otherwise."""
+    if spec is None:
+        return f"{EMBEDDED_NAME}: {embedded_gguf_path()}", True
+    expanded = Path(os.path.expanduser(spec))
+    if expanded.is_file():
+        if expanded.suffix != ".gguf":
+            model_folder(spec)  # a file of another kind: its one line
+        with open(expanded, "rb") as handle:
+            if handle.read(4) != b"GGUF":
+                raise UserError(f"{spec}: a corrupt or unreadable model file (not a GGUF file: no GGUF header)")
+        return f"{spec}: a GGUF file, {expanded.stat().st_size / 1e9:.2f} GB", True
+    if expanded.is_dir():
+        model_folder(spec)  # no config.json: one line
+        found = damaged(expanded)
+        if found is not None:
+            raise UserError(f"{found[0]}: a corrupt or unreadable model file ({found[1]})")
+        files = weights_files(expanded)
+        if not files:
+            raise UserError(f"{spec}: a model folder without weights (no .safetensors or .bin file)")
+        return f"{spec}: a model folder, {sum(f.stat().st_size for f in files) / 1e9:.2f} GB of weights", True
+    if looks_like_path(spec):
+        raise UserError(f"{spec}: model path does not exist")
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(spec, "config.json")
+    except ValueError as error:  # not a repository id huggingface_hub accepts
+        raise UserError(f"{spec}: not a model folder, a .gguf file or a hub id ({error})".splitlines()[0]) from None
+    if isinstance(cached, str):
+        return f"{spec}: in the local Hugging Face cache", True
+    if hub_offline() or not hub_reachable():
+        return (f"{spec}: not checked (not in the local Hugging Face cache, and the hub cannot be reached here; "
+                "the run downloads it)"), False
+    from huggingface_hub import model_info
+
+    bound_hub_waits()
+    try:
+        model_info(spec)
+    except Exception as error:  # noqa: BLE001 - said in one line where it came from the hub, else passed on
+        failure = _hub_error(spec, error)
+        if failure is None:
+            raise
+        raise failure from error
+    return f"{spec}: on the hub (the run downloads it)", True
+
+
 def hub_offline(*also: str) -> bool:
     """Whether Hugging Face offline mode is set (HF_HUB_OFFLINE, or any of the variables in `also`)."""
     return any(os.environ.get(name, "").lower() in ("1", "true", "yes", "on") for name in ("HF_HUB_OFFLINE", *also))

@@ -208,9 +208,21 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
     Option("--num-processes", int, "Run on N processes through `accelerate launch` (N GPUs, or N CPU processes "
            "over gloo).", min=1, words={"bench schemes": "Processes per run."}),
     Option("--save-every", int, "Write checkpoints/step-N/ every N steps [default: never]"),
-    Option("--dry-run", bool, "Print the run's memory plan (parameters; bytes of weights, gradients, optimizer "
-           "states, activations; the total per process under DDP and FSDP for --num-processes) from the model's "
-           "config alone, and exit without training or writing anything."),
+    Option("--dry-run", bool, "Make every check the run makes before its model loads (recipe, data files and the "
+           "fields the loss needs, the model found, the output folder, a resumption's checkpoint) and print what it "
+           "would do (data, steps, what happens to --out, the memory plan per process under DDP and FSDP for "
+           "--num-processes); then exit, having loaded, trained and written nothing. A failed check is the run's "
+           "own one line (exit code 2).",
+           words={"evaluate": "Make every check the evaluation makes before its model loads (recipe, data files and "
+                              "fields, the model found, the output folder) and print what it would do; then exit, "
+                              "having loaded and written nothing. A failed check is its own one line (exit code 2).",
+                  "bench schemes": "Make every check the bench makes (recipe, schemes, evaluation suite, output "
+                                   "folder; each forget task's data and the model, as its runs would) and print its "
+                                   "runs; then exit, having run and written nothing.",
+                  "bench optimizer": "Check the options and print what would be timed; then exit, having timed "
+                                     "nothing.",
+                  "bench precision": "Check the options, the model and the output folder and print the runs; then "
+                                     "exit, having trained and written nothing."}),
     Option("--gpu-memory", float, "With --dry-run: the GPU memory (GiB) the plan is checked against [default: the "
            "visible GPU's]", min=0),
     Option("--accept-changed", str, "With --resume: go on although these inputs changed since the run started: "
@@ -399,15 +411,17 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
         "targeted", "tasks", "limit", "lm_eval_include", "dtype", "trust_remote_code", "overwrite", "resume", "seed",
         "prompt_template", "protocol", "retain_logs", "holdout", "guard_model", "refusal_model",
         "refusal_model_prompt", "safety_data_dir", "responses", "muse_corpus", "muse_data", "muse_retrained",
-        "attacks", "relearn_data", "relearn_steps",
+        "attacks", "relearn_data", "relearn_steps", "dry_run",
     ),
     "bench optimizer": (
         "recipe", "params", "dtype", "device", "steps", "warmup", "only", "json", "seed", "stability", "v_floor",
+        "dry_run",
     ),
-    "bench precision": ("recipe", "model", "out", "steps", "lr", "modes", "json"),
+    "bench precision": ("recipe", "model", "out", "steps", "lr", "modes", "json", "dry_run"),
     "bench schemes": (
         "recipe", "schemes", "seeds", "task_ids", "out", "set", "sweep", "log_update_similarity", "num_processes",
         "fsdp", "keep_checkpoints", "summarize_from", "list_runs", "json", "indexes", "run_index", "summarize",
+        "dry_run",
     ),
 }
 

@@ -94,20 +94,31 @@ def _refuse_collisions(folder: Path, names: Iterable[str], recorded: Iterable[st
                             f"; this run writes there: move it, or choose another --out")
 
 
+def check_start(folder: Path, command: str, names: Iterable[str], overwrite: bool, then: str = "") -> list[str]:
+    """What a fresh start of `command` in `folder` would find, without changing anything: the refusals `begin`
+    makes (one line each), else the recorded entries `overwrite` would remove (`--dry-run` says which)."""
+    folder = Path(folder)
+    record = read(folder)
+    removed: list[str] = []
+    if record is not None:
+        _same_command(folder, record, command)
+        if not overwrite:
+            raise UserError(f"{folder}: holds a `{command}` started {record.get('started', 'earlier')} (pass "
+                            f"--overwrite to replace what it wrote{then})")
+        removed = present(folder, record)
+    _refuse_collisions(folder, names, removed)
+    return removed
+
+
 def begin(folder: Path, command: str, names: Iterable[str], overwrite: bool, then: str = "") -> None:
     """A fresh start of `command` in `folder`, which will write the entries `names`. A folder holding an earlier
     start of the command is refused unless `overwrite`, which removes exactly what that start recorded (`then`: how
     the refusal goes on, e.g. the --resume hint); a folder of another command's is refused; an entry in `names` that
     exists unrecorded is refused. Then the record, before anything of the run is written."""
     folder = Path(folder)
-    record = read(folder)
-    if record is not None:
-        _same_command(folder, record, command)
-        if not overwrite:
-            raise UserError(f"{folder}: holds a `{command}` started {record.get('started', 'earlier')} (pass "
-                            f"--overwrite to replace what it wrote{then})")
-        remove_recorded(folder, record)
-    _refuse_collisions(folder, names, [])
+    names = list(names)
+    if check_start(folder, command, names, overwrite, then):
+        remove_recorded(folder)
     with writing(folder):
         _write(folder, command, _twins(names))
 

@@ -26,13 +26,14 @@ def eight_bit(n: int) -> int:
 
 @pytest.fixture(scope="module")
 def config_only_model(tmp_path_factory):
-    """A model folder with its config.json and a weight file that cannot be read as one."""
+    """A model folder with its config.json and a weight file that holds no weight: a whole safetensors file (its
+    header, which --dry-run checks) listing no tensor, so a run that loaded the model from it would fail."""
     folder = tmp_path_factory.mktemp("config-only")
     (folder / "config.json").write_text(json.dumps({
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": V, "hidden_size": H,
         "intermediate_size": INNER, "num_hidden_layers": L, "num_attention_heads": HEADS, "num_key_value_heads": KV,
         "max_position_embeddings": 128, "tie_word_embeddings": False}))
-    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+    (folder / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")
     return folder
 
 
@@ -136,6 +137,23 @@ def test_dry_run_reads_no_weight_and_writes_nothing(config_only_model, tofu_dir,
     assert code == 0 and not out.exists()
     assert f"parameters: {N:,} trainable, 0 frozen" in printed
     assert "DDP x 2" in printed and "FSDP x 2" in printed and "does not fit in 0.001 GiB" in printed
+
+
+def test_dry_run_refuses_a_model_whose_weights_file_is_not_one(config_only_model, tofu_dir, tmp_path, capsys):
+    """What the run would stop on when it loads the model, the dry run names first (it reads the file's header)."""
+    import shutil
+
+    from tests.helpers import run_cli
+
+    broken = tmp_path / "broken"
+    shutil.copytree(config_only_model, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    capsys.readouterr()
+    code = run_cli("unlearn", "--model", broken, "--forget", tofu_dir / "forget01.json", "--retain",
+                   tofu_dir / "retain90.json", "--out", tmp_path / "run", "--dry-run")
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and f"{broken / 'model.safetensors'}: a corrupt or unreadable" in err, err
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(("folder", "published"), [

@@ -410,6 +410,19 @@ def _run_row(
             torch.cuda.empty_cache()
 
 
+def optimizer_dry_run(config: BenchConfig, stability: bool) -> str:
+    """`bench optimizer --dry-run`: the options checked (`BenchConfig.from_cli`), and what would be timed."""
+    head = "doplus bench optimizer --dry-run: the options are valid; nothing was timed"
+    if stability:
+        return f"{head}\nwould run the stability rows (--stability) with seed {config.seed}"
+    shapes, _ = synthetic_shapes(config.params)
+    numel = sum(math.prod(shape) for shape in shapes)
+    rows = ", ".join(row.name for row in config.rows())
+    return (f"{head}\nwould time {rows} on {numel:,} synthetic {str(config.dtype).removeprefix('torch.')} "
+            f"parameters ({len(shapes)} tensors) on {config.device}: {config.warmup} warm-up and {config.steps} timed "
+            "steps each")
+
+
 def run_optimizer_bench(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
     """Run every selected row; returns a JSON-serialisable dict (see the module docstring for the fields)."""
     from rich.console import Console

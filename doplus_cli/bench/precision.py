@@ -84,6 +84,27 @@ def _norm(tensors: list[torch.Tensor]) -> float:
     return float(torch.sqrt(sum((t.double() ** 2).sum() for t in tensors)))
 
 
+PRECISION = "doplus bench precision"  # the command its folder's record names (ownership.py)
+
+
+def precision_dry_run(model: str | None, out: Path | str, steps: int, lr: float, modes: tuple[str, ...]) -> str:
+    """`bench precision --dry-run`: the model found (not loaded), the output folder's checks and each mode's run
+    checked as `doplus unlearn` would check it; the runs, as text."""
+    from doplus_cli.models import check_model
+
+    out = Path(out)
+    ownership.check_start(out, PRECISION, ("data", *MODES, "precision.json"), overwrite=True)
+    for mode in modes:
+        _config(model, out / "data" / "forget.jsonl", out / "data" / "retain.jsonl", out / mode, mode, steps, lr)
+    return "\n".join([
+        "doplus bench precision --dry-run: every check made before a run starts passed; nothing was run or written",
+        f"model: {check_model(model)[0]}",
+        f"runs: {', '.join(modes)}: {steps} steps each of IDK+GD under DualOptim+ at lr {lr:g}, into {out}/MODE/",
+        f"out: {out} (data/, one folder a mode, precision.json; what an earlier bench precision wrote there is "
+        "replaced, nothing else)",
+    ])
+
+
 def run_precision_bench(model: str | None, out: Path, steps: int = 20, lr: float = 1e-5,
                         modes: tuple[str, ...] = MODES, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Run every mode; return {"rows": [...], ...} and write OUT/precision.json."""
@@ -94,7 +115,7 @@ def run_precision_bench(model: str | None, out: Path, steps: int = 20, lr: float
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     # the bench's own folder: a run again replaces what the last one wrote, and nothing of anyone else's
-    ownership.begin(out, "doplus bench precision", ("data", *MODES, "precision.json"), overwrite=True)
+    ownership.begin(out, PRECISION, ("data", *MODES, "precision.json"), overwrite=True)
     forget, retain = write_data(out / "data")
     start = _start_weights(model)
     finals: dict[str, dict[str, torch.Tensor]] = {}

@@ -55,6 +55,15 @@ class Command(Plan):
         """Train (and evaluate) as configured; return the report (also written to `config.out`)."""
         return run_training(config, self.bound(config), console)
 
+    def dry_run(self, config: TrainConfig, processes: int | None, gpu_memory: float | None,
+                teaching: tuple[str, str | None] | None = None) -> str:
+        """`--dry-run`: every check a run of `config` makes before the model loads, and what it would do, as text
+        (`teaching`: its teaching stage's, `engine.teach.teaching_plan`); a failed check is the run's own one line.
+        Nothing loaded, trained or written."""
+        from doplus_cli.engine.dry_run import training_plan
+
+        return training_plan(self, config, processes, gpu_memory, teaching)
+
     def from_options(self, values: dict[str, Any]) -> dict[str, Any]:
         """The values of its options as config fields (a command whose flag reads differently from its recipe key,
         such as multitask's repeated --task, converts it here)."""

@@ -565,7 +565,7 @@ def open_resume(resume: str, out: Path, config: dict[str, Any], processes: Proce
     verdict, failure = None, None
     if processes.main:
         try:
-            verdict = ("ok", *_checked_resume(resume, out, config, processes, accept_changed, accept_unverified))
+            verdict = ("ok", *checked_resume(resume, out, config, processes, accept_changed, accept_unverified))
         except Exception as error:  # every process ends, not only the main one
             failure, verdict = error, ("error", type(error).__name__, str(error))
     verdict = processes.broadcast(verdict)
@@ -576,8 +576,11 @@ def open_resume(resume: str, out: Path, config: dict[str, Any], processes: Proce
     return Path(verdict[1]), verdict[2]
 
 
-def _checked_resume(resume: str, out: Path, config: dict[str, Any], processes: Processes,
-                    accept_changed: str | None, accept_unverified: bool) -> tuple[str, dict[str, Any]]:
+def checked_resume(resume: str, out: Path, config: dict[str, Any], processes: Processes,
+                   accept_changed: str | None, accept_unverified: bool,
+                   write: bool = True) -> tuple[str, dict[str, Any]]:
+    """(the checkpoint `--resume` names, its saved state) once every check passed: its files against its manifest,
+    the process layout, the configuration, the inputs (`write` False: nothing recorded, for `--dry-run`)."""
     path, manifest = find_checkpoint(resume, out, accept_unverified)
     if manifest is None:
         _say(f"{path}: written without a {MANIFEST}, so its files could not be verified; resuming from it as it is")
@@ -589,7 +592,7 @@ def _checked_resume(resume: str, out: Path, config: dict[str, Any], processes: P
         raise UserError(f"{path}: cannot resume with a different configuration: {changes}")
     recorded = (manifest or {}).get("inputs") or inputs.read(out)
     software = (manifest or {}).get("software") or (recorded or {}).get("software")
-    inputs.check_unchanged(path, recorded, software, config, out, accept_changed, _say)
+    inputs.check_unchanged(path, recorded, software, config, out, accept_changed, _say, write)
     return str(path), saved
 
 

@@ -56,19 +56,25 @@ def continual_outputs(config: UnlearnConfig, order: list[int]) -> tuple[str, ...
     return tuple(names)
 
 
-def _prepare(config: UnlearnConfig, out: Path, order: list[int]) -> None:
-    """A fresh OUT, or one this command may continue (--resume) or replace (--overwrite: what its record lists)."""
+def prepare(config: UnlearnConfig, out: Path, order: list[int], write: bool = True) -> None:
+    """A fresh OUT, or one this command may continue (--resume) or replace (--overwrite: what its record lists);
+    `write` False checks the same without recording or removing anything (`--dry-run`)."""
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: --out exists and is a file, not a folder")
     names = continual_outputs(config, order)
     if config.resume is None:
-        ownership.begin(out, CONTINUAL, names, config.overwrite, then=", or --resume latest to continue its tasks")
+        then = ", or --resume latest to continue its tasks"
+        if write:
+            ownership.begin(out, CONTINUAL, names, config.overwrite, then=then)
+        else:
+            ownership.check_start(out, CONTINUAL, names, config.overwrite, then=then)
         return
     if not ownership.is_started(out, CONTINUAL):
         if not ((out / "config.yaml").is_file() and any(task_folder(out, task).is_dir() for task in order)):
             raise UserError(f"{out}: no `{CONTINUAL}` was started here (no {ownership.RECORD_NAME}), so there is "
                             "nothing to resume; start it without --resume")
-        ownership.adopt(out, CONTINUAL, names)  # a continual run of a doplus that kept no record
+        if write:
+            ownership.adopt(out, CONTINUAL, names)  # a continual run of a doplus that kept no record
     saved = out / "config.yaml"
     if saved.is_file():
         import yaml
@@ -80,7 +86,8 @@ def _prepare(config: UnlearnConfig, out: Path, order: list[int]) -> None:
         if changed:
             raise UserError(f"{out}: the continual run there was started with other options ({', '.join(changed)})"
                             "; resume with the same ones, or start a new --out")
-    ownership.claim(out, CONTINUAL, names)
+    if write:
+        ownership.claim(out, CONTINUAL, names)
 
 
 def run_continual(config: UnlearnConfig, console: Console | None,
@@ -94,7 +101,7 @@ def run_continual(config: UnlearnConfig, console: Console | None,
     out = Path(config.out or default_out_dir("unlearn"))
     config = config.replace(out=str(out))
     out.mkdir(parents=True, exist_ok=True)
-    _prepare(config, out, order)
+    prepare(config, out, order)
     outputs.write_config(out, {**config.to_dict(), "out": str(out)})
     model, rows = config.model, []
     for index, task in enumerate(order):

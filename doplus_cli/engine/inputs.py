@@ -273,14 +273,16 @@ def check_data_unchanged(out: Path, config: dict[str, Any], when: str) -> None:
 
 def check_unchanged(checkpoint: Path, recorded: dict[str, Any] | None, software: dict[str, Any] | None,
                     config: dict[str, Any], out: Path, accept_changed: str | None,
-                    say: Callable[[str], None]) -> None:
+                    say: Callable[[str], None], write: bool = True) -> None:
     """Refuse to resume `checkpoint` on inputs other than those recorded, in one line naming each change and the
-    flag that accepts it; with that flag, say what changed, record the inputs as they are now and go on."""
+    flag that accepts it; with that flag, say what changed, record the inputs as they are now and go on (`write`
+    False: the same checks and lines, nothing recorded, as `--dry-run` does)."""
     accepted = parse_accept_changed(accept_changed)
     if recorded is None and software is None:
         say(f"{checkpoint}: the run's inputs were not recorded (no {INPUTS_FILE}), so changed data, model or "
             "software could not be checked; recording them now for the checkpoints to come")
-        write_json(out / INPUTS_FILE, current(config))
+        if write:
+            write_json(out / INPUTS_FILE, current(config))
         return
     baseline = {**(recorded or {}), "software": software or (recorded or {}).get("software")}
     now = current(config, recorded)
@@ -294,5 +296,5 @@ def check_unchanged(checkpoint: Path, recorded: dict[str, Any] | None, software:
     if found:
         listed = "; ".join(f"{kind}: {', '.join(what)}" for kind, what in found.items())
         say(f"resuming on changed inputs, accepted with --accept-changed: {listed}")
-    if found or recorded is None:
+    if (found or recorded is None) and write:
         write_json(out / INPUTS_FILE, now)  # later checkpoints record the inputs the run goes on with

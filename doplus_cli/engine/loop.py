@@ -173,6 +173,44 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
     return report
 
 
+def derive(config: TrainConfig, plan: Plan, world: int, fsdp: bool, out: str) -> Opened:
+    """What a run of `config` on `world` processes derives when it opens (its data opened by `plan.open()`):
+    the precision, the steps, the warm-up; --fsdp on one process is refused."""
+    if config.fsdp and world == 1:
+        raise UserError("--fsdp shards the model across processes and this run has one: add --num-processes N "
+                        "(N >= 2, or start it with accelerate launch), or leave out --fsdp")
+    # before the resume check: a checkpoint's config names the precision it used
+    run_precision, save_dtype = training_precision.resolve(config.precision, config.dtype, config.save_dtype)
+    effective_batch = config.batch_size * config.grad_accum * world
+    derived_steps = plan.total_steps(effective_batch)
+    steps = config.steps if derived_steps is None else derived_steps
+    warmup_steps = plan.default_warmup(effective_batch) if config.warmup_steps is None else config.warmup_steps
+    return Opened(fsdp=fsdp, precision=run_precision, save_dtype=save_dtype, steps=steps,
+                  warmup_steps=min(warmup_steps, steps), out=out)
+
+
+def out_folder_plan(resolved: TrainConfig, plan: Plan, world: int) -> str:
+    """What the run of `resolved` (its derived values applied) would do with its --out, checked as `_open_run`
+    checks it and said in words, without writing anything: `--dry-run`."""
+    out, command, names = Path(resolved.out), f"doplus {plan.command}", run_outputs(resolved, plan)
+    if resolved.resume:
+        legacy = _check_resumable(resolved, out, command, names, main=False)
+        if _interrupted_before_a_checkpoint(resolved, out):
+            return f"{out}: starts the run there again from the beginning (it stopped before its first checkpoint)"
+        processes = checkpoint.Processes()
+        processes.world, processes.sharded = world, resolved.fsdp and world > 1
+        path, saved = checkpoint.checked_resume(resolved.resume, out, resolved.to_dict(), processes,
+                                                resolved.accept_changed, resolved.accept_unverified, write=False)
+        taken_on = " (a run of an older doplus: its entries would be recorded)" if legacy else ""
+        return f"{out}: resumes from {path} at step {saved['step']}{taken_on}"
+    removed = ownership.check_start(out, command, names, resolved.overwrite, then=", or --resume to continue it")
+    if removed:
+        return f"{out}: replaces the run recorded there (removes {', '.join(removed)})"
+    if out.is_dir() and lifecycle.folder_entries(out):
+        return f"{out}: writes beside the files there, none of which it touches ({', '.join(names)})"
+    return f"{out}: a new run ({', '.join(names)})"
+
+
 def _open_run(config: TrainConfig, plan: Plan, console: Console
               ) -> tuple[Accelerator, Opened, Path | None, dict[str, Any] | None]:
     """(the accelerator, what the run derives as it opens (FSDP, precision, steps, warm-up, out), the checkpoint to
@@ -190,19 +228,8 @@ def _open_run(config: TrainConfig, plan: Plan, console: Console
     plan.open()  # every data file is checked before anything is written
     world = accelerator.num_processes
     fsdp = wants_fsdp(config, accelerator)
-    if config.fsdp and world == 1:
-        raise UserError("--fsdp shards the model across processes and this run has one: add --num-processes N "
-                        "(N >= 2, or start it with accelerate launch), or leave out --fsdp")
-    # before the resume check: a checkpoint's config names the precision it used
-    run_precision, save_dtype = training_precision.resolve(config.precision, config.dtype, config.save_dtype)
     processes = checkpoint.Processes(accelerator, sharded=fsdp and world > 1)
-    effective_batch = config.batch_size * config.grad_accum * world
-    derived_steps = plan.total_steps(effective_batch)
-    steps = config.steps if derived_steps is None else derived_steps
-    warmup_steps = plan.default_warmup(effective_batch) if config.warmup_steps is None else config.warmup_steps
-    opened = Opened(fsdp=fsdp, precision=run_precision, save_dtype=save_dtype, steps=steps,
-                    warmup_steps=min(warmup_steps, steps),
-                    out=config.out or _shared_default_out(accelerator, plan.command))
+    opened = derive(config, plan, world, fsdp, config.out or _shared_default_out(accelerator, plan.command))
     resolved = opened.applied_to(config)
     lifecycle.hold(opened.out, f"doplus {plan.command}")  # before anything in the folder is read or written
     out, main = Path(opened.out), accelerator.is_main_process

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +74,8 @@ def teaching_key(config) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def taught_model(teach_recipe: str, console: Console, allow_teaching: bool = True) -> tuple[str, dict[str, Any]]:
-    """(the taught model's folder, a report entry) for the teaching recipe, teaching it once if needed."""
-    from filelock import FileLock
-
+def _teaching(teach_recipe: str) -> tuple[MultitaskConfig, Path]:
+    """(the teaching recipe's multitask config, the folder of its taught model in the cache), checked."""
     if not os.path.isfile(teach_recipe):
         raise UserError(f"{teach_recipe}: teaching recipe not found (option 'teach')")
     config = resolve_config(teach_recipe, {}, MultitaskConfig)
@@ -84,9 +83,34 @@ def taught_model(teach_recipe: str, console: Console, allow_teaching: bool = Tru
         raise UserError(f"{teach_recipe}: a teaching recipe is a multitask recipe; it has no tasks")
     if config.teach:
         raise UserError(f"{teach_recipe}: a teaching recipe cannot have a teaching stage of its own")
-    key = teaching_key(config)
-    root = cache_root() / "taught"
-    folder, partial = root / key, root / f"{key}.partial"
+    return config, cache_root() / "taught" / teaching_key(config)
+
+
+def teaching_plan(config, open_data: Callable[[MultitaskConfig], None]) -> tuple[str, str | None]:
+    """`--dry-run` of the teaching stage of `config` (which has one): (what it would do, the model it starts
+    from), with the checks `apply_teaching` makes and the teaching recipe's data opened (`open_data`: the multitask
+    command's); nothing run or written."""
+    _check_model_and_teach(config)
+    teach, folder = _teaching(config.teach)
+    if (folder / "report.json").is_file():
+        return f"reuses the taught model {folder / 'final'}", teach.model
+    open_data(teach)
+    return (f"runs {config.teach} first ({teach.steps} steps of doplus multitask on {len(teach.tasks)} tasks) into "
+            f"{folder}, once"), teach.model
+
+
+def _check_model_and_teach(config) -> None:
+    if config.model is not None and not config.taught:
+        raise UserError(f"option 'teach' gives the starting model; remove 'model' ({config.model}) or 'teach'")
+
+
+def taught_model(teach_recipe: str, console: Console, allow_teaching: bool = True) -> tuple[str, dict[str, Any]]:
+    """(the taught model's folder, a report entry) for the teaching recipe, teaching it once if needed."""
+    from filelock import FileLock
+
+    config, folder = _teaching(teach_recipe)
+    key, root = folder.name, folder.parent
+    partial = root / f"{key}.partial"
     entry = {"recipe": os.path.abspath(teach_recipe), "cache": str(folder)}
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root / f"{key}.lock")):
@@ -111,8 +135,7 @@ def apply_teaching(config, console: Console):
     `taught` is the report's entry for it (the config given stays as validated)."""
     if not config.teach:
         return config
-    if config.model is not None and not config.taught:
-        raise UserError(f"option 'teach' gives the starting model; remove 'model' ({config.model}) or 'teach'")
+    _check_model_and_teach(config)
     launched = "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
     model, taught = taught_model(config.teach, console, allow_teaching=not launched)
     return config.replace(model=model, taught=taught)

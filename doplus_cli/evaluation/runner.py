@@ -127,23 +127,33 @@ def eval_outputs(suites: tuple[str, ...]) -> tuple[str, ...]:
     return (*names, "SUMMARY.json", "report.md", "eval.json", FINISHED_SUITES, "attacks")
 
 
-def prepare_eval_dir(path: str, overwrite: bool, resume: bool = False, suites: tuple[str, ...] = ()) -> Path:
+def prepare_eval_dir(path: str, overwrite: bool, resume: bool = False, suites: tuple[str, ...] = (),
+                     write: bool = True) -> Path:
     """Create `path`, or refuse one holding an evaluation unless `overwrite` (what that evaluation wrote is removed,
     nothing else) or `resume` (an interrupted one, continued); files of the user's that an evaluation of `suites`
-    would write over are refused in one line."""
+    would write over are refused in one line. `write` False: the same checks, nothing created or removed."""
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise UserError(f"{path}: --out exists and is a file, not a folder")
-    with writing(out, "; choose another --out"):
-        out.mkdir(parents=True, exist_ok=True)
+    if resume and overwrite:
+        raise UserError("--resume and --overwrite: --resume continues the evaluation in --out, --overwrite "
+                        "replaces it; give one of them")
+    if write:
+        with writing(out, "; choose another --out"):
+            out.mkdir(parents=True, exist_ok=True)
     names = eval_outputs(suites)
     if resume and ownership.is_started(out, EVALUATE):
         if (out / "eval.json").is_file():
             raise UserError(f"{path}: holds a finished evaluation, nothing to resume (pass --overwrite instead of "
                             "--resume to run it again)")
-        ownership.claim(out, EVALUATE, names)
+        if write:
+            ownership.claim(out, EVALUATE, names)
         return out
-    ownership.begin(out, EVALUATE, names, overwrite, then=", or --resume to continue an interrupted one")
+    then = ", or --resume to continue an interrupted one"
+    if write:
+        ownership.begin(out, EVALUATE, names, overwrite, then=then)
+    else:
+        ownership.check_start(out, EVALUATE, names, overwrite, then=then)
     return out
 
 
@@ -314,12 +324,9 @@ def check_attacks(config: EvalConfig) -> None:
                         + " (the default relearning rows are half of the tofu or real-world forget rows)")
 
 
-def _run_evaluate(config: EvalConfig, console: Console | None, attacks: AttackRunner | None) -> dict[str, Any]:
-    from doplus_cli.models import load_model_and_tokenizer
-
-    lifecycle.stage("checking the evaluation's files")
-    started = time.perf_counter()
-    console = console or Console(stderr=True)
+def check_evaluation(config: EvalConfig) -> EvalConfig:
+    """Every check an evaluation makes before its model loads (its files, their fields, the suites' options); the
+    config with what it reads from a run's final/ (the forget task). A failed check is one line."""
     if config.max_samples is not None and config.max_samples < 1:
         raise UserError(f"--max-samples must be at least 1, got {config.max_samples}")
     if "real-world" in config.suites and (config.forget is None or config.retain is None):
@@ -342,7 +349,44 @@ def _run_evaluate(config: EvalConfig, console: Console | None, attacks: AttackRu
     if config.responses is not None:
         check_responses(config)
     check_attacks(config)
-    out = lifecycle.hold(config.out or "evals/" + time.strftime("%Y%m%d-%H%M%S"), "doplus evaluate")
+    return config
+
+
+def _default_out() -> str:
+    return "evals/" + time.strftime("%Y%m%d-%H%M%S")
+
+
+def evaluate_dry_run(config: EvalConfig) -> str:
+    """`doplus evaluate --dry-run`: `check_evaluation`, the model found (not loaded) and the output folder's
+    checks, then what the evaluation would do, as text. Nothing loaded or written."""
+    from doplus_cli.models import check_model
+
+    config = check_evaluation(config)
+    out = prepare_eval_dir(config.out or _default_out(), config.overwrite, config.resume, config.suites,
+                           write=False)
+    if config.responses is not None and "lm-eval" not in config.suites:
+        model = f"none: scores the responses in {config.responses}"
+    else:
+        model = check_model(config.model)[0]
+    attacks = f"; under attack: {', '.join(config.attacks)}" if config.attacks else ""
+    action = ("continues the evaluation there" if config.resume and (out / ownership.RECORD_NAME).is_file()
+              else "a new evaluation" if not out.is_dir() else "writes its files there")
+    return "\n".join([
+        "doplus evaluate --dry-run: every check made before the model loads passed; nothing was loaded or written",
+        f"model: {model}",
+        f"suites: {', '.join(config.suites)}{attacks}",
+        f"out: {out}: {action} ({', '.join(n for n in eval_outputs(config.suites) if n != FINISHED_SUITES)})",
+    ])
+
+
+def _run_evaluate(config: EvalConfig, console: Console | None, attacks: AttackRunner | None) -> dict[str, Any]:
+    from doplus_cli.models import load_model_and_tokenizer
+
+    lifecycle.stage("checking the evaluation's files")
+    started = time.perf_counter()
+    console = console or Console(stderr=True)
+    config = check_evaluation(config)
+    out = lifecycle.hold(config.out or _default_out(), "doplus evaluate")
     out = prepare_eval_dir(str(out), config.overwrite, config.resume, config.suites)
     lifecycle.stage("loading the model")
     if config.responses is not None and "lm-eval" not in config.suites:  # nothing to generate: no model

@@ -141,6 +141,40 @@ def plan(recipe: str, schemes: str, seeds: str, out: str | None, set_options: li
     return bench
 
 
+def schemes_dry_run(bench: Bench, num_processes: int | None, fsdp: bool) -> str:
+    """`bench schemes --dry-run`: the bench's own checks (made by `plan`), its folder's, and what its runs would
+    check before their model loads, once per forget task (the data, the fields the loss and the evaluation need)
+    and once for the model; then the grid, as text. Nothing run or written."""
+    from doplus_cli.commands import command_named
+    from doplus_cli.engine.teach import teaching_plan
+    from doplus_cli.models import check_model
+
+    states = list_grid(bench)
+    if fsdp and (num_processes or 1) == 1:
+        raise UserError("--fsdp shards each run across processes: add --num-processes N (N >= 2), or leave it out")
+    command = command_named(bench.adapter.command)
+    first = {}
+    for run in bench.runs:
+        first.setdefault(run.task_id, run)
+    config = bench.runs[0].config
+    lines = ["doplus bench schemes --dry-run: every check made before a run starts passed; nothing was run or "
+             "written", f"grid: {counts_line(states)} ({len(bench.schemes)} schemes x {len(first)} forget task"
+             f"{'s' if len(first) > 1 else ''} x {len(bench.seeds)} seeds"
+             + (f" x {len(bench.sweep_values)} values of {bench.sweep_key}" if bench.sweep_key else "")
+             + f") of doplus {bench.adapter.command} into {bench.out}"]
+    model = config.model
+    if config.teach:
+        teaching, model = teaching_plan(config, lambda teach: command_named("multitask").bound(teach).open())
+        lines.append(f"teaching stage: {teaching}")
+    lines.append(f"model: {check_model(model)[0]}")
+    for task, run in first.items():
+        plan = command.bound(run.config)
+        plan.open()
+        label = "data" if task is None else f"data of forget task {task}"
+        lines.append(f"{label}: checked ({run.config.steps} steps a run)")
+    return "\n".join(lines)
+
+
 def list_grid(bench: Bench) -> list[RunState]:
     """`--list-runs`: each run's state, read from OUT (nothing is written; OUT must hold this bench or nothing)."""
     if bench.out.is_dir():
