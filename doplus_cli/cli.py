@@ -254,7 +254,7 @@ def bench_schemes(**values: Any) -> None:
      keep_checkpoints, summarize_from, list_runs, as_json, indexes, run_index, summarize, dry_run) = (
         values[name] for name in options.COMMAND_OPTIONS["bench schemes"])
     modes = [flag for flag, given in (("--list-runs", list_runs), ("--run-index", run_index is not None),
-                                      ("--summarize", summarize), ("--dry-run", dry_run)) if given]
+                                      ("--summarize", summarize)) if given]
     if len(modes) > 1:
         raise UserError(f"{' and '.join(modes)}: give one of them")
     if (as_json or indexes is not None) and not list_runs:
@@ -266,6 +266,10 @@ def bench_schemes(**values: Any) -> None:
 
         bench = plan(recipe, schemes, seeds, out, list(set_options or []), sweep, log_update_similarity, task_ids,
                      summarize_from)
+        if run_index is not None:
+            from doplus_cli.bench.schemes.grid import check_run_index
+
+            check_run_index(bench, run_index)
         print(schemes_dry_run(bench, num_processes, fsdp))
         return
     if list_runs:

@@ -753,6 +753,14 @@ def parse_report_to(text: str | None) -> list[str]:
     return names
 
 
+# The suites an unlearn run is evaluated by (its recipe's eval_suite; `bench schemes` compares runs by it). tofu: the
+# suite the eval_* keys describe, also during training (--eval-every). answers: the run's own before/after answers to
+# `show_samples` questions of each set (ROUGE-L recall of the answer after against the one before), for recipes
+# without reference answers (the real-world setting, where the targets are the model's own answers). muse, wmdp:
+# those suites on final/.
+UNLEARN_EVAL_SUITES = ("tofu", "answers", "muse", "wmdp")
+
+
 def validate_training(config: TrainConfig) -> None:
     """Check the options every training command shares; every message is one line naming the option."""
     _choice("scheme", config.scheme, UPDATE_SCHEMES)
@@ -1016,6 +1024,8 @@ def validate_unlearn(config: UnlearnConfig) -> None:
     if config.forget_lr is not None and not config.forget_lr >= 0:
         raise UserError(f"--forget-lr must be a number >= 0, got {config.forget_lr}")
     check_protocol(config.eval_protocol)
+    if config.eval_suite not in UNLEARN_EVAL_SUITES:
+        raise UserError(f"unknown --eval-suite {shown(config.eval_suite)}: choose {', '.join(UNLEARN_EVAL_SUITES)}")
     if config.eval_every and config.eval_suite != "tofu":
         raise UserError(f"unknown --eval-suite {shown(config.eval_suite)} for evaluation during training: only tofu "
                         "(run `doplus evaluate --suite ...` on final/ afterwards for the others)")

@@ -27,7 +27,14 @@ from doplus_cli.evaluation.privacy import read_holdout, read_retain_logs
 from doplus_cli.evaluation.protocol import get_protocol
 from doplus_cli.evaluation.safety import SAFETY_SUITE, XSTEST_SUITE, overall_section
 from doplus_cli.evaluation.suite_api import EvalConfig, Suite, SuiteContext
-from doplus_cli.evaluation.suites import PRIVACY_SUITE, REAL_WORLD_SUITE, TOFU_SUITE, Judges, load_tofu_sets
+from doplus_cli.evaluation.suites import (
+    PRIVACY_SUITE,
+    REAL_WORLD_SUITE,
+    TOFU_SUITE,
+    Judges,
+    load_real_world_sets,
+    load_tofu_sets,
+)
 from doplus_cli.evaluation.wmdp import WMDP_SUITE
 from doplus_cli.files import atomic_write_text, write_json
 from doplus_cli.losses import FORGET_LOSSES
@@ -329,8 +336,8 @@ def check_evaluation(config: EvalConfig) -> EvalConfig:
     config with what it reads from a run's final/ (the forget task). A failed check is one line."""
     if config.max_samples is not None and config.max_samples < 1:
         raise UserError(f"--max-samples must be at least 1, got {config.max_samples}")
-    if "real-world" in config.suites and (config.forget is None or config.retain is None):
-        raise UserError("--suite real-world needs --forget FILE and --retain FILE (the neighbour set)")
+    if "real-world" in config.suites:  # a missing file or field stops here, before the model loads
+        load_real_world_sets(config.forget, config.retain, config.max_samples)
     if "privacy" in config.suites and config.holdout is None:
         raise UserError("--suite privacy needs --holdout FILE (non-member rows, e.g. TOFU's holdout10)")
     if config.task_id is not None and config.task_id < 0:

@@ -12,7 +12,7 @@ from typing import Any
 
 from doplus_cli.bench.adapters.base import BenchAdapter, Metric, TradeoffAxes, doplus_evaluate, read_json
 from doplus_cli.commands.unlearn import UNLEARN
-from doplus_cli.config import UnlearnConfig
+from doplus_cli.config import UNLEARN_EVAL_SUITES, UnlearnConfig
 from doplus_cli.errors import UserError
 
 # The paper's aggregates (percent, higher is better; TOFU_SUMMARY.json) and OpenUnlearning's (fractions).
@@ -38,10 +38,7 @@ WMDP_METRICS = (Metric("wmdp_bio/acc", "WMDP-Bio", False, ".3f"), Metric("wmdp_c
                 Metric("wmdp_chem/acc", "WMDP-Chem", False, ".3f"), Metric("mmlu/acc", "MMLU", True, ".3f"))
 SUITE_METRICS = {"answers": ANSWER_METRICS, "muse": MUSE_METRICS, "wmdp": WMDP_METRICS}
 MUSE_CORPORA = ("news", "books")
-# tofu: the suite the eval_* keys describe. answers: the run's own before/after answers to `show_samples` questions
-# of each set (ROUGE-L recall of the answer after against the one before), for recipes without reference answers
-# (the real-world setting, where the targets are the model's own answers). muse, wmdp: those suites on final/.
-EVALUATED_SUITES = ("tofu", "answers", "muse", "wmdp")
+EVALUATED_SUITES = UNLEARN_EVAL_SUITES  # config.py says what each is
 
 
 class UnlearnAdapter(BenchAdapter):
