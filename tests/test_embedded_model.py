@@ -60,7 +60,7 @@ def test_quickstart_recipe_runs_on_the_embedded_model(cache, tmp_path):
     assert report["model"].startswith("SmolLM2-135M-Instruct")
     assert (report["data"]["forget_rows"], report["data"]["retain_rows"]) == (12, 24)
     assert "task" not in report["data"]  # the quickstart's files carry no task_id
-    written = [json.loads(line) for line in open(out / "data" / "forget.jsonl")]
+    written = [json.loads(line) for line in open(out / "answers" / "forget.jsonl")]
     assert len(written) == 12 and all(row["answer"] for row in written)  # the model's own answers
     assert [s["set"] for s in report["samples"]] == ["forget", "retain"]
     assert (out / "final" / "model.safetensors").is_file()

@@ -93,7 +93,7 @@ def test_sigterm_before_training_stops_at_once_and_resume_is_bit_identical(tiny_
                                                                                         "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert records(out) == records(uninterrupted)
-    assert (out / "data" / "forget.jsonl").read_text() == (uninterrupted / "data" / "forget.jsonl").read_text()
+    assert (out / "answers" / "forget.jsonl").read_text() == (uninterrupted / "answers" / "forget.jsonl").read_text()
 
 
 def test_a_sigterm_names_the_command_line_it_is_given_never_the_process_arguments(monkeypatch):

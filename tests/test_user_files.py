@@ -16,6 +16,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from doplus_cli import lifecycle, ownership
 from doplus_cli.errors import UserError
@@ -238,3 +240,25 @@ def test_files_a_run_writes_follow_the_umask(tiny_llama, data, tmp_path):
     for path in (out / "final" / "model.safetensors", out / "checkpoints" / "step-2" / "model.safetensors",
                  out / "checkpoints" / "step-2" / "optimizer.pt", out / "report.json", out / "config.yaml"):
         assert oct(path.stat().st_mode & 0o777) == oct(0o644), path
+
+
+@settings(derandomize=True, database=None, deadline=None, max_examples=150)
+@given(st.one_of(st.binary(max_size=300), st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=20)),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=10), inner, max_size=4)),
+    max_leaves=20).map(lambda value: json.dumps(value).encode())))
+def test_any_record_file_is_read_or_refused_in_one_line(content):
+    """A folder's record comes with the folder (a run copied from a colleague, a cluster's scratch): any bytes
+    are a record of names of the folder's own entries, or one line; never another exception, never a path outside
+    the folder."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / ownership.RECORD_NAME).write_bytes(content)
+        try:
+            record = ownership.read(Path(folder))
+        except UserError as error:
+            assert "\n" not in str(error) and len(str(error)) < 400
+            return
+        assert isinstance(record["command"], str)
+        assert all("/" not in name and name not in ("", ".", "..") for name in record["entries"])

@@ -100,7 +100,7 @@ def precision_dry_run(model: str | None, out: Path | str, steps: int, lr: float,
         "doplus bench precision --dry-run: every check made before a run starts passed; nothing was run or written",
         f"model: {check_model(model)[0]}",
         f"runs: {', '.join(modes)}: {steps} steps each of IDK+GD under DualOptim+ at lr {lr:g}, into {out}/MODE/",
-        f"out: {out} (data/, one folder a mode, precision.json; what an earlier bench precision wrote there is "
+        f"out: {out} (data/, one folder a mode, precision.json; what a previous bench precision wrote there is "
         "replaced, nothing else)",
     ])
 

@@ -41,7 +41,7 @@ def training_plan(command: Plan, config: TrainConfig, processes: int | None, gpu
     lines.append("data: " + _data_line(plan.data_report()))
     lines.append(f"steps: {opened.steps} ({config.scheme}, effective batch "
                  f"{config.batch_size * config.grad_accum * world} on {world} process{'es' if world > 1 else ''}), "
-                 f"warm-up {opened.warmup_steps}, precision {opened.precision}")
+                 f"warm-up {opened.warmup_steps}")
     if getattr(config, "continual", False):
         order = parse_task_ids(config.task_ids)
         continual.prepare(resolved, Path(opened.out), order, write=False)
