@@ -262,3 +262,35 @@ def test_any_record_file_is_read_or_refused_in_one_line(content):
             return
         assert isinstance(record["command"], str)
         assert all("/" not in name and name not in ("", ".", "..") for name in record["entries"])
+
+
+def test_a_data_file_edited_while_the_run_reads_it_stops_the_run_at_the_next_checkpoint(tiny_llama, data, tmp_path,
+                                                                                         capsys, monkeypatch):
+    """Rows are read from disk as batches need them: a same-length edit of the forget file during the run (its
+    row count and size unchanged) is caught at the next checkpoint, named in one line, and nothing is saved from
+    the steps that may have read it."""
+    from doplus_cli.engine import checkpoint
+
+    forget = tmp_path / "forget.jsonl"
+    shutil.copy(data / "forget.jsonl", forget)
+    real = checkpoint.non_finite_in
+
+    edited = []
+
+    def edit_first(*a, **k):  # the first thing a checkpoint does: the edit lands just before it
+        if not edited:
+            text = forget.read_text()
+            at = text.index('"answer": "') + 12  # one letter of the first answer, the length unchanged
+            forget.write_text(text[:at] + ("x" if text[at] != "x" else "y") + text[at + 1:])
+            edited.append(at)
+        return real(*a, **k)
+
+    monkeypatch.setattr(checkpoint, "non_finite_in", edit_first)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    code = run_cli("unlearn", "--model", tiny_llama, "--forget", forget, "--retain", data / "retain.jsonl",
+                   "--loss", "GA+GD", "--steps", 4, "--save-every", 2, "--batch-size", 2, "--max-length", 48,
+                   "--show-samples", 0, "--out", out)
+    line = error_line(capsys)
+    assert code == 2 and f"{forget} (edited, same 6 rows): changed while the run was reading it" in line, line
+    assert edited and not (out / "checkpoints" / "step-2").exists() and not (out / "report.json").exists()
