@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The lowest-versions job: doplus installed with each of its requirements at the lowest version pyproject.toml
 # allows (uv's --resolution lowest-direct; what those require at the newest that fits), torch held at the CPU build
-# the README installs, then `doplus --help`, a few-step `doplus unlearn` (DualOptim+ with 8-bit states and LoRA,
-# evaluating during training) on a tiny model built here, and `doplus evaluate` of its result (the TOFU, privacy,
-# lm-eval and XSTest suites). A floor pyproject.toml declares that does not pass here is raised there.
+# the README installs, then `doplus --help` and a usage error, a few-step `doplus unlearn` (DualOptim+ with 8-bit
+# states and LoRA, evaluating during training) on a tiny model built here, and `doplus evaluate` of its result (the
+# TOFU, privacy and lm-eval suites; XSTest from a recipe under a flag). A floor pyproject.toml declares that does
+# not pass here is raised there.
 #
 #   .ci/lowest.sh                  in a fresh folder under $TMPDIR, removed at the end
 #   LOWEST_DIR=DIR .ci/lowest.sh   in DIR, kept (the environment, versions.txt, the run and its evaluation)
@@ -75,8 +76,15 @@ begin "doplus --help"
 "$doplus" --help > /dev/null
 "$doplus" unlearn --help > /dev/null
 
+begin "a usage error is one line and exit code 2"
+code=0
+"$doplus" unlearn --no-such-option 2> usage.txt || code=$?
+test "$code" = 2
+grep -q "no-such-option" usage.txt
+test "$(wc -l < usage.txt)" = 1
+
 begin "a tiny model and its data"
-rm -rf tiny run eval xstest tasks && mkdir tasks
+rm -rf tiny run eval xstest not-this-folder tasks && mkdir tasks
 "$py" -c "import sys; sys.path.insert(0, sys.argv[1]); from pathlib import Path; \
 from tiny_model import build_tiny_llama; build_tiny_llama(Path('tiny'))" "$root/tests"
 head -n 8 "$tofu/forget01.json" > forget.jsonl
@@ -116,8 +124,10 @@ begin "doplus evaluate"
 test -f eval/TOFU_SUMMARY.json -a -f eval/PRIVACY_SUMMARY.json -a -f eval/LM_EVAL.json
 # sentence-transformers: an embedding model that does not load leaves its indicator out, not the evaluation
 "$py" -c "import json, sys; sys.exit(json.load(open('eval/TOFU_SUMMARY.json'))['retain_Cosine_Similarity'] is None)"
-"$doplus" evaluate --suite xstest --responses responses.jsonl --out xstest
-test -f xstest/XSTEST_SUMMARY.json
+# a recipe under the flags: its suite and responses are taken, its out gives way to --out
+printf 'suite: xstest\nresponses: responses.jsonl\nout: not-this-folder\n' > xstest.yaml
+"$doplus" evaluate --recipe xstest.yaml --out xstest
+test -f xstest/XSTEST_SUMMARY.json -a ! -e not-this-folder
 
 step="done"
 echo "lowest-versions job: passed in ${SECONDS} s" >&2
