@@ -640,7 +640,7 @@ def _resolve(recipe: str | None, overrides: dict[str, Any], cls: type[TrainConfi
 def coerce_option(key: str, value: Any, source: str, cls: type[TrainConfig] = UnlearnConfig) -> Any:
     """Turn a recipe or flag value into the field's type, or say which option and where it came from."""
     kind = {f.name: f.type for f in dataclasses.fields(cls)}[key]
-    where = f"{source}: option '{key}'"
+    where = f"--{key.replace('_', '-')}" if source == "command line" else f"{source}: option '{key}'"
     if value is None:
         if "None" in kind:
             return None

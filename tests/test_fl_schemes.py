@@ -375,7 +375,7 @@ def data(tofu_dir, tmp_path_factory):
 def unlearn_args(model, data, out, scheme, *extra):
     return ["unlearn", "--model", model, "--forget", data / "forget.jsonl", "--retain", data / "retain.jsonl",
             "--scheme", scheme, "--steps", 6, "--forget-freq", 1, "--retain-freq", 2, "--lr", 1e-3,
-            "--batch-size", 2, "--max-length", 48, "--show-samples", 0, "--out", out, "--overwrite", *extra]
+            "--batch-size", 2, "--max-length", 48, "--show-samples", 0, "--out", out, *extra]
 
 
 @pytest.mark.parametrize("scheme", ["scaffold", "fedcm", "local-adam"])

@@ -79,9 +79,11 @@ def test_a_recipe_key_sets_the_floor_and_bad_floors_are_one_line_errors(tofu_dir
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"forget: {tofu_dir / 'forget01.json'}\nretain: {tofu_dir / 'retain90.json'}\nv_floor: 0.01\n")
     assert resolve_config(str(recipe), {}, UnlearnConfig).v_floor == 0.01
-    for bad in (1.0, -0.1, float("nan")):
+    for bad in (1.0, -0.1):
         with pytest.raises(UserError, match=r"--v-floor must be a number in \[0, 1\)"):
             unlearn_config(tofu_dir, v_floor=bad)
+    with pytest.raises(UserError, match=r"--v-floor must be a finite number, got nan"):
+        unlearn_config(tofu_dir, v_floor=float("nan"))
     for other in ({"doplus_rule": "paper"}, {"scheme": "dualoptim"}):
         with pytest.raises(UserError, match="--v-floor 0.01 sets the floor of DualOptim\\+'s safeguarded rule"):
             unlearn_config(tofu_dir, v_floor=0.01, **other)
@@ -93,7 +95,7 @@ def test_a_recipe_key_sets_the_floor_and_bad_floors_are_one_line_errors(tofu_dir
     assert capsys.readouterr().err.strip() == "error: --v-floor must be a number in [0, 1), got 1.5"
     recipe.write_text(recipe.read_text().replace("0.01", "-0.5"))
     assert run_cli("unlearn", "--recipe", recipe, "--dry-run", "--out", tmp_path / "out") == 2
-    assert capsys.readouterr().err.strip() == "error: --v-floor must be a number in [0, 1), got -0.5"
+    assert capsys.readouterr().err.strip() == f"error: {recipe}: option 'v_floor' must be a number in [0, 1), got -0.5"
     assert not (tmp_path / "out").exists()
 
 
