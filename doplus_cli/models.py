@@ -7,6 +7,8 @@ runs load in under a second.
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import importlib.util
 import json
@@ -76,9 +78,7 @@ def gguf_to_folder(gguf_path: Path) -> Path:
     The cache key is the file's absolute path, size and modification time. The folder is written under a
     temporary name and renamed, so a killed conversion never leaves a folder that looks finished.
     """
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    folder = cache_root() / "gguf" / f"{gguf_path.stem}-{key}"
+    folder = _converted_folder(gguf_path)
     if (folder / "config.json").is_file():
         return folder
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -113,6 +113,47 @@ def gguf_to_folder(gguf_path: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def _converted_folder(gguf_path: Path) -> Path:
+    """Where `gguf_to_folder` keeps the conversion of `gguf_path`: keyed by its absolute path, size and mtime."""
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root() / "gguf" / f"{gguf_path.stem}-{key}"
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_config(path: str, size: int, mtime_ns: int):
+    """A GGUF file's transformers config from its metadata, read once per process for a file as it is (the
+    reader parses the whole metadata, the vocabulary included: seconds for the embedded model)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    except Exception as error:  # the GGUF reader raises what its parse of damaged bytes comes to
+        reason = " ".join(str(error).split())[:160] or type(error).__name__
+        raise UserError(f"{path}: a corrupt or unreadable GGUF file ({reason})") from error
+
+
+def model_config(spec: str | None, trust_remote_code: bool = False):
+    """(the model's transformers config, a description of the model), read without loading or converting its
+    weights: a `.gguf` file's (the embedded model's too) from its metadata, or from its converted folder once one is
+    cached; a folder's or a hub id's from its config.json. `--dry-run`'s memory plan builds the model from it."""
+    from transformers import AutoConfig
+
+    gguf = embedded_gguf_path() if spec is None else Path(os.path.expanduser(spec))
+    if spec is None or (gguf.is_file() and gguf.suffix == ".gguf"):
+        description = EMBEDDED_NAME if spec is None else spec
+        converted = _converted_folder(gguf)
+        if (converted / "config.json").is_file():
+            return AutoConfig.from_pretrained(converted), description
+        stat = gguf.stat()
+        return copy.deepcopy(_gguf_config(str(gguf.resolve()), stat.st_size, stat.st_mtime_ns)), description
+    source, description = model_folder(spec)
+    try:
+        return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code), description
+    except (OSError, ValueError) as error:
+        raise UserError(f"{description}: cannot read its config.json ({error})".splitlines()[0]) from error
 
 
 def model_folder(spec: str | None) -> tuple[str, str]:

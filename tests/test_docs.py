@@ -300,31 +300,30 @@ def test_the_optimizer_pages_examples_run(tmp_path):
 
 
 def _documented_bench_commands() -> list[tuple[str, str]]:
-    """(page, command) for every `doplus bench schemes --recipe recipes/...` the README and the docs show, in a
-    bash block or inline."""
+    """(page, command) for every `doplus bench schemes --recipe recipes/...` the README and the docs show inline, in
+    the text (tests/test_documented_commands.py runs those of the bash blocks, with every other command)."""
     import re
 
     found = []
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         text = page.read_text()
-        inline = re.findall(r"`(doplus bench schemes --recipe recipes/[^`]+)`", text)
-        for command in [*_doplus_commands(text), *inline]:
-            if command.startswith("doplus bench schemes --recipe recipes/"):
+        blocks = set(_doplus_commands(text))
+        for command in re.findall(r"`(doplus bench schemes --recipe recipes/[^`]+)`", text):
+            if command not in blocks:
                 found.append((page.name, command))
     return found
 
 
 def test_every_documented_bench_command_passes_the_benchs_checks(tmp_path, capsys):
-    """Each shipped recipe a page runs through `doplus bench schemes` has what the bench compares runs by (an
-    evaluation suite and its data): the page's command, with --list-runs, plans its runs as a user's copy of the
-    recipe with the data beside it."""
+    """Each shipped recipe a page's text (not a bash block) runs through `doplus bench schemes` has what the bench
+    compares runs by (an evaluation suite and its data): the page's command, with --list-runs, plans its runs as a
+    user's copy of the recipe with the data beside it."""
     import shlex
 
     from tests.helpers import recipe_beside_shared_data, run_cli
 
     commands = _documented_bench_commands()
-    recipes = {shlex.split(command)[4] for _, command in commands}
-    assert {"recipes/tofu/phi-1.5/npo_gd.yaml", "recipes/real_world/idk_gd.yaml"} <= recipes
+    assert commands  # the pages name some bench commands in their text
     for number, (page, command) in enumerate(commands):
         args = shlex.split(command)[3:]
         folder = tmp_path / str(number)

@@ -197,15 +197,11 @@ def model_plan(config: TrainConfig) -> ModelPlan:
     """The run's model built on the meta device from its config.json alone, with LoRA and RMU applied as the
     run applies them (`engine/loop.setup`)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from doplus_cli.models import model_folder
+    from doplus_cli.models import model_config as read_model_config
 
-    source, description = model_folder(config.model)
-    try:
-        model_config = AutoConfig.from_pretrained(source, trust_remote_code=config.trust_remote_code)
-    except (OSError, ValueError) as error:
-        raise UserError(f"{description}: cannot read its config.json ({error})".splitlines()[0]) from error
+    model_config, _ = read_model_config(config.model, config.trust_remote_code)
     with torch.device("meta"):  # every tensor created here has a shape and a dtype and no storage
         model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=config.trust_remote_code)
         model.tie_weights()
