@@ -168,8 +168,8 @@ def is_started(folder: Path, command: str) -> bool:
 
 
 def adopt(folder: Path, command: str, names: Iterable[str]) -> list[str]:
-    """Record, for a run written by a doplus that kept no record, the entries among `names` that exist: the caller
-    has checked that the folder holds that run (its checkpoints). Returns them."""
+    """Record `names` as the run's entries, for a run written by a doplus that kept no record: the caller has checked
+    that the folder holds that run (its checkpoints and config.yaml). Returns those among them that exist."""
     folder = Path(folder)
     found = [name for name in _twins(names) if os.path.lexists(folder / name)]
     with writing(folder):
