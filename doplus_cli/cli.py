@@ -162,6 +162,7 @@ BENCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "bench schemes": {"recipe": ..., "schemes": DEFAULT_SCHEMES, "seeds": DEFAULT_SEEDS, "log_update_similarity": False,
                       "fsdp": False, "keep_checkpoints": False, "summarize_from": "final", "list_runs": False,
                       "json": False, "summarize": False},
+    "tune": {"recipe": ..., "space": ..., "objective": ..., "trials": 20, "pruner": "median", "seed": 0},
 }
 
 
@@ -296,6 +297,30 @@ def bench_schemes(**values: Any) -> None:
                                     run_index=run_index, summarize=summarize)
     if summary is not None:
         print_summary(summary, console)
+
+
+@app.command("tune")
+@options.takes("tune", BENCH_DEFAULTS["tune"])
+def tune(**values: Any) -> None:
+    """Search recipe options with Optuna (TPE, pruning) for the best objective under constraints; each trial an
+    ordinary run; best.yaml and a report at the end (docs/tune.md; needs pip install 'doplus-cli[tune]')."""
+    from doplus_cli.tune import plan, run_tune, tune_dry_run
+
+    (recipe, space, objective, constraint, trials, out, set_options, pruner, storage, seed, dry_run) = (
+        values[name] for name in options.COMMAND_OPTIONS["tune"])
+    study = plan(recipe, list(space or []), objective, list(constraint or []), trials, out, list(set_options or []),
+                 pruner, storage, seed)
+    if dry_run:
+        print(tune_dry_run(study))
+        return
+    summary = run_tune(study, say=lambda line: err_console.print(Text(line)))
+    best = summary["best"]
+    if best is None:
+        print(f"no feasible complete trial; the trials: {study.out / 'TUNE.md'}")
+        return
+    print(f"best trial {best['number']:04d}: {study.objective.metric} = {best['value']:.6g} with "
+          + ", ".join(f"{k}={v}" for k, v in best["params"].items()))
+    print(f"recipe: {best['recipe']}; report: {study.out / 'TUNE.md'}")
 
 
 def _quiet_libraries() -> None:

@@ -108,7 +108,9 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
     Option("--recipe", str, "YAML recipe; flags given here override its values.",
            words={"multitask": "YAML recipe (a tasks: list); flags override it.",
                   "bench schemes": "An unlearn recipe (with eval_suite), a multitask recipe (a tasks: list with "
-                                   "held-out rows) or an align recipe (safety: ...)."}),
+                                   "held-out rows) or an align recipe (safety: ...).",
+                  "tune": "The recipe every trial runs (an unlearn recipe with eval_suite, a multitask or an align "
+                          "recipe), with the trial's values over it."}),
     Option("--model", str, "Hub id, local model folder or .gguf file [default: embedded SmolLM2-135M-Instruct]",
            words={"evaluate": "Hub id, model folder (e.g. a run's final/) or .gguf [default: embedded SmolLM2]"}),
     Option("--dtype", str, DTYPE_HELP + DEFAULT,
@@ -128,11 +130,15 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
            variant={"evaluate": {"min": 1}}),
     Option("--seed", int, "Seed for weights' RNG and data order." + DEFAULT,
            words={"evaluate": "Seed (rejection answers drawn for TFE).",
+                  "tune": "Seed of the TPE sampler (each further worker on the study adds its number to it); the "
+                          "runs' own seed is the recipe's (--set seed=N).",
                   "bench optimizer": ""}),  # its row shows the default alone
     Option("--out", str, "Output folder [default: runs/{command}-DATE-TIME]",
            words={"evaluate": "Output folder [default: evals/DATE-TIME]",
                   "bench precision": "Output folder (one run per mode, precision.json).",
-                  "bench schemes": "Output folder [default: bench/RECIPE-NAME]"}),
+                  "bench schemes": "Output folder [default: bench/RECIPE-NAME]",
+                  "tune": "The study's folder (DIR): its settings, trials, best.yaml and report [default: "
+                          "tune/RECIPE-NAME]"}),
     Option("--overwrite/--no-overwrite", bool, "Replace the run in a non-empty --out folder." + DEFAULT,
            words={"evaluate": "Replace an evaluation already in --out."},
            variant={"evaluate": {"flags": "--overwrite"}}),
@@ -219,6 +225,9 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
                   "bench schemes": "Make every check the bench makes (recipe, schemes, evaluation suite, output "
                                    "folder; each forget task's data and the model, as its runs would) and print its "
                                    "runs; then exit, having run and written nothing.",
+                  "tune": "Make every check the study makes (recipe, space at its bounds, objective and "
+                          "constraints against the suite, storage, folder; the data and the model, as a trial "
+                          "would) and print the study; then exit, having run and written nothing.",
                   "bench optimizer": "Check the options and print what would be timed; then exit, having timed "
                                      "nothing.",
                   "bench precision": "Check the options, the model and the output folder and print the runs; then "
@@ -378,7 +387,8 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
            "the distances)."),
     Option("--schemes", str, "Comma-separated: " + SCHEMES.listing() + "."),
     Option("--seeds", str, "Comma-separated seeds; each scheme runs once per seed."),
-    Option("--set", list[str], "KEY=VALUE: a recipe value for every run (repeatable)."),
+    Option("--set", list[str], "KEY=VALUE: a recipe value for every run (repeatable).",
+           words={"tune": "KEY=VALUE: a recipe value for every trial, not searched (repeatable)."}),
     Option("--sweep", str, "KEY=V1,V2,...: run every scheme and seed at each value."),
     Option("--keep-checkpoints", bool, "Keep each run's checkpoints once it is evaluated (by default they are "
            "removed, so the bench needs the disk of one run's checkpoints plus every run's final/)."),
@@ -391,6 +401,22 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
     Option("--run-index", int, "Run only run K of the grid (--list-runs numbers them from 0) into the same --out: "
            "one task of a job array. Many may run at once; the one that ends the grid writes the tables."),
     Option("--summarize", bool, "Write the tables and figures from the runs that are done, and run nothing else."),
+
+    # --- doplus tune ---------------------------------------------------------------------------------------------
+    Option("--space", list[str], "KEY=SPEC: a recipe option to search (repeatable): lr=log:1e-6:1e-3 (log-uniform), "
+           "beta=0.05:0.5 (uniform), retain_freq=int:1:5, loss=IDK+GD|NPO+GD (choices); or a YAML file of "
+           "KEY: SPEC lines (docs/tune.md)."),
+    Option("--objective", str, "The metric to optimise, one the recipe's evaluation suite gives (OVR, MU, UFE, "
+           "forget_quality, model_utility, forget_rouge, ...), in its better direction; METRIC:max or METRIC:min "
+           "sets the direction."),
+    Option("--constraint", list[str], "A bound the best trial must meet (repeatable): METRIC>=VALUE, "
+           "METRIC<=VALUE, or METRIC>=F*start (F times the starting model's value, evaluated once)."),
+    Option("--trials", int, "The study's budget: finished trials (complete, pruned or failed) over every worker on "
+           "its storage.", min=1),
+    Option("--pruner", str, "median (stop a trial whose evaluation during training is below the median of the "
+           "trials before it at that step), hyperband, or none. Needs eval_every in the recipe."),
+    Option("--storage", str, "Where the study lives: a journal file's path (works on a shared file system, no "
+           "server) or a database URL (sqlite:///study.db, postgresql://...) [default: DIR/study.journal]"),
 )))
 
 
@@ -423,6 +449,8 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
         "fsdp", "keep_checkpoints", "summarize_from", "list_runs", "json", "indexes", "run_index", "summarize",
         "dry_run",
     ),
+    "tune": ("recipe", "space", "objective", "constraint", "trials", "out", "set", "pruner", "storage", "seed",
+             "dry_run"),
 }
 
 

@@ -19,6 +19,7 @@ ROOT = Path(doplus_cli.__file__).parent
 # (`doplus_cli`, its __init__) names only its own module. Entries for modules that do not exist yet are fine.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("command line", ("doplus_cli.cli", "doplus_cli.__main__")),
+    ("hyper-parameter search", ("doplus_cli.tune",)),  # doplus tune: its trials are bench schemes' runs
     ("benchmarks and recipes", ("doplus_cli.bench", "doplus_cli.recipes")),
     # the commands, and the engine modules that run one (the teaching stage and the relearning attack run
     # `doplus multitask`)

@@ -27,6 +27,7 @@ from doplus_cli.evaluation.runner import EvalConfig
 
 CONFIGS = {"unlearn": UnlearnConfig, "multitask": MultitaskConfig, "align": AlignConfig}
 BENCHES = ("bench optimizer", "bench precision", "bench schemes")
+STUDIES = (*BENCHES, "tune")  # the commands whose options are all the table's, declared in cli.py by name alone
 # Config fields a recipe sets that have no flag: a recipe's description, its teaching recipe, the trackers' names and
 # folder, multitask's tasks (given one by one with --task).
 RECIPE_ONLY = {"description", "teach", "tracker_project", "tracker_run_name", "tracker_group", "tracker_dir", "tasks"}
@@ -171,14 +172,17 @@ def test_the_options_read_each_commands_defaults_from_the_config_class_it_runs_w
     from doplus_cli.commands import COMMANDS
 
     assert {name: command.config_class for name, command in COMMANDS.items()} == options.COMMAND_CONFIGS
-    assert set(COMMANDS) | {"evaluate", *BENCHES} == set(options.COMMAND_OPTIONS)
+    assert set(COMMANDS) | {"evaluate", *STUDIES} == set(options.COMMAND_OPTIONS)
 
 
-@pytest.mark.parametrize("command", BENCHES)
+@pytest.mark.parametrize("command", STUDIES)
 def test_a_benchs_options_are_the_tables_in_its_order_and_its_help_lists_them(command):
-    """The benches declare no option of their own in cli.py: each parameter is the table's entry, with the flags,
-    help and range the table gives that bench."""
-    bench = typer.main.get_command(app).commands["bench"].commands[command.split()[1]]
+    """The benches and doplus tune declare no option of their own in cli.py: each parameter is the table's entry,
+    with the flags, help and range the table gives that command."""
+    group = typer.main.get_command(app)
+    for word in command.split():
+        group = group.commands[word]
+    bench = group
     parsed = {param.name: (param.opts, param.secondary_opts) for param in bench.params}
     assert list(parsed.items()) == list(options.command_flags(command).items())
     for param in bench.params:

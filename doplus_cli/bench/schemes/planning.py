@@ -104,14 +104,14 @@ def plan_bench(recipe: str, schemes: str, seeds: str, out: str, set_options: lis
     given = {str(k).replace("-", "_") for k in raw} | {k.replace("-", "_") for k, _ in set_pairs}
     adapter = adapter_of(path, given | ({sweep_pair[0].replace("-", "_")} if sweep_pair else set()))
     names = field_names(adapter.config_class)
-    base = _absolute_paths(load_recipe(path, adapter.config_class))
+    base = absolute_paths(load_recipe(path, adapter.config_class))
     for key in ("out", "overwrite", "resume"):
         base.pop(key, None)
     set_values: dict[str, Any] = {}
     for key, text in set_pairs:
         key = _option_key(key, "--set", names)
         value = coerce_option(key, _null(text), f"--set {key}", adapter.config_class)
-        set_values[key] = _absolute_paths({key: value})[key]
+        set_values[key] = absolute_paths({key: value})[key]
     sweep_key, sweep_values = None, [None]
     if sweep_pair is not None:
         sweep_key = _option_key(sweep_pair[0], "--sweep", names)
@@ -120,7 +120,7 @@ def plan_bench(recipe: str, schemes: str, seeds: str, out: str, set_options: lis
         items = [item.strip() for item in sweep_pair[1].split(",")]
         if not all(items):
             raise UserError(f"--sweep {sweep_pair[0]}={sweep_pair[1]}: write KEY=V1,V2,... with no empty value")
-        sweep_values = [_absolute_paths({sweep_key: coerce_option(sweep_key, _null(v), f"--sweep {sweep_key}",
+        sweep_values = [absolute_paths({sweep_key: coerce_option(sweep_key, _null(v), f"--sweep {sweep_key}",
                                                             adapter.config_class)})[sweep_key] for v in items]
         if len({json.dumps(plain(v)) for v in sweep_values}) < len(sweep_values):
             raise UserError(f"--sweep {sweep_key}: a value is given twice ({sweep_pair[1]})")
@@ -218,7 +218,7 @@ def _plan_run(bench: Bench, scheme: str, sweep_value: Any, seed: int, task: int 
         name += f"-t{task}"
     name += f"-s{seed}"
     _keep_one_of_exclusive(values, sources, [str(bench.recipe), "--set", "--sweep"])
-    steps = bench.adapter.planned_steps(_config(bench.adapter, values, sources))
+    steps = bench.adapter.planned_steps(config_of(bench.adapter, values, sources))
     # So that every run can resume after a kill: checkpoints about every tenth of the run, the newest kept.
     values.setdefault("save_every", max(1, steps // 10))
     values.setdefault("keep_last", 1)
@@ -228,12 +228,12 @@ def _plan_run(bench: Bench, scheme: str, sweep_value: Any, seed: int, task: int 
         group = scheme + (f"-{bench.sweep_key}={_name_part(sweep_value)}" if bench.sweep_key is not None else "")
         values.update({"tracker_project": f"doplus-bench-{bench.out.name}", "tracker_run_name": name,
                        "tracker_group": group, "tracker_dir": str(bench.out / "trackers")})
-    config = _config(bench.adapter, values, sources)
+    config = config_of(bench.adapter, values, sources)
     copy.deepcopy(config).validate()
     return Run(name, scheme, seed, sweep_value, plain(values), config, bench.out / "runs" / name, task)
 
 
-def _config(kind: BenchAdapter, values: dict[str, Any], sources: dict[str, str]) -> TrainConfig:
+def config_of(kind: BenchAdapter, values: dict[str, Any], sources: dict[str, str]) -> TrainConfig:
     config = kind.config_class()
     for key, value in copy.deepcopy(values).items():
         setattr(config, key, coerce_option(key, value, sources.get(key, "bench schemes"), kind.config_class))
@@ -259,7 +259,7 @@ def _name_part(value: Any) -> str:
     return re.sub(r"[^A-Za-z0-9._+-]", "_", text)
 
 
-def _absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
+def absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
     """Relative model and data paths (found next to the recipe by load_recipe, or from the working directory)
     made absolute, so the run's recipe works from OUT/recipes/."""
 
@@ -297,11 +297,11 @@ def _read_yaml(path: Path) -> Any:
     return yaml.safe_load(path.read_text())
 
 
-def _differences(saved: Any, current: Any, prefix: str = "") -> list[str]:
+def differences(saved: Any, current: Any, prefix: str = "") -> list[str]:
     if isinstance(saved, dict) and isinstance(current, dict):
         found = []
         for key in dict.fromkeys([*saved, *current]):
-            found += _differences(saved.get(key), current.get(key), f"{prefix}{key} " if prefix else f"{key} ")
+            found += differences(saved.get(key), current.get(key), f"{prefix}{key} " if prefix else f"{key} ")
         return found
     if saved != current:
         return [f"{prefix.strip()} ({saved!r} -> {current!r})"]
@@ -314,7 +314,7 @@ def check_out(bench: Bench) -> dict[str, Any]:
     index: dict[str, Any] = {"experiment": bench.experiment(), "runs": {}}
     if index_path.is_file():
         index = read_json(index_path)
-        changed = _differences(index["experiment"], bench.experiment())
+        changed = differences(index["experiment"], bench.experiment())
         if changed:
             raise UserError(f"{bench.out}: holds runs of another experiment ({'; '.join(changed[:3])}"
                             f"{'; ...' if len(changed) > 3 else ''}); use another --out")
@@ -324,7 +324,7 @@ def check_out(bench: Bench) -> dict[str, Any]:
         raise UserError(f"{bench.out}: not empty and not a bench schemes folder (no bench.json); use another --out")
     for run in bench.runs:
         if run.recipe_path.is_file():
-            changed = _differences(_read_yaml(run.recipe_path), run.recipe)
+            changed = differences(_read_yaml(run.recipe_path), run.recipe)
             if changed:
                 raise UserError(f"{run.recipe_path}: the run {run.name} was made from another recipe "
                                 f"({'; '.join(changed[:3])}); use another --out")

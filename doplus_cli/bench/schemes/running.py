@@ -35,7 +35,7 @@ class Stopped(UserError):
         self.exit_code = 128 + number
 
 
-class _Signals:
+class Signals:
     """While the bench runs, SIGTERM and SIGINT go to the current run (which finishes its step, writes a
     checkpoint and exits); the bench then stops instead of starting the next run."""
 
@@ -44,7 +44,7 @@ class _Signals:
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
 
-    def __enter__(self) -> _Signals:
+    def __enter__(self) -> Signals:
         if threading.current_thread() is threading.main_thread():
             for number in (signal.SIGTERM, signal.SIGINT):
                 self._previous[number] = signal.signal(number, self._handle)
@@ -67,7 +67,7 @@ class Runner:
                  keep_checkpoints: bool = False) -> None:
         self.bench, self.say, self.num_processes, self.fsdp = bench, say, num_processes, fsdp
         self.keep_checkpoints = keep_checkpoints
-        self.signals = _Signals()
+        self.signals = Signals()
 
     def run_all(self) -> list[str]:
         """Every run in order; the names of those left to another process that holds them (a job array's
@@ -132,7 +132,7 @@ class Runner:
             seconds = self._call(command, log, f"the evaluation of {what}")
             if not (folder / "eval.json").is_file():
                 raise RunError(f"the evaluation of {what} wrote no eval.json; see its log {log}")
-            self._say("start", f"evaluated {what} in {_duration(seconds)}")
+            self._say("start", f"evaluated {what} in {duration(seconds)}")
 
     def run_one(self, run: Run, label: str) -> None:
         """Skip, train (afresh, resumed or restarted) and/or evaluate one run, saying which in one line each."""
@@ -152,7 +152,7 @@ class Runner:
                 seconds = self._call(command, run.log, f"the evaluation of {run.name}")
                 if kind.evaluation(run.folder, report) is None:
                     raise RunError(f"the evaluation of {run.name} wrote no eval.json; see its log {run.log}")
-                self._say(label, f"evaluated in {_duration(seconds)}")
+                self._say(label, f"evaluated in {duration(seconds)}")
         except RunError as error:  # listed as failed (--list-runs) until an attempt starts again
             record_failure(run, str(error))
             raise
@@ -193,7 +193,7 @@ class Runner:
         report = completed_report(run.folder)
         if report is None:
             raise RunError(f"run {run.name} ended without a completed report.json; see its log {run.log}")
-        self._say(label, f"finished in {_duration(seconds)}")
+        self._say(label, f"finished in {duration(seconds)}")
         return report
 
     def _say(self, label: str, text: str) -> None:
@@ -219,13 +219,13 @@ class Runner:
             raise Stopped(self.signals.received, what)
         if code != 0:
             how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-            last = _last_error(log_path, offset)
+            last = last_error(log_path, offset)
             raise RunError(f"{what} failed ({how}){': ' + last if last else ''}; see its log {log_path} (finished "
                            "runs are kept: the same command goes on from here)")
         return time.perf_counter() - started
 
 
-def _last_error(log: Path, offset: int) -> str:
+def last_error(log: Path, offset: int) -> str:
     """The last `error: ...` line (the CLI's one-line errors) the log got from `offset` on, else its last line."""
     with open(log, "rb") as handle:
         handle.seek(offset)
@@ -236,7 +236,7 @@ def _last_error(log: Path, offset: int) -> str:
     return line[:300]
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     if seconds < 120:
         return f"{seconds:.1f} s"
     return f"{int(seconds // 60)} min {seconds % 60:02.0f} s"
