@@ -3,8 +3,8 @@
 # allows (uv's --resolution lowest-direct; what those require at the newest that fits), torch held at the CPU build
 # the README installs, then `doplus --help` and a usage error, a few-step `doplus unlearn` (DualOptim+ with 8-bit
 # states and LoRA, evaluating during training) on a tiny model built here, and `doplus evaluate` of its result (the
-# TOFU, privacy and lm-eval suites; XSTest from a recipe under a flag). A floor pyproject.toml declares that does
-# not pass here is raised there.
+# TOFU, privacy and lm-eval suites; XSTest from a recipe under a flag), then a 2-trial `doplus tune` (its extra,
+# Optuna, at its floor too). A floor pyproject.toml declares that does not pass here is raised there.
 #
 #   .ci/lowest.sh                  in a fresh folder under $TMPDIR, removed at the end
 #   LOWEST_DIR=DIR .ci/lowest.sh   in DIR, kept (the environment, versions.txt, the run and its evaluation)
@@ -42,11 +42,12 @@ begin "torch==2.13.0 with pip"
 begin "uv"
 "$py" -m pip install -q "uv>=0.13,<1"
 
-begin "doplus with its requirements at their lowest versions (uv --resolution lowest-direct)"
+begin "doplus and its tune extra, each requirement at its lowest version (uv --resolution lowest-direct)"
 # torch is left out of uv's resolution, so the build pip installed stays (uv would take torch's own requirements
 # from the index, the CUDA build's among them); `pip check` below holds it to what the others require.
 echo torch > "$dir/excludes.txt"
-"$dir/venv/bin/uv" pip install -q --python "$py" --resolution lowest-direct --excludes "$dir/excludes.txt" -e "$root"
+"$dir/venv/bin/uv" pip install -q --python "$py" --resolution lowest-direct --excludes "$dir/excludes.txt" \
+    -e "$root[tune]"
 
 begin "every requirement satisfied, torch still 2.13.0"
 "$py" -m pip check
@@ -61,7 +62,7 @@ echo "--- lowest: doplus's requirements and the versions installed" >&2
 import re
 from importlib.metadata import requires, version
 for requirement in requires("doplus-cli"):
-    if "extra ==" not in requirement:
+    if "extra ==" not in requirement or 'extra == "tune"' in requirement:
         name = re.match(r"[A-Za-z0-9._-]+", requirement).group()
         print(f"  {requirement:32} {version(name)}")
 EOF
@@ -84,7 +85,7 @@ grep -q "no-such-option" usage.txt
 test "$(wc -l < usage.txt)" = 1
 
 begin "a tiny model and its data"
-rm -rf tiny run eval xstest not-this-folder tasks && mkdir tasks
+rm -rf tiny run eval xstest not-this-folder tasks study && mkdir tasks
 "$py" -c "import sys; sys.path.insert(0, sys.argv[1]); from pathlib import Path; \
 from tiny_model import build_tiny_llama; build_tiny_llama(Path('tiny'))" "$root/tests"
 head -n 8 "$tofu/forget01.json" > forget.jsonl
@@ -128,6 +129,26 @@ test -f eval/TOFU_SUMMARY.json -a -f eval/PRIVACY_SUMMARY.json -a -f eval/LM_EVA
 printf 'suite: xstest\nresponses: responses.jsonl\nout: not-this-folder\n' > xstest.yaml
 "$doplus" evaluate --recipe xstest.yaml --out xstest
 test -f xstest/XSTEST_SUMMARY.json -a ! -e not-this-folder
+
+begin "doplus tune (2 trials, the median pruner, a constraint on the starting model)"
+cat > tune.yaml <<EOF
+model: tiny
+forget: forget.jsonl
+retain: retain.jsonl
+steps: 4
+batch_size: 2
+max_length: 48
+show_samples: 0
+eval_suite: tofu
+eval_every: 2
+eval_data_dir: $tofu
+eval_max_samples: 1
+eval_max_new_tokens: 4
+eval_nli_model: no-nli-model
+EOF
+"$doplus" tune --recipe tune.yaml --space lr=log:1e-4:1e-2 --objective OVR --constraint "MU>=0.5*start" --trials 2 \
+    --out study
+test -f study/best.yaml -a -f study/TUNE.md -a -f study/start/eval.json
 
 step="done"
 echo "lowest-versions job: passed in ${SECONDS} s" >&2

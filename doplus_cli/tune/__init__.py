@@ -219,12 +219,15 @@ def tune_dry_run(tune: Tune) -> str:
     """`doplus tune --dry-run`: the checks `plan` made, the folder's, and those the first trial's run makes before
     its model loads (its data, the fields its loss and evaluation need, the model); nothing run or written."""
     from doplus_cli.commands import command_named
+    from doplus_cli.engine.teach import teaching_plan
     from doplus_cli.models import check_model
 
     exists = check_out(tune) if tune.out.exists() else False
     first = tune.trial_config(tune.trial_values({p.key: _low(p) for p in tune.space}))
-    command = command_named(tune.adapter.command)
-    command.bound(first).open()
+    model, teaching = first.model, None
+    if first.teach:
+        teaching, model = teaching_plan(first, lambda teach: command_named("multitask").bound(teach).open())
+    command_named(tune.adapter.command).bound(first).open()
     lines = ["doplus tune --dry-run: every check made before a trial starts passed; nothing was run or written",
              f"study: {tune.trials} trials of doplus {tune.adapter.command} into {tune.out}"
              + (" (continues the study there)" if exists else "")
@@ -232,7 +235,8 @@ def tune_dry_run(tune: Tune) -> str:
              f"objective: {tune.objective.describe()}"
              + (f" subject to {', '.join(c.text() for c in tune.constraints)}" if tune.constraints else ""),
              "space: " + "; ".join(p.describe() for p in tune.space),
-             f"model: {check_model(first.model)[0]}", f"data: checked ({tune.steps} steps a trial)"]
+             *([f"teaching stage: {teaching}"] if teaching else []),
+             f"model: {check_model(model)[0]}", f"data: checked ({tune.steps} steps a trial)"]
     if tune.pruner != "none" and not tune.eval_every:
         lines.append("note: " + _no_pruning(tune))
     return "\n".join(lines)
