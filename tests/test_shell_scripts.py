@@ -1,26 +1,29 @@
 """The shell scripts shipped under recipes/: shellcheck finds nothing in them, and the values a user gives them
-(RECIPE, OUT, the job's name, the bench's arguments) reach the commands they start as single arguments, unchanged,
-whatever characters they hold. The scripts run under bash with stand-ins for `srun`, `scontrol`, `scancel`,
-`sbatch`, `accelerate`, `doplus` and `python` that record each argument apart."""
+(RECIPE, OUT, the job's name, the bench's and the tune's arguments) reach the commands they start as single
+arguments, unchanged, whatever characters they hold. The scripts run under bash with stand-ins for `srun`,
+`scontrol`, `scancel`, `sbatch`, `accelerate`, `doplus` and `python` that record each argument apart."""
 
 from __future__ import annotations
 
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.test_slurm_script import environment, stand_ins
+from tests.test_slurm_script import environment, stand_ins, usr1_while_training
 
 pytestmark = pytest.mark.processes  # each case is a bash process
 
 ROOT = Path(__file__).resolve().parents[1]
 UNLEARN = ROOT / "recipes" / "cluster" / "slurm_unlearn.sh"
 BENCH_ARRAY = ROOT / "recipes" / "cluster" / "slurm_bench_array.sh"
+TUNE_ARRAY = ROOT / "recipes" / "cluster" / "slurm_tune.sh"
 SCRIPTS = sorted((ROOT / "recipes").rglob("*.sh"))
 # a name that, pasted into a command string, splits in two and runs `touch PWNED` (the `#` drops the rest)
 HOSTILE = "my run; touch PWNED #"
@@ -37,8 +40,16 @@ if [ "$1" = show ]; then printf 'node1\\nnode2\\n'; fi""",
     "sbatch": '{ printf sbatch; ' + RECORD,
     "accelerate": '{ printf accelerate; ' + RECORD,
     "python": '{ printf python; ' + RECORD + "\necho 4 32",  # the recipe's batch_size and grad_accum
+    # doplus: --list-runs prints the runs to do; with TRAINING set, a worker that runs until SIGTERM, then stops as
+    # `doplus tune` does (its trial checkpointed and interrupted: one line, exit 143)
     "doplus": '{ printf doplus; ' + RECORD + """
-if [[ " $* " == *" --list-runs "* ]]; then echo 0-1; fi""",
+if [[ " $* " == *" --list-runs "* ]]; then echo 0-1; fi
+if [ -n "${TRAINING:-}" ]; then
+    trap 'echo "TERM reached doplus" >> "$RECORD"; echo "error: stopped by SIGTERM during trial 0002" >&2
+          exit 143' TERM
+    echo $$ > "$TRAINING"
+    while true; do sleep 0.05; done
+fi""",
 }
 
 
@@ -84,7 +95,7 @@ def shellcheck() -> str:
 
 
 def test_shellcheck_finds_nothing_in_the_shipped_scripts():
-    assert UNLEARN in SCRIPTS and BENCH_ARRAY in SCRIPTS
+    assert UNLEARN in SCRIPTS and BENCH_ARRAY in SCRIPTS and TUNE_ARRAY in SCRIPTS
     result = subprocess.run([shellcheck(), "--norc", "--severity=style", "--format=gcc", *map(str, SCRIPTS)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout == "", result.stdout + result.stderr
@@ -195,3 +206,116 @@ def test_bench_array_splits_bench_on_whitespace_only(tmp_path, bin_folder, cwd):
     assert recorded(tmp_path) == [["doplus", "bench", "schemes", "--recipe", "r.yaml;touch", "PWNED", "--out",
                                    "bench*", "--seeds", "0,1", "--run-index", "3"]]
     assert_nothing_injected(tmp_path)
+
+
+def bare_environment(tmp_path, bin_folder, **extra) -> dict[str, str]:
+    """The stand-ins first on PATH, the record, and no SLURM variable but those given."""
+    return {"PATH": os.pathsep.join([str(bin_folder), "/usr/bin", "/bin"]), "HOME": os.environ.get("HOME", "/tmp"),
+            "RECORD": str(tmp_path / "calls"), **extra}
+
+
+def tune_arguments(tmp_path) -> list[str]:
+    return ["--recipe", str(tmp_path / HOSTILE / "npo_gd.yaml"), "--space", "lr=log:1e-6:1e-4", "--objective", "OVR",
+            "--constraint", "MU>=0.9*start", "--trials", "8", "--out", str(tmp_path / HOSTILE / "tune")]
+
+
+def test_tune_array_submits_its_workers_with_its_own_arguments_unchanged(tmp_path, bin_folder, cwd):
+    """Started by hand, the script submits itself as an array of WORKERS tasks (4 unless set, at most MAX_AT_ONCE at
+    a time), its own arguments passed on as they came; WORKERS that is not a count is refused before sbatch."""
+    tune = tune_arguments(tmp_path)
+
+    def submitted(**extra) -> subprocess.CompletedProcess:
+        (tmp_path / "calls").unlink(missing_ok=True)
+        return subprocess.run(["bash", str(TUNE_ARRAY), *tune], env=bare_environment(tmp_path, bin_folder, **extra),
+                              cwd=cwd, capture_output=True, text=True, timeout=60)
+
+    result = submitted()
+    assert result.returncode == 0, result.stderr
+    assert recorded(tmp_path) == [["sbatch", "--array=0-3", str(TUNE_ARRAY), *tune]]
+    result = submitted(WORKERS="2", MAX_AT_ONCE="1")
+    assert result.returncode == 0, result.stderr
+    assert recorded(tmp_path) == [["sbatch", "--array=0-1%1", str(TUNE_ARRAY), *tune]]
+    for workers in ("0", "two", "a[$(touch PWNED)]"):
+        result = submitted(WORKERS=workers)
+        assert result.returncode == 2 and f"WORKERS={workers}: " in result.stderr, result.stderr
+        assert recorded(tmp_path) == []
+    assert_nothing_injected(tmp_path)
+    assert not list(cwd.iterdir())
+
+    (tmp_path / "calls").unlink(missing_ok=True)
+    result = subprocess.run(["bash", str(TUNE_ARRAY)], env=bare_environment(tmp_path, bin_folder, TUNE=""), cwd=cwd,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "set TUNE to the arguments of doplus tune" in result.stderr
+    assert recorded(tmp_path) == []
+
+
+def test_tune_array_task_runs_doplus_tune_with_each_argument_as_one(tmp_path, bin_folder, cwd):
+    """An array task runs the same `doplus tune` whatever its index: the script's own arguments unchanged, else TUNE
+    split on spaces, tabs and newlines only (a `;` stays in its argument, a `*` is not expanded: cwd holds a file it
+    would match)."""
+    tune = tune_arguments(tmp_path)
+    task = {"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_JOB_ID": "900"}
+    result = subprocess.run(["bash", str(TUNE_ARRAY), *tune], env=bare_environment(tmp_path, bin_folder, **task),
+                            cwd=cwd, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert recorded(tmp_path) == [["doplus", "tune", *tune]]
+
+    (tmp_path / "calls").unlink()
+    (cwd / "tune-match").write_text("")
+    env = bare_environment(tmp_path, bin_folder, **task,
+                           TUNE="--recipe r.yaml;touch\tPWNED  --space lr=0:1 --out tune*\n --objective OVR")
+    result = subprocess.run(["bash", str(TUNE_ARRAY)], env=env, cwd=cwd, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert recorded(tmp_path) == [["doplus", "tune", "--recipe", "r.yaml;touch", "PWNED", "--space", "lr=0:1", "--out",
+                                   "tune*", "--objective", "OVR"]]
+    assert_nothing_injected(tmp_path)
+
+
+def test_tune_array_usr1_stops_the_worker_and_requeues_its_task(tmp_path, bin_folder):
+    """SIGUSR1 to the batch shell (SLURM's --signal=B:USR1 before the time limit): the trap sends SIGTERM to the
+    worker, waits for it to stop its trial and requeues that array task; the worker's exit code is the task's."""
+    training = tmp_path / "training.pid"
+    tune = "--recipe r.yaml --space lr=0:1 --objective OVR --trials 8 --out tune/r"
+    code, out, err = usr1_while_training(TUNE_ARRAY, bare_environment(tmp_path, bin_folder, TUNE=tune,
+                                                                      SLURM_ARRAY_TASK_ID="2",
+                                                                      SLURM_ARRAY_JOB_ID="900",
+                                                                      TRAINING=str(training)), training)
+    assert code == 143, err
+    assert recorded(tmp_path) == [["doplus", "tune", *tune.split()], ["TERM reached doplus"],
+                                  ["scontrol", "requeue", "900_2"]]
+    assert "requeueing 900_2" in out and "stopped by SIGTERM during trial 0002" in err
+
+
+def test_tune_array_on_preemption_waits_for_the_worker_and_leaves_the_requeue_to_slurm(tmp_path, bin_folder):
+    """Preemption: SLURM sends SIGTERM to the batch shell and to the worker. The shell outlives the signal and waits
+    for the worker to stop its trial; it requeues nothing itself (SLURM does) and exits with the worker's code."""
+    training = tmp_path / "training.pid"
+    env = bare_environment(tmp_path, bin_folder, TUNE="--recipe r.yaml --out tune/r", SLURM_ARRAY_TASK_ID="1",
+                           SLURM_ARRAY_JOB_ID="900", TRAINING=str(training))
+    script = subprocess.Popen(["bash", str(TUNE_ARRAY)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env)
+    worker = None
+    try:
+        deadline = time.time() + 60
+        while not training.exists() or not training.read_text().strip():
+            assert script.poll() is None and time.time() < deadline, "the worker never started"
+            time.sleep(0.02)
+        worker = int(training.read_text())
+        script.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert script.poll() is None, f"the batch shell ended (code {script.returncode}) before its worker"
+        os.kill(worker, signal.SIGTERM)
+        out, err = script.communicate(timeout=60)
+        worker = None  # ended: the shell waited for it
+    finally:
+        if worker is not None:  # a worker the shell left behind: stopped here, not left running
+            try:
+                os.kill(worker, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if script.poll() is None:
+            script.kill()
+            script.wait(timeout=60)
+    assert script.returncode == 143, err
+    assert recorded(tmp_path) == [["doplus", "tune", "--recipe", "r.yaml", "--out", "tune/r"], ["TERM reached doplus"]]
+    assert "requeueing" not in out
