@@ -161,7 +161,7 @@ BENCH_DEFAULTS: dict[str, dict[str, Any]] = {
                         "modes": "fp32,bf16-mixed,bf16,bf16-uncompensated", "json": False},
     "bench schemes": {"recipe": ..., "schemes": DEFAULT_SCHEMES, "seeds": DEFAULT_SEEDS, "log_update_similarity": False,
                       "fsdp": False, "keep_checkpoints": False, "summarize_from": "final", "list_runs": False,
-                      "json": False, "summarize": False},
+                      "json": False, "summarize": False, "tune_trials": 12},
     "tune": {"recipe": ..., "space": ..., "objective": ..., "trials": 20, "pruner": "median", "seed": 0},
 }
 
@@ -252,8 +252,29 @@ def bench_schemes(**values: Any) -> None:
     )
 
     (recipe, schemes, seeds, task_ids, out, set_options, sweep, log_update_similarity, num_processes, fsdp,
-     keep_checkpoints, summarize_from, list_runs, as_json, indexes, run_index, summarize, dry_run) = (
+     keep_checkpoints, summarize_from, list_runs, as_json, indexes, run_index, summarize, tune_space, tune_trials,
+     tune_objective, tune_constraint, tune_task, dry_run) = (
         values[name] for name in options.COMMAND_OPTIONS["bench schemes"])
+    tuned = None
+    if tune_space:
+        _bench_tune_only_alone(list_runs, run_index, summarize)
+        from doplus_cli.tune import scheme_studies, tune_schemes
+
+        studies = scheme_studies(recipe, schemes, out, list(set_options or []), list(tune_space), tune_trials,
+                                 tune_objective, list(tune_constraint or []), tune_task, task_ids)
+        placeholder = {scheme: {p.key: p.low if p.kind != "choice" else p.choices[0] for p in study.space}
+                       for scheme, study in studies}  # the grid checked at the space's low values first
+        plan(recipe, schemes, seeds, out, list(set_options or []), sweep, log_update_similarity, task_ids,
+             summarize_from, (placeholder, ""))
+        if dry_run:
+            from doplus_cli.tune import tune_dry_run
+
+            for _, study in studies:
+                print(tune_dry_run(study))
+        else:
+            tuned = tune_schemes(studies, tune_task, say=lambda line: err_console.print(Text(line)))
+    elif any(v for v in (tune_objective, tune_constraint, tune_task)):
+        raise UserError("--tune-objective, --tune-constraint and --tune-task go with --tune")
     modes = [flag for flag, given in (("--list-runs", list_runs), ("--run-index", run_index is not None),
                                       ("--summarize", summarize)) if given]
     if len(modes) > 1:
@@ -266,7 +287,7 @@ def bench_schemes(**values: Any) -> None:
         from doplus_cli.bench.schemes import schemes_dry_run
 
         bench = plan(recipe, schemes, seeds, out, list(set_options or []), sweep, log_update_similarity, task_ids,
-                     summarize_from)
+                     summarize_from, (placeholder, "") if tune_space else None)
         if run_index is not None:
             from doplus_cli.bench.schemes.grid import check_run_index
 
@@ -294,7 +315,7 @@ def bench_schemes(**values: Any) -> None:
                                     log_update_similarity, num_processes, fsdp,
                                     say=lambda line: err_console.print(Text(line)), task_ids=task_ids,
                                     keep_checkpoints=keep_checkpoints, summarize_from=summarize_from,
-                                    run_index=run_index, summarize=summarize)
+                                    run_index=run_index, summarize=summarize, tuned=tuned)
     if summary is not None:
         print_summary(summary, console)
 
@@ -321,6 +342,17 @@ def tune(**values: Any) -> None:
     print(f"best trial {best['number']:04d}: {study.objective.metric} = {best['value']:.6g} with "
           + ", ".join(f"{k}={v}" for k, v in best["params"].items()))
     print(f"recipe: {best['recipe']}; report: {study.out / 'TUNE.md'}")
+
+
+def _bench_tune_only_alone(list_runs: bool, run_index: int | None, summarize: bool) -> None:
+    """--tune runs its studies before the grid, in this process: the grid's job-array modes take a grid whose
+    values are known."""
+    modes = [flag for flag, given in (("--list-runs", list_runs), ("--run-index", run_index is not None),
+                                      ("--summarize", summarize)) if given]
+    if modes:
+        raise UserError(f"--tune and {modes[0]}: --tune runs each scheme's study, then the grid, in one process; "
+                        "tune a grid for a job array with doplus tune --set scheme=... per scheme, then --set the "
+                        "values found")
 
 
 def _quiet_libraries() -> None:

@@ -402,6 +402,15 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
            "one task of a job array. Many may run at once; the one that ends the grid writes the tables."),
     Option("--summarize", bool, "Write the tables and figures from the runs that are done, and run nothing else."),
 
+    Option("--tune", list[str], "KEY=SPEC: before the bench, tune this option for each scheme with doplus tune "
+           "(repeatable, as tune's --space), every scheme at the same budget (--tune-trials) on --tune-task; the "
+           "grid then runs each scheme at its best values."),
+    Option("--tune-trials", int, "Trials of each scheme's study (--tune).", min=1),
+    Option("--tune-objective", str, "The metric each scheme's study optimises (--tune; as tune's --objective)."),
+    Option("--tune-constraint", list[str], "A bound each study's best trial must meet (--tune; as tune's "
+           "--constraint, repeatable)."),
+    Option("--tune-task", int, "The forget task the studies tune on (--tune), left out of --task-ids."),
+
     # --- doplus tune ---------------------------------------------------------------------------------------------
     Option("--space", list[str], "KEY=SPEC: a recipe option to search (repeatable): lr=log:1e-6:1e-3 (log-uniform), "
            "beta=0.05:0.5 (uniform), retain_freq=int:1:5, loss=IDK+GD|NPO+GD (choices); or a YAML file of "
@@ -447,7 +456,7 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "bench schemes": (
         "recipe", "schemes", "seeds", "task_ids", "out", "set", "sweep", "log_update_similarity", "num_processes",
         "fsdp", "keep_checkpoints", "summarize_from", "list_runs", "json", "indexes", "run_index", "summarize",
-        "dry_run",
+        "tune", "tune_trials", "tune_objective", "tune_constraint", "tune_task", "dry_run",
     ),
     "tune": ("recipe", "space", "objective", "constraint", "trials", "out", "set", "pruner", "storage", "seed",
              "dry_run"),

@@ -388,3 +388,75 @@ def test_the_paper_recipe_takes_task_1_the_authors_retain_set_and_a_60_step_warm
     assert (len(plan.forget_source), len(plan.retain_source)) == (400, 3600)
     # effective batch 40 (4 x 10 on one process): (1 + 5) * ceil(400 / 40) = 60 steps, the issue's figure
     assert plan.default_warmup(config.batch_size * config.grad_accum) == 60
+
+
+def tuned_lr(scheme: str) -> float:
+    """The learning rate at which the stub's objective (below) is best for `scheme`: each scheme its own."""
+    return {"alternate": 1e-3, "doplus": 3e-3}[scheme]
+
+
+def test_bench_schemes_tune_gives_each_scheme_its_study_and_runs_the_grid_at_its_best_values(
+        tiny_llama, authors_dir, tmp_path, monkeypatch):
+    """--tune: a study per scheme on forget task 1 (its trials a stub, scored -(log10 lr - log10 best)^2 with each
+    scheme's own best), then the grid on task 2 with each scheme at its study's best lr, named in SCHEMES.md."""
+    import math
+
+    import yaml
+
+    import doplus_cli.tune as tune_module
+    from doplus_cli.tune.trials import Outcome
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    seen = []
+
+    def trial(tune, trial, values, signals, log):
+        seen.append((values["scheme"], values["task_id"]))
+        score = -((math.log10(values["lr"]) - math.log10(tuned_lr(values["scheme"]))) ** 2)
+        return Outcome({"OVR": score, "MU": 1.0}, 0.0, tune.steps, {})
+
+    monkeypatch.setattr(tune_module, "run_trial", trial)
+    recipe = tmp_path / "tasks.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": str(tiny_llama), "forget": str(authors_dir / "forget01.json"), "retain": "tofu-authors",
+        "loss": "IDK+GD", "steps": 2, "lr": 1e-3, "batch_size": 2, "max_length": 48, "show_samples": 0,
+        "eval_every": 2, "eval_suite": "tofu", "eval_split": "forget01", "eval_data_dir": str(authors_dir),
+        "eval_max_new_tokens": 2}))
+    out = tmp_path / "bench"
+    assert run_cli("bench", "schemes", "--recipe", recipe, "--out", out, "--schemes", "alternate,doplus", "--seeds",
+                   "0", "--task-ids", "2", "--tune", "lr=log:1e-5:1e-1", "--tune-trials", "16",
+                   "--tune-objective", "OVR", "--tune-task", "1") == 0
+    assert sorted(set(seen)) == [("alternate", 1), ("doplus", 1)] and len(seen) == 32
+    summary = json.loads((out / "SCHEMES.json").read_text())
+    for scheme in ("alternate", "doplus"):
+        best = json.loads((out / "tune" / scheme / "TUNE.json").read_text())["best"]["params"]
+        assert summary["tuned"]["values"][scheme] == best
+        assert abs(math.log10(best["lr"]) - math.log10(tuned_lr(scheme))) < 0.5
+        run = yaml.safe_load((out / "recipes" / f"{scheme}-t2-s0.yaml").read_text())
+        assert run["lr"] == best["lr"] and run["task_id"] == 2
+        report = json.loads((out / "runs" / f"{scheme}-t2-s0" / "report.json").read_text())
+        assert report["config"]["lr"] == best["lr"] and report["data"]["task"]["task_id"] == 2
+    assert "- Tuned: doplus tune gave each scheme 16 trials" in (out / "SCHEMES.md").read_text()
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--tune", "lr=log:1e-5:1e-1", "--tune-objective", "OVR", "--task-ids", "2"], "give --tune-task T"),
+    (["--tune", "lr=log:1e-5:1e-1", "--tune-objective", "OVR", "--task-ids", "1,2", "--tune-task", "1"],
+     "--tune-task 1 is also in --task-ids"),
+    (["--tune", "lr=log:1e-5:1e-1", "--tune-task", "1", "--task-ids", "2"], "--tune needs --tune-objective"),
+    (["--tune", "lr=log:1e-5:1e-1", "--tune-objective", "OVR", "--tune-task", "1", "--task-ids", "2",
+      "--list-runs"], "--tune and --list-runs"),
+    (["--tune-objective", "OVR"], "go with --tune"),
+])
+def test_bench_schemes_tune_bad_input_is_one_line(tiny_llama, authors_dir, tmp_path, capsys, extra, words):
+    import yaml
+
+    recipe = tmp_path / "tasks.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": str(tiny_llama), "forget": str(authors_dir / "forget01.json"), "retain": "tofu-authors",
+        "loss": "IDK+GD", "steps": 2, "eval_suite": "tofu", "eval_data_dir": str(authors_dir)}))
+    out = tmp_path / "bench"
+    assert run_cli("bench", "schemes", "--recipe", recipe, "--out", out, "--schemes", "alternate,doplus",
+                   *extra) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1
+    assert not out.exists()

@@ -379,3 +379,55 @@ def _states() -> Any:
 
 def _shown(params: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
+
+
+# ---- bench schemes --tune: every scheme tuned at the same budget ------------------------------------------------
+
+
+def scheme_studies(recipe: str, schemes: str, out: str | None, set_options: list[str], space: list[str],
+                   trials: int, objective: str, constraints: list[str], task: int | None, task_ids: str | None,
+                   ) -> list[tuple[str, Tune]]:
+    """`bench schemes --tune`: one study per scheme, each of `trials` trials of the recipe with the scheme's values on
+    forget task `task` (held out of the compared tasks, --task-ids), into OUT/tune/SCHEME/; checked, nothing
+    written."""
+    from doplus_cli.bench.schemes import tune_folder
+    from doplus_cli.bench.schemes.planning import parse_schemes, scheme_values
+    from doplus_cli.config import parse_task_ids
+
+    if task is None or task_ids is None:
+        raise UserError("--tune tunes each scheme on one forget task and compares the tuned schemes on others: give "
+                        "--tune-task T and --task-ids without T")
+    if task in parse_task_ids(task_ids, "--task-ids"):
+        raise UserError(f"--tune-task {task} is also in --task-ids: the tuning and the compared tasks must differ")
+    if objective is None:
+        raise UserError("--tune needs --tune-objective METRIC: what each scheme's study optimises")
+    studies = []
+    for scheme in parse_schemes(schemes):
+        fixed = [f"{key}={'null' if value is None else value}" for key, value in scheme_values(scheme).items()]
+        study = plan(recipe, space, objective, constraints, trials, str(tune_folder(out, recipe, scheme)),
+                     [*fixed, f"task_id={task}", *set_options], "median", None, 0)
+        studies.append((scheme, study))
+    return studies
+
+
+def tune_schemes(studies: list[tuple[str, Tune]], task: int, say: Callable[[str], None]
+                 ) -> tuple[dict[str, dict[str, Any]], str]:
+    """Run each scheme's study (a finished one only writes its outputs again); each scheme's best values and how
+    they were found, in words, for the bench's table."""
+    tuned = {}
+    for scheme, study in studies:
+        say(f"tuning {scheme}: {study.trials} trials on forget task {task} into {study.out}")
+        best = run_tune(study, say)["best"]
+        if best is None:
+            raise UserError(f"--tune: the study of {scheme} has no feasible complete trial ({study.out / 'TUNE.md'});"
+                            " loosen --tune-constraint or give more --tune-trials")
+        tuned[scheme] = best["params"]
+        say(f"tuned {scheme}: " + _shown(best["params"]) + f" ({study.objective.metric} = {best['value']:.4g})")
+    first = studies[0][1]
+    goal = first.objective.describe() + (f" subject to {', '.join(c.text() for c in first.constraints)}"
+                                         if first.constraints else "")
+    how = (f"doplus tune gave each scheme {first.trials} trials (TPE, seed {first.seed}, median pruner) to "
+           f"{goal} on forget task {task}, which the table's tasks leave out; space "
+           + "; ".join(p.describe() for p in first.space) + "; the studies are in OUT/tune/SCHEME/")
+    return tuned, how
+

@@ -2,9 +2,9 @@
 # A `doplus tune` study as a SLURM job array: every task one worker of the same study, checkpointed and requeued.
 #
 #   TUNE="--recipe recipes/tofu/llama2-7b/npo_gd.yaml --space lr=log:1e-6:1e-4 --space beta=0.05:0.5 \
-#         --objective forget_quality --trials 32 --out tune/npo-llama2" bash recipes/cluster/slurm_tune.sh
+#         --objective OVR --trials 32 --out tune/npo-llama2" bash recipes/cluster/slurm_tune.sh
 #   WORKERS=8 bash recipes/cluster/slurm_tune.sh --recipe recipes/tofu/llama2-7b/npo_gd.yaml \
-#          --space lr=log:1e-6:1e-4 --objective forget_quality --constraint "model_utility>=0.9*start" \
+#          --space lr=log:1e-6:1e-4 --objective OVR --constraint "MU>=0.9*start" \
 #          --trials 32 --out "tune/npo llama2"     # the same arguments given to the script: for values holding spaces
 #
 # Started with bash (not sbatch), the script submits itself as an array of WORKERS tasks (default 4;

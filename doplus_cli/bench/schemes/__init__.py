@@ -48,8 +48,10 @@ from doplus_cli.bench.schemes.grid import (
 from doplus_cli.bench.schemes.planning import (
     DEFAULT_SCHEMES,
     DEFAULT_SEEDS,
+    TUNE_FOLDER,
     Bench,
     check_out,
+    plain,
     plan_bench,
     record_runs,
 )
@@ -89,6 +91,8 @@ def write_outputs(bench: Bench, index: dict[str, Any]) -> dict[str, Any]:
                            plot_curves(summary, results, bench.adapter.curve_names(bench.runs[0].config), bench.out),
                            plot_update_similarity(summary, results, bench.out), plot_attacks(summary, bench.out)) if f]
     summary["figures"] = figures
+    if bench.tuning:
+        summary["tuned"] = {"how": bench.tuning, "values": plain(bench.tuned)}
     atomic_write_text(bench.out / "SCHEMES.json", json.dumps(summary, indent=2) + "\n")
     atomic_write_text(bench.out / "SCHEMES.md", render_markdown(summary, figures))
     return summary
@@ -98,11 +102,13 @@ def run_schemes_bench(recipe: str, schemes: str, seeds: str, out: str | None, se
                       sweep: str | None, log_update_similarity: bool, num_processes: int | None, fsdp: bool,
                       say: Callable[[str], None], task_ids: str | None = None,
                       keep_checkpoints: bool = False, summarize_from: str = "final", run_index: int | None = None,
-                      summarize: bool = False) -> dict[str, Any] | None:
+                      summarize: bool = False, tuned: tuple[dict[str, dict[str, Any]], str] | None = None
+                      ) -> dict[str, Any] | None:
     """Plan and check everything, run what is missing (every run, or run `run_index` alone), then write the tables
     and figures when every run is done (or `summarize`: from those that are); return SCHEMES.json, or None when
     the tables wait for runs still to be done."""
-    bench = plan(recipe, schemes, seeds, out, set_options, sweep, log_update_similarity, task_ids, summarize_from)
+    bench = plan(recipe, schemes, seeds, out, set_options, sweep, log_update_similarity, task_ids, summarize_from,
+                 tuned)
     if run_index is not None:
         check_run_index(bench, run_index)
     runner = Runner(bench, say, num_processes, fsdp, keep_checkpoints)
@@ -133,12 +139,25 @@ def run_schemes_bench(recipe: str, schemes: str, seeds: str, out: str | None, se
 
 
 def plan(recipe: str, schemes: str, seeds: str, out: str | None, set_options: list[str], sweep: str | None,
-         log_update_similarity: bool, task_ids: str | None = None, summarize_from: str = "final") -> Bench:
-    """The bench a command asks for, checked, before anything is written."""
-    out = out or os.path.join("bench", Path(recipe).stem)
-    bench = plan_bench(recipe, schemes, seeds, out, set_options, sweep, log_update_similarity, task_ids)
+         log_update_similarity: bool, task_ids: str | None = None, summarize_from: str = "final",
+         tuned: tuple[dict[str, dict[str, Any]], str] | None = None) -> Bench:
+    """The bench a command asks for, checked, before anything is written. `tuned`: each scheme's values found by
+    `--tune` and how they were found, in words."""
+    out = out or default_out(recipe)
+    bench = plan_bench(recipe, schemes, seeds, out, set_options, sweep, log_update_similarity, task_ids,
+                       tuned[0] if tuned else None)
+    bench.tuning = tuned[1] if tuned else None
     bench.summarize_from = check_summarize_from(bench, summarize_from)
     return bench
+
+
+def default_out(recipe: str) -> str:
+    return os.path.join("bench", Path(recipe).stem)
+
+
+def tune_folder(out: str | None, recipe: str, scheme: str) -> Path:
+    """Where `--tune` keeps the study of `scheme`: OUT/tune/SCHEME/."""
+    return Path(out or default_out(recipe)).expanduser().resolve() / TUNE_FOLDER / scheme
 
 
 def schemes_dry_run(bench: Bench, num_processes: int | None, fsdp: bool) -> str:

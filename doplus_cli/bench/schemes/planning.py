@@ -34,6 +34,7 @@ from doplus_cli.files import atomic_write_text
 from doplus_cli.lifecycle import folder_entries
 
 BENCH_KEYS = ("seed", "out", "overwrite", "resume")  # the bench sets these for every run
+TUNE_FOLDER = "tune"  # --tune: OUT/tune/SCHEME/ holds each scheme's study (doplus tune)
 DEFAULT_SCHEMES = "joint,alternate,dualoptim,doplus"
 DEFAULT_SEEDS = "0,1,2"
 
@@ -83,17 +84,22 @@ class Bench:
     runs: list[Run] = field(default_factory=list)
     task_ids: list[int | None] = field(default_factory=lambda: [None])  # --task-ids: forget tasks, an axis
     summarize_from: str = "final"  # --summarize-from: each run's final model, or its best/ step (--select-by)
+    tuned: dict[str, dict[str, Any]] = field(default_factory=dict)  # --tune: each scheme's best values
+    tuning: str | None = None  # --tune: how the values were found, in words (SCHEMES.md)
 
     def experiment(self) -> dict[str, Any]:
         """What every run of OUT shares; a later command into the same OUT must give the same."""
         return json.loads(json.dumps({
             "kind": self.adapter.command, "recipe": plain(self.base), "set": plain(self.set_values),
-            "sweep_key": self.sweep_key, "log_update_similarity": self.log_update_similarity}, default=str))
+            "sweep_key": self.sweep_key, "log_update_similarity": self.log_update_similarity,
+            **({"tuned": plain(self.tuned)} if self.tuned else {})}, default=str))
 
 
 def plan_bench(recipe: str, schemes: str, seeds: str, out: str, set_options: list[str], sweep: str | None,
-               log_update_similarity: bool, task_ids: str | None = None) -> Bench:
-    """Every check on the command and the recipe, and the runs it asks for; nothing is written."""
+               log_update_similarity: bool, task_ids: str | None = None,
+               tuned: dict[str, dict[str, Any]] | None = None) -> Bench:
+    """Every check on the command and the recipe, and the runs it asks for; nothing is written. `tuned`: each
+    scheme's own values (doplus tune's best, `--tune`), over the recipe and --set."""
     scheme_names = parse_schemes(schemes)
     seed_list = parse_seeds(seeds)
     task_list: list[int | None] = [None] if task_ids is None else list(parse_task_ids(task_ids, "--task-ids"))
@@ -131,7 +137,11 @@ def plan_bench(recipe: str, schemes: str, seeds: str, out: str, set_options: lis
         if "task_id" in set_values or sweep_key == "task_id":
             raise UserError("--task-ids and --set/--sweep task_id: give the tasks once, with --task-ids")
     bench = Bench(path, adapter, base, set_values, sweep_key, sweep_values, scheme_names, seed_list,
-                  Path(out).expanduser().resolve(), log_update_similarity, task_ids=task_list)
+                  Path(out).expanduser().resolve(), log_update_similarity, task_ids=task_list, tuned=dict(tuned or {}))
+    for values in bench.tuned.values():
+        clash = sorted(set(values) & ({sweep_key} | set(set_values)))
+        if clash:
+            raise UserError(f"--tune searches {clash[0]}, which --set or --sweep also gives; give it once")
     # Forget task, then seed outermost: a bench stopped part-way has every scheme on the first tasks and seeds, and
     # the schemes' runs alternate in time, so a change in the machine's speed falls on every scheme alike.
     for task in task_list:
@@ -203,10 +213,12 @@ def _null(text: str) -> str | None:
 def _plan_run(bench: Bench, scheme: str, sweep_value: Any, seed: int, task: int | None = None) -> Run:
     """The run's recipe (recipe < scheme < seed < --set < sweep value < the bench's checkpoint defaults) and its
     validated config."""
-    values = {**copy.deepcopy(bench.base), **scheme_values(scheme), "seed": seed, **bench.set_values}
+    tuned = bench.tuned.get(scheme, {})
+    values = {**copy.deepcopy(bench.base), **scheme_values(scheme), "seed": seed, **bench.set_values, **tuned}
     sources = {key: str(bench.recipe) for key in bench.base}
     sources.update({key: f"--schemes {scheme}" for key in SCHEME_KEYS} | {"seed": "--seeds"})
     sources.update({key: f"--set {key}" for key in bench.set_values})
+    sources.update({key: f"--tune {key}" for key in tuned})
     name = scheme
     if bench.sweep_key is not None:
         values[bench.sweep_key] = sweep_value
@@ -320,7 +332,8 @@ def check_out(bench: Bench) -> dict[str, Any]:
                             f"{'; ...' if len(changed) > 3 else ''}); use another --out")
     elif bench.out.exists() and not bench.out.is_dir():
         raise UserError(f"{bench.out}: --out is a file, not a folder")
-    elif bench.out.is_dir() and folder_entries(bench.out):  # the lock's files do not count
+    elif bench.out.is_dir() and [entry for entry in folder_entries(bench.out)  # the lock's files do not count
+                                 if not (bench.tuned and entry.name == TUNE_FOLDER)]:  # nor --tune's studies
         raise UserError(f"{bench.out}: not empty and not a bench schemes folder (no bench.json); use another --out")
     for run in bench.runs:
         if run.recipe_path.is_file():

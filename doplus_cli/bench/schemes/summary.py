@@ -352,6 +352,11 @@ def render_markdown(summary: dict[str, Any], figures: list[str]) -> str:
                 lines.append(f"- {labels[key]}: {entry['note']} ({entry['runs']} of {summary['runs_total']} runs)")
         lines.append("")
     lines += [f"- {line}" for line in summary["definitions"]]
+    if summary.get("tuned"):
+        lines += [f"- Tuned: {summary['tuned']['how']}; each scheme's values: " + "; ".join(
+            f"{SCHEMES[scheme].label}: " + ", ".join(f"{k} = {v:.3g}" if isinstance(v, float) else f"{k} = {v}"
+                                                     for k, v in values.items())
+            for scheme, values in summary["tuned"]["values"].items()) + "."]
     if summary.get("tradeoff"):
         lines += [""] + render_tradeoff(summary["tradeoff"], summary.get("over", "seeds"))
     if summary["unfinished"]:
