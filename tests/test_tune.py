@@ -174,6 +174,10 @@ def test_a_study_finds_a_known_optimum(recipe, tmp_path, monkeypatch):
     # the same command again: the study holds its 30 trials, so nothing runs and the outputs are the same
     monkeypatch.setattr(tune_module, "run_trial", None)
     assert run_tune(stub_study(recipe, tmp_path / "study", 30), say=lambda line: None)["best"] == best
+    # a larger budget extends the study by as many trials
+    monkeypatch.setattr(tune_module, "run_trial", trial)
+    more = run_tune(stub_study(recipe, tmp_path / "study", 32), say=lambda line: None)
+    assert more["counts"]["complete"] == 32 and more["trials"][:30] == summary["trials"]
 
 
 def test_the_median_pruner_stops_a_trial_that_falls_behind(recipe, tmp_path, monkeypatch):

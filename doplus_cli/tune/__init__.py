@@ -65,6 +65,7 @@ from doplus_cli.tune.trials import (
 )
 
 SETTINGS = "tune.json"
+GROWS = ("trials",)  # a study's settings that a later command may change: a budget raised extends the study
 FAILURES_IN_A_ROW = 3  # a worker whose trials fail this many times in a row stops (the cause is rarely the values)
 # Suites whose starting model `doplus evaluate` scores: a constraint relative to the starting model needs one.
 START_SUITES = ("tofu", "muse", "wmdp")
@@ -203,7 +204,8 @@ def check_out(tune: Tune) -> bool:
             saved = json.loads(settings.read_text())
         except ValueError:
             raise UserError(f"{settings}: not a doplus tune settings file (unreadable JSON)") from None
-        changed = differences(saved, tune.settings())
+        changed = differences({k: v for k, v in saved.items() if k not in GROWS},
+                              {k: v for k, v in tune.settings().items() if k not in GROWS})
         if changed:
             raise UserError(f"{tune.out}: holds a study with other settings ({'; '.join(changed[:3])}"
                             f"{'; ...' if len(changed) > 3 else ''}); use another --out")
@@ -259,8 +261,8 @@ def run_tune(tune: Tune, say: Callable[[str], None]) -> dict[str, Any]:
     check_out(tune)  # before the turn's lock file goes into a folder that may not be a study's
     with run_guard():
         with shared_turn(tune.out):
-            if not check_out(tune):
-                atomic_write_text(tune.out / SETTINGS, json.dumps(tune.settings(), indent=2) + "\n")
+            check_out(tune)  # again in the turn: another worker may have started a study here meanwhile
+            atomic_write_text(tune.out / SETTINGS, json.dumps(tune.settings(), indent=2) + "\n")  # its budget now
             study = studies.open_study(tune, 0)
             worker = studies.join(study)
         if worker:
