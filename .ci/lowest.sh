@@ -47,7 +47,7 @@ begin "doplus and its tune extra, each requirement at its lowest version (uv --r
 # from the index, the CUDA build's among them); `pip check` below holds it to what the others require.
 echo torch > "$dir/excludes.txt"
 "$dir/venv/bin/uv" pip install -q --python "$py" --resolution lowest-direct --excludes "$dir/excludes.txt" \
-    -e "$root[tune]"
+    -e "${root}[tune]"
 
 begin "every requirement satisfied, torch still 2.13.0"
 "$py" -m pip check

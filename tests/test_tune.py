@@ -254,7 +254,7 @@ def test_two_workers_fill_one_study_and_run_no_trial_twice(recipe, tmp_path):
 def wait_for(condition, process, seconds=120):
     deadline = time.time() + seconds
     while not condition():
-        assert process.poll() is None, process.communicate()[1]
+        assert process.poll() is None, process.communicate(timeout=60)[1]
         assert time.time() < deadline
         time.sleep(0.05)
 
@@ -264,7 +264,7 @@ def test_a_killed_worker_s_trial_runs_again_and_is_not_counted(recipe, tmp_path)
     process = worker(out, marks, 60, "--trials", "2", recipe=recipe)
     wait_for(lambda: trial_marks(marks), process)
     os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    process.wait(timeout=60)
     first = json.loads((marks / trial_marks(marks)[0]).read_text())
     again = worker(out, marks, 0, "--trials", "2", recipe=recipe)
     _, err = again.communicate(timeout=240)
