@@ -363,3 +363,18 @@ def test_without_optuna_the_command_says_how_to_install_it(recipe, tmp_path, mon
     assert run_cli("tune", "--recipe", recipe, "--space", "lr=log:1e-6:1e-3", "--objective", "OVR", "--out",
                    tmp_path / "study") == 2
     assert "pip install 'doplus-cli[tune]'" in capsys.readouterr().err
+
+
+def test_a_database_storage_holds_the_study_and_the_folder_the_trials(recipe, tmp_path, monkeypatch):
+    """--storage sqlite:///FILE: Optuna's database storage instead of the journal; the same command continues it."""
+    monkeypatch.setattr(tune_module, "run_trial", lambda tune, trial, values, signals, log: Outcome(
+        {"OVR": -abs(math.log10(values["lr"]) + 3), "MU": 1.0}, 0.0, tune.steps, {}))
+    database = tmp_path / "study.db"
+
+    def study(trials):
+        return plan(str(recipe), ["lr=log:1e-6:1e-1"], "OVR", [], trials, str(tmp_path / "study"), [], "none",
+                    f"sqlite:///{database}", 0)
+
+    assert run_tune(study(3), say=lambda line: None)["counts"]["complete"] == 3
+    assert database.stat().st_size > 0 and not (tmp_path / "study" / "study.journal").exists()
+    assert run_tune(study(4), say=lambda line: None)["counts"]["complete"] == 4
