@@ -227,15 +227,9 @@ def test_bench_schemes_pools_forget_tasks_and_the_statistics_match_the_runs(tiny
                                                                              monkeypatch):
     import statistics
 
-    import yaml
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the runs are subprocesses; one thread each is fastest here
-    recipe = tmp_path / "tasks.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "model": str(tiny_llama), "forget": str(authors_dir / "forget01.json"), "retain": "tofu-authors",
-        "loss": "IDK+GD", "steps": 4, "lr": 1e-3, "batch_size": 2, "max_length": 48, "show_samples": 0,
-        "eval_every": 2, "eval_suite": "tofu", "eval_split": "forget01", "eval_data_dir": str(authors_dir),
-        "eval_max_new_tokens": 2}))
+    recipe = tasks_recipe(tmp_path, tiny_llama, authors_dir, steps=4)
     out = tmp_path / "bench"
     # one scheme: the pooling over tasks is per scheme, and each further scheme would only add two runs
     assert run_cli("bench", "schemes", "--recipe", recipe, "--out", out, "--schemes", "doplus", "--seeds",
@@ -390,6 +384,20 @@ def test_the_paper_recipe_takes_task_1_the_authors_retain_set_and_a_60_step_warm
     assert plan.default_warmup(config.batch_size * config.grad_accum) == 60
 
 
+def tasks_recipe(folder, model, authors_dir, steps):
+    """tasks.yaml in `folder`: IDK+GD on the authors' forget01 (its tasks picked by task_id), evaluated by the TOFU
+    suite at every second step."""
+    import yaml
+
+    recipe = folder / "tasks.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": str(model), "forget": str(authors_dir / "forget01.json"), "retain": "tofu-authors",
+        "loss": "IDK+GD", "steps": steps, "lr": 1e-3, "batch_size": 2, "max_length": 48, "show_samples": 0,
+        "eval_every": 2, "eval_suite": "tofu", "eval_split": "forget01", "eval_data_dir": str(authors_dir),
+        "eval_max_new_tokens": 2}))
+    return recipe
+
+
 def tuned_lr(scheme: str) -> float:
     """The learning rate at which the stub's objective (below) is best for `scheme`: each scheme its own."""
     return {"alternate": 1e-3, "doplus": 3e-3}[scheme]
@@ -415,12 +423,7 @@ def test_bench_schemes_tune_gives_each_scheme_its_study_and_runs_the_grid_at_its
         return Outcome({"OVR": score, "MU": 1.0}, 0.0, tune.steps, {})
 
     monkeypatch.setattr(tune_module, "run_trial", trial)
-    recipe = tmp_path / "tasks.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "model": str(tiny_llama), "forget": str(authors_dir / "forget01.json"), "retain": "tofu-authors",
-        "loss": "IDK+GD", "steps": 2, "lr": 1e-3, "batch_size": 2, "max_length": 48, "show_samples": 0,
-        "eval_every": 2, "eval_suite": "tofu", "eval_split": "forget01", "eval_data_dir": str(authors_dir),
-        "eval_max_new_tokens": 2}))
+    recipe = tasks_recipe(tmp_path, tiny_llama, authors_dir, steps=2)
     out = tmp_path / "bench"
     assert run_cli("bench", "schemes", "--recipe", recipe, "--out", out, "--schemes", "alternate,doplus", "--seeds",
                    "0", "--task-ids", "2", "--tune", "lr=log:1e-5:1e-1", "--tune-trials", "16",
@@ -448,12 +451,8 @@ def test_bench_schemes_tune_gives_each_scheme_its_study_and_runs_the_grid_at_its
     (["--tune-objective", "OVR"], "go with --tune"),
 ])
 def test_bench_schemes_tune_bad_input_is_one_line(tiny_llama, authors_dir, tmp_path, capsys, extra, words):
-    import yaml
 
-    recipe = tmp_path / "tasks.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "model": str(tiny_llama), "forget": str(authors_dir / "forget01.json"), "retain": "tofu-authors",
-        "loss": "IDK+GD", "steps": 2, "eval_suite": "tofu", "eval_data_dir": str(authors_dir)}))
+    recipe = tasks_recipe(tmp_path, tiny_llama, authors_dir, steps=2)
     out = tmp_path / "bench"
     assert run_cli("bench", "schemes", "--recipe", recipe, "--out", out, "--schemes", "alternate,doplus",
                    *extra) == 2

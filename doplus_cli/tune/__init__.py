@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from doplus_cli.bench.adapters import BenchAdapter, adapter_of
-from doplus_cli.bench.schemes.planning import absolute_paths, config_of, differences, plain
+from doplus_cli.bench.schemes.planning import absolute_paths, config_of, differences, plain, split_pair
 from doplus_cli.bench.schemes.running import Signals, Stopped
 from doplus_cli.config import (
     EXCLUSIVE_OPTIONS,
@@ -136,7 +136,7 @@ def plan(recipe: str, space: list[str], objective: str, constraints: list[str], 
     """Every check on the command, the recipe, the space and the goal; nothing is written."""
     path = Path(recipe).expanduser().resolve()
     raw = read_recipe(path)
-    set_pairs = [_pair(text) for text in set_options]
+    set_pairs = [(key.replace("-", "_"), value) for key, value in (split_pair(text, "--set") for text in set_options)]
     given = {str(k).replace("-", "_") for k in raw} | {k for k, _ in set_pairs}
     adapter = adapter_of(path, given)
     names = field_names(adapter.config_class)
@@ -176,13 +176,6 @@ def plan(recipe: str, space: list[str], objective: str, constraints: list[str], 
     tune.steps = adapter.planned_steps(config)
     tune.eval_every = getattr(config, "eval_every", None)
     return tune
-
-
-def _pair(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise UserError(f"--set '{text}': write KEY=VALUE")
-    return key.strip().replace("-", "_"), value.strip()
 
 
 def _low(param: Param) -> Any:

@@ -105,8 +105,8 @@ def plan_bench(recipe: str, schemes: str, seeds: str, out: str, set_options: lis
     task_list: list[int | None] = [None] if task_ids is None else list(parse_task_ids(task_ids, "--task-ids"))
     path = Path(recipe).expanduser().resolve()
     raw = read_recipe(path)
-    set_pairs = [_split_pair(text, "--set") for text in set_options]
-    sweep_pair = _split_pair(sweep, "--sweep") if sweep is not None else None
+    set_pairs = [split_pair(text, "--set") for text in set_options]
+    sweep_pair = split_pair(sweep, "--sweep") if sweep is not None else None
     given = {str(k).replace("-", "_") for k in raw} | {k.replace("-", "_") for k, _ in set_pairs}
     adapter = adapter_of(path, given | ({sweep_pair[0].replace("-", "_")} if sweep_pair else set()))
     names = field_names(adapter.config_class)
@@ -184,7 +184,7 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def _split_pair(text: str, flag: str) -> tuple[str, str]:
+def split_pair(text: str, flag: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise UserError(f"{flag} '{text}': write KEY=VALUE" + ("S (comma-separated)" if flag == "--sweep" else ""))
