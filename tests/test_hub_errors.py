@@ -8,8 +8,10 @@ the machine."""
 from __future__ import annotations
 
 import http.server
+import select
 import socket
 import threading
+import time
 
 import pytest
 
@@ -20,7 +22,10 @@ from doplus_cli.hub_errors import HubError, diagnose, error_chain
 from tests.helpers import run_cli
 
 WAIT_S = 0.5  # huggingface_hub's timeouts here (HF_HUB_ETAG_TIMEOUT, HF_HUB_DOWNLOAD_TIMEOUT)
-HOLD_S = 1.5  # how long the "never answers" repository holds a request before it closes the connection
+# How long the "never answers" repository holds a request at most: until the client gives up (closes its end)
+# or this long, then it closes without a word. Far above WAIT_S, so that a client starved of CPU on a loaded
+# machine still sees its own timeout first, never the stand-in's close (a dropped connection, "unreachable").
+HOLD_S = 30.0
 
 # The repository's name says how the stand-in hub answers every request about it: (status, headers).
 ANSWERS = {
@@ -44,7 +49,7 @@ class StandInHub(http.server.BaseHTTPRequestHandler):
         type(self).requests.append(f"{self.command} {self.path}")
         body = b'{"error": "stand-in hub"}'
         if "answers-never" in self.path:
-            self.release.wait(HOLD_S)  # then close without a word
+            self.hold()
             self.close_connection = True
             return
         name = next((n for n in ANSWERS if n in self.path), None)
@@ -55,6 +60,16 @@ class StandInHub(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
+
+    def hold(self) -> None:
+        """Wait until the client closes the connection, the module ends, or HOLD_S has passed."""
+        deadline = time.monotonic() + HOLD_S
+        while not self.release.is_set() and (left := deadline - time.monotonic()) > 0:
+            readable, _, _ = select.select([self.connection], [], [], min(left, 0.05))
+            if readable:
+                if self.connection.recv(1, socket.MSG_PEEK):  # more bytes: keep holding, without a busy loop
+                    self.release.wait(deadline - time.monotonic())
+                return  # b"": the client gave up
 
     do_GET = do_HEAD = do_POST = answer
 
