@@ -7,6 +7,7 @@ forward and the evaluation says so: the suite passes on AVX2-only CPUs and on AV
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -210,6 +211,22 @@ def test_the_floor_rates_name_both_kernels_on_cpu():
     rates = matmul_gflops(size=256, seconds=0.01)
     assert set(rates) == {"matmul", compute.ONEDNN_KERNEL}
     assert all(rate > 0 for rate in rates.values())
+
+
+def test_the_timed_product_is_the_largest_size_where_it_is_quick_and_smaller_where_it_is_slow():
+    """A kernel fast enough gets the largest size; one whose product (with its synchronisation) takes a tenth of
+    a second, as bfloat16 does on a CPU without native bfloat16 arithmetic, stays at the first size, so that the
+    floor's measure takes seconds there and not minutes."""
+    assert compute._product_size(torch.float32, "cpu", 1024, seconds=1000.0, sync=lambda: None) == 1024
+    assert compute._product_size(torch.float32, "cpu", 2048, seconds=1.0,
+                                 sync=lambda: time.sleep(0.1)) == compute.MATMUL_START
+    calls = []
+
+    def slow_from_512():  # two calls a size (warm-up, timed): from 512 on a product takes a tenth of a second
+        calls.append(1)
+        time.sleep(0.1 if len(calls) >= 3 else 0)
+
+    assert compute._product_size(torch.float32, "cpu", 2048, seconds=1.0, sync=slow_from_512) == 512
 
 
 def test_the_floor_is_over_the_fastest_kernel_and_names_torchs_matmul_beside_it():

@@ -154,16 +154,41 @@ def packed_linears(model: torch.nn.Module | None) -> Iterator[int]:
             del module.forward
 
 
+MATMUL_START = 256  # the first size `matmul_gflops` tries; it doubles from here up to its `size`
+
+
+def _product_size(dtype: torch.dtype, device, largest: int, seconds: float, sync) -> int:
+    """The size `matmul_gflops` times at: doubled from MATMUL_START while torch's product at the next size would
+    take at most half of `seconds` (estimated from the size before, which costs an eighth as much), up to
+    `largest`. A kernel of tens of GFLOP/s gets `largest` (2048); a slow one (bfloat16 on a CPU without native
+    bfloat16 arithmetic, about 1 GFLOP/s a core) gets a size whose product takes a fraction of a second
+    instead of one of 17 GFLOP, which would hold every `doplus evaluate` there for over a minute."""
+    size = min(MATMUL_START, largest)
+    while size < largest:
+        a = torch.randn(size, size, device=device).to(dtype)
+        a @ a  # warm-up: the first product of a size pays for its kernel's set-up
+        sync()
+        started = time.perf_counter()
+        a @ a
+        sync()
+        if 8 * (time.perf_counter() - started) > seconds / 2:
+            break
+        size = min(2 * size, largest)
+    return size
+
+
 @torch.no_grad()
 def matmul_gflops(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", size: int = 2048,
                   seconds: float = 1.0) -> dict[str, float]:
-    """GFLOP/s of `size` x `size` matrix products in `dtype` on `device` by kernel, each the best of repeated timings
+    """GFLOP/s of square matrix products in `dtype` on `device` by kernel, each the best of repeated timings
     over about `seconds` (one warm-up product first): "matmul" (torch's, the floor's rate) and on CPU, where the
     evaluation packs its linear layers (`packed_linears`) and this CPU runs the packed product in `dtype`,
-    "oneDNN packed linear"."""
+    "oneDNN packed linear". The products are `size` x `size` where torch's takes at most half of `seconds`, and
+    smaller where it is slower (`_product_size`)."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    size = _product_size(dtype, device, size, seconds, sync)
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     kernels = {"matmul": lambda: a @ b}
     if torch.device(device).type == "cpu" and dtype in PACKED_DTYPES and packing_blocked(dtype) is None:
         packed = pack(b.t().contiguous(), size)
