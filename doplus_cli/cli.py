@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import shlex
 import sys
@@ -10,6 +11,7 @@ import tempfile
 from typing import Any
 
 import typer
+from rich import markup
 from rich.console import Console
 from rich.text import Text
 
@@ -26,7 +28,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    rich_markup_mode=None,  # help texts show [default: ...] and hf:NAME[:CONFIG][@SPLIT] literally
+    rich_markup_mode="rich",
     context_settings={"help_option_names": ["-h", "--help"]},  # every command's too: click passes it down
 )
 bench_app = typer.Typer(help="Measure optimizer speed and memory; compare the update schemes end to end.",
@@ -103,7 +105,20 @@ def _training_command(training: Command) -> Any:
 
 
 for _training in COMMANDS.values():  # in the order of registration: unlearn, multitask, align
-    app.command(_training.command)(_training_command(_training))
+    app.command(_training.command, epilog=options.examples(_training.examples))(_training_command(_training))
+
+# The examples at the foot of the other commands' --help, each one a command the docs run as written.
+EXAMPLES: dict[str, tuple[str, ...]] = {
+    "evaluate": ("doplus evaluate --split forget10 --data-dir data/tofu",
+                 "doplus evaluate --recipe evals/npo.yaml --max-samples 20",
+                 "doplus evaluate --compare evals/joint evals/doplus"),
+    "bench optimizer": ("doplus bench optimizer --params 50M", "doplus bench optimizer --stability"),
+    "bench precision": ("doplus bench precision",),
+    "bench schemes": ("doplus bench schemes --recipe recipes/tofu/phi-1.5/npo_gd.yaml --schemes "
+                      "alternate,dualoptim,doplus --task-ids 1,2,3,4,5 --out bench/npo",),
+    "tune": ("doplus tune --recipe recipes/bench/real_world_mini.yaml --space lr=log:1e-5:1e-3 --objective "
+             "retain_rouge --constraint \"forget_rouge<=0.05\" --trials 4 --out tune/real_world_mini",),
+}
 
 
 # The defaults of `doplus evaluate`'s options: EvalConfig's, the lists as typed (comma-separated); click shows them
@@ -117,7 +132,7 @@ EVALUATE_DEFAULTS = {
 }
 
 
-@app.command()
+@app.command(epilog=options.examples(EXAMPLES["evaluate"]))
 @options.takes("evaluate", EVALUATE_DEFAULTS, context=True, names={"suites": SUITE_REGISTRY.listing()})
 def evaluate(**values: Any) -> None:
     """Evaluate a model with the suites of --suite: TOFU/real-world indicators and MU/UFE/TFE/OVR, MUSE, WMDP,
@@ -166,7 +181,7 @@ BENCH_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-@bench_app.command("optimizer")
+@bench_app.command("optimizer", epilog=options.examples(EXAMPLES["bench optimizer"]))
 @options.takes("bench optimizer", BENCH_DEFAULTS["bench optimizer"], context=True)
 def bench_optimizer(**values: Any) -> None:
     """Step time, state bytes and bandwidth of DualOptim+ against torch AdamW on synthetic parameters."""
@@ -206,7 +221,7 @@ def bench_optimizer(**values: Any) -> None:
         print_table(result)
 
 
-@bench_app.command("precision")
+@bench_app.command("precision", epilog=options.examples(EXAMPLES["bench precision"]))
 @options.takes("bench precision", BENCH_DEFAULTS["bench precision"], context=True)
 def bench_precision(**values: Any) -> None:
     """Each --precision (and bf16 without compensation) on the same short unlearning run: weight elements
@@ -236,7 +251,7 @@ def bench_precision(**values: Any) -> None:
         print_table(result, Console(highlight=False, width=None if sys.stdout.isatty() else 200))
 
 
-@bench_app.command("schemes")
+@bench_app.command("schemes", epilog=options.examples(EXAMPLES["bench schemes"]))
 @options.takes("bench schemes", BENCH_DEFAULTS["bench schemes"])
 def bench_schemes(**values: Any) -> None:
     """Every scheme x seed on one recipe as ordinary runs, evaluated; mean ± std tables and plots."""
@@ -320,7 +335,7 @@ def bench_schemes(**values: Any) -> None:
         print_summary(summary, console)
 
 
-@app.command("tune")
+@app.command("tune", epilog=options.examples(EXAMPLES["tune"]))
 @options.takes("tune", BENCH_DEFAULTS["tune"])
 def tune(**values: Any) -> None:
     """Search recipe options with Optuna (TPE, pruning) for the best objective under constraints; each trial an
@@ -511,6 +526,19 @@ def recipes_copy(
         print(f"not copied: {line}")
     if result.command in ("unlearn", "multitask", "align"):
         print(f"run it with: doplus {result.command} --recipe {result.recipe}")
+
+
+def _one_line_help(group: typer.Typer) -> None:
+    """Each command's help as rich shows it: its docstring's paragraphs unwrapped (rich keeps a docstring's line
+    breaks in the commands' list) and its markup escaped (`pip install 'doplus-cli[tune]'` is no rich tag)."""
+    for info in group.registered_commands:
+        text = info.help or inspect.getdoc(info.callback) or ""
+        info.help = "\n\n".join(markup.escape(" ".join(part.split())) for part in text.split("\n\n"))
+    for sub in group.registered_groups:
+        _one_line_help(sub.typer_instance)
+
+
+_one_line_help(app)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import typer
+from rich import markup
 
 from doplus_cli import errors
 from doplus_cli.config import SCHEMES, TrainConfig, default_of, recipe_options
@@ -38,13 +39,22 @@ COMMAND_CONFIGS: dict[str, type[TrainConfig]] = {}
 # A help text's place for the config field's default, and for the command's name.
 DEFAULT = " [default: {default}]"
 
+# The titled panels of --help, in the order a command shows those it has: what the run works on, what it compares or
+# searches, how it trains, how it is scored, and then where its files go.
+MODEL_DATA, COMPARE, MEASURE, SEARCH = "Model and data", "What to compare", "What to measure", "Tuning"
+METHOD, TRAINING, EVALUATION = "Method and scheme", "Training", "Evaluation"
+RUNS, CHECKPOINTS, DISTRIBUTED = "The bench's runs", "Checkpoints and resume", "Distributed"
+OUTPUT = "Logging and output"
+PANELS = (MODEL_DATA, COMPARE, MEASURE, SEARCH, METHOD, TRAINING, EVALUATION, RUNS, CHECKPOINTS, DISTRIBUTED, OUTPUT)
+
 
 @dataclass(frozen=True)
 class Option:
     """One option of the commands that take a recipe. `flags` is click's declaration (`--lr`, `--fsdp/--no-fsdp`;
     an argument's parameter name), and its first flag names the option: the config field it sets (`--forget-lr`:
     `forget_lr`). `help` may hold `{default}` (the command's config default) and `{command}` (the command's name).
-    `words` maps a command to its own help text; `variant` maps a command to its own `flags`, `type` or `min`."""
+    `words` maps a command to its own help text; `variant` maps a command to its own `flags`, `type`, `min` or
+    `panel` (the titled group of --help the option is shown in, one of PANELS)."""
 
     flags: str
     type: Any
@@ -53,14 +63,16 @@ class Option:
     argument: bool = False
     words: Mapping[str, str] = field(default_factory=dict)
     variant: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    panel: str = OUTPUT
 
     @property
     def name(self) -> str:
         return self.flags.split("/")[0].removeprefix("--").replace("-", "_")
 
     def settings_for(self, command: str) -> dict[str, Any]:
-        """`flags`, `type` and `min` as `command` declares them."""
-        return {"flags": self.flags, "type": self.type, "min": self.min, **self.variant.get(command, {})}
+        """`flags`, `type`, `min` and `panel` as `command` declares them."""
+        return {"flags": self.flags, "type": self.type, "min": self.min, "panel": self.panel,
+                **self.variant.get(command, {})}
 
     def help_for(self, command: str, names: Mapping[str, str] | None = None) -> str:
         """The help text `command` shows: its own words or the shared ones, its default and its name filled in, and
@@ -110,110 +122,121 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
                   "bench schemes": "An unlearn recipe (with eval_suite), a multitask recipe (a tasks: list with "
                                    "held-out rows) or an align recipe (safety: ...).",
                   "tune": "The recipe every trial runs (an unlearn recipe with eval_suite, a multitask or an align "
-                          "recipe), with the trial's values over it."}),
+                          "recipe), with the trial's values over it."},
+           variant={"bench optimizer": {"panel": MEASURE}}, panel=MODEL_DATA),
     Option("--model", str, "Hub id, local model folder or .gguf file [default: embedded SmolLM2-135M-Instruct]",
-           words={"evaluate": "Hub id, model folder (e.g. a run's final/) or .gguf [default: embedded SmolLM2]"}),
+           words={"evaluate": "Hub id, model folder (e.g. a run's final/) or .gguf [default: embedded SmolLM2]"},
+           panel=MODEL_DATA),
     Option("--dtype", str, DTYPE_HELP + DEFAULT,
            words={"evaluate": "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16.",
-                  "bench optimizer": "Parameter dtype: float32 or bfloat16."}),
+                  "bench optimizer": "Parameter dtype: float32 or bfloat16."},
+           variant={"bench optimizer": {"panel": MEASURE}}, panel=MODEL_DATA),
     Option("--trust-remote-code/--no-trust-remote-code", bool, "Allow the model's own code to run." + DEFAULT,
            words={"evaluate": "Allow the model's own code to run."},
-           variant={"evaluate": {"flags": "--trust-remote-code"}}),
+           variant={"evaluate": {"flags": "--trust-remote-code"}}, panel=MODEL_DATA),
     Option("--prompt-template", str, TEMPLATE_HELP,
-           words={"evaluate": TEMPLATE_HELP.replace("[default: ", "[default: a run's own template; else ")}),
+           words={"evaluate": TEMPLATE_HELP.replace("[default: ", "[default: a run's own template; else ")},
+           panel=MODEL_DATA),
     Option("--max-new-tokens", int, "Tokens generated per answer (targets, sample table)." + DEFAULT,
            words={"multitask": "Greedy tokens per evaluated answer." + DEFAULT,
                   "align": "Greedy tokens per held-out response." + DEFAULT, "evaluate": ANSWER_TOKENS_HELP},
-           variant={"evaluate": {"min": 1}}),
+           variant={"evaluate": {"min": 1}}, panel=EVALUATION),
     Option("--batch-size", int, "Examples per device per micro-step." + DEFAULT,
            words={"evaluate": "Prompts per generation batch; NLL batches hold about 48 tokens per unit."},
-           variant={"evaluate": {"min": 1}}),
+           variant={"evaluate": {"min": 1, "panel": EVALUATION}}, panel=TRAINING),
     Option("--seed", int, "Seed for weights' RNG and data order." + DEFAULT,
            words={"evaluate": "Seed (rejection answers drawn for TFE).",
                   "tune": "Seed of the TPE sampler (each further worker on the study adds its number to it); the "
                           "runs' own seed is the recipe's (--set seed=N).",
-                  "bench optimizer": ""}),  # its row shows the default alone
+                  "bench optimizer": ""},  # its row shows the default alone
+           variant={"evaluate": {"panel": EVALUATION}, "tune": {"panel": SEARCH},
+                    "bench optimizer": {"panel": MEASURE}}, panel=TRAINING),
     Option("--out", str, "Output folder [default: runs/{command}-DATE-TIME]",
            words={"evaluate": "Output folder [default: evals/DATE-TIME]",
                   "bench precision": "Output folder (one run per mode, precision.json).",
                   "bench schemes": "Output folder [default: bench/RECIPE-NAME]",
                   "tune": "The study's folder (DIR): its settings, trials, best.yaml and report [default: "
-                          "tune/RECIPE-NAME]"}),
+                          "tune/RECIPE-NAME]"}, panel=OUTPUT),
     Option("--overwrite/--no-overwrite", bool, "Replace the run in a non-empty --out folder." + DEFAULT,
            words={"evaluate": "Replace an evaluation already in --out."},
-           variant={"evaluate": {"flags": "--overwrite"}}),
+           variant={"evaluate": {"flags": "--overwrite"}}, panel=CHECKPOINTS),
     Option("--resume", str, "Continue the run in --out: `--resume` alone takes its latest checkpoint, `--resume "
            "PATH` the checkpoint folder given.",
            words={"evaluate": "Continue an interrupted evaluation in --out: the suites it finished are kept, the "
                               "others run."},
-           variant={"evaluate": {"type": bool}}),
+           variant={"evaluate": {"type": bool}}, panel=CHECKPOINTS),
     Option("--forget", str, "Forget set: FILE.jsonl or hf:NAME[:CONFIG][@SPLIT].",
-           words={"evaluate": "real-world: forget-people JSON lines."}),
+           words={"evaluate": "real-world: forget-people JSON lines."}, panel=MODEL_DATA),
     Option("--retain", str, "Retain set: FILE.jsonl, hf:NAME[:CONFIG][@SPLIT], or tofu-authors (the DualOptim+ "
            "authors' retain set for --forget's file and task).",
-           words={"evaluate": "real-world: neighbour-people JSON lines."}),
+           words={"evaluate": "real-world: neighbour-people JSON lines."}, panel=MODEL_DATA),
     Option("--task-id", int, "Forget files whose rows carry task_id (the authors' TOFU files): the task to unlearn "
            "[default: 1]",
            words={"evaluate": "TOFU files whose rows carry task_id (the DualOptim+ authors'): the forget task scored "
-                              "[default: 1]"}),
+                              "[default: 1]"}, panel=MODEL_DATA),
 
     # --- Every training command --------------------------------------------------------------------------------
-    Option("--precision", str, PRECISION_HELP + DEFAULT),
-    Option("--save-dtype", str, SAVE_DTYPE_HELP + DEFAULT),
-    Option("--max-length", int, "Tokens per example." + DEFAULT),
-    Option("--optimizer", str, "adamw or muon (doplus)." + DEFAULT),
-    Option("--state-bits", int, "32 or 8 (blockwise 8-bit states)." + DEFAULT),
-    Option("--betas", str, "AdamW betas as B1,B2" + DEFAULT),
+    Option("--precision", str, PRECISION_HELP + DEFAULT, panel=TRAINING),
+    Option("--save-dtype", str, SAVE_DTYPE_HELP + DEFAULT, panel=CHECKPOINTS),
+    Option("--max-length", int, "Tokens per example." + DEFAULT, panel=MODEL_DATA),
+    Option("--optimizer", str, "adamw or muon (doplus)." + DEFAULT, panel=METHOD),
+    Option("--state-bits", int, "32 or 8 (blockwise 8-bit states)." + DEFAULT, panel=METHOD),
+    Option("--betas", str, "AdamW betas as B1,B2" + DEFAULT, panel=TRAINING),
     Option("--lr", float, "Peak learning rate." + DEFAULT,
-           words={"bench precision": "Peak learning rate, decaying linearly to 0."}),
-    Option("--grad-accum", int, "Micro-steps per optimizer step (averaged)." + DEFAULT),
-    Option("--weight-decay", float, "AdamW weight decay." + DEFAULT),
-    Option("--max-grad-norm", float, "Gradient clipping (0: off)." + DEFAULT),
-    Option("--lora-alpha", float, "LoRA alpha." + DEFAULT),
-    Option("--lora-dropout", float, "LoRA dropout." + DEFAULT),
-    Option("--save-adapter-only/--save-merged", bool, "final/ holds the LoRA adapter only [default: merged model]"),
+           words={"bench precision": "Peak learning rate, decaying linearly to 0."},
+           variant={"bench precision": {"panel": MEASURE}}, panel=TRAINING),
+    Option("--grad-accum", int, "Micro-steps per optimizer step (averaged)." + DEFAULT, panel=TRAINING),
+    Option("--weight-decay", float, "AdamW weight decay." + DEFAULT, panel=TRAINING),
+    Option("--max-grad-norm", float, "Gradient clipping (0: off)." + DEFAULT, panel=TRAINING),
+    Option("--lora-alpha", float, "LoRA alpha." + DEFAULT, panel=METHOD),
+    Option("--lora-dropout", float, "LoRA dropout." + DEFAULT, panel=METHOD),
+    Option("--save-adapter-only/--save-merged", bool, "final/ holds the LoRA adapter only [default: merged model]",
+           panel=CHECKPOINTS),
     Option("--fsdp/--no-fsdp", bool, "Shard weights, gradients and optimizer states across processes (FSDP2).",
            words={"bench schemes": "Run every run with FSDP2 (with --num-processes)."},
-           variant={"bench schemes": {"flags": "--fsdp"}}),
-    Option("--keep-last", int, "Keep the newest K checkpoints (K >= 1) [default: all]", min=1),
+           variant={"bench schemes": {"flags": "--fsdp"}}, panel=DISTRIBUTED),
+    Option("--keep-last", int, "Keep the newest K checkpoints (K >= 1) [default: all]", min=1, panel=CHECKPOINTS),
     Option("--log-update-similarity", bool, SIMILARITY_HELP,
-           words={"bench schemes": "Record update_cosine/grad_cosine in every run and compare them."}),
-    Option("--report-to", str, REPORT_TO_HELP),
+           words={"bench schemes": "Record update_cosine/grad_cosine in every run and compare them."}, panel=OUTPUT),
+    Option("--report-to", str, REPORT_TO_HELP, panel=OUTPUT),
     Option("--base-update", str, "DualOptim+'s base state takes the gradient after-param (the rule), before-delta "
-           "or after-delta (the paper's ablation)." + DEFAULT),
+           "or after-delta (the paper's ablation)." + DEFAULT, panel=METHOD),
     Option("--v-floor", float, "DualOptim+'s safeguarded rule: the floor rho on its denominator, as a fraction of "
            "v_B + |v_k|, in [0, 1) (0: the clamp at 10 lr alone)." + DEFAULT,
            words={"bench optimizer": "With --stability: the safeguarded rule's floors to run, comma-separated, each "
                                      "in [0, 1) (0: the clamp alone), e.g. 0,0.01,0.02,0.05 [default: the default "
                                      "floor]"},
-           variant={"bench optimizer": {"type": str}}),
+           variant={"bench optimizer": {"type": str, "panel": MEASURE}}, panel=METHOD),
     Option("--base-source", str, "DualOptim+'s base state takes grad (the rule) or grad-minus-delta, g minus the "
-           "delta (the paper's ablation)." + DEFAULT),
+           "delta (the paper's ablation)." + DEFAULT, panel=METHOD),
     Option("--doplus-rule", str, "DualOptim+'s AdamW rule: safeguarded (floor on the denominator, steps at most 10 "
-           "lr) or paper (exactly as published)." + DEFAULT),
+           "lr) or paper (exactly as published)." + DEFAULT, panel=METHOD),
     Option("--scheme", str, "joint, alternate, dualoptim, doplus, or the paper's federated-learning baselines "
            "scaffold, fedcm, local-adam." + DEFAULT,
            words={"align": "joint (batches from the mixture of both sets), alternate, dualoptim, doplus, scaffold, "
-                           "fedcm or local-adam." + DEFAULT}),
+                           "fedcm or local-adam." + DEFAULT}, panel=METHOD),
     Option("--steps", int, "Optimizer steps." + DEFAULT,
            words={"align": "Optimizer steps (or --epochs)." + DEFAULT,
                   "bench optimizer": "Timed steps per optimizer (median is reported).",
                   "bench precision": "Steps per run (IDK+GD, DualOptim+)."},
-           variant={"bench optimizer": {"min": 5}, "bench precision": {"min": 3}}),
+           variant={"bench optimizer": {"min": 5, "panel": MEASURE}, "bench precision": {"min": 3, "panel": MEASURE}},
+           panel=TRAINING),
     Option("--warmup-steps", int, WARMUP_HELP.format(warmup="a tenth of the steps"),
            words={"unlearn": WARMUP_HELP.format(
                warmup="one epoch of the F_f:F_r cycle as the DualOptim+ authors count it: ceil(forget rows / "
                       "effective batch) x (F_f + F_r) / F_f steps (counted on the retain rows when the retain side "
                       "runs out first; Joint: ceil(forget rows / effective batch)), at most --steps; none when that "
                       "is 1"),
-                  "align": WARMUP_HELP.format(warmup="the first epoch with --epochs, else a tenth of the steps")}),
-    Option("--lora-rank", int, "Train LoRA adapters of rank R (peft) [default: {default}, every weight]"),
-    Option("--lora-targets", str, "Modules to adapt, comma-separated [default: peft's for the architecture]"),
+                  "align": WARMUP_HELP.format(warmup="the first epoch with --epochs, else a tenth of the steps")},
+           panel=TRAINING),
+    Option("--lora-rank", int, "Train LoRA adapters of rank R (peft) [default: {default}, every weight]", panel=METHOD),
+    Option("--lora-targets", str, "Modules to adapt, comma-separated [default: peft's for the architecture]",
+           panel=METHOD),
     Option("--gradient-checkpointing/--no-gradient-checkpointing", bool, "Recompute activations in backward (less "
-           "memory)." + DEFAULT),
+           "memory)." + DEFAULT, panel=TRAINING),
     Option("--num-processes", int, "Run on N processes through `accelerate launch` (N GPUs, or N CPU processes "
-           "over gloo).", min=1, words={"bench schemes": "Processes per run."}),
-    Option("--save-every", int, "Write checkpoints/step-N/ every N steps [default: never]"),
+           "over gloo).", min=1, words={"bench schemes": "Processes per run."}, panel=DISTRIBUTED),
+    Option("--save-every", int, "Write checkpoints/step-N/ every N steps [default: never]", panel=CHECKPOINTS),
     Option("--dry-run", bool, "Make every check the run makes before its model loads (recipe, data files and the "
            "fields the loss needs, the model found, the output folder, a resumption's checkpoint) and print what it "
            "would do (data, steps, what happens to --out, the memory plan per process under DDP and FSDP for "
@@ -231,201 +254,212 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
                   "bench optimizer": "Check the options and print what would be timed; then exit, having timed "
                                      "nothing.",
                   "bench precision": "Check the options, the model and the output folder and print the runs; then "
-                                     "exit, having trained and written nothing."}),
+                                     "exit, having trained and written nothing."}, panel=OUTPUT),
     Option("--gpu-memory", float, "With --dry-run: the GPU memory (GiB) the plan is checked against [default: the "
-           "visible GPU's]", min=0),
+           "visible GPU's]", min=0, panel=DISTRIBUTED),
     Option("--accept-changed", str, "With --resume: go on although these inputs changed since the run started: "
            "data, model, software (comma-separated, or all). Without it such a resumption is refused, naming what "
-           "changed."),
+           "changed.", panel=CHECKPOINTS),
     Option("--accept-unverified", bool, "With --resume: go on from a checkpoint that has no manifest.json (doplus "
            "0.1 and 0.2 wrote none), whose files therefore cannot be checked. Without it such a checkpoint is "
-           "refused."),
+           "refused.", panel=CHECKPOINTS),
     Option("--eval-every", int, "Evaluate every N steps (and at the end) into OUT/evals/step-N/ [default: never]",
-           words={"multitask": "Score every task every N steps (and at the end) [default: never]"}),
+           words={"multitask": "Score every task every N steps (and at the end) [default: never]"}, panel=EVALUATION),
     Option("--select-by", str, SELECT_BY_HELP.format(metrics="MU, UFE, TFE or OVR"),
-           words={"multitask": SELECT_BY_HELP.format(metrics="a task's name or average")}),
+           words={"multitask": SELECT_BY_HELP.format(metrics="a task's name or average")}, panel=EVALUATION),
     Option("--eval-batch-size", int, "Prompts per generation batch." + DEFAULT,
            words={"unlearn": "Prompts per batch of the evaluation during training [default: the larger of "
-                             "--batch-size and 8]"}),
-    Option("--eval-max-new-tokens", int, ANSWER_TOKENS_HELP + DEFAULT),
+                             "--batch-size and 8]"}, panel=EVALUATION),
+    Option("--eval-max-new-tokens", int, ANSWER_TOKENS_HELP + DEFAULT, panel=EVALUATION),
     Option("--eval-suite", str, "Suite run during training." + DEFAULT,
            words={"align": "After training, `doplus evaluate` final/ into OUT/eval/: safety, xstest or "
-                           "safety,xstest [default: none]"}),
+                           "safety,xstest [default: none]"}, panel=EVALUATION),
     Option("--eval-max-samples", int, "Questions per set [default: all]",
-           words={"align": "The first N prompts of each set [default: all]"}),
+           words={"align": "The first N prompts of each set [default: all]"}, panel=EVALUATION),
 
     # --- doplus unlearn --------------------------------------------------------------------------------------------
     Option("--task-ids", str, "With --continual: the tasks, in order (1,2,3).",
            words={"bench schemes": "unlearn recipes on files whose rows carry task_id: the forget tasks (1,2,3,4,5), "
-                                   "an axis beside the seeds; tables pool them."}),
+                                   "an axis beside the seeds; tables pool them."},
+           variant={"bench schemes": {"panel": COMPARE}}, panel=MODEL_DATA),
     Option("--continual/--no-continual", bool, "Unlearn --task-ids one after another, each from the previous task's "
-           "final model." + DEFAULT),
-    Option("--question-key", str, "Question field." + DEFAULT),
-    Option("--answer-key", str, "Answer field." + DEFAULT),
+           "final model." + DEFAULT, panel=MODEL_DATA),
+    Option("--question-key", str, "Question field." + DEFAULT, panel=MODEL_DATA),
+    Option("--answer-key", str, "Answer field." + DEFAULT, panel=MODEL_DATA),
     Option("--answers-from-model/--no-answers-from-model", bool, "Use the starting model's own greedy answers as "
-           "targets (real-world setting)." + DEFAULT),
+           "targets (real-world setting)." + DEFAULT, panel=MODEL_DATA),
     Option("--text-window", int, "Join the text rows of the forget and retain sets and cut them into windows of N "
-           "tokens, as MUSE trains (N=2048, with --max-length 2048) [default: each text row is one example]"),
+           "tokens, as MUSE trains (N=2048, with --max-length 2048) [default: each text row is one example]",
+           panel=MODEL_DATA),
     Option("--loss", str, "FORGET[+RETAIN]: FORGET in GA, NPO, DPO, ME, IDK, SimNPO, RMU, UNDIAL, WGA, SatImp, CE-U; "
-           "RETAIN in GD, KL, AP, EMBED (RMU's activation term)." + DEFAULT),
-    Option("--beta", float, "Temperature of NPO, DPO and AP." + DEFAULT),
-    Option("--simnpo-beta", float, "SimNPO's beta." + DEFAULT),
-    Option("--simnpo-gamma", float, "SimNPO's reward margin gamma." + DEFAULT),
-    Option("--undial-beta", float, "UNDIAL's reduction of the true token's reference logit." + DEFAULT),
-    Option("--wga-beta", float, "WGA's exponent on p_t." + DEFAULT),
-    Option("--satimp-beta1", float, "SatImp's exponent on p_t." + DEFAULT),
-    Option("--satimp-beta2", float, "SatImp's exponent on 1 - p_t." + DEFAULT),
+           "RETAIN in GD, KL, AP, EMBED (RMU's activation term)." + DEFAULT, panel=METHOD),
+    Option("--beta", float, "Temperature of NPO, DPO and AP." + DEFAULT, panel=METHOD),
+    Option("--simnpo-beta", float, "SimNPO's beta." + DEFAULT, panel=METHOD),
+    Option("--simnpo-gamma", float, "SimNPO's reward margin gamma." + DEFAULT, panel=METHOD),
+    Option("--undial-beta", float, "UNDIAL's reduction of the true token's reference logit." + DEFAULT, panel=METHOD),
+    Option("--wga-beta", float, "WGA's exponent on p_t." + DEFAULT, panel=METHOD),
+    Option("--satimp-beta1", float, "SatImp's exponent on p_t." + DEFAULT, panel=METHOD),
+    Option("--satimp-beta2", float, "SatImp's exponent on 1 - p_t." + DEFAULT, panel=METHOD),
     Option("--rmu-layer", int, "RMU/EMBED: the decoder layer whose output is steered or held [default: 7; 7/32 of "
-           "the depth of a model with 7 layers or fewer]"),
-    Option("--rmu-coeff", float, "RMU's steering coefficient c." + DEFAULT),
+           "the depth of a model with 7 layers or fewer]", panel=METHOD),
+    Option("--rmu-coeff", float, "RMU's steering coefficient c." + DEFAULT, panel=METHOD),
     Option("--rmu-update-layers", str, "RMU: layers whose modules train, e.g. 5,6,7 [default: the RMU layer and the "
-           "two before it]"),
+           "two before it]", panel=METHOD),
     Option("--rmu-modules", str, "RMU: the modules of those layers that train, e.g. mlp.down_proj [default: the "
-           "MLP's output projection]"),
-    Option("--forget-coeff", float, "Weight of the forget loss." + DEFAULT),
-    Option("--retain-coeff", float, "Weight of the retain loss." + DEFAULT),
-    Option("--forget-freq", int, "F_f: forget steps per cycle." + DEFAULT),
-    Option("--retain-freq", int, "F_r: retain steps per cycle." + DEFAULT),
-    Option("--forget-lr", float, "Learning rate of forget steps [default: --lr]"),
-    Option("--show-samples", int, "Questions per set shown before/after (0: none)." + DEFAULT),
+           "MLP's output projection]", panel=METHOD),
+    Option("--forget-coeff", float, "Weight of the forget loss." + DEFAULT, panel=METHOD),
+    Option("--retain-coeff", float, "Weight of the retain loss." + DEFAULT, panel=METHOD),
+    Option("--forget-freq", int, "F_f: forget steps per cycle." + DEFAULT, panel=METHOD),
+    Option("--retain-freq", int, "F_r: retain steps per cycle." + DEFAULT, panel=METHOD),
+    Option("--forget-lr", float, "Learning rate of forget steps [default: --lr]", panel=TRAINING),
+    Option("--show-samples", int, "Questions per set shown before/after (0: none)." + DEFAULT, panel=EVALUATION),
     Option("--ref-offload", str, "cpu: keep the reference model (NPO, DPO, KL) on the CPU; 8bit: load it with "
            "LLM.int8 weights (bitsandbytes) on the device [default: a full copy on the device; its shards under "
-           "FSDP]"),
-    Option("--eval-split", str, "TOFU forget split." + DEFAULT),
-    Option("--eval-data-dir", str, TOFU_FOLDER_HELP + "]"),
-    Option("--eval-nli-model", str, "NLI model " + NLI_DEFAULT),
-    Option("--eval-embedding-model", str, "Embedding model [default: the protocol's]"),
-    Option("--eval-protocol", str, PROTOCOL_HELP + DEFAULT),
+           "FSDP]", panel=TRAINING),
+    Option("--eval-split", str, "TOFU forget split." + DEFAULT, panel=EVALUATION),
+    Option("--eval-data-dir", str, TOFU_FOLDER_HELP + "]", panel=EVALUATION),
+    Option("--eval-nli-model", str, "NLI model " + NLI_DEFAULT, panel=EVALUATION),
+    Option("--eval-embedding-model", str, "Embedding model [default: the protocol's]", panel=EVALUATION),
+    Option("--eval-protocol", str, PROTOCOL_HELP + DEFAULT, panel=EVALUATION),
     Option("--eval-attacks", str, "The last evaluation (--eval-every) also runs on attacked copies of the final "
            "weights: relearn, relearn-lora, quant-8bit, quant-4bit, quant-fp4, probe or all, comma-separated "
            "(docs/attacks.md) [default: none]",
            words={"align": "The safety suite on final/ (--eval-suite) also runs on attacked copies: quant-8bit, "
-                           "quant-4bit, quant-fp4, probe-prefix, comma-separated (docs/attacks.md) [default: none]"}),
+                           "quant-4bit, quant-fp4, probe-prefix, comma-separated (docs/attacks.md) [default: none]"},
+           panel=EVALUATION),
 
     # --- doplus multitask ------------------------------------------------------------------------------------------
     Option("--task", list[str], "NAME=SOURCE[,metric=exact|choice|edit_sim|rouge_l][,freq=F][,weight=W][,eval=FILE]"
            "[,lr_multiplier=X], SOURCE a JSON-lines file or hf:NAME[:CONFIG][@SPLIT]; once per task (replaces the "
-           "recipe's tasks)"),
+           "recipe's tasks)", panel=MODEL_DATA),
     Option("--freq", str, "Each task's steps per cycle, in order: 1,2,1 [default: each task's freq, 1]",
-           words={"align": "F_s:F_g, safety steps then general steps per cycle." + DEFAULT}),
-    Option("--prompt-key", str, "Prompt field." + DEFAULT),
+           words={"align": "F_s:F_g, safety steps then general steps per cycle." + DEFAULT}, panel=METHOD),
+    Option("--prompt-key", str, "Prompt field." + DEFAULT, panel=MODEL_DATA),
     Option("--eval-rows", int, "Rows kept out of training for evaluation, per task without an eval file (0: none)."
-           + DEFAULT),
+           + DEFAULT, panel=EVALUATION),
 
     # --- doplus align ----------------------------------------------------------------------------------------------
-    Option("--safety", str, "Harmful instructions with the safe response to learn: " + SOURCE_HELP),
-    Option("--general", str, "Benign instructions with their responses (Alpaca): " + SOURCE_HELP),
-    Option("--instruction-key", str, "Instruction field." + DEFAULT),
+    Option("--safety", str, "Harmful instructions with the safe response to learn: " + SOURCE_HELP, panel=MODEL_DATA),
+    Option("--general", str, "Benign instructions with their responses (Alpaca): " + SOURCE_HELP, panel=MODEL_DATA),
+    Option("--instruction-key", str, "Instruction field." + DEFAULT, panel=MODEL_DATA),
     Option("--input-key", str, "Optional input field, after the instruction and a blank line when not empty."
-           + DEFAULT),
-    Option("--output-key", str, "Response field." + DEFAULT),
-    Option("--epochs", float, "Passes over the general set, instead of --steps (warmup: the first epoch)."),
+           + DEFAULT, panel=MODEL_DATA),
+    Option("--output-key", str, "Response field." + DEFAULT, panel=MODEL_DATA),
+    Option("--epochs", float, "Passes over the general set, instead of --steps (warmup: the first epoch).",
+           panel=TRAINING),
     Option("--held-out", int, "Each set's last N rows, kept out of training and answered before and after (0: none)."
-           + DEFAULT),
-    Option("--eval-guard-model", str, "A Llama Guard-protocol model, or none " + GUARD_DEFAULT + "]"),
+           + DEFAULT, panel=EVALUATION),
+    Option("--eval-guard-model", str, "A Llama Guard-protocol model, or none " + GUARD_DEFAULT + "]", panel=EVALUATION),
     Option("--eval-refusal-model", str, "A chat model labelling refusals by XSTest's protocol [default: the offline "
-           "refusal judge]"),
-    Option("--eval-safety-data-dir", str, "Folder " + SAFETY_FILES_HELP),
+           "refusal judge]", panel=EVALUATION),
+    Option("--eval-safety-data-dir", str, "Folder " + SAFETY_FILES_HELP, panel=EVALUATION),
 
     # --- doplus evaluate -------------------------------------------------------------------------------------------
-    Option("folders", list[str], "With --compare: evaluation folders to compare.", argument=True),
-    Option("--compare", bool, "Print the given evaluation folders side by side."),
-    Option("--suite", str, "{suites}, or several comma-separated."),
-    Option("--split", str, "TOFU forget split: forget01, forget05, forget10."),
-    Option("--data-dir", str, TOFU_FOLDER_HELP + " from the hub]"),
-    Option("--max-samples", int, "At most N questions per set (quick looks)."),
+    Option("folders", list[str], "With --compare: evaluation folders to compare.", argument=True, panel=COMPARE),
+    Option("--compare", bool, "Print the given evaluation folders side by side.", panel=COMPARE),
+    Option("--suite", str, "{suites}, or several comma-separated.", panel=EVALUATION),
+    Option("--split", str, "TOFU forget split: forget01, forget05, forget10.", panel=MODEL_DATA),
+    Option("--data-dir", str, TOFU_FOLDER_HELP + " from the hub]", panel=MODEL_DATA),
+    Option("--max-samples", int, "At most N questions per set (quick looks).", panel=EVALUATION),
     Option("--generation-batch-size", int, "Prompts per generation batch of the TOFU and real-world suites, apart "
-           "from the NLL batches' unit [default: twice --batch-size on the CPU, --batch-size on a GPU]", min=1),
+           "from the NLL batches' unit [default: twice --batch-size on the CPU, --batch-size on a GPU]", min=1,
+           panel=EVALUATION),
     Option("--embedding-model", str, "Sentence-transformers model for Cosine Similarity [default: the protocol's: "
-           "doplus all-MiniLM-L6-v2, paper paraphrase-MiniLM-L6-v2]"),
-    Option("--nli-model", str, "NLI model for the Entailment Score " + NLI_DEFAULT),
+           "doplus all-MiniLM-L6-v2, paper paraphrase-MiniLM-L6-v2]", panel=EVALUATION),
+    Option("--nli-model", str, "NLI model for the Entailment Score " + NLI_DEFAULT, panel=EVALUATION),
     Option("--targeted/--untargeted", bool, "OVR formula (IDK/DPO are targeted) [default: from the run's loss, else "
-           "both]"),
-    Option("--tasks", str, "lm-eval tasks, comma-separated."),
-    Option("--limit", float, "lm-eval: samples per task (or a fraction < 1)."),
+           "both]", panel=EVALUATION),
+    Option("--tasks", str, "lm-eval tasks, comma-separated.", panel=EVALUATION),
+    Option("--limit", float, "lm-eval: samples per task (or a fraction < 1).", panel=EVALUATION),
     Option("--lm-eval-include", str, "Folder of extra lm-eval task YAMLs. lm-eval runs the Python a task names "
-           "(`!function file.fn`) from that folder: give only a folder whose code you trust."),
-    Option("--protocol", str, PROTOCOL_HELP),
+           "(`!function file.fn`) from that folder: give only a folder whose code you trust.", panel=EVALUATION),
+    Option("--protocol", str, PROTOCOL_HELP, panel=EVALUATION),
     Option("--retain-logs", str, "A retain model's TOFU_EVAL.json (doplus's or OpenUnlearning's): forget_quality "
-           "and privleak's reference AUC; muse: a retrained model's MUSE_EVAL.json."),
+           "and privleak's reference AUC; muse: a retrained model's MUSE_EVAL.json.", panel=EVALUATION),
     Option("--holdout", str, "Non-member rows (JSON lines with question, answer; TOFU's holdout10): the privacy "
-           "suite, and privacy metrics in the TOFU suite."),
+           "suite, and privacy metrics in the TOFU suite.", panel=MODEL_DATA),
     Option("--guard-model", str, "safety: a Llama Guard-protocol model (hub id or folder), or none " + GUARD_DEFAULT
-           + ", said in the report]"),
+           + ", said in the report]", panel=EVALUATION),
     Option("--refusal-model", str, "safety, xstest: a chat model (hub id or folder) that labels refusals by "
-           "XSTest's classification protocol instead of the offline refusal judge"),
+           "XSTest's classification protocol instead of the offline refusal judge", panel=EVALUATION),
     Option("--refusal-model-prompt", str, "Its prompt: a text file with {question} and {response} [default: "
-           "doplus's wording of XSTest's GPT-4 prompt]"),
-    Option("--safety-data-dir", str, "safety, xstest: folder " + SAFETY_FILES_HELP),
+           "doplus's wording of XSTest's GPT-4 prompt]", panel=EVALUATION),
+    Option("--safety-data-dir", str, "safety, xstest: folder " + SAFETY_FILES_HELP, panel=MODEL_DATA),
     Option("--responses", str, "safety, xstest: judge the (prompt, response) rows of FILE.jsonl|csv instead of "
-           "generating"),
-    Option("--muse-corpus", str, "muse: news or books."),
+           "generating", panel=MODEL_DATA),
+    Option("--muse-corpus", str, "muse: news or books.", panel=MODEL_DATA),
     Option("--muse-data", str, "muse: a folder in MUSE's layout (<config>/<split>.jsonl) or hf:NAME [default: "
-           "hf:muse-bench/MUSE-News or MUSE-Books]"),
+           "hf:muse-bench/MUSE-News or MUSE-Books]", panel=MODEL_DATA),
     Option("--muse-retrained", str, "muse: a retrained model (hub id or folder) whose Min-40% AUC is privleak's "
-           "reference [default: --retain-logs, else MUSE's published retrained AUC]"),
+           "reference [default: --retain-logs, else MUSE's published retrained AUC]", panel=EVALUATION),
     Option("--attacks", str, "Run the forget suites (tofu, real-world, muse, wmdp, safety) again on attacked copies "
            "of the model and report the change: relearn, relearn-lora, quant-8bit, quant-4bit, quant-fp4, probe "
            "(probe-prefix, probe-roleplay, probe-incontext, probe-paraphrase) or all, comma-separated "
-           "(docs/attacks.md). The model on disk is never changed."),
+           "(docs/attacks.md). The model on disk is never changed.", panel=EVALUATION),
     Option("--relearn-data", str, "Relearning attacks: JSON lines with question, answer to fine-tune on [default: "
-           "the first half of the forget rows; the other half is reported apart]"),
+           "the first half of the forget rows; the other half is reported apart]", panel=EVALUATION),
     Option("--relearn-steps", str, "Relearning attacks: K optimizer steps, or several comma-separated (one "
-           "relearned copy each; the published presets are 50, 100, 150) [default: 50]"),
+           "relearned copy each; the published presets are 50, 100, 150) [default: 50]", panel=EVALUATION),
 
     # --- doplus bench optimizer, precision and schemes --------------------------------------------------------------
     Option("--json", bool, "Print the result as JSON on stdout instead of a table.",
-           words={"bench schemes": "With --list-runs: the grid as JSON, with each run's folder and command."}),
-    Option("--params", str, "Synthetic parameter count: 50M, 1.5G, 1B, 200k, 123456."),
-    Option("--device", str, "auto (cuda if available), cpu or cuda."),
-    Option("--warmup", int, "Untimed steps first (compilation happens here).", min=1),
-    Option("--only", str, "Comma-separated subset of rows, e.g. adamw,doplus,doplus-8bit."),
+           words={"bench schemes": "With --list-runs: the grid as JSON, with each run's folder and command."},
+           panel=OUTPUT),
+    Option("--params", str, "Synthetic parameter count: 50M, 1.5G, 1B, 200k, 123456.", panel=MEASURE),
+    Option("--device", str, "auto (cuda if available), cpu or cuda.", panel=MEASURE),
+    Option("--warmup", int, "Untimed steps first (compilation happens here).", min=1, panel=MEASURE),
+    Option("--only", str, "Comma-separated subset of rows, e.g. adamw,doplus,doplus-8bit.", panel=MEASURE),
     Option("--stability", bool, "Instead of speed: the paper's and the safeguarded DualOptim+ rule on a synthetic "
            "two-objective problem where v̂_B + v̂_k passes through zero (largest step, float32 against float64, "
-           "8-bit against 32-bit)."),
+           "8-bit against 32-bit).", panel=MEASURE),
     Option("--modes", str, "Comma-separated: fp32, bf16-mixed, bf16, bf16-uncompensated (fp32 is the reference of "
-           "the distances)."),
-    Option("--schemes", str, "Comma-separated: " + SCHEMES.listing() + "."),
-    Option("--seeds", str, "Comma-separated seeds; each scheme runs once per seed."),
+           "the distances).", panel=MEASURE),
+    Option("--schemes", str, "Comma-separated: " + SCHEMES.listing() + ".", panel=COMPARE),
+    Option("--seeds", str, "Comma-separated seeds; each scheme runs once per seed.", panel=COMPARE),
     Option("--set", list[str], "KEY=VALUE: a recipe value for every run (repeatable).",
-           words={"tune": "KEY=VALUE: a recipe value for every trial, not searched (repeatable)."}),
-    Option("--sweep", str, "KEY=V1,V2,...: run every scheme and seed at each value."),
+           words={"tune": "KEY=VALUE: a recipe value for every trial, not searched (repeatable)."},
+           variant={"tune": {"panel": SEARCH}}, panel=COMPARE),
+    Option("--sweep", str, "KEY=V1,V2,...: run every scheme and seed at each value.", panel=COMPARE),
     Option("--keep-checkpoints", bool, "Keep each run's checkpoints once it is evaluated (by default they are "
-           "removed, so the bench needs the disk of one run's checkpoints plus every run's final/)."),
+           "removed, so the bench needs the disk of one run's checkpoints plus every run's final/).", panel=RUNS),
     Option("--summarize-from", str, "Score each run by its final model, or by its best step (best: the runs "
-           "evaluate during training and keep their best step, --set select_by=METRIC --set eval_every=N)."),
+           "evaluate during training and keep their best step, --set select_by=METRIC --set eval_every=N).",
+           panel=RUNS),
     Option("--list-runs", bool, "Print the grid (index, scheme, seed, task, sweep value, state: pending, running, "
-           "done or failed) and run nothing."),
+           "done or failed) and run nothing.", panel=RUNS),
     Option("--indexes", str, "With --list-runs: only the indexes of the runs in these states (e.g. pending,failed) "
-           "as SLURM's --array takes them (0-3,5); nothing when there are none."),
+           "as SLURM's --array takes them (0-3,5); nothing when there are none.", panel=RUNS),
     Option("--run-index", int, "Run only run K of the grid (--list-runs numbers them from 0) into the same --out: "
-           "one task of a job array. Many may run at once; the one that ends the grid writes the tables."),
-    Option("--summarize", bool, "Write the tables and figures from the runs that are done, and run nothing else."),
+           "one task of a job array. Many may run at once; the one that ends the grid writes the tables.", panel=RUNS),
+    Option("--summarize", bool, "Write the tables and figures from the runs that are done, and run nothing else.",
+           panel=RUNS),
 
     Option("--tune", list[str], "KEY=SPEC: before the bench, tune this option for each scheme with doplus tune "
            "(repeatable, as tune's --space), every scheme at the same budget (--tune-trials) on --tune-task; the "
-           "grid then runs each scheme at its best values."),
-    Option("--tune-trials", int, "Trials of each scheme's study (--tune).", min=1),
-    Option("--tune-objective", str, "The metric each scheme's study optimises (--tune; as tune's --objective)."),
+           "grid then runs each scheme at its best values.", panel=SEARCH),
+    Option("--tune-trials", int, "Trials of each scheme's study (--tune).", min=1, panel=SEARCH),
+    Option("--tune-objective", str, "The metric each scheme's study optimises (--tune; as tune's --objective).",
+           panel=SEARCH),
     Option("--tune-constraint", list[str], "A bound each study's best trial must meet (--tune; as tune's "
-           "--constraint, repeatable)."),
-    Option("--tune-task", int, "The forget task the studies tune on (--tune), left out of --task-ids."),
+           "--constraint, repeatable).", panel=SEARCH),
+    Option("--tune-task", int, "The forget task the studies tune on (--tune), left out of --task-ids.", panel=SEARCH),
 
     # --- doplus tune ---------------------------------------------------------------------------------------------
     Option("--space", list[str], "KEY=SPEC: a recipe option to search (repeatable): lr=log:1e-6:1e-3 (log-uniform), "
            "beta=0.05:0.5 (uniform), retain_freq=int:1:5, loss=IDK+GD|NPO+GD (choices); or a YAML file of "
-           "KEY: SPEC lines (docs/tune.md)."),
+           "KEY: SPEC lines (docs/tune.md).", panel=SEARCH),
     Option("--objective", str, "The metric to optimise, one the recipe's evaluation suite gives (OVR, MU, UFE, "
            "forget_quality, model_utility, forget_rouge, ...), in its better direction; METRIC:max or METRIC:min "
-           "sets the direction."),
+           "sets the direction.", panel=SEARCH),
     Option("--constraint", list[str], "A bound the best trial must meet (repeatable): METRIC>=VALUE, "
-           "METRIC<=VALUE, or METRIC>=F*start (F times the starting model's value, evaluated once)."),
+           "METRIC<=VALUE, or METRIC>=F*start (F times the starting model's value, evaluated once).", panel=SEARCH),
     Option("--trials", int, "The study's budget: finished trials (complete, pruned or failed) over every worker on "
-           "its storage.", min=1),
+           "its storage.", min=1, panel=SEARCH),
     Option("--pruner", str, "median (stop a trial whose evaluation during training is below the median of the "
-           "trials before it at that step), hyperband, or none. Needs eval_every in the recipe."),
+           "trials before it at that step), hyperband, or none. Needs eval_every in the recipe.", panel=SEARCH),
     Option("--storage", str, "Where the study lives: a journal file's path (works on a shared file system, no "
-           "server) or a database URL (sqlite:///study.db, postgresql://...) [default: DIR/study.journal]"),
+           "server) or a database URL (sqlite:///study.db, postgresql://...) [default: DIR/study.journal]",
+           panel=SEARCH),
 )))
 
 
@@ -475,15 +509,19 @@ def declare(command: str, config_class: type[TrainConfig], names: tuple[str, ...
     COMMAND_CONFIGS[command] = config_class
 
 
-def option_type(name: str, command: str, names: Mapping[str, str] | None = None) -> Any:
+def option_type(name: str, command: str, names: Mapping[str, str] | None = None, show_default: bool = True) -> Any:
     """The typer type of option `name` as `command` declares it: `Annotated[type | None, typer.Option(...)]` with
-    that command's flags, help text (its default, name and `names` filled in) and range."""
+    that command's flags, help text (its default, name and `names` filled in), range and panel. `show_default`:
+    typer shows the flag's default after the help text (off for a default of None, "not given", which the help
+    text words itself)."""
     option = OPTIONS[name]
     settings = option.settings_for(command)
     text = option.help_for(command, names)
     finite = finite_number if settings["type"] is float else None
-    info = (typer.Argument(help=text) if option.argument
-            else typer.Option(settings["flags"], help=text, min=settings["min"], callback=finite))
+    text = markup.escape(text)  # shown as written: [default: ...], hf:NAME[:CONFIG][@SPLIT] are no rich markup
+    info = (typer.Argument(help=text, show_default=show_default) if option.argument  # a panel of typer's own
+            else typer.Option(settings["flags"], help=text, min=settings["min"], callback=finite,
+                              rich_help_panel=settings["panel"], show_default=show_default))
     return Annotated[settings["type"] | None, info]
 
 
@@ -509,10 +547,23 @@ def takes(command: str, defaults: dict[str, Any] | None = None, context: bool = 
         own = [inspect.Parameter("context", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)]
         function.__signature__ = inspect.Signature((own if context else []) + [
             inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=defaults.get(name),
-                              annotation=option_type(name, command, names))
-            for name in COMMAND_OPTIONS[command]], return_annotation=None)
+                              annotation=option_type(name, command, names,
+                                                      defaults.get(name) not in (None, ...)))
+            for name in in_panels(command)], return_annotation=None)
         return function
     return decorate
+
+
+def examples(lines: tuple[str, ...]) -> str | None:
+    """A command's examples as the foot of its --help (typer's epilog: paragraphs, rich markup escaped)."""
+    return "\n\n".join(["Examples:", *(markup.escape(line) for line in lines)]) if lines else None
+
+
+def in_panels(command: str) -> list[str]:
+    """`command`'s options as its --help shows them: panel by panel in the order of PANELS, each panel's in the
+    command's order (typer shows the panels in the order their first option comes)."""
+    names = COMMAND_OPTIONS[command]
+    return sorted(names, key=lambda name: PANELS.index(OPTIONS[name].settings_for(command)["panel"]))
 
 
 def with_recipe(context: typer.Context, recipe: str | None, values: dict[str, Any], path_keys: tuple[str, ...]

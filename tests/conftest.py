@@ -57,8 +57,13 @@ torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests that start doplus processes first in each half of the collection (`tests/scheduling.py`)."""
-    from tests.scheduling import HEAVY_MARKERS, balanced_order
+    """Tests that start doplus processes first in each half of the collection, and the quick tier marked
+    `quick` (`tests/scheduling.py`)."""
+    from tests.scheduling import HEAVY_MARKERS, balanced_order, quick
+
+    for item in items:
+        if quick(item.path.stem, [marker.name for marker in item.iter_markers()]):
+            item.add_marker(pytest.mark.quick)
 
     items[:] = balanced_order(items, lambda item: any(item.get_closest_marker(m) for m in HEAVY_MARKERS))
 

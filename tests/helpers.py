@@ -463,3 +463,51 @@ def recipe_beside_shared_data(name: str, folder) -> Path:
         if not (data / part).exists():
             (data / part).symlink_to(SHARED / "data" / part, target_is_directory=True)
     return copied
+
+
+HELP_ENV = {"COLUMNS": "160", "TERM": "dumb", "NO_COLOR": "1"}
+
+
+def help_panels(output: str) -> list[tuple[str, list[str]]]:
+    """A command's --help as a user scans it: each titled panel (rich's boxes) with the first flag of each of its
+    option rows, in the order shown (a help text's wrapped lines start further right, under its column)."""
+    import re
+
+    panels: list[tuple[str, list[str]]] = []
+    for line in output.splitlines():
+        if title := re.match(r"^╭─ (.+?) ─", line):
+            panels.append((title.group(1), []))
+        elif row := re.match(r"^│ (?:\*  |   )?(--[a-z0-9-]+)", line):  # "*": a required option
+            panels[-1][1].append(row.group(1))
+    return panels
+
+
+def help_flags_of(output: str) -> list[str]:
+    """Every option row's first flag of a --help, in the order shown (`help_panels`)."""
+    return [flag for _, flags in help_panels(output) for flag in flags]
+
+
+DOCUMENTED_ROOT = Path(__file__).resolve().parents[1]
+PAGES = (DOCUMENTED_ROOT / "README.md", *sorted((DOCUMENTED_ROOT / "docs").glob("*.md")))
+
+
+def documented_commands(page: Path) -> list[tuple[int, str]]:
+    """(line, command) of every `doplus ...` command in the page's bash blocks: continuation lines joined, `&&`
+    chains split, comments dropped; the line is where the command starts."""
+    lines, found, index = page.read_text().splitlines(), [], 0
+    while index < len(lines):
+        if lines[index].strip() != "```bash":
+            index += 1
+            continue
+        index += 1
+        while index < len(lines) and not lines[index].startswith("```"):
+            start, text = index, lines[index]
+            while text.endswith("\\") and index + 1 < len(lines):
+                index += 1
+                text = text[:-1] + " " + lines[index]
+            for part in text.split("&&"):
+                part = part.split(" #", 1)[0].strip()
+                if part.startswith("doplus "):
+                    found.append((start + 1, part))
+            index += 1
+    return found

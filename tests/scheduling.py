@@ -28,3 +28,20 @@ def balanced_order(items: Sequence[T], heavy: Callable[[T], bool]) -> list[T]:
     half = len(items) // 2
     split = max(0, min(len(light), half - len(first_heavy)))  # light items that fill the first half
     return [*first_heavy, *light[:split], *second_heavy, *light[split:]]
+
+
+# The quick tier (`pytest -m quick`, docs/development.md): the modules that check the update rules, the losses,
+# the metrics, the configuration and the command line against their references, without a doplus process, a
+# real model or a bench. Their tests marked with a HEAVY_MARKERS marker stay out of it.
+QUICK_MODULES = (
+    "test_optim_rules", "test_optim_api", "test_v_floor",  # the optimizer
+    "test_losses", "test_losses_beyond_the_paper",  # the losses
+    "test_eval_metrics", "test_similarity", "test_suite_rules", "test_select_by",  # the metrics
+    "test_config_final", "test_config_fields_set_by_doplus", "test_refused_keys", "test_options_once",  # config
+    "test_registry", "test_layers", "test_public_imports", "test_cli",  # the command line and the package
+)
+
+
+def quick(module: str, markers: Sequence[str]) -> bool:
+    """Whether a test of `module` (its file's stem) carrying `markers` is in the quick tier."""
+    return module in QUICK_MODULES and not set(markers) & set(HEAVY_MARKERS)

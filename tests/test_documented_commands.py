@@ -23,37 +23,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import run_cli
+from tests.helpers import PAGES, documented_commands, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 SYNOPSIS_WORDS = {"NAME", "DEST", "CONFIG"}
 # where a command may stop offline: a hub model or set not cached here, a data set doplus does not ship
 OFFLINE = ("not in the local Hugging Face cache, and offline mode is set", "(docs/data-sets.md)")
 # commands that only read or print: run as they are
 AS_WRITTEN = ("--compare", "--list-runs", "--help", "-h", "--version")
-
-
-def documented_commands(page: Path) -> list[tuple[int, str]]:
-    """(line, command) of every `doplus ...` command in the page's bash blocks: continuation lines joined, `&&`
-    chains split, comments dropped; the line is where the command starts."""
-    lines, found, index = page.read_text().splitlines(), [], 0
-    while index < len(lines):
-        if lines[index].strip() != "```bash":
-            index += 1
-            continue
-        index += 1
-        while index < len(lines) and not lines[index].startswith("```"):
-            start, text = index, lines[index]
-            while text.endswith("\\") and index + 1 < len(lines):
-                index += 1
-                text = text[:-1] + " " + lines[index]
-            for part in text.split("&&"):
-                part = part.split(" #", 1)[0].strip()
-                if part.startswith("doplus "):
-                    found.append((start + 1, part))
-            index += 1
-    return found
 
 
 def _placeholders(model: Path) -> dict[str, str]:

@@ -10,6 +10,7 @@ import re
 
 import pytest
 import typer.main
+from rich.markup import escape
 from typer.testing import CliRunner
 
 from doplus_cli import options
@@ -24,6 +25,7 @@ from doplus_cli.config import (
 )
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.runner import EvalConfig
+from tests.helpers import HELP_ENV, PAGES, documented_commands, help_flags_of, help_panels
 
 CONFIGS = {"unlearn": UnlearnConfig, "multitask": MultitaskConfig, "align": AlignConfig}
 BENCHES = ("bench optimizer", "bench precision", "bench schemes")
@@ -69,9 +71,9 @@ def help_flags():
     """The first flag of each option row of each command's --help, as a user reads it."""
     found = {}
     for command in (*CONFIGS, "evaluate"):
-        result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "160", "TERM": "dumb", "NO_COLOR": "1"})
+        result = CliRunner().invoke(app, [command, "--help"], env=HELP_ENV)
         assert result.exit_code == 0, result.output
-        found[command] = re.findall(r"^  (?:-h, )?(--[a-z0-9-]+)", result.output, flags=re.MULTILINE)
+        found[command] = help_flags_of(result.output)
     return found
 
 
@@ -184,17 +186,17 @@ def test_a_benchs_options_are_the_tables_in_its_order_and_its_help_lists_them(co
         group = group.commands[word]
     bench = group
     parsed = {param.name: (param.opts, param.secondary_opts) for param in bench.params}
-    assert list(parsed.items()) == list(options.command_flags(command).items())
-    for param in bench.params:
-        assert (param.help or "") == options.OPTIONS[param.name].help_for(command), param.name
+    flags = options.command_flags(command)
+    assert list(parsed.items()) == [(name, flags[name]) for name in options.in_panels(command)]
+    for param in bench.params:  # rich markup escaped: a help text shows as written
+        assert (param.help or "") == escape(options.OPTIONS[param.name].help_for(command)), param.name
     helps = [param.help for param in bench.params]
     assert len(helps) == len(set(helps))
-    result = CliRunner().invoke(app, [*command.split(), "--help"], env={"COLUMNS": "160", "TERM": "dumb",
-                                                                         "NO_COLOR": "1"})
+    result = CliRunner().invoke(app, [*command.split(), "--help"], env=HELP_ENV)
     assert result.exit_code == 0, result.output
-    listed = re.findall(r"^  (?:-h, )?(--[a-z0-9-]+)", result.output, flags=re.MULTILINE)
-    assert listed == [options.split_flags(options.OPTIONS[name].settings_for(command)["flags"])[0][0]
-                      for name in options.COMMAND_OPTIONS[command]] + ["--help"]
+    assert help_flags_of(result.output) == ["--help"] + [
+        options.split_flags(options.OPTIONS[name].settings_for(command)["flags"])[0][0]
+        for name in options.in_panels(command)]
 
 
 def test_each_default_a_bench_shows_is_the_one_its_code_runs_with():
@@ -219,3 +221,80 @@ def test_each_default_a_bench_shows_is_the_one_its_code_runs_with():
     for command in shown_defaults:
         for name in ("json", "stability", "list_runs", "summarize", "keep_checkpoints", "fsdp"):
             assert shown_defaults[command].get(name, False) is False  # a switch is off unless given
+
+
+HELP_COMMANDS = (*CONFIGS, "evaluate", *STUDIES)
+
+
+def command_help(command: str, columns: int = 160) -> str:
+    result = CliRunner().invoke(app, [*command.split(), "--help"], env={**HELP_ENV, "COLUMNS": str(columns)})
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+@pytest.mark.parametrize("command", HELP_COMMANDS)
+def test_a_commands_help_groups_its_options_in_titled_panels_in_a_users_order(command):
+    """Each option in one panel of PANELS (typer's own "Options" holds --help alone, its "Arguments" evaluate's
+    folders), each panel once, in the order of PANELS: what the run works on first, where its files go last."""
+    panels = help_panels(command_help(command))
+    titles = [title for title, _ in panels if title not in ("Options", "Arguments")]
+    assert dict(panels).get("Options") == ["--help"]
+    assert set(titles) <= set(options.PANELS) and len(titles) == len(set(titles)) >= 2, titles
+    assert titles == sorted(titles, key=options.PANELS.index)
+    shown = {flag: title for title, flags in panels for flag in flags}
+    for name in options.COMMAND_OPTIONS[command]:
+        option = options.OPTIONS[name]
+        if not option.argument:
+            flag = options.split_flags(option.settings_for(command)["flags"])[0][0]
+            assert shown[flag] == option.settings_for(command)["panel"], (command, flag)
+
+
+def test_unlearns_options_sit_where_a_user_looks_for_them():
+    shown = {flag: title for title, flags in help_panels(command_help("unlearn")) for flag in flags}
+    assert {flag: shown[flag] for flag in ("--model", "--forget", "--scheme", "--loss", "--lr", "--steps",
+                                            "--eval-every", "--resume", "--save-every", "--num-processes", "--out",
+                                            "--dry-run")} == {
+        "--model": "Model and data", "--forget": "Model and data", "--scheme": "Method and scheme",
+        "--loss": "Method and scheme", "--lr": "Training", "--steps": "Training", "--eval-every": "Evaluation",
+        "--resume": "Checkpoints and resume", "--save-every": "Checkpoints and resume",
+        "--num-processes": "Distributed", "--out": "Logging and output", "--dry-run": "Logging and output"}
+
+
+def test_the_closed_sets_are_listed_in_the_help():
+    """Every value of a closed set is named where a user chooses it: the schemes, the losses, the precisions, the
+    suites and the attacks."""
+    from doplus_cli.config import FORGET_LOSS_NAMES, PRECISIONS, RETAIN_LOSS_NAMES, SCHEMES, UPDATE_SCHEMES
+    from doplus_cli.evaluation.attacks import ATTACKS
+    from doplus_cli.evaluation.runner import SUITE_REGISTRY
+
+    def help_of(name, command):
+        return options.OPTIONS[name].help_for(command, {"suites": SUITE_REGISTRY.listing()})
+
+    for command in CONFIGS:
+        assert all(scheme in help_of("scheme", command) for scheme in UPDATE_SCHEMES), command
+        assert all(precision in help_of("precision", command) for precision in PRECISIONS if precision != "auto")
+    assert all(loss in help_of("loss", "unlearn") for loss in (*FORGET_LOSS_NAMES, *RETAIN_LOSS_NAMES))
+    assert all(scheme in help_of("schemes", "bench schemes") for scheme in SCHEMES)
+    assert all(suite in help_of("suite", "evaluate") for suite in SUITE_REGISTRY)
+    attacks = help_of("attacks", "evaluate")
+    assert all(attack in attacks for attack in ATTACKS), [a for a in ATTACKS if a not in attacks]
+
+
+@pytest.mark.parametrize("command", HELP_COMMANDS)
+def test_the_examples_at_the_foot_of_a_help_are_commands_the_docs_run(command):
+    """Each command's --help ends with examples, and each is a command of the README or docs/, which
+    tests/test_documented_commands.py runs as written."""
+    from doplus_cli.cli import EXAMPLES
+    from doplus_cli.commands import COMMANDS
+
+    examples = COMMANDS[command].examples if command in COMMANDS else EXAMPLES[command]
+    documented = {" ".join(text.split()) for page in PAGES for _, text in documented_commands(page)}
+    assert examples and [example for example in examples if example not in documented] == []
+    foot = " ".join(command_help(command).split("Examples:")[-1].split())
+    assert all(example in foot for example in examples)
+
+
+def test_the_help_takes_the_terminals_width():
+    for columns in (80, 132):
+        lines = command_help("unlearn", columns).splitlines()
+        assert max(len(line) for line in lines) == columns

@@ -52,3 +52,19 @@ def test_each_half_of_the_order_starts_with_half_of_the_heavy_tests():
     assert sorted(order) == sorted(items)
     assert balanced_order(["a", "b"], str.isupper) == ["a", "b"]
     assert balanced_order(["A", "B", "C"], str.isupper) == ["A", "C", "B"]
+
+
+QUICK_COMMAND = "python -m pytest -q -n 2 -m quick tests"
+
+
+def test_the_quick_tier_names_modules_that_exist_and_keeps_heavy_tests_out(request):
+    """A module renamed or removed would leave the tier silently; a test that starts processes or loads the real
+    model would make it slow. The tier's command is the one docs/development.md gives."""
+    from tests.scheduling import HEAVY_MARKERS, QUICK_MODULES, quick
+
+    assert sorted(name for name in QUICK_MODULES if not (TESTS / f"{name}.py").exists()) == []
+    assert quick("test_losses", []) and quick("test_losses", ["parametrize"])
+    assert not any(quick("test_losses", [marker]) for marker in HEAVY_MARKERS)
+    assert not quick("test_bench_schemes", [])
+    assert request.node.get_closest_marker("quick") is None  # this module is not in the tier
+    assert QUICK_COMMAND in (TESTS.parent / "docs" / "development.md").read_text()

@@ -109,6 +109,8 @@ def split_held_out(source: Source, rows: int, name: str, spec: str) -> tuple[Sou
 class AlignCommand(Command):
     command, marker, config_class = "align", "safety", AlignConfig
     help = "Safety alignment as targeted unlearning: learn the safe responses, keep the general ones."
+    examples = ("doplus align --recipe recipes/align/demo.yaml --out runs/align-demo",
+                "doplus align --recipe recipes/align/safety_llama3.yaml")
     options = (
         "recipe", "safety", "general", "instruction_key", "input_key", "output_key", "freq", "epochs", "held_out",
         "model", "dtype", "precision", "save_dtype", "trust_remote_code", "max_length", "max_new_tokens",

@@ -43,6 +43,7 @@ class Command(Plan):
     config_class: type[TrainConfig] = TrainConfig
     help = ""  # the command's line in `doplus --help`, and the first line of its own --help
     options: tuple[str, ...] = ()  # its options by name, in the order of its --help (options.py declares each)
+    examples: tuple[str, ...] = ()  # command lines shown at the foot of its --help, each one the docs run as written
 
     def __init__(self, config: TrainConfig | None = None) -> None:
         self.config = config

@@ -52,6 +52,8 @@ def run_multitask(config: MultitaskConfig, console: Console | None = None) -> di
 class MultitaskCommand(Command):
     command, marker, config_class = "multitask", "tasks", MultitaskConfig
     help = "Train on several tasks at once, one DualOptim+ delta state per task; scores each task before and after."
+    examples = ("doplus multitask --recipe recipes/multitask/demo.yaml",
+                "doplus multitask --recipe recipes/multitask/trace_llama2.yaml --scheme joint")
     options = (
         "recipe", "task", "freq", "prompt_key", "answer_key", "eval_rows", "eval_every", "select_by",
         "eval_batch_size", "model", "dtype", "precision", "save_dtype", "trust_remote_code", "max_length",

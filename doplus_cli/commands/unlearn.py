@@ -71,6 +71,9 @@ def unlearn_evaluation(config: UnlearnConfig, task_id: int | None = None) -> Eva
 class UnlearnCommand(Command):
     command, marker, config_class = "unlearn", "forget", UnlearnConfig
     help = "Unlearn a forget set while keeping a retain set; writes final/, metrics.jsonl and a report."
+    examples = ("doplus unlearn --recipe recipes/quickstart.yaml",
+                "doplus unlearn --recipe recipes/tofu/phi-1.5/npo_gd.yaml --out runs/npo-doplus",
+                "doplus unlearn --recipe recipes/tofu/phi-1.5/npo_gd.yaml --task-id 3")
     options = (
         "recipe", "model", "dtype", "precision", "save_dtype", "trust_remote_code", "forget", "retain", "task_id",
         "task_ids", "continual", "question_key", "answer_key", "max_length", "text_window", "prompt_template",
