@@ -200,6 +200,31 @@ def test_the_median_pruner_stops_a_trial_that_falls_behind(recipe, tmp_path, mon
     assert summary["best"]["number"] == 3
 
 
+def test_the_hyperband_pruner_keeps_the_top_third_at_each_rung(recipe, tmp_path, monkeypatch):
+    """Steps 6 evaluated every 3: Hyperband (rungs from eval_every, reduction factor 3) is one bracket of successive
+    halving with its rung at step 3. The reference, written here: a trial goes on past step 3 only if its value
+    there is among the best max(1, n // 3) of the n trials that reached the rung so far, itself included."""
+    values = [0.9, 0.8, 0.1, 0.95, 0.85, 0.05, 0.99]
+
+    def trial(tune, trial, chosen, signals, log):
+        value = values[trial.number]
+        for step in (3, 6):
+            trial.report(value, step)
+            if step < tune.steps and trial.should_prune():
+                raise Pruned(step)
+        return Outcome({"OVR": value, "MU": 1.0}, 0.0, tune.steps, {3: value, 6: value})
+
+    expected = []
+    for number, value in enumerate(values):
+        rung = sorted(values[:number + 1], reverse=True)
+        expected.append(("complete", None) if value in rung[:max(1, len(rung) // 3)] else ("pruned", 3))
+    assert ("pruned", 3) in expected and expected.count(("complete", None)) >= 2  # the case tests both outcomes
+    monkeypatch.setattr(tune_module, "run_trial", trial)
+    summary = run_tune(stub_study(recipe, tmp_path / "study", len(values), pruner="hyperband"), say=lambda line: None)
+    assert [(row["state"], row["pruned_step"]) for row in summary["trials"]] == expected
+    assert summary["best"]["number"] == values.index(max(values))
+
+
 def test_watch_stops_a_run_when_the_pruner_says_so(tmp_path):
     """The real polling: a child writes an evaluation at step 2 and would then run for a minute; `look` sees it
     and says prune, so the child gets SIGTERM at once."""
