@@ -403,3 +403,19 @@ def test_unlearn_runs_its_last_evaluation_under_attack(tiny_llama, tofu_dir, tmp
     last = json.loads((out / "evals" / "step-2" / "eval.json").read_text())
     assert [run["id"] for run in last["attacks"]["runs"]] == ["quant-4bit"]
     assert (out / "evals" / "step-2" / "attacks" / "quant-4bit" / "TOFU_EVAL.json").is_file()
+
+
+def test_each_forget_suite_carries_its_forget_side_facts():
+    """The suites the attacks apply to are the suites with forget-side metrics; each one's headline is one of
+    them, each direction is +1 or -1, and a per-row file, where there is one, is a file the suite writes."""
+    from doplus_cli.evaluation.attacks import ATTACKS, forget_suites
+    from doplus_cli.evaluation.runner import SUITE_REGISTRY
+
+    suites = forget_suites()
+    assert set(suites) == {suite for attack in ATTACKS.values() for suite in attack.suites}
+    assert not {"lm-eval", "privacy", "xstest"} & set(suites)
+    for name, suite in suites.items():
+        assert suite.headline in suite.directions and set(suite.directions.values()) <= {1, -1}, name
+        assert suite.forget_rows is None or suite.forget_rows in suite.files, name
+    assert [name for name, suite in SUITE_REGISTRY.items() if suite.forget_rows] == ["tofu", "real-world"]
+    assert SUITE_REGISTRY["tofu"].directions["UFE"] == -1 and SUITE_REGISTRY["muse"].directions["privleak"] == -1

@@ -225,6 +225,33 @@ def test_the_hyperband_pruner_keeps_the_top_third_at_each_rung(recipe, tmp_path,
     assert summary["best"]["number"] == values.index(max(values))
 
 
+def test_a_trial_that_ended_leaves_no_checkpoints(recipe, tmp_path, monkeypatch):
+    """A trial never resumes once it has ended (an interrupted one runs again from its start), so its checkpoints
+    go when it ends complete, pruned or failed: a study of N trials does not keep N runs' optimizer states."""
+    from doplus_cli.errors import RunError
+
+    def trial(tune, trial, chosen, signals, log):
+        step = tune.out / "trials" / f"{trial.number:04d}" / "checkpoints" / "step-3"
+        step.mkdir(parents=True)
+        (step / "optimizer.pt").write_bytes(b"0" * 4096)
+        (step.parents[1] / "final").mkdir()
+        if trial.number == 1:
+            raise Pruned(3)
+        if trial.number == 2:
+            raise RunError("trial 0002 failed (exit code 1)")
+        return Outcome({"OVR": 0.5, "MU": 1.0}, 0.0, tune.steps, {})
+
+    said = []
+    monkeypatch.setattr(tune_module, "run_trial", trial)
+    summary = run_tune(stub_study(recipe, tmp_path / "study", 3, pruner="median"), say=said.append)
+    assert [row["state"] for row in summary["trials"]] == ["complete", "pruned", "failed"]
+    trials = tmp_path / "study" / "trials"
+    for number in range(3):
+        names = {p.name for p in (trials / f"{number:04d}").iterdir()}
+        assert "final" in names and not {"checkpoints", ".checkpoints.removing"} & names, names
+    assert sum("removed its checkpoints" in line for line in said) == 3
+
+
 def test_watch_stops_a_run_when_the_pruner_says_so(tmp_path):
     """The real polling: a child writes an evaluation at step 2 and would then run for a minute; `look` sees it
     and says prune, so the child gets SIGTERM at once."""

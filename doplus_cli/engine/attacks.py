@@ -130,7 +130,7 @@ def run_attacks(context: SuiteContext, record: dict[str, Any], console: Console)
     """Each chosen attack on the model, each forget suite on the attacked copy: the attacks section."""
     config = context.config
     unattacked = json.loads((context.out / "SUMMARY.json").read_text())
-    suites = [s for s in config.suites if s in registry.FORGET_METRICS]
+    suites = [s for s in config.suites if SUITE_REGISTRY[s].forget_metrics]
     runs: list[dict[str, Any]] = []
     summaries: dict[str, dict[str, Any]] = {}
     held_out: dict[str, dict[str, dict[str, float]]] = {}  # suite -> attack id -> values on the held-out half
@@ -158,7 +158,7 @@ def run_attacks(context: SuiteContext, record: dict[str, Any], console: Console)
                 with relearned_copy(context, attack_name, k, rows, console) as model:
                     summary = _run_suites(context, model, folder, entry, attack_name)
                 if held_suite is not None:
-                    eval_rows = json.loads((folder / registry.FORGET_ROWS[held_suite]).read_text())
+                    eval_rows = json.loads((folder / SUITE_REGISTRY[held_suite].forget_rows).read_text())
                     held_out.setdefault(held_suite, {})[attack_id] = registry.held_out_values(
                         eval_rows["sets"]["forget"], start)
             elif attack.kind == "quant":
@@ -174,10 +174,10 @@ def run_attacks(context: SuiteContext, record: dict[str, Any], console: Console)
     rows = []
     for suite in suites:
         taken = {run["id"]: summaries[run["id"]] for run in runs if suite in run["suites"]}
-        rows += registry.metric_rows(suite, unattacked, taken, registry.FORGET_METRICS[suite])
+        rows += registry.metric_rows(suite, unattacked, taken, SUITE_REGISTRY[suite].directions)
     for suite, by_attack in held_out.items():
         start = relearn[3]
-        base = registry.held_out_values(json.loads((context.out / registry.FORGET_ROWS[suite]).read_text())
+        base = registry.held_out_values(json.loads((context.out / SUITE_REGISTRY[suite].forget_rows).read_text())
                                         ["sets"]["forget"], start)
         rows += registry.metric_rows(f"{suite} held-out half", base, by_attack, registry.HELD_OUT_METRICS)
     return {"runs": runs, "metrics": rows}

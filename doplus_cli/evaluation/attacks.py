@@ -33,6 +33,7 @@ import torch
 from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation import metrics
+from doplus_cli.evaluation.suite_api import Suite
 from doplus_cli.registry import Registry
 
 
@@ -84,23 +85,15 @@ ATTACK_CHOICES = (*ATTACKS, *GROUPS)
 RELEARN_PRESETS = {"relearn": (1e-5, 4, 0), "relearn-lora": (2e-4, 4, 128)}
 RELEARN_STEPS = (50, 100, 150)
 
-# Each forget suite's forget-side metrics (SUMMARY.json keys) and the direction in which the knowledge comes back:
-# +1 higher means the model knows more of the forget set (ROUGE, Probability, the paper's forget Truth Ratio,
-# WMDP's accuracies), -1 lower means it does (UFE, MUSE's privleak: about -100 while the model still knows the
-# forget texts; the safety suite's safety rate: lower means the harmful behaviour that alignment removed is back).
-FORGET_METRICS: dict[str, dict[str, int]] = {
-    "tofu": {"forget_Q_A_ROUGE": 1, "forget_Q_A_Prob": 1, "forget_Truth_Ratio": 1, "UFE": -1},
-    "real-world": {"rw_forget_Q_A_ROUGE": 1, "rw_forget_Q_A_Prob": 1, "rw_forget_Truth_Ratio": 1, "rw_UFE": -1},
-    "muse": {"forget_verbmem_ROUGE": 1, "forget_knowmem_ROUGE": 1, "privleak": -1},
-    "wmdp": {"wmdp_bio/acc": 1, "wmdp_cyber/acc": 1, "wmdp_chem/acc": 1},
-    "safety": {"safety_rate_avg": -1},
-}
-# Each forget suite's headline forget metric: the one `bench schemes` gives per attack and in the worst case.
-HEADLINE = {"tofu": "UFE", "real-world": "rw_UFE", "muse": "forget_knowmem_ROUGE", "wmdp": "wmdp_bio/acc",
-            "safety": "safety_rate_avg"}
-# The per-row file and the key under which a QA suite's forget rows are, for the held-out half of relearning.
-FORGET_ROWS = {"tofu": "TOFU_EVAL.json", "real-world": "REAL_WORLD_EVAL.json"}
 HELD_OUT_METRICS = {"rouge": 1, "probability": 1, "truth_ratio": 1}
+
+
+def forget_suites() -> dict[str, Suite]:
+    """The registered suites that score what was forgotten (`Suite.forget_metrics`), by name in `--suite`'s
+    order: the ones an attack can be measured on."""
+    from doplus_cli.evaluation.runner import SUITE_REGISTRY  # the registry imports this module's attacks
+
+    return {name: suite for name, suite in SUITE_REGISTRY.items() if suite.forget_metrics}
 
 
 def parse_attacks(text: str | None, suites: tuple[str, ...]) -> tuple[str, ...]:
@@ -119,12 +112,13 @@ def parse_attacks(text: str | None, suites: tuple[str, ...]) -> tuple[str, ...]:
             names += [a for a in group if set(ATTACKS[a].suites) & set(suites)]
         else:
             names += list(group or (name,))
-    forget_suites = [s for s in suites if s in FORGET_METRICS]
-    if not forget_suites:
+    attackable = forget_suites()
+    forget_side = [s for s in suites if s in attackable]
+    if not forget_side:
         raise UserError(f"--attacks: the chosen suites ({', '.join(suites)}) have no forget-side metrics to attack; "
-                        f"attacks apply to {', '.join(FORGET_METRICS)}")
+                        f"attacks apply to {', '.join(attackable)}")
     for name in names:
-        cannot = [s for s in forget_suites if s not in ATTACKS[name].suites]
+        cannot = [s for s in forget_side if s not in ATTACKS[name].suites]
         if cannot:
             raise UserError(f"--attacks: attack '{name}' cannot be applied to suite {cannot[0]} (it applies to "
                             f"{', '.join(ATTACKS[name].suites)})")

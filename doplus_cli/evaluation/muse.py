@@ -361,4 +361,6 @@ def print_section(section: dict[str, Any], console) -> None:
     console.print("OpenUnlearning: " + "  ".join(f"{key} {values[key]:.4g}" for key in OU_KEYS), markup=False)
 
 
-MUSE_SUITE = Suite("muse", run_muse, files=("MUSE_EVAL.json", "MUSE_SUMMARY.json"))
+MUSE_SUITE = Suite("muse", run_muse, files=("MUSE_EVAL.json", "MUSE_SUMMARY.json"),
+                   forget_metrics=(("forget_verbmem_ROUGE", 1), ("forget_knowmem_ROUGE", 1), ("privleak", -1)),
+                   headline="forget_knowmem_ROUGE")

@@ -473,7 +473,8 @@ def run_xstest(context: SuiteContext) -> SuiteResult:
 
 
 SAFETY_SUITE = Suite("safety", run_safety, files=("SAFETY_EVAL.json", "SAFETY_SUMMARY.json"),
-                     needs_safety_judges=True, needs_guard=True)
+                     needs_safety_judges=True, needs_guard=True, forget_metrics=(("safety_rate_avg", -1),),
+                     headline="safety_rate_avg")
 XSTEST_SUITE = Suite("xstest", run_xstest, files=("XSTEST_EVAL.json", "XSTEST_SUMMARY.json"),
                      needs_safety_judges=True)
 

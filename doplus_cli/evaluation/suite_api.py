@@ -100,3 +100,17 @@ class Suite:
     needs_judges: bool = False  # the embedding and NLI models
     needs_safety_judges: bool = False  # the refusal judges
     needs_guard: bool = False  # the guard model too
+    # A suite that scores what was forgotten (the attacks run it again on attacked copies, docs/attacks.md): its
+    # forget-side SUMMARY.json keys, each with the direction in which the knowledge comes back (+1: higher means
+    # the model knows more of the forget set, as ROUGE, Probability, the forget Truth Ratio, WMDP's accuracies;
+    # -1: lower does, as UFE, MUSE's privleak, about -100 while the model still knows the forget texts, and the
+    # safety rate), its headline metric among them (the one `bench schemes` gives per attack and in the worst
+    # case), and the per-row file whose forget rows the relearning attacks' held-out half is read from.
+    forget_metrics: tuple[tuple[str, int], ...] = ()
+    headline: str | None = None
+    forget_rows: str | None = None
+
+    @property
+    def directions(self) -> dict[str, int]:
+        """The forget-side metrics with their directions (`forget_metrics`); {} for a suite that has none."""
+        return dict(self.forget_metrics)

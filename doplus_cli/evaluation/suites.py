@@ -502,7 +502,12 @@ def run_privacy(context: SuiteContext) -> SuiteResult:
                                          {"name": "holdout", "source": config.holdout, "n": len(holdout)}]})
 
 
-TOFU_SUITE = Suite("tofu", run_tofu, files=("TOFU_EVAL.json", "TOFU_SUMMARY.json"), needs_judges=True)
+TOFU_SUITE = Suite("tofu", run_tofu, files=("TOFU_EVAL.json", "TOFU_SUMMARY.json"), needs_judges=True,
+                   forget_metrics=(("forget_Q_A_ROUGE", 1), ("forget_Q_A_Prob", 1), ("forget_Truth_Ratio", 1),
+                                   ("UFE", -1)), headline="UFE", forget_rows="TOFU_EVAL.json")
 REAL_WORLD_SUITE = Suite("real-world", run_real_world, files=("REAL_WORLD_EVAL.json", "REAL_WORLD_SUMMARY.json"),
-                         needs_judges=True)
+                         needs_judges=True,
+                         forget_metrics=(("rw_forget_Q_A_ROUGE", 1), ("rw_forget_Q_A_Prob", 1),
+                                         ("rw_forget_Truth_Ratio", 1), ("rw_UFE", -1)),
+                         headline="rw_UFE", forget_rows="REAL_WORLD_EVAL.json")
 PRIVACY_SUITE = Suite("privacy", run_privacy, files=("PRIVACY_EVAL.json", "PRIVACY_SUMMARY.json"))

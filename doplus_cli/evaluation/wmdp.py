@@ -149,4 +149,6 @@ def print_section(section: Mapping[str, Any], console: Console) -> None:
     console.print(NOTE, markup=False)
 
 
-WMDP_SUITE = Suite("wmdp", run_wmdp_suite, files=("WMDP.json",))
+WMDP_SUITE = Suite("wmdp", run_wmdp_suite, files=("WMDP.json",),
+                   forget_metrics=(("wmdp_bio/acc", 1), ("wmdp_cyber/acc", 1), ("wmdp_chem/acc", 1)),
+                   headline="wmdp_bio/acc")

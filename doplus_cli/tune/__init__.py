@@ -39,7 +39,7 @@ from typing import Any
 
 from doplus_cli.bench.adapters import BenchAdapter, adapter_of
 from doplus_cli.bench.schemes.planning import absolute_paths, config_of, differences, plain, split_pair
-from doplus_cli.bench.schemes.running import Signals, Stopped
+from doplus_cli.bench.schemes.running import Signals, Stopped, remove_checkpoints
 from doplus_cli.config import (
     EXCLUSIVE_OPTIONS,
     TrainConfig,
@@ -320,6 +320,15 @@ class Worker:
         self._say(name, f"[{place}/{self.tune.trials}] {_shown(params)} started"
                   + (f" (again: trial {trial_name(retry)} was interrupted)" if retry is not None else "")
                   + f" (log: {log})")
+        error = self.run_and_tell(trial, name, values, log)
+        size = remove_checkpoints(self.tune.out / "trials" / name)  # an ended trial never resumes from one
+        if size is not None:
+            self._say(name, f"removed its checkpoints ({size / 1e9:.2f} GB)")
+        return error
+
+    def run_and_tell(self, trial: Any, name: str, values: dict[str, Any], log: Path) -> str | None:
+        """Run the trial and tell the study how it ended (complete, pruned or failed); the error line when it
+        failed, else None. A stop by a signal ends it as interrupted and raises Stopped."""
         try:
             outcome = run_trial(self.tune, trial, values, self.signals, log)
         except Pruned as pruned:

@@ -60,6 +60,22 @@ class Signals:
             self.process.send_signal(number)
 
 
+def remove_checkpoints(run_folder: Path) -> int | None:
+    """Remove a finished run's `checkpoints/` (the run wrote it: its record lists it); the bytes it held, or None
+    when it has none. The folder is renamed out of sight first: a kill mid-removal leaves nothing that looks like
+    a checkpoint."""
+    folder = run_folder / "checkpoints"
+    if not folder.is_dir():
+        return None
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    aside = run_folder / ".checkpoints.removing"
+    shutil.rmtree(aside, ignore_errors=True)
+    with writing(folder):
+        os.replace(folder, aside)
+        shutil.rmtree(aside)
+    return size
+
+
 class Runner:
     """Runs each command as a subprocess with its output appended to the run's log, one at a time."""
 
@@ -160,18 +176,12 @@ class Runner:
 
     def _remove_checkpoints(self, run: Run, label: str) -> None:
         """A finished and evaluated run's checkpoints go (only an unfinished run resumes from one), so the disk a
-        bench needs stays about one run's checkpoints; `--keep-checkpoints` keeps them. The folder is renamed
-        out of sight first: a kill mid-removal leaves nothing that looks like a checkpoint."""
-        folder = run.folder / "checkpoints"
-        if self.keep_checkpoints or not folder.is_dir():
+        bench needs stays about one run's checkpoints; `--keep-checkpoints` keeps them."""
+        if self.keep_checkpoints:
             return
-        size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-        aside = run.folder / ".checkpoints.removing"
-        shutil.rmtree(aside, ignore_errors=True)
-        with writing(folder):
-            os.replace(folder, aside)
-            shutil.rmtree(aside)
-        self._say(label, f"removed its checkpoints ({size / 1e9:.2f} GB; --keep-checkpoints keeps them)")
+        size = remove_checkpoints(run.folder)
+        if size is not None:
+            self._say(label, f"removed its checkpoints ({size / 1e9:.2f} GB; --keep-checkpoints keeps them)")
 
     def _train(self, run: Run, label: str) -> dict[str, Any]:
         command = [sys.executable, "-m", "doplus_cli", self.bench.adapter.command, "--recipe", str(run.recipe_path),

@@ -19,7 +19,7 @@ from doplus_cli.bench.tradeoff import ordered, summarise_tradeoff
 from doplus_cli.bench.tradeoff import render as render_tradeoff
 from doplus_cli.config import SCHEMES
 from doplus_cli.errors import UserError
-from doplus_cli.evaluation.attacks import FORGET_METRICS, HEADLINE
+from doplus_cli.evaluation.runner import SUITE_REGISTRY
 
 UPDATE_COSINE = Metric("update_cosine", "update cos (mean over the 2nd half of steps)", None, ".3f")
 # The paper's memory and running-time table (Appendix): time and memory (the optimizer-state column's unit is
@@ -120,7 +120,8 @@ def attack_values(evaluation: Path) -> dict[str, Any]:
     section = json.loads(path.read_text()).get("attacks") if path.is_file() else None
     values: dict[str, Any] = {}
     for row in (section or {}).get("metrics", []):
-        if HEADLINE.get(row["suite"]) != row["metric"]:
+        suite = SUITE_REGISTRY.get(row["suite"])  # None: a row of the relearning attacks' held-out half
+        if suite is None or suite.headline != row["metric"]:
             continue
         for attack, cell in row["attacks"].items():
             values[f"{row['metric']} after {attack}"] = cell["value"]
@@ -136,7 +137,7 @@ def attack_columns(results: list[Result]) -> list[Metric]:
     columns = []
     for key in keys:
         metric = key.split(" ")[0]
-        direction = next(d[metric] for d in FORGET_METRICS.values() if metric in d)
+        direction = next(s.directions[metric] for s in SUITE_REGISTRY.values() if metric in s.directions)
         columns.append(Metric(key, key, direction < 0))
     return columns
 
