@@ -198,7 +198,7 @@ REGISTRIES = [
     ("doplus_cli.data.formatting", "PROMPT_TEMPLATES"),
     ("doplus_cli.data.fetching", "DATA_SETS"),
     ("doplus_cli.evaluation.task_metrics", "TASK_METRICS"),
-    ("doplus_cli.evaluation.runner", "SUITE_REGISTRY"),
+    ("doplus_cli.evaluation.suite_registry", "SUITE_REGISTRY"),
     ("doplus_cli.evaluation.attacks", "ATTACKS"),
     ("doplus_cli.evaluation.attacks", "QUANTIZERS"),
     ("doplus_cli.evaluation.metrics", "INDICATORS"),

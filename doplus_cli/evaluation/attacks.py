@@ -34,6 +34,7 @@ from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation import metrics
 from doplus_cli.evaluation.suite_api import Suite
+from doplus_cli.evaluation.suite_registry import SUITE_REGISTRY
 from doplus_cli.registry import Registry
 
 
@@ -91,8 +92,6 @@ HELD_OUT_METRICS = {"rouge": 1, "probability": 1, "truth_ratio": 1}
 def forget_suites() -> dict[str, Suite]:
     """The registered suites that score what was forgotten (`Suite.forget_metrics`), by name in `--suite`'s
     order: the ones an attack can be measured on."""
-    from doplus_cli.evaluation.runner import SUITE_REGISTRY  # the registry imports this module's attacks
-
     return {name: suite for name, suite in SUITE_REGISTRY.items() if suite.forget_metrics}
 
 

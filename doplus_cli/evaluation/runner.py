@@ -21,31 +21,22 @@ from doplus_cli.data.formatting import check_prompt_template
 from doplus_cli.errors import UserError, writing
 from doplus_cli.evaluation.attacks import ATTACKS, QA_SUITES, parse_attacks, parse_relearn_steps
 from doplus_cli.evaluation.compute import compute_floor, linear_kernel, matmul_gflops, packed_linears
-from doplus_cli.evaluation.lm_eval_suite import LM_EVAL_SUITE
-from doplus_cli.evaluation.muse import MUSE_SUITE, check_muse_data
+from doplus_cli.evaluation.muse import check_muse_data
 from doplus_cli.evaluation.privacy import read_holdout, read_retain_logs
 from doplus_cli.evaluation.protocol import get_protocol
-from doplus_cli.evaluation.safety import SAFETY_SUITE, XSTEST_SUITE, overall_section
-from doplus_cli.evaluation.suite_api import EvalConfig, Suite, SuiteContext
+from doplus_cli.evaluation.safety import overall_section
+from doplus_cli.evaluation.suite_api import EvalConfig, SuiteContext
+from doplus_cli.evaluation.suite_registry import SUITE_REGISTRY, SUITES
 from doplus_cli.evaluation.suites import (
-    PRIVACY_SUITE,
-    REAL_WORLD_SUITE,
-    TOFU_SUITE,
     Judges,
     load_real_world_sets,
     load_tofu_sets,
 )
-from doplus_cli.evaluation.wmdp import WMDP_SUITE
 from doplus_cli.files import atomic_write_text, write_json
 from doplus_cli.losses import FORGET_LOSSES
 from doplus_cli.optim import kernels
 from doplus_cli.progress import counting_tokens, progress_bar
-from doplus_cli.registry import Registry
 
-# The suites of `doplus evaluate` by name, in the order `--suite` lists them.
-SUITE_REGISTRY: Registry[Suite] = Registry("suite", Suite, ((suite.name, suite) for suite in (
-    TOFU_SUITE, REAL_WORLD_SUITE, LM_EVAL_SUITE, PRIVACY_SUITE, SAFETY_SUITE, XSTEST_SUITE, WMDP_SUITE, MUSE_SUITE)))
-SUITES = tuple(SUITE_REGISTRY)
 # What runs the attacks once the suites are done (`engine.attacks.attack_runner`): the relearning attacks train
 # through the engine, a layer above, so the command hands it in.
 AttackRunner = Callable[[SuiteContext, dict[str, Any]], dict[str, Any]]
