@@ -180,11 +180,8 @@ def test_a_study_finds_a_known_optimum(recipe, tmp_path, monkeypatch):
     assert more["counts"]["complete"] == 32 and more["trials"][:30] == summary["trials"]
 
 
-def test_the_median_pruner_stops_a_trial_that_falls_behind(recipe, tmp_path, monkeypatch):
-    """Trials report their value at steps 3 and 6; the third's 0.1 at step 3 is below the median of the first
-    two (0.9, 0.8) there, so the pruner stops it; the fourth's 0.95 runs to its end."""
-    values = [0.9, 0.8, 0.1, 0.95]
-
+def reporting_trials(values):
+    """A stub trial runner: trial N reports values[N] at steps 3 and 6 and stops where the pruner says so."""
     def trial(tune, trial, chosen, signals, log):
         value = values[trial.number]
         for step in (3, 6):
@@ -192,8 +189,15 @@ def test_the_median_pruner_stops_a_trial_that_falls_behind(recipe, tmp_path, mon
             if step < tune.steps and trial.should_prune():
                 raise Pruned(step)
         return Outcome({"OVR": value, "MU": 1.0}, 0.0, tune.steps, {3: value, 6: value})
+    return trial
 
-    monkeypatch.setattr(tune_module, "run_trial", trial)
+
+def test_the_median_pruner_stops_a_trial_that_falls_behind(recipe, tmp_path, monkeypatch):
+    """Trials report their value at steps 3 and 6; the third's 0.1 at step 3 is below the median of the first
+    two (0.9, 0.8) there, so the pruner stops it; the fourth's 0.95 runs to its end."""
+    values = [0.9, 0.8, 0.1, 0.95]
+
+    monkeypatch.setattr(tune_module, "run_trial", reporting_trials(values))
     summary = run_tune(stub_study(recipe, tmp_path / "study", 4, pruner="median"), say=lambda line: None)
     states = [(row["state"], row["pruned_step"]) for row in summary["trials"]]
     assert states == [("complete", None), ("complete", None), ("pruned", 3), ("complete", None)]
@@ -206,20 +210,12 @@ def test_the_hyperband_pruner_keeps_the_top_third_at_each_rung(recipe, tmp_path,
     there is among the best max(1, n // 3) of the n trials that reached the rung so far, itself included."""
     values = [0.9, 0.8, 0.1, 0.95, 0.85, 0.05, 0.99]
 
-    def trial(tune, trial, chosen, signals, log):
-        value = values[trial.number]
-        for step in (3, 6):
-            trial.report(value, step)
-            if step < tune.steps and trial.should_prune():
-                raise Pruned(step)
-        return Outcome({"OVR": value, "MU": 1.0}, 0.0, tune.steps, {3: value, 6: value})
-
     expected = []
     for number, value in enumerate(values):
         rung = sorted(values[:number + 1], reverse=True)
         expected.append(("complete", None) if value in rung[:max(1, len(rung) // 3)] else ("pruned", 3))
     assert ("pruned", 3) in expected and expected.count(("complete", None)) >= 2  # the case tests both outcomes
-    monkeypatch.setattr(tune_module, "run_trial", trial)
+    monkeypatch.setattr(tune_module, "run_trial", reporting_trials(values))
     summary = run_tune(stub_study(recipe, tmp_path / "study", len(values), pruner="hyperband"), say=lambda line: None)
     assert [(row["state"], row["pruned_step"]) for row in summary["trials"]] == expected
     assert summary["best"]["number"] == values.index(max(values))
