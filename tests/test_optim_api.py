@@ -12,6 +12,7 @@ the rules' documentation (`kernels.py`), never against the optimizers' own refer
 from __future__ import annotations
 
 import copy
+import importlib
 import io
 import math
 from pathlib import Path
@@ -361,6 +362,126 @@ def test_two_param_groups_with_their_own_lr_betas_and_weight_decay_match_float64
         torch.testing.assert_close(p.detach(), expected, rtol=1e-12, atol=1e-12)
     for p, elsewhere in zip(params[2:], one_group.theta[2:]):
         assert (p.detach() - elsewhere).abs().max() > 1e-3
+
+
+# -- DualOptim+: every setting a param group's --------------------------------------------------------------
+
+GROUP_SETTINGS = ("inner", "state_bits", "quantize", "rule", "v_floor", "max_update", "base_update", "base_source",
+                  "compensated", "fused", "multi_tensor")
+
+
+def crossing_steps(params, seed, count):
+    """(objective, gradients) pairs: large forget gradients, retain gradients 1e-3 of them (where the floor acts)."""
+    generator = torch.Generator().manual_seed(seed)
+    for objective in (["forget", "retain", "retain"] * count)[:count]:
+        scale = 1.0 if objective == "forget" else 1e-3
+        yield objective, [torch.randn(p.shape, generator=generator, dtype=p.dtype) * scale for p in params]
+
+
+def test_dualoptim_plus_takes_its_rule_floor_and_bound_per_param_group():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, dtype=torch.float64)) for shape in [(40,), (6, 5), (30,), (4, 4)]]
+    groups = [{"params": params[:2], "rule": "paper"}, {"params": params[2:], "v_floor": 0.3, "max_update": 2.0}]
+    opt = DualOptimPlus(groups, lr=1e-2, fused=False)
+    common = (1e-2, (0.9, 0.95), (0.9, 0.95), 1e-8, 0.0)
+    paper, guarded = Float64DualOptimPlus(params[:2], *common), Float64DualOptimPlus(params[2:], *common, floor=0.3,
+                                                                                         bound=2.0)
+    unguarded = Float64DualOptimPlus(params[2:], *common)  # the second group without a safeguard of its own
+    for objective, grads in crossing_steps(params, 1, 9):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step(objective=objective)
+        paper.step(objective, grads[:2])
+        guarded.step(objective, grads[2:])
+        unguarded.step(objective, grads[2:])
+    for p, expected in zip(params, paper.params + guarded.params):
+        # 1e-9: where v̂_B + v_k cancels, the paper's rule magnifies the last bits (docs/optimizers.md)
+        torch.testing.assert_close(p.detach(), expected, rtol=1e-9, atol=1e-9)
+    assert max((p.detach() - u).abs().max() for p, u in zip(params[2:], unguarded.params)) > 1e-4
+    assert [g["rule"] for g in opt.param_groups] == ["paper", "safeguarded"]
+
+
+def test_a_param_group_keeps_its_own_state_bits():
+    big = [torch.nn.Parameter(torch.randn(5000)) for _ in range(2)]
+    opt = DualOptimPlus([{"params": big[:1], "state_bits": 8}, {"params": big[1:]}], lr=1e-3)
+    for p in big:
+        p.grad = torch.randn(5000)
+    opt.step(objective="forget")
+    assert opt.state[big[0]]["exp_avg"].dtype == torch.uint8
+    assert opt.state[big[0]]["delta"]["forget"]["exp_avg_sq"].dtype == torch.uint8
+    assert opt.state[big[1]]["exp_avg"].dtype == torch.float32
+
+
+def test_the_groups_settings_round_trip_through_state_dict_and_older_state_dicts_take_the_defaults():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, dtype=torch.float64)) for shape in [(40,), (30,)]]
+    opt = DualOptimPlus([{"params": params[:1], "rule": "paper"}, {"params": params[1:], "v_floor": 0.3,
+                                                                    "max_update": 2.0}], lr=1e-2, fused=False)
+    for objective, grads in crossing_steps(params, 1, 4):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step(objective=objective)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    assert all(key in group for group in saved["param_groups"] for key in GROUP_SETTINGS)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fresh = DualOptimPlus([{"params": twins[:1]}, {"params": twins[1:]}], lr=1e-2, fused=False)  # other defaults
+    fresh.load_state_dict(saved)
+    assert [(g["rule"], g["v_floor"], g["max_update"]) for g in fresh.param_groups] == [
+        ("paper", 0.02, 10.0), ("safeguarded", 0.3, 2.0)]
+    for objective, grads in crossing_steps(params, 2, 5):
+        for p, q, g in zip(params, twins, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step(objective=objective)
+        fresh.step(objective=objective)
+    assert all(torch.equal(p, q) for p, q in zip(params, twins))
+    # a state dict of doplus 0.1.0 or 0.2.0 kept these settings on the optimizer: its groups take the constructor's
+    for group in saved["param_groups"]:
+        for key in GROUP_SETTINGS:
+            del group[key]
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    older = DualOptimPlus([{"params": copies[:1]}, {"params": copies[1:]}], lr=1e-2, rule="paper", fused=False)
+    older.load_state_dict(saved)
+    assert [(g["rule"], g["v_floor"], g["state_bits"]) for g in older.param_groups] == [("paper", 0.02, 32)] * 2
+
+
+@pytest.mark.parametrize("setting", [{"rule": "exact"}, {"v_floor": 1.0}, {"max_update": 0.0}, {"state_bits": 16},
+                                     {"quantize": "half"}, {"base_update": "later"},
+                                     {"base_update": "before-delta", "fused": True},
+                                     {"base_source": "grad-minus-delta", "use_muon": True}])
+def test_a_param_groups_own_bad_setting_is_named_with_its_group(setting):
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(3))]},
+              {"params": [torch.nn.Parameter(torch.zeros(2, 2))], **setting}]
+    with pytest.raises(ValueError, match="^param group 1: "):
+        DualOptimPlus(groups)
+
+
+def test_step_hands_every_group_to_the_functional_form(monkeypatch):
+    """One call of `dualoptim_plus_updates` a step with every group's tensors (so the multi-tensor kernel takes
+    them in one launch), each with its group's scalars; groups that differ in `fused` take a call each."""
+    module = importlib.import_module("doplus_cli.optim.dualoptim_plus")  # the package's name is the function
+
+    calls = []
+
+    def spy(updates, **options):
+        calls.append(([u.param.shape for u in updates], sorted({u.scalars.v_floor for u in updates}),
+                      options["fused"]))
+        return real(updates, **options)
+
+    real = module.dualoptim_plus_updates
+    monkeypatch.setattr(module, "dualoptim_plus_updates", spy)
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in [(4,), (3, 2), (5,)]]
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    before = [p.detach().clone() for p in params]
+    DualOptimPlus([{"params": params[:2], "v_floor": 0.1}, {"params": params[2:]}]).step(objective="forget")
+    assert calls == [([(4,), (3, 2), (5,)], [0.02, 0.1], None)]
+    assert all(not torch.equal(p, b) for p, b in zip(params, before))
+    calls.clear()
+    DualOptimPlus([{"params": params[:2], "fused": False}, {"params": params[2:]}]).step(objective="retain")
+    assert calls == [([(4,), (3, 2)], [0.02], False), ([(5,)], [0.02], None)]
 
 
 # -- the compiled path: bf16 and non-contiguous parameters -----------------------------------------------

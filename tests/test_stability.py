@@ -138,8 +138,23 @@ def test_diagnostics_of_a_hand_computed_step():
 
 def test_safeguard_is_off_under_the_paper_rule_and_muon_is_unchanged():
     p = torch.nn.Parameter(torch.ones(3))
-    opt = DualOptimPlus([p], rule="paper")
-    assert (opt.v_floor, opt.max_update) == (0.0, math.inf)
+    # the paper's rule is the safeguarded one with no floor and no bound, whatever v_floor and max_update say
+    torch.manual_seed(1)
+    start, grads = torch.randn(300, dtype=torch.float64), torch.randn(8, 300, dtype=torch.float64)
+    grads[1::2] *= 1e-4  # tiny retain gradients: where the floor and the bound act
+    stepped, optimizers = [], []
+    for settings in ({"rule": "paper", "v_floor": 0.5, "max_update": 0.1},
+                     {"rule": "safeguarded", "v_floor": 0.0, "max_update": 1e300}):
+        q = torch.nn.Parameter(start.clone())
+        opt = DualOptimPlus([q], lr=1e-2, fused=False, **settings)
+        for grad, objective in zip(grads, cycle({"forget": 1, "retain": 1}, 8)):
+            q.grad = grad.clone()
+            opt.step(objective=objective)
+        stepped.append(q.detach().clone())
+        optimizers.append(opt)
+    # counts are of the safeguarded rule's elements: none under the paper's
+    assert optimizers[0].safeguard_counts() is None and optimizers[1].safeguard_counts() == (0, 0, 300)
+    assert torch.equal(stepped[0], stepped[1]) and not torch.equal(stepped[0], start)
     with pytest.raises(ValueError, match="unknown rule"):
         DualOptimPlus([p], rule="exact")
     with pytest.raises(ValueError, match="v_floor"):

@@ -5,8 +5,11 @@ Public contract (other tools depend on these names):
 * `DualOptimPlus(params, lr, betas, base_betas, eps, weight_decay, objectives, inner, state_bits)`
   with `step(objective=...)`: one shared base state, one delta state per objective.
 * `dualoptim_plus(params, grads, states, deltas, compensations, *, lr, betas, ..., foreach=None, fused=None)`:
-  DualOptim+'s AdamW rule as a function over one param group's tensors, which `DualOptimPlus.step` calls; it
-  chooses the reference, compiled or multi-tensor implementation once per call and names it in its report.
+  DualOptim+'s AdamW rule as a function over one param group's tensors; `dualoptim_plus_updates(updates, ...)`
+  the same over tensors of several groups (`TensorUpdate`s, each with its group's scalars), which
+  `DualOptimPlus.step` calls. Each chooses the reference, compiled or multi-tensor implementation once per call
+  and names it in its report. Every setting of `DualOptimPlus` but its objectives and their lr multipliers is a
+  param group's, carried by `state_dict`.
   (It takes the name `doplus_cli.optim.dualoptim_plus`; the module is imported as
   `from doplus_cli.optim.dualoptim_plus import ...`.)
 * `DualOptim(params, lr, betas, eps, weight_decay, objectives, state_bits)`: one AdamW per objective.
@@ -21,8 +24,15 @@ Public contract (other tools depend on these names):
 
 from doplus_cli.optim.adamw import AdamW
 from doplus_cli.optim.dualoptim import DualOptim
-from doplus_cli.optim.dualoptim_plus import DualOptimPlus, UpdateReport, dualoptim_plus, muon_param_groups
+from doplus_cli.optim.dualoptim_plus import (
+    DualOptimPlus,
+    TensorUpdate,
+    UpdateReport,
+    dualoptim_plus,
+    dualoptim_plus_updates,
+    muon_param_groups,
+)
 from doplus_cli.optim.fl_schemes import FedCM, LocalAdam, Scaffold
 
-__all__ = ["AdamW", "DualOptim", "DualOptimPlus", "FedCM", "LocalAdam", "Scaffold", "UpdateReport", "dualoptim_plus",
-           "muon_param_groups"]
+__all__ = ["AdamW", "DualOptim", "DualOptimPlus", "FedCM", "LocalAdam", "Scaffold", "TensorUpdate", "UpdateReport",
+           "dualoptim_plus", "dualoptim_plus_updates", "muon_param_groups"]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -40,7 +40,6 @@ from doplus_cli.optim.checks import (
     check_common,
     check_lr_multipliers,
     check_objectives,
-    check_param_groups,
     step_arguments,
 )
 from doplus_cli.optim.diagnostics import reduce_step_stats, step_counts
@@ -66,6 +65,41 @@ FUSED_8BIT_CHUNK_ROWS = 512  # 128k elements per call of the 8-bit kernel
 
 _ADAMW_STATES = ("exp_avg", "exp_avg_sq")
 _MUON_STATES = ("momentum_buffer",)
+
+
+def check_group(group: Mapping[str, Any]) -> None:
+    """A param group's settings (or the constructor's, before any group takes them), as `DualOptimPlus` takes
+    them; ValueError names the first that is not."""
+    check_common(group["lr"], group["betas"], group["eps"], group["weight_decay"], group["state_bits"])
+    base_betas = group["base_betas"]
+    if base_betas is not None and (len(base_betas) != 2 or not all(0.0 <= b < 1.0 for b in base_betas)):
+        raise ValueError(f"base_betas must be two numbers in [0, 1) or None, got {base_betas!r}")
+    if group["inner"] not in INNER_OPTIMIZERS:
+        raise ValueError(f"unknown inner optimizer {group['inner']!r}: choose one of {list(INNER_OPTIMIZERS)}")
+    if group["quantize"] not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be one of {list(QUANTIZE_CHOICES)}, got {group['quantize']!r}")
+    if group["rule"] not in RULES:
+        raise ValueError(f"unknown rule {group['rule']!r}: choose one of {list(RULES)}")
+    base_update, base_source = group["base_update"], group["base_source"]
+    if base_update not in BASE_UPDATES:
+        raise ValueError(f"unknown base_update {base_update!r}: choose one of {list(BASE_UPDATES)}")
+    if base_source not in BASE_SOURCES:
+        raise ValueError(f"unknown base_source {base_source!r}: choose one of {list(BASE_SOURCES)}")
+    if not 0.0 <= group["v_floor"] < 1.0:
+        raise ValueError(f"v_floor must be in [0, 1), got {group['v_floor']}")
+    if not group["max_update"] > 0.0:
+        raise ValueError(f"max_update must be > 0, got {group['max_update']}")
+    if group["multi_tensor"] is True and not triton_installed():
+        raise ValueError("multi_tensor=True needs Triton (pip install triton)")
+    if (base_update, base_source) == (BASE_UPDATES[0], BASE_SOURCES[0]):
+        return
+    if group["fused"] is True or group["multi_tensor"] is True or group["inner"] == "muon":
+        raise ValueError(f"base_update={base_update!r}, base_source={base_source!r} run on the AdamW rule's "
+                         "eager reference path only: use fused=None or False, multi_tensor=None or False, "
+                         "inner='adamw'")
+    if group["use_muon"]:
+        raise ValueError("base_update and base_source are options of the AdamW rule: a param group with "
+                         "use_muon=True cannot take them")
 
 
 class DualOptimPlus(Optimizer):
@@ -103,6 +137,12 @@ class DualOptimPlus(Optimizer):
             ``fused=False``. After a failed launch this optimizer takes the per-tensor path (its
             ``multi_tensor_kernel`` says why); another optimizer tries the kernel again.
         ns_coefficients, ns_steps, ns_eps, adjust_lr_fn: Muon's Newton–Schulz settings, as `torch.optim.Muon`.
+
+    Every argument but ``objectives`` and ``lr_multipliers`` (the state's layout and its per-objective factors)
+    is a default of the param groups, as in torch's optimizers: a group may set its own (its rule, floor,
+    bound, state bits, ...), each group is checked as the constructor's arguments are, and `state_dict`
+    carries every group's values. One step hands every AdamW-rule tensor with the same ``multi_tensor`` and
+    ``fused`` to one call of `dualoptim_plus_updates`, the functional form.
     """
 
     def __init__(
@@ -132,46 +172,13 @@ class DualOptimPlus(Optimizer):
         ns_eps: float = 1e-7,
         adjust_lr_fn: str | None = None,
     ) -> None:
-        check_common(lr, betas, eps, weight_decay, state_bits)
-        if base_betas is not None and (len(base_betas) != 2 or not all(0.0 <= b < 1.0 for b in base_betas)):
-            raise ValueError(f"base_betas must be two numbers in [0, 1) or None, got {base_betas!r}")
-        if inner not in INNER_OPTIMIZERS:
-            raise ValueError(f"unknown inner optimizer {inner!r}: choose one of {list(INNER_OPTIMIZERS)}")
-        if quantize not in QUANTIZE_CHOICES:
-            raise ValueError(f"quantize must be one of {list(QUANTIZE_CHOICES)}, got {quantize!r}")
-        if rule not in RULES:
-            raise ValueError(f"unknown rule {rule!r}: choose one of {list(RULES)}")
-        if base_update not in BASE_UPDATES:
-            raise ValueError(f"unknown base_update {base_update!r}: choose one of {list(BASE_UPDATES)}")
-        if base_source not in BASE_SOURCES:
-            raise ValueError(f"unknown base_source {base_source!r}: choose one of {list(BASE_SOURCES)}")
-        self.ablation = (base_update, base_source) != (BASE_UPDATES[0], BASE_SOURCES[0])
-        if self.ablation and (fused is True or multi_tensor is True or inner == "muon"):
-            raise ValueError(f"base_update={base_update!r}, base_source={base_source!r} run on the AdamW rule's "
-                             "eager reference path only: use fused=None or False, multi_tensor=None or False, "
-                             "inner='adamw'")
-        self.base_update, self.base_source = base_update, base_source
-        if not 0.0 <= v_floor < 1.0:
-            raise ValueError(f"v_floor must be in [0, 1), got {v_floor}")
-        if not max_update > 0.0:
-            raise ValueError(f"max_update must be > 0, got {max_update}")
         self.objectives = check_objectives(objectives)
         self.lr_multipliers = check_lr_multipliers(lr_multipliers, self.objectives)
-        self.inner = inner
-        self.state_bits = state_bits
-        self.quantize = quantize
-        self.rule = rule
-        self.v_floor, self.max_update = (v_floor, max_update) if rule == "safeguarded" else (0.0, math.inf)
-        if multi_tensor is True and not triton_installed():
-            raise ValueError("multi_tensor=True needs Triton (pip install triton)")
-        self.fused = fused
-        self.multi_tensor = multi_tensor
         # this optimizer's record of a failed multi-tensor launch: after one it takes the per-tensor path
         self.multi_tensor_kernel = MultiTensorKernel()
-        self.compensated = compensated
         # per tensor: (largest |Δθ|/η, count above 10η[, count floored, count clamped]) of the last step
         self._step_stats: list[tuple[Tensor, ...]] = []
-        self._rule_elements = 0  # elements the AdamW rule updated in the last step
+        self._rule_elements = 0  # elements the safeguarded AdamW rule updated in the last step
         self._safeguard_counted = True  # False when some went through the multi-tensor kernel, which has no counts
         defaults = dict(
             lr=lr,
@@ -179,38 +186,67 @@ class DualOptimPlus(Optimizer):
             base_betas=None if base_betas is None else tuple(base_betas),
             eps=eps,
             weight_decay=weight_decay,
+            inner=inner,
             use_muon=None,
+            state_bits=state_bits,
+            quantize=quantize,
+            rule=rule,
+            v_floor=v_floor,
+            max_update=max_update,
+            base_update=base_update,
+            base_source=base_source,
+            compensated=compensated,
+            fused=fused,
+            multi_tensor=multi_tensor,
             ns_coefficients=tuple(ns_coefficients),
             ns_steps=ns_steps,
             ns_eps=ns_eps,
             adjust_lr_fn=adjust_lr_fn,
         )
+        check_group(defaults)  # the constructor's own values, named as such
         super().__init__(params, defaults)
-        check_param_groups(self.param_groups, ("betas", "base_betas"))
-        if self.ablation and any(group.get("use_muon") for group in self.param_groups):
-            raise ValueError("base_update and base_source are options of the AdamW rule: a param group with "
-                             "use_muon=True cannot take them")
+
+    def add_param_group(self, param_group: dict) -> None:
+        """As torch's, then the group's settings (its own and the defaults it takes) checked as the
+        constructor's: torch checks only the defaults, so a group's bad value would otherwise step silently."""
+        super().add_param_group(param_group)
+        try:
+            check_group(self.param_groups[-1])
+        except ValueError as error:
+            self.param_groups.pop()
+            raise ValueError(f"param group {len(self.param_groups)}: {error}") from None
+
+    def __setstate__(self, state: dict) -> None:
+        """torch's, then each group takes the defaults of the settings it lacks: the state dicts of doplus 0.1.0
+        and 0.2.0 kept the rule's settings on the optimizer, not in their param groups (as torch's own
+        optimizers fill in a setting added after a state dict was saved)."""
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
 
     # -- which rule, which storage -------------------------------------------------------------------
 
-    def _uses_muon(self, param: Tensor, group: dict) -> bool:
-        if group.get("use_muon") is not None:
+    @staticmethod
+    def _uses_muon(param: Tensor, group: dict) -> bool:
+        if group["use_muon"] is not None:
             return bool(group["use_muon"]) and param.ndim == 2
-        return self.inner == "muon" and param.ndim == 2
+        return group["inner"] == "muon" and param.ndim == 2
 
-    def _is_8bit(self, param: Tensor, is_base: bool) -> bool:
+    @staticmethod
+    def _is_8bit(param: Tensor, group: dict, is_base: bool) -> bool:
         # the whole parameter's size decides, so a sharded run quantises the same tensors as a single process
-        if self.state_bits != 8 or param.numel() < quant.MIN_8BIT_SIZE:
+        if group["state_bits"] != 8 or param.numel() < quant.MIN_8BIT_SIZE:
             return False
-        return self.quantize == "all" or (self.quantize == "base") == is_base
+        return group["quantize"] == "all" or (group["quantize"] == "base") == is_base
 
-    def _new_states(self, param: Tensor, local: Tensor, names: Sequence[str], is_base: bool) -> dict:
+    def _new_states(self, param: Tensor, local: Tensor, names: Sequence[str], group: dict, is_base: bool) -> dict:
         """Zero-initialised states the size of `local` (the parameter, or this process's shard of it):
         float32 (float64 for float64 parameters), or uint8 codes + block absmax."""
         states: dict[str, Tensor] = {"step": torch.tensor(0.0, dtype=torch.float32)}
         state_dtype = torch.promote_types(local.dtype, torch.float32)
         for name in names:
-            if self._is_8bit(param, is_base):
+            if self._is_8bit(param, group, is_base):
                 states[name] = torch.zeros(local.numel(), dtype=torch.uint8, device=local.device)
                 states[name + "_absmax"] = torch.zeros(
                     quant.num_blocks(local.numel()), dtype=torch.float32, device=local.device
@@ -223,13 +259,13 @@ class DualOptimPlus(Optimizer):
         names = _MUON_STATES if self._uses_muon(param, group) else _ADAMW_STATES
         state = self.state[param]
         if not state:
-            state.update(self._new_states(param, local, names, is_base=True))
+            state.update(self._new_states(param, local, names, group, is_base=True))
             state["delta"] = {}
-            compensation = new_compensation(local) if self.compensated else None
+            compensation = new_compensation(local) if group["compensated"] else None
             if compensation is not None:
                 state["compensation"] = compensation
         if objective not in state["delta"]:
-            state["delta"][objective] = self._new_states(param, local, names, is_base=False)
+            state["delta"][objective] = self._new_states(param, local, names, group, is_base=False)
         return state, state["delta"][objective]
 
     # -- the step ------------------------------------------------------------------------------------
@@ -240,8 +276,9 @@ class DualOptimPlus(Optimizer):
         whose gradient is in `.grad`). `closure`, as in torch's optimizers, recomputes the loss (with its
         backward) under `torch.enable_grad()` before the update; its loss is returned.
 
-        The AdamW rule's tensors of every param group go to `dualoptim_plus`'s implementation in one call, which
-        chooses the implementation for all of them (and so updates every group in one launch of the
+        The AdamW rule's tensors of every param group go to the functional form, `dualoptim_plus_updates`, in one
+        call per (``multi_tensor``, ``fused``) setting of the groups (one call when no group sets its own), which
+        chooses the implementation for all of them (and so updates every such group in one launch of the
         multi-tensor kernel); the Muon rule's are updated one by one."""
         closure, objective = step_arguments(self, closure, objective)
         loss = None
@@ -251,7 +288,7 @@ class DualOptimPlus(Optimizer):
         lr_scale = self.lr_multipliers.get(objective, 1.0)
         self._step_stats = []
         self._rule_elements, self._safeguard_counted = 0, True
-        entries: list[tuple] = []  # (param, grad, state, delta, compensation, scalars) of the AdamW rule
+        calls: dict[tuple[bool | None, bool | None], list[TensorUpdate]] = {}  # (foreach, fused) → the AdamW rule's
         for group in self.param_groups:
             template = self._adamw_scalars(group, lr_scale)
             for param in group["params"]:
@@ -267,13 +304,16 @@ class DualOptimPlus(Optimizer):
                     delta["step"] += 1
                     self._step_stats.append(
                         self._muon_update(param, local, grad, group, state, delta, lr_scale, compensation))
-                else:
-                    entries.append((local, grad, state, delta, compensation, template))
-        if entries:
-            report = _dualoptim_plus(entries, self.multi_tensor, self.fused, self.multi_tensor_kernel)
-            self._rule_elements = sum(entry[0].numel() for entry in entries)
+                    continue
+                calls.setdefault((group["multi_tensor"], group["fused"]), []).append(
+                    TensorUpdate(local, grad, state, delta, compensation, template))
+                if group["rule"] == "safeguarded":
+                    self._rule_elements += local.numel()
+        for (foreach, fused), updates in calls.items():
+            report = dualoptim_plus_updates(updates, foreach=foreach, fused=fused,
+                                            multi_tensor_kernel=self.multi_tensor_kernel)
             self._step_stats.extend(report.stats)
-            self._safeguard_counted = report.safeguard_counted
+            self._safeguard_counted = self._safeguard_counted and report.safeguard_counted
         return loss
 
     def __getstate__(self) -> dict:
@@ -293,10 +333,10 @@ class DualOptimPlus(Optimizer):
         return diagnostics
 
     def safeguard_counts(self) -> tuple[int, int, int] | None:
-        """(elements floored, elements clamped, elements of the AdamW rule) of the last step, over this process's
-        elements; None under the paper's rule, when no element took the AdamW rule, or when the multi-tensor
-        kernel (which does not count them) updated some."""
-        if self.rule != "safeguarded" or not self._rule_elements or not self._safeguard_counted:
+        """(elements floored, elements clamped, elements of the safeguarded AdamW rule) of the last step, over this
+        process's elements; None when no element took the safeguarded rule (every group under the paper's, or
+        none with the AdamW rule), or when the multi-tensor kernel (which does not count them) updated some."""
+        if not self._rule_elements or not self._safeguard_counted:
             return None
         counted = [stats for stats in self._step_stats if len(stats) == 4]
         if not counted:
@@ -310,11 +350,13 @@ class DualOptimPlus(Optimizer):
         """The scalars of `group`'s updates, without the step counts (the update fills them in)."""
         beta1, beta2 = group["betas"]
         base_beta1, base_beta2 = group["base_betas"] or group["betas"]
+        safeguarded = group["rule"] == "safeguarded"  # the paper's rule: no floor, no bound
         return AdamWPlusScalars(
             lr=float(group["lr"]) * lr_scale, weight_decay=group["weight_decay"], beta1=beta1, beta2=beta2,
             base_beta1=base_beta1, base_beta2=base_beta2, eps=group["eps"], base_step=0, delta_step=0,
-            v_floor=self.v_floor, max_update=self.max_update, base_update=self.base_update,
-            base_source=self.base_source,
+            v_floor=group["v_floor"] if safeguarded else 0.0,
+            max_update=group["max_update"] if safeguarded else math.inf,
+            base_update=group["base_update"], base_source=group["base_source"],
         )
 
     def _muon_update(
@@ -387,9 +429,10 @@ def dualoptim_plus(
     multi_tensor_kernel: MultiTensorKernel | None = None,
 ) -> UpdateReport:
     """One DualOptim+ AdamW step (Algorithm 1; the safeguard of `kernels.py`) of one param group's `params` with
-    `grads`: the functional form of `DualOptimPlus`, as `torch.optim.adamw.adamw` is AdamW's. `DualOptimPlus.step`
-    runs the same choice and implementations, over all its param groups at once (so the multi-tensor kernel
-    takes every group in one launch); its ``fused`` and ``multi_tensor`` are ``fused`` and ``foreach`` here.
+    `grads`: the functional form of `DualOptimPlus`, as `torch.optim.adamw.adamw` is AdamW's. It is
+    `dualoptim_plus_updates` with every tensor taking these scalars; `DualOptimPlus.step` calls that with the
+    tensors of all its param groups at once (so the multi-tensor kernel takes every group in one launch); its
+    ``fused`` and ``multi_tensor`` are ``fused`` and ``foreach`` here.
 
     `states[i]` is parameter i's base state and `deltas[i]` its delta state of the objective whose gradient is
     `grads[i]` (the layout `DualOptimPlus` documents: ``step``, ``exp_avg``, ``exp_avg_sq``, float32 or 8-bit
@@ -415,31 +458,50 @@ def dualoptim_plus(
     if not len(grads) == len(states) == len(deltas) == n or (compensations is not None and len(compensations) != n):
         raise ValueError("params, grads, states, deltas (and compensations) must have one entry per tensor")
     compensations = [None] * n if compensations is None else list(compensations)
-    if base_update not in BASE_UPDATES or base_source not in BASE_SOURCES:
-        raise ValueError(f"base_update must be one of {list(BASE_UPDATES)} and base_source one of "
-                         f"{list(BASE_SOURCES)}, got {base_update!r}, {base_source!r}")
     base_beta1, base_beta2 = base_betas or betas
     template = AdamWPlusScalars(
         lr=float(lr), weight_decay=weight_decay, beta1=betas[0], beta2=betas[1], base_beta1=base_beta1,
         base_beta2=base_beta2, eps=eps, base_step=0, delta_step=0, v_floor=v_floor, max_update=max_update,
         base_update=base_update, base_source=base_source,
     )
-    return _dualoptim_plus([(*tensors, template) for tensors in zip(params, grads, states, deltas, compensations)],
-                           foreach, fused, multi_tensor_kernel or MultiTensorKernel())
+    updates = [TensorUpdate(*tensors, template) for tensors in zip(params, grads, states, deltas, compensations)]
+    return dualoptim_plus_updates(updates, foreach=foreach, fused=fused, multi_tensor_kernel=multi_tensor_kernel)
 
 
-def _dualoptim_plus(entries: list[tuple], foreach: bool | None, fused: bool | None,
-                    kernel: MultiTensorKernel) -> UpdateReport:
-    """`dualoptim_plus` over entries (param, grad, state, delta, compensation, scalars without the steps), whose
-    scalars may differ: `DualOptimPlus.step` hands every param group's tensors to one call, so the multi-tensor
-    kernel updates all groups in one launch."""
-    params = [entry[0] for entry in entries]
-    implementation = _choose_implementation(params, all(entry[5].default_base for entry in entries), foreach, fused,
-                                            kernel)
+class TensorUpdate(NamedTuple):
+    """One tensor's part of a DualOptim+ AdamW step: what `dualoptim_plus` takes per tensor, with the scalars of
+    its param group (the step counts are read from the states)."""
+
+    param: Tensor
+    grad: Tensor
+    state: dict
+    delta: dict
+    compensation: Tensor | None
+    scalars: AdamWPlusScalars
+
+
+@torch.no_grad()
+def dualoptim_plus_updates(updates: Sequence[TensorUpdate], *, foreach: bool | None = None,
+                           fused: bool | None = None,
+                           multi_tensor_kernel: MultiTensorKernel | None = None) -> UpdateReport:
+    """`dualoptim_plus` over tensors whose scalars may differ (several param groups): the form
+    `DualOptimPlus.step` calls with every tensor of its groups, so that one launch of the multi-tensor kernel
+    updates all of them, each tensor reading its own row of scalars. The implementation is chosen once for the
+    call, as `dualoptim_plus` documents."""
+    updates = list(updates)
+    kernel = multi_tensor_kernel or MultiTensorKernel()
+    for update in updates:
+        if update.scalars.base_update not in BASE_UPDATES or update.scalars.base_source not in BASE_SOURCES:
+            raise ValueError(f"base_update must be one of {list(BASE_UPDATES)} and base_source one of "
+                             f"{list(BASE_SOURCES)}, got {update.scalars.base_update!r}, "
+                             f"{update.scalars.base_source!r}")
+    params = [update.param for update in updates]
+    implementation = _choose_implementation(params, all(update.scalars.default_base for update in updates), foreach,
+                                            fused, kernel)
     if implementation == "multi_tensor":
-        stats, counted = _multi_tensor_dualoptim_plus(entries, fused, kernel)
+        stats, counted = _multi_tensor_dualoptim_plus(updates, fused, kernel)
         return UpdateReport(implementation, stats, counted)
-    return UpdateReport(implementation, _single_tensor_dualoptim_plus(entries, fused), True)
+    return UpdateReport(implementation, _single_tensor_dualoptim_plus(updates, fused), True)
 
 
 def _choose_implementation(params: Sequence[Tensor], default_base: bool, foreach: bool | None,
