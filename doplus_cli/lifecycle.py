@@ -260,11 +260,11 @@ def _locks_off() -> bool:
 class FolderLock:
     """An exclusive `flock` on a lock file, held until `release()` or the end of the process.
 
-    Written here rather than taken from filelock because of one step filelock does not take: after the lock is
-    granted, the file it locked must still be the one at the path. A run that created a folder and wrote nothing
-    into it removes the folder again, lock file included, while it holds the lock; a start that opened the old file
-    just before and is granted its lock just after would otherwise hold a lock nobody else can see, beside a run
-    that takes the new one. Such a start tries again on the file now at the path."""
+    After the lock is granted, the file it locked must still be the one at the path. A run that created a folder
+    and wrote nothing into it removes the folder again, lock file included, while it holds the lock; a start that
+    opened the old file just before and is granted its lock just after would otherwise hold a lock nobody else can
+    see, beside a run that takes the new one. Such a start tries again on the file now at the path. filelock's
+    own lock and this one are compared in docs/architecture.md ("Hand-written where a library has it")."""
 
     def __init__(self, file: Path) -> None:
         self.file = Path(file)

@@ -66,6 +66,7 @@ def scheme_flags(name: str) -> list[str]:
 
 
 def planned(flags: list[str]) -> int:
+    from doplus_cli.commands import command_for
     from doplus_cli.config import UnlearnConfig, resolve_config
     from doplus_cli.engine.memory_plan import build_plan, model_plan
 
@@ -74,7 +75,8 @@ def planned(flags: list[str]) -> int:
         key = flag[2:].replace("-", "_")
         values[key] = int(value) if value.isdigit() else value
     config = resolve_config(None, values, UnlearnConfig)
-    return build_plan(config, model_plan(config), cuda=False).total(1, False)
+    run = command_for(config)
+    return build_plan(config, model_plan(config, run), run, cuda=False).total(1, False)
 
 
 def main(names: list[str]) -> None:
@@ -106,6 +108,7 @@ SIZING_SCHEMES = {"Joint (AdamW)": {"scheme": "joint"}, "DO": {"scheme": "dualop
 def sizing() -> None:
     """GiB per process of `doplus unlearn` (NPO+GD, bf16-mixed on a GPU, batch 4 x 512 tokens, gradient
     checkpointing) for each model and scheme: 1 process, and 8 processes under DDP and under FSDP."""
+    from doplus_cli.commands import command_for
     from doplus_cli.config import UnlearnConfig, resolve_config
     from doplus_cli.engine.memory_plan import build_plan, model_plan
 
@@ -117,7 +120,8 @@ def sizing() -> None:
                 "model": str(ROOT / "tests" / "data" / "model-configs" / folder), "forget": str(TOFU / "forget10.json"),
                 "retain": str(TOFU / "retain90.json"), "loss": "NPO+GD", "batch_size": 4, "max_length": 512,
                 "gradient_checkpointing": True, **values}, UnlearnConfig)
-            plan = build_plan(config, model_plan(config), cuda=True)
+            run = command_for(config)
+            plan = build_plan(config, model_plan(config, run), run, cuda=True)
             gib = [plan.total(1, False), plan.total(8, False), plan.total(8, True)]
             print(f"| {label} | {scheme} | {plan.model.trainable / 1e9:.3g} B | "
                   + " | ".join(f"{b / 2**30:.1f}" for b in gib) + " |")

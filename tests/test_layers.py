@@ -285,6 +285,53 @@ def test_each_command_has_one_object_registered_and_one_bench_adapter():
         assert adapter.training is command and type(adapter).__module__ == f"doplus_cli.bench.adapters.{name}"
 
 
+COMMANDS_LAYER = next(index for index, (name, _) in enumerate(LAYERS) if name == "commands")
+# Modules below the commands that still name one, each with what it names; the list only shrinks. The
+# configuration layer holds each command's config class and its options' per-command words until each command
+# declares its own; --continual is unlearn's mode run by the engine.
+STILL_NAMING = {
+    "doplus_cli.config": {"UnlearnConfig", "MultitaskConfig", "AlignConfig", "multitask", "align"},
+    "doplus_cli.options": {"unlearn", "multitask", "align"},
+    "doplus_cli.engine.continual": {"UnlearnConfig", "unlearn"},
+}
+
+
+def command_names_in(source: str, commands: dict[str, str]) -> set[str]:
+    """The names of commands (`commands`: name -> its config class's name) that `source` holds as a string or uses
+    as a name: what a module that switches on the command it serves holds."""
+    names = set(commands) | set(commands.values())
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Constant) and node.value in names:
+            found.add(node.value)
+        elif isinstance(node, ast.Name) and node.id in names or isinstance(node, ast.alias) and node.name in names:
+            found.add(node.id if isinstance(node, ast.Name) else node.name)
+    return found
+
+
+def test_no_layer_below_the_commands_names_a_command():
+    """What differs between commands (the model card's title, words and command line; the memory plan's states and
+    reference model; the report) comes from the command's own module through its `Plan` hooks, so a new command
+    gets them right without an edit below commands/ (tests/test_toy_command.py)."""
+    from doplus_cli.commands import COMMANDS
+
+    commands = {name: type(command).config_class.__name__ for name, command in COMMANDS.items()}
+    paths = {module_name(path, ROOT): path for path in sorted(ROOT.rglob("*.py"))}
+    naming = {module: found for module, path in sorted(paths.items())
+              if (layer_of(module) or 0) > COMMANDS_LAYER and (found := command_names_in(path.read_text(), commands))}
+    assert {module: found - STILL_NAMING.get(module, set()) for module, found in naming.items()
+            if found - STILL_NAMING.get(module, set())} == {}
+    # the list is exact: an entry whose module no longer names a command goes
+    assert {module: naming.get(module, set()) for module in STILL_NAMING} == STILL_NAMING
+
+
+def test_a_module_switching_on_a_command_is_reported():
+    source = ('CARD = {"unlearn": "forgotten"}\n'
+              'def steps(config):\n    return 2 if isinstance(config, UnlearnConfig) else 1\n')
+    assert command_names_in(source, {"unlearn": "UnlearnConfig"}) == {"unlearn", "UnlearnConfig"}
+    assert command_names_in("unlearning = 'unlearned'\n", {"unlearn": "UnlearnConfig"}) == set()
+
+
 # ---- the checks themselves, on made-up packages that break each rule ----
 
 TOY_LAYERS = [("top", ("toy.app",)), ("middle", ("toy.engine",)), ("bottom", ("toy.util", "toy"))]

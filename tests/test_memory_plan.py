@@ -38,6 +38,7 @@ def config_only_model(tmp_path_factory):
 
 
 def plan_of(model, tofu_dir, cuda=False, **values):
+    from doplus_cli.commands import command_for
     from doplus_cli.config import UnlearnConfig, resolve_config
     from doplus_cli.engine.memory_plan import build_plan, model_plan
 
@@ -45,7 +46,8 @@ def plan_of(model, tofu_dir, cuda=False, **values):
               "retain": str(tofu_dir / "retain90.json"), "batch_size": 2, "max_length": 8, "loss": "GA+GD",
               "precision": "fp32", "dtype": "float32", **values}
     config = resolve_config(None, values, UnlearnConfig)
-    return build_plan(config, model_plan(config), cuda=cuda)
+    run = command_for(config)
+    return build_plan(config, model_plan(config, run), run, cuda=cuda)
 
 
 # Optimizer states of every scheme, 2 objectives (forget, retain), float32 weights.

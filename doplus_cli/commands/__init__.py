@@ -6,7 +6,7 @@ config class has its own marker alone; with several set, as by --set, the first 
 """
 
 from doplus_cli.commands.align import ALIGN
-from doplus_cli.commands.base import COMMANDS, Command, command_marked, command_named, register
+from doplus_cli.commands.base import COMMANDS, Command, command_for, command_marked, command_named, register
 from doplus_cli.commands.multitask import MULTITASK
 from doplus_cli.commands.unlearn import UNLEARN
 
@@ -14,4 +14,4 @@ register(UNLEARN)
 register(MULTITASK)
 register(ALIGN)
 
-__all__ = ["COMMANDS", "Command", "command_marked", "command_named", "register"]
+__all__ = ["COMMANDS", "Command", "command_for", "command_marked", "command_named", "register"]

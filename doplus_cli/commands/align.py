@@ -124,6 +124,7 @@ class AlignCommand(Command):
         "eval_refusal_model", "eval_safety_data_dir", "eval_attacks",
     )
     activity = "aligning"
+    card_title = "aligned"
 
     def __init__(self, config: AlignConfig | None = None) -> None:
         super().__init__(config)
@@ -201,6 +202,12 @@ class AlignCommand(Command):
     def outputs(self, config: AlignConfig) -> tuple[str, ...]:
         """eval/: `doplus evaluate` of final/ after training (--eval-suite)."""
         return ("eval",) if config.eval_suite else ()
+
+    def card_method(self, config: dict[str, Any]) -> str:
+        return f"safety:general cycle {config.get('freq')}"
+
+    def state_objectives(self) -> int:
+        return 2  # the safety and the general sets
 
     def data_report(self) -> dict[str, Any]:
         return {name: {"source": part.spec, "train_rows": len(part.train),

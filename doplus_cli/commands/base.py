@@ -97,6 +97,14 @@ def command_named(name: str) -> Command:
     return COMMANDS[name]
 
 
+def command_for(config: TrainConfig) -> Command:
+    """The registered command whose config class `config` is, bound to it (one run of it)."""
+    for command in COMMANDS.values():
+        if type(config) is command.config_class:
+            return command.bound(config)
+    raise KeyError(f"no command takes a {type(config).__name__}")
+
+
 def command_marked(keys: Collection[str]) -> Command | None:
     """The command of a recipe with these keys: the first registered command whose marker it sets; None when
     none."""

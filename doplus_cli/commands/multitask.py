@@ -141,6 +141,12 @@ class MultitaskCommand(Command):
         return {"tasks": tasks, "scores": {"before": {k: v["score"] for k, v in before.items()},
                                            "after": {k: v["score"] for k, v in after.items()}}}
 
+    def card_method(self, config: dict[str, Any]) -> str:
+        return "tasks " + ", ".join(f"{t['name']} ({t['metric']}, freq {t['freq']})" for t in config.get("tasks", []))
+
+    def state_objectives(self) -> int:
+        return max(1, len(self.config.tasks))
+
     def data_report(self) -> dict[str, Any]:
         return {t.name: {"train_rows": len(t.train), "eval_rows": len(t.held_out) if t.held_out is not None else 0}
                 for t in self.tasks}

@@ -90,6 +90,7 @@ class UnlearnCommand(Command):
         "eval_embedding_model", "eval_protocol", "eval_attacks", "log_update_similarity", "report_to",
     )
     activity = "unlearning"
+    card_title = "forgotten"
     lr_options = "--lr or --forget-lr"
 
     def __init__(self, config: UnlearnConfig | None = None) -> None:
@@ -187,6 +188,16 @@ class UnlearnCommand(Command):
     def after(self, model, formatter, progress, accelerator, before: Any) -> dict[str, Any]:
         after = _answers(model, formatter, self.samples, self.config, progress, "answers after") if self.samples else []
         return _sample_report(self.samples, before, after)
+
+    def card_method(self, config: dict[str, Any]) -> str:
+        return f"loss {config.get('loss')}, F_f:F_r = {config.get('forget_freq')}:{config.get('retain_freq')}"
+
+    def state_objectives(self) -> int:
+        return 2 if self.config.retain_loss is not None else 1
+
+    def needs_reference(self) -> bool:
+        """NPO, DPO, KL, UNDIAL and EMBED compare with the frozen starting model."""
+        return self.forget_spec.needs_reference or (self.retain_spec is not None and self.retain_spec.needs_reference)
 
     def data_report(self) -> dict[str, Any]:
         report = {"forget_rows": len(self.forget_source),

@@ -51,7 +51,7 @@ def training_plan(command: Plan, config: TrainConfig, processes: int | None, gpu
     if readable:
         from doplus_cli.engine.memory_plan import dry_run as memory_plan
 
-        lines.append(memory_plan(config if model == config.model else config.replace(model=model), processes,
+        lines.append(memory_plan(config if model == config.model else config.replace(model=model), plan, processes,
                                  gpu_memory))
     else:
         lines.append("memory plan: not worked out (it needs the model's config.json, which is not here)")

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 
-def default_out_dir(command: str = "unlearn") -> str:
+def default_out_dir(command: str) -> str:
     return os.path.join("runs", f"{command}-" + datetime.now().strftime("%Y%m%d-%H%M%S"))
 
 
@@ -502,7 +502,7 @@ def finish(run: Run, config: TrainConfig, plan: Plan, measured_after: dict[str, 
     if config.select_by:
         report["best"] = selection_for(config, run.evals).report(run.out)
     outputs.complete_environment(report)
-    model_card.write_model_card(final, report, run.objectives, plan.command)  # before report.json, the last file
+    model_card.write_model_card(final, report, run.objectives, plan)  # before report.json, the last file
     outputs.write_report(run.out, report, plan.render_report)
     run.tracker.finish(report, config.steps)
     return report

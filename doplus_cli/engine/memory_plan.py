@@ -31,16 +31,17 @@ verdict), temporaries of the optimizer step, the evaluation during training, and
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from doplus_cli.config import AlignConfig, MultitaskConfig, TrainConfig, UnlearnConfig
+from doplus_cli.config import TrainConfig
 from doplus_cli.engine import training_precision as precisions
 from doplus_cli.errors import UserError
-from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossParams
 from doplus_cli.optim.quant import BLOCKSIZE, MIN_8BIT_SIZE
+
+if TYPE_CHECKING:
+    from doplus_cli.engine.objectives import Plan
 
 GIB = 2 ** 30
 OVERHEAD_GIB = 1.0  # the CUDA context and the caching allocator's slack, reserved before the verdict "fits"
@@ -193,7 +194,7 @@ def _shape(config: Any) -> Shape:
                  kv_heads=kv_heads, head_dim=head_dim, vocab=text.vocab_size)
 
 
-def model_plan(config: TrainConfig) -> ModelPlan:
+def model_plan(config: TrainConfig, run: Plan) -> ModelPlan:
     """The run's model built on the meta device from its config.json alone, with LoRA and RMU applied as the
     run applies them (`engine/loop.setup`)."""
     import torch
@@ -222,10 +223,7 @@ def model_plan(config: TrainConfig) -> ModelPlan:
                        if config.lora_targets else None)
             model = apply_lora(model, LoraSettings(rank=config.lora_rank, alpha=config.lora_alpha, targets=targets,
                                                    dropout=config.lora_dropout))
-        if isinstance(config, UnlearnConfig) and config.forget_loss == "RMU":
-            from doplus_cli.losses import prepare_rmu
-
-            prepare_rmu(model, _loss_params(config))
+        run.prepare_model(model)  # as the loop does once the model is final: RMU leaves its modules trainable
     params = tuple(
         Param(name=name, numel=p.numel(), trainable=p.requires_grad, adapter="lora_" in name,
               table=id(p) in tables, muon=p.ndim == 2 and id(p) not in skip_muon, linear=id(p) in linear)
@@ -243,41 +241,18 @@ def _decoder_layers(model: Any) -> list[Any]:
     return []
 
 
-def _loss_params(config: UnlearnConfig) -> LossParams:
-    return LossParams(**{f.name: getattr(config, f.name) for f in dataclasses.fields(LossParams)})
-
-
 # --- the plan -------------------------------------------------------------------------------------------------------
 
-def objective_count(config: TrainConfig) -> int:
-    """How many objectives keep a state of their own: unlearn's forget (and retain), multitask's tasks, align's
-    safety and general sets."""
-    if isinstance(config, UnlearnConfig):
-        return 2 if config.retain_loss is not None else 1
-    if isinstance(config, MultitaskConfig):
-        return max(1, len(config.tasks))
-    if isinstance(config, AlignConfig):
-        return 2
-    return 2
-
-
-def needs_reference(config: TrainConfig) -> bool:
-    """Whether the run keeps a frozen copy of the starting model (NPO, DPO, KL, UNDIAL, EMBED)."""
-    if not isinstance(config, UnlearnConfig):
-        return False
-    retain = RETAIN_LOSSES[config.retain_loss].needs_reference if config.retain_loss else False
-    return FORGET_LOSSES[config.forget_loss].needs_reference or retain
-
-
-def build_plan(config: TrainConfig, model: ModelPlan, cuda: bool) -> MemoryPlan:
-    """The plan of `config`'s run on `model`; `cuda`: `auto` dtype and precision resolve as on a GPU."""
+def build_plan(config: TrainConfig, model: ModelPlan, run: Plan, cuda: bool) -> MemoryPlan:
+    """The plan of `config`'s run on `model`, as `run` (its command bound to `config`) says: how many objectives
+    keep a state, whether a reference model is kept. `cuda`: `auto` dtype and precision resolve as on a GPU."""
     dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if cuda else "float32")
     mode = config.precision if config.precision != "auto" else ("bf16-mixed" if dtype == "bfloat16" else "fp32")
     lora = config.lora_rank > 0
     trained = DTYPE_BYTES[precisions.WEIGHT_DTYPES[mode]]
     base = DTYPE_BYTES[precisions.weights_dtype(mode, dtype, lora=lora)]
     compute = FLOAT32 if mode == "fp32" else BF16
-    objectives = objective_count(config)
+    objectives = run.state_objectives()
     trainable = [p for p in model.params if p.trainable]
 
     def weight_bytes(p: Param) -> int:
@@ -287,7 +262,7 @@ def build_plan(config: TrainConfig, model: ModelPlan, cuda: bool) -> MemoryPlan:
         "dtype": dtype, "precision": mode, "scheme": config.scheme, "optimizer": config.optimizer,
         "state_bits": config.state_bits, "objectives": objectives, "batch_size": config.batch_size,
         "max_length": config.max_length, "gradient_checkpointing": config.gradient_checkpointing,
-        "lora_rank": config.lora_rank, "reference": needs_reference(config), "ref_offload": config.ref_offload})
+        "lora_rank": config.lora_rank, "reference": run.needs_reference(), "ref_offload": config.ref_offload})
     parts = plan.parts
     parts["weights"] = sum(p.numel * weight_bytes(p) for p in model.params)
     parts["gradients"] = sum(p.numel * weight_bytes(p) for p in trainable)
@@ -373,10 +348,10 @@ def render(plan: MemoryPlan, processes: int, memory_gib: float | None, fsdp: boo
     return "\n".join(lines)
 
 
-def dry_run(config: TrainConfig, processes: int | None, gpu_memory: float | None) -> str:
-    """`--dry-run`: the plan of `config`'s run as text. A GPU is assumed when one is visible or --gpu-memory is
-    given (`auto` dtype and precision resolve as there)."""
+def dry_run(config: TrainConfig, run: Plan, processes: int | None, gpu_memory: float | None) -> str:
+    """`--dry-run`: the plan of `config`'s run (`run`: its command bound to it) as text. A GPU is assumed when one
+    is visible or --gpu-memory is given (`auto` dtype and precision resolve as there)."""
     visible = visible_gpu_gib()
     memory = gpu_memory if gpu_memory is not None else visible
-    plan = build_plan(config, model_plan(config), cuda=memory is not None)
+    plan = build_plan(config, model_plan(config, run), run, cuda=memory is not None)
     return render(plan, processes or 1, memory, config.fsdp)

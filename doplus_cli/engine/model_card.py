@@ -14,17 +14,20 @@ import os
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from doplus_cli import __version__
-from doplus_cli.config import AlignConfig, MultitaskConfig, UnlearnConfig, default_of
+from doplus_cli.config import default_of
 from doplus_cli.engine.outputs import cell
 from doplus_cli.engine.selection import best_lines
 from doplus_cli.engine.tracking import numbers
 from doplus_cli.files import atomic_write_text
 from doplus_cli.options import command_flags
+
+if TYPE_CHECKING:
+    from doplus_cli.engine.objectives import Plan
 
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded default's weights (models.EMBEDDED_NAME)
 # config.yaml keys that change nothing the run computes, or that a fresh run must not repeat
@@ -95,10 +98,11 @@ def base_model(report: dict[str, Any]) -> str | None:
     return model
 
 
-def command_line(command: str, config: dict[str, Any], world_size: int = 1) -> tuple[str, dict[str, Any]]:
-    """`doplus COMMAND --flag value ...`: every option of config.yaml that differs from its default, as the flag
-    that sets it; and the options that have no flag (recipe keys only), with their values."""
-    cls = {"unlearn": UnlearnConfig, "multitask": MultitaskConfig, "align": AlignConfig}.get(command)
+def command_line(plan: Plan, config: dict[str, Any], world_size: int = 1) -> tuple[str, dict[str, Any]]:
+    """`doplus COMMAND --flag value ...` of `plan`'s command: every option of config.yaml that differs from its
+    default in the command's config class, as the flag that sets it; and the options that have no flag (recipe
+    keys only), with their values."""
+    command, cls = plan.command, plan.config_class
     if cls is None:  # an engine caller with a Plan of its own: no command to write
         return "", dict(config)
     flag_table = command_flags(command)  # option name -> (its flags, a boolean's flags for false)
@@ -143,8 +147,9 @@ def _task_default(key: str) -> Any:
     return TASK_DEFAULTS[key]
 
 
-def render_model_card(report: dict[str, Any], objectives: Sequence[Any], command: str) -> str:
-    cfg, env = report["config"], report["environment"]
+def render_model_card(report: dict[str, Any], objectives: Sequence[Any], plan: Plan) -> str:
+    """final/README.md of the run of `plan` (its command's name, title, method words and command line)."""
+    cfg, env, command = report["config"], report["environment"], plan.command
     entries = data_entries(objectives)
     adapter = bool(report.get("lora")) and cfg.get("save_adapter_only")
     metadata: dict[str, Any] = {}
@@ -156,8 +161,8 @@ def render_model_card(report: dict[str, Any], objectives: Sequence[Any], command
     hub_sets = sorted({hub_dataset(e["source"]) for e in entries if e["hub"]})
     if hub_sets:
         metadata["datasets"] = hub_sets
-    line, recipe_only = command_line(command, cfg, env.get("world_size", 1))
-    title = {"unlearn": "forgotten", "multitask": "trained", "align": "aligned"}.get(command, "trained")
+    line, recipe_only = command_line(plan, cfg, env.get("world_size", 1))
+    title = plan.card_title
     lines = ["---", yaml.safe_dump(metadata, sort_keys=False).strip(), "---", "",
              f"# {Path(cfg['out']).name}: {title} with doplus {command}", "",
              f"Started from {report['model']}"
@@ -174,7 +179,7 @@ def render_model_card(report: dict[str, Any], objectives: Sequence[Any], command
     if task:
         lines += ["", f"Forget task: task_id {task['task_id']}" + (f"; tasks unlearned so far "
                   f"{', '.join(map(str, task['unlearned']))}" if len(task.get("unlearned", [])) > 1 else "")]
-    lines += ["", "## Training", "", *_training_lines(command, cfg, report)]
+    lines += ["", "## Training", "", *_training_lines(plan, cfg, report)]
     lines += _results_lines(report)
     lines += best_lines(report)
     lines += ["", "## Reproduce", "", f"doplus {__version__}; {env.get('device')}, world size "
@@ -189,14 +194,11 @@ def render_model_card(report: dict[str, Any], objectives: Sequence[Any], command
     return "\n".join(lines) + "\n"
 
 
-def _training_lines(command: str, cfg: dict[str, Any], report: dict[str, Any]) -> list[str]:
+def _training_lines(plan: Plan, cfg: dict[str, Any], report: dict[str, Any]) -> list[str]:
     precision = report.get("precision") or {}
-    what = {"unlearn": f"loss {cfg.get('loss')}, F_f:F_r = {cfg.get('forget_freq')}:{cfg.get('retain_freq')}",
-            "multitask": "tasks " + ", ".join(f"{t['name']} ({t['metric']}, freq {t['freq']})"
-                                             for t in cfg.get("tasks", [])),
-            "align": f"safety:general cycle {cfg.get('freq')}"}.get(command, "")
+    what = plan.card_method(cfg)
     rule = f", {cfg.get('doplus_rule')} rule" if cfg["scheme"] == "doplus" else ""
-    lines = [f"- command `doplus {command}`, scheme {cfg['scheme']}, {what}",
+    lines = [f"- command `doplus {plan.command}`, scheme {cfg['scheme']}, {what}",
              f"- optimizer {cfg['optimizer']} ({cfg['state_bits']}-bit states{rule}), lr {cfg['lr']}"
              + (f" (forget {cfg['forget_lr']})" if cfg.get("forget_lr") is not None else "")
              + f", betas {tuple(cfg['betas'])}, weight decay {cfg['weight_decay']}, max grad norm "
@@ -238,8 +240,8 @@ def _results_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def write_model_card(final: Path, report: dict[str, Any], objectives: Sequence[Any], command: str) -> Path:
+def write_model_card(final: Path, report: dict[str, Any], objectives: Sequence[Any], plan: Plan) -> Path:
     """final/README.md (peft's own card, if it wrote one, replaced)."""
     path = Path(final) / "README.md"
-    atomic_write_text(path, render_model_card(report, objectives, command))
+    atomic_write_text(path, render_model_card(report, objectives, plan))
     return path

@@ -58,6 +58,8 @@ class Plan:
     """
 
     command = "train"  # the default output folder is runs/{command}-DATE-TIME
+    config_class: type | None = None  # a command's config class; None: an engine caller's own plan, no command line
+    card_title = "trained"  # the model card's title: "OUT: {card_title} with doplus {command}"
     activity = "training"  # the progress bar's label
     lr_options = "--lr"  # named when a non-finite loss stops the run
     beta = 0.1  # the temperature handed to the losses (NPO, DPO, AP)
@@ -108,3 +110,17 @@ class Plan:
     def render_report(self, report: dict[str, Any]) -> str:
         """report.md."""
         raise NotImplementedError
+
+    def card_method(self, config: dict[str, Any]) -> str:
+        """The model card's words for the method of a run recorded with `config` (config.yaml's values), after
+        the scheme on its Training line."""
+        return ""
+
+    def state_objectives(self) -> int:
+        """How many objectives keep an optimizer state of their own (the memory plan counts DualOptim's and
+        DualOptim+'s states by it)."""
+        return 2
+
+    def needs_reference(self) -> bool:
+        """Whether the run keeps a frozen copy of the starting model (the memory plan counts it)."""
+        return False
