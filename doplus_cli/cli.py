@@ -126,7 +126,7 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
 EVALUATE_DEFAULTS = {
     "compare": False, "suite": ",".join(EvalConfig.suites), "split": EvalConfig.split,
     "batch_size": EvalConfig.batch_size, "max_new_tokens": EvalConfig.max_new_tokens,
-    "tasks": ",".join(EvalConfig.tasks), "dtype": EvalConfig.dtype, "trust_remote_code": EvalConfig.trust_remote_code,
+    "dtype": EvalConfig.dtype, "trust_remote_code": EvalConfig.trust_remote_code,
     "overwrite": EvalConfig.overwrite, "resume": EvalConfig.resume, "seed": EvalConfig.seed,
     "protocol": EvalConfig.protocol, "muse_corpus": EvalConfig.muse_corpus,
 }

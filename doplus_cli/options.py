@@ -95,9 +95,11 @@ REPORT_TO_HELP = ("Experiment trackers through accelerate: none, or one or more 
                   "otherwise)" + DEFAULT)
 SIMILARITY_HELP = ("Record in metrics.jsonl the cosine similarity of the objectives' latest updates and gradients "
                    "(update_cosine, grad_cosine; the paper's Figure 2). Costs a copy of the weights per objective.")
-PROTOCOL_HELP = ("Judges and generation budget: doplus (all-MiniLM-L6-v2, --max-new-tokens new tokens, Token "
-                 "Entropy over the generated ids) or paper (the DualOptim+ code: paraphrase-MiniLM-L6-v2, 200 tokens "
-                 "in total, Token Entropy over the re-tokenised text).")
+PROTOCOL_HELP = ("Judges, generation budget and lm-eval metrics: doplus (all-MiniLM-L6-v2, --max-new-tokens new "
+                 "tokens, Token Entropy over the generated ids) or paper (the DualOptim+ code: "
+                 "paraphrase-MiniLM-L6-v2, 200 tokens in total, Token Entropy over the re-tokenised text, TOFU sets "
+                 "cut to 300 rows, lm-eval with the BOS token, TruthfulQA mc1, TriviaQA remove_whitespace, GSM8K "
+                 "flexible-extract).")
 PRECISION_HELP = ("Training precision: fp32 (float32 weights and compute), bf16-mixed (float32 master weights and "
                   "optimizer states, bf16 autocast compute) or bf16 (bf16 weights with a compensated update in every "
                   "optimizer); auto: bf16-mixed where the model loads in bf16 (CUDA), fp32 otherwise.")
@@ -369,7 +371,9 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
     Option("--nli-model", str, "NLI model for the Entailment Score " + NLI_DEFAULT, panel=EVALUATION),
     Option("--targeted/--untargeted", bool, "OVR formula (IDK/DPO are targeted) [default: from the run's loss, else "
            "both]", panel=EVALUATION),
-    Option("--tasks", str, "lm-eval tasks, comma-separated.", panel=EVALUATION),
+    Option("--tasks", str, "lm-eval tasks, comma-separated [default: the protocol's: arc_challenge, mmlu, "
+           "truthfulqa_mc2, triviaqa, gsm8k; --protocol paper: truthfulqa_mc1 in place of mc2, as the DualOptim+ "
+           "code runs them]", panel=EVALUATION),
     Option("--limit", float, "lm-eval: samples per task (or a fraction < 1).", panel=EVALUATION),
     Option("--lm-eval-include", str, "Folder of extra lm-eval task YAMLs. lm-eval runs the Python a task names "
            "(`!function file.fn`) from that folder: give only a folder whose code you trust.", panel=EVALUATION),

@@ -11,7 +11,7 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from doplus_cli.errors import UserError
-from doplus_cli.evaluation.lm_eval_suite import clean_metric_name, headline_metric, run_lm_eval
+from doplus_cli.evaluation.lm_eval_suite import clean_metric_name, headline_metric, run_lm_eval, suite_tasks
 
 MC_TASK = "doplus_tiny_mc"
 GEN_TASK = "doplus_tiny_gen"
@@ -140,6 +140,74 @@ def test_run_lm_eval_local_tasks(model_and_tokenizer, tmp_path):
     assert result["headline"][MC_TASK] == ("acc", mc["acc"])
     assert result["headline"][GEN_TASK] == ("exact_match_strict-match", gen["exact_match_strict-match"])
     json.dumps(result)  # written as LM_EVAL.json by `doplus evaluate`
+
+
+# What the DualOptim+ code's real_world_eval.py runs and reads: `lm_eval --model hf --model_args
+# pretrained=...,add_bos_token=True --tasks arc_challenge,truthfulqa_mc1,mmlu,triviaqa,gsm8k`, then
+# results[task][key] for these keys.
+AUTHORS_KEYS = {"arc_challenge": "acc_norm,none", "mmlu": "acc,none", "truthfulqa_mc1": "acc,none",
+                "triviaqa": "exact_match,remove_whitespace", "gsm8k": "exact_match,flexible-extract"}
+
+
+def test_the_paper_protocol_runs_the_authors_tasks_and_reports_their_metric_keys():
+    from doplus_cli.evaluation.runner import resolve_eval_config
+    from doplus_cli.evaluation.suite_api import EvalConfig
+
+    assert set(suite_tasks(EvalConfig(protocol="paper"))) == set(AUTHORS_KEYS)
+    assert suite_tasks(EvalConfig()) == ("arc_challenge", "mmlu", "truthfulqa_mc2", "triviaqa", "gsm8k")
+    assert suite_tasks(EvalConfig(tasks=("mmlu",), protocol="paper")) == ("mmlu",)  # --tasks given: those
+    options = {"dtype": "auto", "suite": "lm-eval", "tasks": None, "protocol": "paper"}
+    assert resolve_eval_config(options).tasks == ()  # not given: the protocol's
+    from doplus_cli.evaluation.protocol import PROTOCOLS
+
+    for task, key in AUTHORS_KEYS.items():  # lm-eval's "metric,filter" key, cleaned, is the paper's headline
+        metrics = {clean_metric_name(k): 0.1 * i for i, k in enumerate(
+            ["acc,none", "acc_norm,none", "exact_match,strict-match", "exact_match,flexible-extract",
+             "exact_match,remove_whitespace"])}
+        name, value = headline_metric(task, metrics, PROTOCOLS["paper"].lm_eval.headline)
+        assert name == clean_metric_name(key) and value == metrics[name]
+    gsm = {"exact_match_strict-match": 0.3, "exact_match_flexible-extract": 0.5}
+    assert headline_metric("gsm8k", gsm)[0] == "exact_match_strict-match"  # doplus's default is another filter
+
+
+def test_the_paper_protocol_reaches_lm_eval_with_the_bos_token_and_its_filter(model_and_tokenizer, tmp_path,
+                                                                              monkeypatch):
+    """A local task named gsm8k (it replaces lm-eval's own) with both of GSM8K's filters: the paper protocol reports
+    flexible-extract, doplus's strict-match, from one lm-eval run each; lm-eval's HFLM is told to prepend BOS under
+    the paper's protocol only."""
+    import lm_eval.models.huggingface as huggingface
+
+    model, tokenizer = model_and_tokenizer
+    write_task(tmp_path, {
+        "task": "gsm8k",
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(write_jsonl(tmp_path / "gen.jsonl", GEN_DOCS))}},
+        "test_split": "test",
+        "output_type": "generate_until",
+        "doc_to_text": "Q: {{question}}\nA:",
+        "doc_to_target": "answer",
+        "generation_kwargs": {"until": ["\n"], "max_gen_toks": 4, "do_sample": False},
+        "filter_list": [
+            {"name": "strict-match", "filter": [{"function": "regex", "regex_pattern": "(\\d+)"},
+                                                {"function": "take_first"}]},
+            {"name": "flexible-extract", "filter": [{"function": "regex", "group_select": -1,
+                                                     "regex_pattern": "(-?[$0-9.,]{2,})|(-?[0-9]+)"},
+                                                    {"function": "take_first"}]}],
+        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
+        "metadata": {"version": 3.0},
+    })
+    seen = []
+
+    class Recording(huggingface.HFLM):
+        def __init__(self, *args, **kwargs):
+            seen.append(kwargs.get("add_bos_token", "not passed"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(huggingface, "HFLM", Recording)
+    headlines = {protocol: run_lm_eval(model, tokenizer, ["gsm8k"], limit=2, include_path=tmp_path,
+                                       protocol=protocol)["headline"]["gsm8k"][0] for protocol in ("paper", "doplus")}
+    assert headlines == {"paper": "exact_match_flexible-extract", "doplus": "exact_match_strict-match"}
+    assert seen == [True, "not passed"]
 
 
 def test_unknown_task_is_a_user_error(model_and_tokenizer):

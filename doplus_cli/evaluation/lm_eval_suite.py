@@ -21,21 +21,17 @@ from pathlib import Path
 from typing import Any
 
 from doplus_cli.errors import UserError
+from doplus_cli.evaluation.protocol import DOPLUS_LM_EVAL, get_protocol
 from doplus_cli.evaluation.suite_api import Suite, SuiteContext, SuiteResult
 from doplus_cli.files import write_json
 from doplus_cli.hub_errors import TIMEOUT, bound_hub_waits, diagnose, hub_error
 
-DEFAULT_TASKS = ("arc_challenge", "mmlu", "truthfulqa_mc2", "triviaqa", "gsm8k")
+DEFAULT_TASKS = DOPLUS_LM_EVAL.tasks  # the tasks when --tasks is not given, under doplus's protocol
 
 # The metric a report shows for a task, best first; a name matches a cleaned metric exactly or as its prefix
-# before a filter name ("exact_match" matches "exact_match_remove_whitespace").
-HEADLINE_METRICS: dict[str, tuple[str, ...]] = {
-    "arc_challenge": ("acc_norm", "acc"),
-    "mmlu": ("acc",),
-    "truthfulqa_mc2": ("acc",),
-    "triviaqa": ("exact_match",),
-    "gsm8k": ("exact_match_strict-match", "exact_match"),
-}
+# before a filter name ("exact_match" matches "exact_match_remove_whitespace"). `--protocol paper` reports the
+# authors' metrics instead (protocol.PAPER_LM_EVAL).
+HEADLINE_METRICS: Mapping[str, tuple[str, ...]] = DOPLUS_LM_EVAL.headline
 
 _LOGGERS = ("lm_eval", "lm-eval")
 _NO_FILTER = "none"
@@ -73,10 +69,12 @@ def clean_metrics(raw: Mapping[str, Any]) -> dict[str, float]:
     return metrics
 
 
-def headline_metric(task: str, metrics: Mapping[str, float]) -> tuple[str, float | None]:
-    """The one (metric, value) a report shows for `task`: its preferred metric, else the first numeric one."""
+def headline_metric(task: str, metrics: Mapping[str, float],
+                    preferences: Mapping[str, tuple[str, ...]] = HEADLINE_METRICS) -> tuple[str, float | None]:
+    """The one (metric, value) a report shows for `task`: its preferred metric (`preferences`, the protocol's),
+    else the first numeric one."""
     candidates = [name for name in metrics if not _is_stderr(name)]
-    for preferred in HEADLINE_METRICS.get(task, ()):
+    for preferred in preferences.get(task, ()):
         if preferred in candidates:
             return preferred, metrics[preferred]
         for name in candidates:
@@ -259,8 +257,10 @@ def _leaf_names(item: Any) -> list[str]:
     return [task.task_name for task in item.get_all_tasks()] if hasattr(item, "get_all_tasks") else [item.task_name]
 
 
-def summarize(results: Mapping[str, Any], items: Sequence[Any], limit: int | float | None) -> dict[str, Any]:
-    """lm-eval's results for the requested `items` as tasks / summary / headline / n_samples / versions.
+def summarize(results: Mapping[str, Any], items: Sequence[Any], limit: int | float | None,
+              preferences: Mapping[str, tuple[str, ...]] = HEADLINE_METRICS) -> dict[str, Any]:
+    """lm-eval's results for the requested `items` as tasks / summary / headline / n_samples / versions, each task's
+    headline by `preferences` (the protocol's metrics).
 
     A group is reported by its aggregate, or by its member tasks when it has none.
     """
@@ -281,7 +281,7 @@ def summarize(results: Mapping[str, Any], items: Sequence[Any], limit: int | flo
         for metric, value in metrics.items()
         if not _is_stderr(metric)
     }
-    headline = {task: headline_metric(task, metrics) for task, metrics in tasks.items()}
+    headline = {task: headline_metric(task, metrics, preferences) for task, metrics in tasks.items()}
     values = [value for _, value in headline.values() if value is not None and not math.isnan(value)]
     n_samples = {
         name: sum(int(n_samples_raw.get(leaf, {}).get("effective", 0)) for leaf in leaves)
@@ -313,6 +313,7 @@ def run_lm_eval(
     include_path: str | os.PathLike[str] | None = None,
     max_new_tokens: int | None = None,
     seed: int = 0,
+    protocol: str = "doplus",
 ) -> dict[str, Any]:
     """Score the model already in memory on lm-eval `tasks` with lm-eval's `simple_evaluate`.
 
@@ -325,6 +326,7 @@ def run_lm_eval(
         include_path: a folder of extra task YAMLs (local tasks, or built-in tasks pointed at local data).
         max_new_tokens: overrides `max_gen_toks` of generation tasks.
         seed: python, numpy, torch and few-shot sampling seed (global RNG states are restored afterwards).
+        protocol: whose headline metrics, and whether `HFLM` prepends the BOS token (`protocol.LmEvalProtocol`).
 
     Returns:
         {"tasks": {task: {metric: value}}, "summary": {f"lmeval_{task}_{metric}": value} (no stderrs),
@@ -335,6 +337,7 @@ def run_lm_eval(
     Raises:
         UserError: no tasks, an unknown task, or a task whose dataset cannot be loaded (e.g. offline, uncached).
     """
+    downstream = get_protocol(protocol).lm_eval
     task_names = [str(task).strip() for task in tasks if str(task).strip()]
     if not task_names:
         raise UserError("no lm-eval tasks given (e.g. --tasks arc_challenge,mmlu)")
@@ -351,7 +354,8 @@ def run_lm_eval(
         task_manager = TaskManager(include_path=str(include_path) if include_path is not None else None)
         with _kept_state(model, tokenizer):
             items = load_tasks(task_manager, task_names)
-            lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+            bos = {} if downstream.add_bos_token is None else {"add_bos_token": downstream.add_bos_token}
+            lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, **bos)
             gen_kwargs = {"max_gen_toks": int(max_new_tokens)} if max_new_tokens is not None else None
             results = simple_evaluate(
                 model=lm,
@@ -367,14 +371,21 @@ def run_lm_eval(
             )
     if results is None:  # only on non-zero ranks of a distributed launch
         raise RuntimeError("lm-eval returned no results: this process is not rank 0 of a distributed launch")
-    return summarize(results, items, limit)
+    return summarize(results, items, limit, downstream.headline)
+
+
+def suite_tasks(config: Any) -> tuple[str, ...]:
+    """The lm-eval suite's tasks: --tasks, else the protocol's."""
+    return tuple(config.tasks) or get_protocol(config.protocol).lm_eval.tasks
 
 
 def run_lm_eval_suite(context: SuiteContext) -> SuiteResult:
-    """`--tasks` through lm-eval, into LM_EVAL.json; the mean headline metric is the safety OVR's utility AVG."""
+    """`--tasks` (not given: the protocol's) through lm-eval, into LM_EVAL.json; the mean headline metric is the
+    safety OVR's utility AVG."""
     config = context.config
-    result = run_lm_eval(context.model, context.tokenizer, list(config.tasks), limit=config.limit,
-                         batch_size=config.batch_size, include_path=config.lm_eval_include, seed=config.seed)
+    result = run_lm_eval(context.model, context.tokenizer, list(suite_tasks(config)), limit=config.limit,
+                         batch_size=config.batch_size, include_path=config.lm_eval_include, seed=config.seed,
+                         protocol=config.protocol)
     write_json(context.out / "LM_EVAL.json", result)
     return SuiteResult(result["summary"], {"suite": "lm-eval", "headline": result.get("headline", {}),
                                            "limit": config.limit}, utility_avg=result.get("headline_mean"))

