@@ -49,7 +49,8 @@ def test_the_floor_reaches_the_optimizer_and_its_steps_equal_a_float64_loop(tofu
     start = model.weight.detach().clone()
     optimizer, _ = build_optimizer(model, ("forget", "retain"), {}, optimizer_settings(config))
     assert isinstance(optimizer, DualOptimPlus)
-    assert {(g["rule"], g["v_floor"], g["max_update"]) for g in optimizer.param_groups} == {("safeguarded", floor, 10.0)}
+    settings = {(g["rule"], g["v_floor"], g["max_update"]) for g in optimizer.param_groups}
+    assert settings == {("safeguarded", floor, 10.0)}
     objectives, grads = crossing_gradients(60)
     reference = Float64DualOptimPlus([start], LR, BETAS, BETAS, 1e-8, config.weight_decay, floor=floor, bound=10.0)
     other = Float64DualOptimPlus([start], LR, BETAS, BETAS, 1e-8, config.weight_decay, floor=0.05 if floor != 0.05

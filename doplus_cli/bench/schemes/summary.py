@@ -14,6 +14,8 @@ from rich.console import Console
 from rich.table import Table
 
 from doplus_cli.bench.adapters import Metric
+from doplus_cli.bench.paired import comparisons
+from doplus_cli.bench.paired import render as render_paired
 from doplus_cli.bench.schemes.planning import Bench, completed_report, plain, start_point
 from doplus_cli.bench.tradeoff import ordered, summarise_tradeoff
 from doplus_cli.bench.tradeoff import render as render_tradeoff
@@ -206,6 +208,8 @@ def summarise(bench: Bench, results: list[Result], unfinished: list[str]) -> dic
                 counts[note] = counts.get(note, 0) + 1
         if counts:
             partial[column.key] = [{"note": note, "runs": n} for note, n in counts.items()]
+    runs = {r.name: {"scheme": r.scheme, "seed": r.seed, "sweep_value": r.sweep_value, "task_id": r.task_id,
+                     **r.facts, "values": r.values, "notes": r.notes} for r in results}
     return {
         "caption": caption(bench, results),
         "kind": bench.adapter.command,
@@ -223,10 +227,9 @@ def summarise(bench: Bench, results: list[Result], unfinished: list[str]) -> dic
              "(`eval_attacks`, docs/attacks.md); METRIC worst attack: the attack that moved it furthest toward "
              "knowing the forget set, per run."] if attacked else []),
         "tradeoff": tradeoff,
+        "paired": comparisons(rows, runs, [(m.key, m.label, m.higher_is_better) for m in scores]),
         "over": over(results),
-        "runs": {r.name: {"scheme": r.scheme, "seed": r.seed, "sweep_value": r.sweep_value, "task_id": r.task_id,
-                          **r.facts,
-                          "values": r.values, "notes": r.notes} for r in results},
+        "runs": runs,
     }
 
 
@@ -358,6 +361,9 @@ def render_markdown(summary: dict[str, Any], figures: list[str]) -> str:
             f"{SCHEMES[scheme].label}: " + ", ".join(f"{k} = {v:.3g}" if isinstance(v, float) else f"{k} = {v}"
                                                      for k, v in values.items())
             for scheme, values in summary["tuned"]["values"].items()) + "."]
+    if summary.get("paired"):
+        labels = {c["key"]: c["label"] for c in columns}
+        lines += [""] + render_paired(summary["paired"], labels, sweep["key"] if sweep else None)
     if summary.get("tradeoff"):
         lines += [""] + render_tradeoff(summary["tradeoff"], summary.get("over", "seeds"))
     if summary["unfinished"]:
