@@ -108,17 +108,17 @@ class Tune:
             "pruner": self.pruner, "trials": self.trials, "seed": self.seed}, default=str))
 
     def trial_values(self, params: dict[str, Any]) -> dict[str, Any]:
-        """A trial's recipe: the recipe < --set < the trial's values, with a checkpoint about every tenth of the run
-        (the newest kept) so that an interrupted trial's run resumes like any run."""
+        """A trial's recipe: the recipe < --set < the trial's values, with no checkpoints along the way unless --set
+        or the space gives `save_every`: a trial never resumes (an interrupted one runs again from its start), and
+        a DualOptim+ checkpoint holds the weights and five optimizer states."""
         chosen = {**self.set_values, **params}
         values = {**copy.deepcopy(self.base), **chosen}
         for first, second in EXCLUSIVE_OPTIONS:  # steps or epochs: the one given over the recipe's stands
             for given, other in ((first, second), (second, first)):
                 if given in chosen and other in values and other not in chosen:
                     del values[other]
-        steps = self.adapter.planned_steps(self.trial_config(values, checked=False))
-        values.setdefault("save_every", max(1, steps // 10))
-        values.setdefault("keep_last", 1)
+        if "save_every" not in chosen:
+            values["save_every"] = 0  # the recipe's checkpoints are for resuming its run, which a trial never does
         return plain(values)
 
     def trial_config(self, values: dict[str, Any], checked: bool = True) -> TrainConfig:
