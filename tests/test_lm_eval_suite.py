@@ -43,6 +43,30 @@ def write_task(folder: Path, config: dict) -> None:
     (folder / f"{config['task']}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
 
 
+STRICT_MATCH = {"name": "strict-match", "filter": [{"function": "regex", "regex_pattern": "(\\d+)"},
+                                                   {"function": "take_first"}]}
+FLEXIBLE_EXTRACT = {"name": "flexible-extract", "filter": [
+    {"function": "regex", "group_select": -1, "regex_pattern": "(-?[$0-9.,]{2,})|(-?[0-9]+)"},
+    {"function": "take_first"}]}
+
+
+def write_gen_task(folder: Path, name: str, filters: list[dict]) -> None:
+    """A generation task over GEN_DOCS scored by exact match after each of `filters`."""
+    write_task(folder, {
+        "task": name,
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(write_jsonl(folder / "gen.jsonl", GEN_DOCS))}},
+        "test_split": "test",
+        "output_type": "generate_until",
+        "doc_to_text": "Q: {{question}}\nA:",
+        "doc_to_target": "answer",
+        "generation_kwargs": {"until": ["\n"], "max_gen_toks": 4, "do_sample": False},
+        "filter_list": filters,
+        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
+        "metadata": {"version": 2.0},
+    })
+
+
 def mc_prompt(doc: dict) -> str:
     return f"Question: {doc['question']}\nAnswer:"
 
@@ -97,20 +121,7 @@ def test_run_lm_eval_local_tasks(model_and_tokenizer, tmp_path):
         "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
         "metadata": {"version": 1.0},
     })
-    write_task(tmp_path, {
-        "task": GEN_TASK,
-        "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": str(write_jsonl(tmp_path / "gen.jsonl", GEN_DOCS))}},
-        "test_split": "test",
-        "output_type": "generate_until",
-        "doc_to_text": "Q: {{question}}\nA:",
-        "doc_to_target": "answer",
-        "generation_kwargs": {"until": ["\n"], "max_gen_toks": 4, "do_sample": False},
-        "filter_list": [{"name": "strict-match", "filter": [
-            {"function": "regex", "regex_pattern": "(\\d+)"}, {"function": "take_first"}]}],
-        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
-        "metadata": {"version": 2.0},
-    })
+    write_gen_task(tmp_path, GEN_TASK, [STRICT_MATCH])
     model.train()
     first_weight = next(model.parameters()).detach().clone()
     rng_state = torch.random.get_rng_state()
@@ -178,24 +189,7 @@ def test_the_paper_protocol_reaches_lm_eval_with_the_bos_token_and_its_filter(mo
     import lm_eval.models.huggingface as huggingface
 
     model, tokenizer = model_and_tokenizer
-    write_task(tmp_path, {
-        "task": "gsm8k",
-        "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": str(write_jsonl(tmp_path / "gen.jsonl", GEN_DOCS))}},
-        "test_split": "test",
-        "output_type": "generate_until",
-        "doc_to_text": "Q: {{question}}\nA:",
-        "doc_to_target": "answer",
-        "generation_kwargs": {"until": ["\n"], "max_gen_toks": 4, "do_sample": False},
-        "filter_list": [
-            {"name": "strict-match", "filter": [{"function": "regex", "regex_pattern": "(\\d+)"},
-                                                {"function": "take_first"}]},
-            {"name": "flexible-extract", "filter": [{"function": "regex", "group_select": -1,
-                                                     "regex_pattern": "(-?[$0-9.,]{2,})|(-?[0-9]+)"},
-                                                    {"function": "take_first"}]}],
-        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
-        "metadata": {"version": 3.0},
-    })
+    write_gen_task(tmp_path, "gsm8k", [STRICT_MATCH, FLEXIBLE_EXTRACT])
     seen = []
 
     class Recording(huggingface.HFLM):

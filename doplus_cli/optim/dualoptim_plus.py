@@ -490,11 +490,10 @@ def dualoptim_plus_updates(updates: Sequence[TensorUpdate], *, foreach: bool | N
     call, as `dualoptim_plus` documents."""
     updates = list(updates)
     kernel = multi_tensor_kernel or MultiTensorKernel()
-    for update in updates:
-        if update.scalars.base_update not in BASE_UPDATES or update.scalars.base_source not in BASE_SOURCES:
+    for scalars in {update.scalars for update in updates}:  # one per param group: no work per tensor
+        if scalars.base_update not in BASE_UPDATES or scalars.base_source not in BASE_SOURCES:
             raise ValueError(f"base_update must be one of {list(BASE_UPDATES)} and base_source one of "
-                             f"{list(BASE_SOURCES)}, got {update.scalars.base_update!r}, "
-                             f"{update.scalars.base_source!r}")
+                             f"{list(BASE_SOURCES)}, got {scalars.base_update!r}, {scalars.base_source!r}")
     params = [update.param for update in updates]
     implementation = _choose_implementation(params, all(update.scalars.default_base for update in updates), foreach,
                                             fused, kernel)
