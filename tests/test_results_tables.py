@@ -1,0 +1,315 @@
+"""docs/results.md's generated tables: each is what docs/data/tables.py renders from the runs files in
+docs/data/records, byte for byte; the runs files are the conversion of the bench and tune outputs beside them; the
+runs-file reader takes a well-formed file and rejects anything else with a one-line UserError naming file and
+line; and small runs files written here render to tables worked out by hand."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from doplus_cli.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "docs" / "data"
+
+
+def _load_tables():
+    """docs/data/tables.py, a script outside the package, as a module (registered first: its dataclasses look
+    their module up by name)."""
+    spec = importlib.util.spec_from_file_location("doplus_docs_tables", DATA / "tables.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+tables = _load_tables()
+
+
+def record(run: str, scheme: str, seed: int | None, metrics: dict[str, Any], step: int = 10,
+           resources: dict[str, Any] | None = None, state: str = "complete", error: str | None = None,
+           evaluations: list[dict[str, Any]] | None = None, study: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A run in the layout of docs/data/README.md, written out field by field."""
+    return {"run": run, "source": None, "scheme": scheme, "task": None, "seed": seed, "settings": {"steps": step},
+            "version": None, "commit": None, "state": state, "error": error,
+            "evaluations": evaluations if evaluations is not None else [{"step": step, "metrics": metrics}],
+            "resources": resources or {}, "diagnostics": {}, "notes": {}, "attacks": None, "study": study}
+
+
+def trial(study: str, number: int, scheme: str, lr: float, state: str, scores: dict[str, float] | None,
+          feasible: bool, objective: str = "retain_rouge", pruner: str = "none", constraints: tuple[str, ...] = (
+          "forget_rouge<=0.05",), steps: dict[int, float] | None = None, seconds: float | None = None,
+          error: str | None = None, pruned_step: int | None = None) -> dict[str, Any]:
+    evaluations = [{"step": s, "metrics": {objective: v}} for s, v in (steps or {}).items()]
+    if scores is not None:
+        evaluations.append({"step": 36, "metrics": scores})
+    value = scores[objective] if scores is not None and state == "complete" else None
+    return record(f"{study}/{number:04d}", scheme, 0, {}, state=state, error=error, evaluations=evaluations,
+                  resources={"seconds": seconds},
+                  study={"name": study, "trial": number, "params": {"lr": lr}, "objective": objective,
+                         "direction": "maximize", "constraints": list(constraints), "pruner": pruner,
+                         "sampler_seed": 0, "value": value, "feasible": feasible, "violations": None,
+                         "pruned_step": pruned_step, "retry_of": None})
+
+
+def write_lines(path: Path, records: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+# ---- the page and the committed data ---------------------------------------------------------------------------
+
+
+def test_every_generated_table_of_results_md_is_what_the_runs_files_give():
+    page = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
+    names = [name for name, _, _ in tables.regions(page)]
+    assert sorted(names) == sorted(tables.TABLES)  # every table of TABLES is on the page, once
+    assert tables.regenerate(page) == page
+    assert tables.differing(page) == []
+
+
+def test_a_figure_edited_by_hand_in_a_generated_table_is_caught():
+    page = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
+    _, start, end = next(r for r in tables.regions(page) if r[0] == "muse_mini")
+    edited = page[:start] + page[start:end].replace("| 0.321 ± 0.066 |", "| 0.320 ± 0.066 |", 1) + page[end:]
+    assert edited != page
+    assert tables.differing(edited) == ["muse_mini"]
+    assert tables.regenerate(edited) == page
+
+
+def test_the_runs_files_are_the_conversion_of_the_bench_and_tune_outputs(tmp_path):
+    written = tables.convert(DATA, tmp_path)
+    assert sorted(p.name for p in written) == sorted(p.name for p in (DATA / "records").glob("*.jsonl"))
+    for path in written:
+        assert path.read_bytes() == (DATA / "records" / path.name).read_bytes(), path.name
+        assert tables.read_runs(path)
+
+
+def test_the_conversion_copies_a_schemes_run_and_places_its_curve():
+    """A SCHEMES.json run with a three-point curve and an attack column: the starting model at step 0, the
+    evaluation during training at an unrecorded step (null), the final one at the run's steps with every score;
+    the resources, the update cosine and the attacked copy's value apart; no version or commit invented."""
+    summary = {
+        "kind": "unlearn", "recipe": "r.yaml", "set": {},
+        "columns": [{"key": "UFE", "role": "score"}, {"key": "MU", "role": "score"},
+                    {"key": "UFE after relearn", "role": "attack"}, {"key": "UFE worst attack", "role": "attack"},
+                    {"key": "train_time_s", "role": "resource"}, {"key": "update_cosine", "role": "similarity"}],
+        "tradeoff": {"curves": {"doplus-t2-s0": [[10.0, 40.0], [30.0, 35.0], [50.0, 30.0]]}},
+        "runs": {"doplus-t2-s0": {
+            "scheme": "doplus", "seed": 0, "sweep_value": None, "task_id": 2, "model": "m", "steps": 8,
+            "device": "CPU", "world_size": 1, "peak_memory_kind": "process_peak_rss", "evaluation": "e",
+            "wall_time_s": 5.0, "evaluated_during_training": True,
+            "values": {"UFE": 50.0, "MU": 30.0, "UFE after relearn": 41.0, "UFE worst attack": 41.0,
+                       "train_time_s": 3.0, "peak_memory_gb": 1.5, "optimizer_state_bytes": 24,
+                       "update_cosine": 0.25},
+            "notes": {"UFE": "UFE over 3 of 5 indicators"}}},
+    }
+    (run,) = tables.records_from_schemes(summary, "S.json")
+    assert run["evaluations"] == [{"step": 0, "metrics": {"UFE": 10.0, "MU": 40.0}},
+                                  {"step": None, "metrics": {"UFE": 30.0, "MU": 35.0}},
+                                  {"step": 8, "metrics": {"UFE": 50.0, "MU": 30.0}}]
+    assert run["attacks"] == {"relearn": {"UFE": 41.0}}
+    assert run["resources"] == {"train_time_s": 3.0, "peak_memory_gb": 1.5, "optimizer_state_bytes": 24,
+                                "peak_memory_kind": "process_peak_rss", "wall_time_s": 5.0}
+    assert run["diagnostics"] == {"update_cosine": 0.25}
+    assert (run["task"], run["seed"], run["version"], run["commit"]) == (2, 0, None, None)
+    assert run["source"] == "S.json#/runs/doplus-t2-s0" and run["notes"] == {"UFE": "UFE over 3 of 5 indicators"}
+    tables.check_record(run)
+    summary["tradeoff"]["curves"]["doplus-t2-s0"][-1] = [49.0, 30.0]  # a curve that does not end at the scores
+    with pytest.raises(UserError, match="cannot place its evaluations"):
+        tables.records_from_schemes(summary, "S.json")
+
+
+def test_the_conversion_copies_a_tune_trial_with_the_studys_settings_applied():
+    summary = {
+        "settings": {"kind": "unlearn", "recipe": {"scheme": "doplus", "lr": 1e-4, "steps": 36, "seed": 0},
+                     "set": {"scheme": "alternate"}, "objective": "OVR", "direction": "maximize",
+                     "constraints": [], "pruner": "median", "seed": 3},
+        "trials": [
+            {"number": 0, "state": "complete", "params": {"lr": 2e-4}, "value": 52.0, "feasible": True,
+             "scores": {"OVR": 52.0, "MU": 20.0}, "violations": [], "intermediate": {"18": 48.0, "36": 52.0},
+             "pruned_step": None, "seconds": 290.0, "error": None, "retry_of": None,
+             "folder": "/x/tune/mt/trials/0000"},
+            {"number": 1, "state": "pruned", "params": {"lr": 7e-4}, "value": None, "feasible": False,
+             "scores": None, "violations": [], "intermediate": {"18": 40.0}, "pruned_step": 18, "seconds": None,
+             "error": None, "retry_of": None, "folder": "/x/tune/mt/trials/0001"},
+        ],
+    }
+    done, pruned = tables.records_from_tune(summary, "T.json")
+    assert done["run"] == "mt/0000" and done["scheme"] == "alternate" and done["settings"]["lr"] == 2e-4
+    assert done["evaluations"] == [{"step": 18, "metrics": {"OVR": 48.0}},
+                                   {"step": 36, "metrics": {"OVR": 52.0, "MU": 20.0}}]
+    assert pruned["evaluations"] == [{"step": 18, "metrics": {"OVR": 40.0}}]
+    assert (pruned["state"], pruned["study"]["pruned_step"], pruned["study"]["sampler_seed"]) == ("pruned", 18, 3)
+    for run in (done, pruned):
+        tables.check_record(run)
+
+
+# ---- the reader ------------------------------------------------------------------------------------------------
+
+GOOD = record("a-s0", "doplus", 0, {"UFE": 1.5, "MU": None}, resources={"peak_memory_kind": "rss"})
+
+
+def test_the_reader_reads_a_file_and_skips_blank_lines(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n" + json.dumps(GOOD) + "\n\n" + json.dumps({**GOOD, "run": "a-s1"}) + "\n")
+    assert [r["run"] for r in tables.read_runs(path)] == ["a-s0", "a-s1"]
+
+
+@pytest.mark.parametrize("line, says", [
+    ("{", "malformed JSON"),
+    ("[]", "the line must be a JSON object"),
+    (json.dumps({k: v for k, v in GOOD.items() if k != "seed"}), "missing field seed"),
+    (json.dumps({**GOOD, "seeds": 0}), "unknown field 'seeds'"),
+    (json.dumps({**GOOD, "seed": True}), "seed must be an integer or null"),
+    (json.dumps({**GOOD, "state": "done"}), "state must be complete or pruned or failed"),
+    (json.dumps({**GOOD, "evaluations": [{"step": 1, "metrics": {"UFE": "high"}}]}),
+     "evaluations[0].metrics.UFE must be a finite number or null"),
+    (json.dumps({**GOOD, "evaluations": [{"step": 1, "metrics": {"UFE": float("nan")}}]}), "finite numbers"),
+    (json.dumps({**GOOD, "study": {"name": "s"}}), "study: missing fields"),
+])
+def test_the_reader_names_the_file_the_line_and_the_field(tmp_path, line, says):
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n" + line + "\n")
+    with pytest.raises(UserError) as caught:
+        tables.read_runs(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}:2: ") and says in message and "\n" not in message
+
+
+def test_the_reader_rejects_a_repeated_run(tmp_path):
+    path = write_lines(tmp_path / "r.jsonl", [GOOD, GOOD])
+    with pytest.raises(UserError, match=r"r\.jsonl:2: run 'a-s0' repeats line 1"):
+        tables.read_runs(path)
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=10)
+
+
+@st.composite
+def lines(draw) -> bytes:
+    """A line of a runs file: raw bytes, arbitrary JSON, or a good record with one field (or a field of its
+    study or of an evaluation) replaced by arbitrary JSON or dropped."""
+    kind = draw(st.sampled_from(["bytes", "json", "field", "study", "evaluation"]))
+    if kind == "bytes":
+        return draw(st.binary(max_size=40)).replace(b"\n", b" ")
+    if kind == "json":
+        return json.dumps(draw(JSON)).encode()
+    base = json.loads(json.dumps(GOOD))
+    base["study"] = trial("s", 0, "doplus", 1e-4, "complete", {"retain_rouge": 0.5}, True)["study"]
+    target = {"field": base, "study": base["study"], "evaluation": base["evaluations"][0]}[kind]
+    key = draw(st.sampled_from(sorted(target)))
+    if draw(st.booleans()):
+        del target[key]
+    else:
+        target[key] = draw(JSON)
+    return json.dumps(base).encode()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(lines(), min_size=1, max_size=3))
+def test_any_runs_file_is_read_or_refused_with_a_user_error(tmp_path, drawn):
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b"\n".join(drawn))
+    try:
+        read = tables.read_runs(path)
+    except UserError as error:
+        message = str(error)
+        assert message.startswith(f"{path}:") and "\n" not in message
+        number = int(message[len(str(path)) + 1:].split(":", 1)[0])
+        assert 1 <= number <= len(drawn)
+    else:
+        assert len(read) == sum(1 for line in drawn if line.strip())
+
+
+# ---- tables worked out by hand ---------------------------------------------------------------------------------
+
+
+def test_a_tiny_runs_file_renders_to_its_table_in_the_page(tmp_path):
+    """Two schemes, two seeds each: the mean and the sample std (n − 1) of each column, worked out here. DO+:
+    (0.1, 0.3) -> 0.200 ± sqrt(2 · 0.1² / 1) = 0.141; states 2e9 both -> 2.00, no spread. Alternate: (−1.25,
+    −0.75) -> −1.000 ± sqrt(2 · 0.25² / 1) = 0.354 with U+2212 for the sign; states (1e9, 3e9) -> 2.00 ± 1.41."""
+    assert math.isclose(statistics.stdev([0.1, 0.3]), math.sqrt(2 * 0.1 ** 2))
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    write_lines(runs / "tiny.jsonl", [
+        record("doplus-s0", "doplus", 0, {"M": 0.1}, resources={"optimizer_state_bytes": 2e9}),
+        record("alternate-s0", "alternate", 0, {"M": -1.25}, resources={"optimizer_state_bytes": 1e9}),
+        record("doplus-s1", "doplus", 1, {"M": 0.3}, resources={"optimizer_state_bytes": 2e9}),
+        record("alternate-s1", "alternate", 1, {"M": -0.75}, resources={"optimizer_state_bytes": 3e9}),
+    ])
+    columns = (tables.Column("M", "M ↓", ".3f"),
+               tables.Column("optimizer_state_bytes", "states (GB)", ".2f", resource=True, scale=1e9, spread=False))
+    mine = {"tiny": tables.Table("tiny", lambda records: tables.mean_std_table(records, columns))}
+    page = ("# Page\n\nText above.\n\n<!-- table: tiny (generated by hand) -->\n\n| old |\n\n<!-- /table -->\n\n"
+            "Text below.\n")
+    expected = ("# Page\n\nText above.\n\n"
+                "<!-- table: tiny (generated by python docs/data/tables.py from data/records/tiny.jsonl) -->\n\n"
+                "| Method | M ↓ | states (GB) |\n"
+                "| --- | ---: | ---: |\n"
+                "| DO+ | 0.200 ± 0.141 | 2.00 |\n"
+                "| Alternate | −1.000 ± 0.354 | 2.00 ± 1.41 |\n\n"
+                "<!-- /table -->\n\nText below.\n")
+    assert tables.regenerate(page, runs, mine) == expected
+    assert tables.regenerate(expected, runs, mine) == expected
+    with pytest.raises(UserError, match="no table named 'other'"):
+        tables.regenerate(page.replace("table: tiny", "table: other"), runs, mine)
+    with pytest.raises(UserError, match="has no closing line"):
+        tables.regenerate(page.replace("<!-- /table -->", ""), runs, mine)
+
+
+def test_a_tuning_table_by_hand():
+    """One study of four trials shown, the best feasible among trials 0-2 in bold: trial 1 has the highest
+    retain ROUGE but breaks the constraint, trial 2 failed for a full disk, trial 3 is better than trial 0 but
+    outside the trials the best is chosen among, so trial 0 is bold."""
+    disk = "trial 0002 failed (exit code 2): error: cannot write (No space left on device)"
+    records = [
+        trial("rw", 0, "doplus", 1.2345e-4, "complete", {"forget_rouge": 0.0204, "retain_rouge": 0.5}, True),
+        trial("rw", 1, "doplus", 1.1e-5, "complete", {"forget_rouge": 0.4646, "retain_rouge": 0.9}, False),
+        trial("rw", 2, "doplus", 8.6e-4, "failed", None, False, error=disk),
+        trial("rw", 3, "doplus", 9.999e-3, "complete", {"forget_rouge": 0.0125, "retain_rouge": 0.6}, True),
+    ]
+    rendered = tables.tune_trials_table(records, ("doplus",), "lr", tables.ROUGES, range(0, 4), range(0, 3),
+                                        trial_column=True)
+    assert rendered == [
+        "| scheme | trial | lr | forget ROUGE-L ↓ | retain ROUGE-L ↑ | forgets (≤ 0.05) |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
+        "| DO+ | 0 | **1.23e-4** | 0.020 | **0.500** | yes |",
+        "| DO+ | 1 | 1.10e-5 | 0.465 | 0.900 | no |",
+        "| DO+ | 2 | 8.60e-4 | — | — | failed (disk full) |",
+        "| DO+ | 3 | 1.00e-2 | 0.013 | 0.600 | yes |",
+    ]
+
+
+def test_a_pruner_table_by_hand():
+    """Two studies proposing the same two learning rates; the median study prunes trial 1 at step 18, so its
+    cells say so and its seconds are blank; trial 0 is the best of both (bold objective and lr)."""
+    records = []
+    for pruner in ("none", "median"):
+        records.append(trial(f"mt-{pruner}", 0, "doplus", 2.694e-4, "complete", {"OVR": 52.684}, True,
+                             objective="OVR", pruner=pruner, constraints=(), steps={18: 48.791},
+                             seconds=293.5 if pruner == "none" else 287.4))
+        pruned = pruner == "median"
+        records.append(trial(f"mt-{pruner}", 1, "doplus", 7.82e-4, "pruned" if pruned else "complete",
+                             None if pruned else {"OVR": 45.556}, not pruned, objective="OVR", pruner=pruner,
+                             constraints=(), steps={18: 46.1906}, seconds=None if pruned else 271.5,
+                             pruned_step=18 if pruned else None))
+    assert tables.pruner_table(records, "lr", ("none", "median")) == [
+        "| trial | lr | step-18 OVR | OVR, `none` | `median` | s, `none` | s, `median` |",
+        "| ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+        "| 0 | **2.69e-4** | 48.79 | **52.68** | **52.68** | 294 | 287 |",
+        "| 1 | 7.82e-4 | 46.19 | 45.56 | pruned at 18 | 272 | |",
+    ]
