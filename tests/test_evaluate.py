@@ -85,6 +85,8 @@ def test_with_an_nli_model_every_indicator_and_aggregate_is_computed(tiny_llama,
     elapsed = time.perf_counter() - started
     summary = json.loads((out / "SUMMARY.json").read_text())
     assert summary.pop("forget_quality") is None  # no --retain-logs: absent, by design
+    assert summary.pop("forget_fluency") is None  # no gibberish classifier offline: its reason is said
+    assert summary.pop("forget_fluency_missing").startswith("not available: ")
     assert all(value is not None for value in summary.values())
     assert "OVR" in summary and "OVR_targeted" not in summary
     labels = [r["entailment_label"] for r in json.loads((out / "TOFU_EVAL.json").read_text())["sets"]["retain"]]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -147,11 +148,31 @@ def packed_linears(model: torch.nn.Module | None) -> Iterator[int]:
             bias = module.bias.detach() if module.bias is not None else None
             module.forward = lambda x, packed=packed, bias=bias: packed_linear(packed, bias, x)
             swapped.append(module)
+            _PACKED[module] = module.forward
     try:
         yield len(swapped)
     finally:
         for module in swapped:
             del module.forward
+            _PACKED.pop(module, None)
+
+
+# The layers `packed_linears` has swapped now, with their packed forward (`own_forwards` lends them their own).
+_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@contextmanager
+def own_forwards(model: torch.nn.Module) -> Iterator[int]:
+    """Inside a `packed_linears` block, for what needs gradients (GradNorm's backward pass): the layers of `model`
+    compute with their own weights again, and their packed forward is back on exit. Yields how many layers."""
+    lent = [module for module in model.modules() if module in _PACKED]
+    for module in lent:
+        del module.forward
+    try:
+        yield len(lent)
+    finally:
+        for module in lent:
+            module.forward = _PACKED[module]
 
 
 MATMUL_START = 256  # the first size `matmul_gflops` tries; it doubles from here up to its `size`

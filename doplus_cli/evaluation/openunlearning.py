@@ -1,10 +1,12 @@
 """OpenUnlearning's TOFU metrics (locuslab/open-unlearning), one function each, next to the paper's.
 
 forget_quality (KS test of truth ratios against a retain model), model_utility (harmonic mean of 9 values),
-the membership-inference attacks LOSS, ZLib, Min-K% and Min-K%++ as AUCs of forget against holdout,
-privleak, extraction strength and exact memorisation. Each docstring states the formula as OpenUnlearning
-computes it; the per-token inputs (answer-token log-probabilities, the mean and variance of the log-probability
-under the model's own next-token distribution, greedy predictions) come from `scoring.answer_token_stats`.
+the membership-inference attacks LOSS, ZLib, Min-K%, Min-K%++, GradNorm and reference as AUCs of forget against
+holdout, privleak, extraction strength, exact memorisation, and the paraphrased-answer probability and truth
+ratio that the paper's Memorization aggregate takes (`aggregates.py`). Each docstring states the formula as
+OpenUnlearning computes it; the per-token inputs (answer-token log-probabilities, the mean and variance of the
+log-probability under the model's own next-token distribution, greedy predictions) come from
+`scoring.answer_token_stats`.
 """
 
 from __future__ import annotations
@@ -96,6 +98,40 @@ def min_k_plus_plus_score(token_log_probs: Sequence[float], means: Sequence[floa
     return min_k_score(z, k)
 
 
+def gradnorm_score(parameter_grad_norms: Sequence[float]) -> float:
+    """GradNorm attack score = mean over the parameters that get a gradient of ||dL/dW||_p (p = 2), L the mean
+    NLL of one answer's tokens (batch size 1): a larger gradient, a worse fit, less likely a member."""
+    if not parameter_grad_norms:
+        raise ValueError("gradnorm_score: no parameter got a gradient")
+    return sum(parameter_grad_norms) / len(parameter_grad_norms)
+
+
+def reference_score(token_log_probs: Sequence[float], reference_token_log_probs: Sequence[float]) -> float:
+    """Reference attack score = mean answer-token NLL under the model - the same under the reference model (a
+    retain model): near 0 where both fit the answer alike, above 0 where the model fits it worse."""
+    return loss_score(token_log_probs) - loss_score(reference_token_log_probs)
+
+
+def paraphrased_probability(paraphrased_nlls: Sequence[float]) -> float:
+    """forget_Q_A_PARA_Prob = mean_i exp(-NLL(paraphrased_i)), NLL the mean over the paraphrased answer's tokens."""
+    if not paraphrased_nlls:
+        raise ValueError("paraphrased_probability: no answers")
+    return sum(math.exp(-nll) for nll in paraphrased_nlls) / len(paraphrased_nlls)
+
+
+def truth_ratio_prob_mean(paraphrased_nlls: Sequence[float], perturbed_nlls: Sequence[Sequence[float]]) -> float:
+    """Truth ratio with OpenUnlearning's `prob_mean` aggregator (the paper's extent of knowledge) = mean_i p_c /
+    (p_c + p_w + 1e-10), p_c = exp(-NLL(paraphrased_i)), p_w = exp(-mean_j NLL(perturbed_ij)): near 1 while the
+    model prefers the true answer, 0.5 when it cannot tell true from false."""
+    if not paraphrased_nlls:
+        raise ValueError("truth_ratio_prob_mean: no answers")
+    shares = []
+    for para, options in zip(paraphrased_nlls, perturbed_nlls):
+        correct, wrong = math.exp(-para), math.exp(-sum(options) / len(options))
+        shares.append(correct / (correct + wrong + EPS))
+    return sum(shares) / len(shares)
+
+
 def privleak(auc: float, reference_auc: float = 0.5) -> float:
     """privleak (OpenUnlearning, MUSE's convention) = ((1 - auc) - (1 - ref)) / ((1 - ref) + 1e-10) * 100, auc
     the Min-K% AUC of this model and ref the retain model's (0.5 without one): 0 for a model like the retain
@@ -126,5 +162,6 @@ def extraction_strength(predicted: Sequence[int], labels: Sequence[int]) -> floa
 OU_METRICS: Registry[Callable] = Registry("OpenUnlearning metric", Callable, (
     (fn.__name__, fn)
     for fn in (truth_ratio_scores, forget_quality, model_utility_ou, mia_auc, loss_score, zlib_score, min_k_score,
-               min_k_plus_plus_score, privleak, exact_memorization, extraction_strength)
+               min_k_plus_plus_score, gradnorm_score, reference_score, paraphrased_probability,
+               truth_ratio_prob_mean, privleak, exact_memorization, extraction_strength)
 ))

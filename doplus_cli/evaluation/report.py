@@ -18,6 +18,10 @@ FORMULAS = {
     "token_entropy": "entropy of the generated tokens' unigram distribution / log(token count)",
     "cosine_similarity": "cosine of sentence embeddings of generation and ground truth, floored at 0",
     "entailment": "fraction of pairs an NLI model labels entailment (ROUGE recall < 0.1 counts as not entailed)",
+    "fluency_entropy": "forget generations' mean of ROME's n-gram entropy H2 / 3 + 2 H3 / 3 (bits of the word "
+                       "bigram and trigram frequencies; RWKU's Flu): low when a generation repeats itself",
+    "fluency": "forget generations' mean probability of the class clean that a gibberish classifier gives each, cut "
+               "to 32 of its tokens (OpenUnlearning's forget_Q_A_gibberish)",
 }
 
 
@@ -94,6 +98,7 @@ def render_eval_markdown(record: dict[str, Any]) -> str:
         if "forget_idk_entailment" in raw:
             lines.append(f"| entailment with a rejection (TFE) | {_fmt(raw['forget_idk_entailment'], True)} |"
                          + " |" * (len(sets) - 1))
+        lines += _fluency_rows(section, sets)
         lines += ["", "| aggregate | value (%) | coverage |", "| --- | ---: | --- |"]
         for agg in section["aggregates"]:
             note = f" ({agg['note']})" if agg["note"] else ""
@@ -122,6 +127,24 @@ def render_eval_markdown(record: dict[str, Any]) -> str:
 
         lines += ["", floor_line(record["compute"])]
     return "\n".join(lines) + "\n"
+
+
+def _fluency_rows(section: dict[str, Any], sets: list[str]) -> list[str]:
+    """The forget set's fluency as rows of the indicator table, in the forget column: the generation entropy (in
+    bits, not percent) and the gibberish classifier's clean probability, or why that one is not available."""
+    raw, fluency = section["values"], section.get("fluency")
+    if fluency is None or "forget_fluency_entropy" not in raw:
+        return []
+
+    def row(name: str, cell: str) -> str:
+        return f"| {name} | " + " | ".join(cell if s == "forget" else "" for s in sets) + " |"
+
+    if raw.get("forget_fluency") is None:
+        clean = row("fluency: clean probability", f"not available: {fluency['missing']}".replace("|", "\\|"))
+    else:
+        clean = row(f"fluency: clean probability ({fluency['model']}, class {fluency['clean_label']!r})",
+                    _fmt(raw["forget_fluency"], True))
+    return [row("fluency: generation entropy (bits, not %)", f"{raw['forget_fluency_entropy']:.2f}"), clean]
 
 
 def _openunlearning_lines(block: dict[str, Any]) -> list[str]:

