@@ -128,7 +128,7 @@ EVALUATE_DEFAULTS = {
     "batch_size": EvalConfig.batch_size, "max_new_tokens": EvalConfig.max_new_tokens,
     "dtype": EvalConfig.dtype, "trust_remote_code": EvalConfig.trust_remote_code,
     "overwrite": EvalConfig.overwrite, "resume": EvalConfig.resume, "seed": EvalConfig.seed,
-    "protocol": EvalConfig.protocol, "muse_corpus": EvalConfig.muse_corpus,
+    "protocol": EvalConfig.protocol, "muse_corpus": EvalConfig.muse_corpus, "prune_fraction": EvalConfig.prune_fraction,
 }
 
 

@@ -324,8 +324,8 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
     Option("--eval-embedding-model", str, "Embedding model [default: the protocol's]", panel=EVALUATION),
     Option("--eval-protocol", str, PROTOCOL_HELP + DEFAULT, panel=EVALUATION),
     Option("--eval-attacks", str, "The last evaluation (--eval-every) also runs on attacked copies of the final "
-           "weights: relearn, relearn-lora, quant-8bit, quant-4bit, quant-fp4, probe or all, comma-separated "
-           "(docs/attacks.md) [default: none]",
+           "weights: relearn, relearn-lora, quant-8bit, quant-4bit, quant-fp4, probe, white-box (logit-lens, "
+           "linear-probe, embedding, orthogonalize, prune) or all, comma-separated (docs/attacks.md) [default: none]",
            words={"align": "The safety suite on final/ (--eval-suite) also runs on attacked copies: quant-8bit, "
                            "quant-4bit, quant-fp4, probe-prefix, comma-separated (docs/attacks.md) [default: none]"},
            panel=EVALUATION),
@@ -369,6 +369,10 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
     Option("--embedding-model", str, "Sentence-transformers model for Cosine Similarity [default: the protocol's: "
            "doplus all-MiniLM-L6-v2, paper paraphrase-MiniLM-L6-v2]", panel=EVALUATION),
     Option("--nli-model", str, "NLI model for the Entailment Score " + NLI_DEFAULT, panel=EVALUATION),
+    Option("--fluency-model", str, "tofu, real-world: a gibberish classifier (hub id or folder) whose probability of "
+           "clean text over the forget generations is forget_fluency [default: OpenUnlearning's "
+           "madhurjindal/autonlp-Gibberish-Detector-492513457; offline, not available, said in the report]",
+           panel=EVALUATION),
     Option("--targeted/--untargeted", bool, "OVR formula (IDK/DPO are targeted) [default: from the run's loss, else "
            "both]", panel=EVALUATION),
     Option("--tasks", str, "lm-eval tasks, comma-separated [default: the protocol's: arc_challenge, mmlu, "
@@ -382,6 +386,9 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
            "and privleak's reference AUC; muse: a retrained model's MUSE_EVAL.json.", panel=EVALUATION),
     Option("--holdout", str, "Non-member rows (JSON lines with question, answer; TOFU's holdout10): the privacy "
            "suite, and privacy metrics in the TOFU suite.", panel=MODEL_DATA),
+    Option("--mia-reference", str, "privacy: the reference model (hub id or folder, e.g. a retain model) of the "
+           "reference-based membership inference attack, mia_reference [default: none, the attack not run]",
+           panel=EVALUATION),
     Option("--guard-model", str, "safety: a Llama Guard-protocol model (hub id or folder), or none " + GUARD_DEFAULT
            + ", said in the report]", panel=EVALUATION),
     Option("--refusal-model", str, "safety, xstest: a chat model (hub id or folder) that labels refusals by "
@@ -398,12 +405,21 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
            "reference [default: --retain-logs, else MUSE's published retrained AUC]", panel=EVALUATION),
     Option("--attacks", str, "Run the forget suites (tofu, real-world, muse, wmdp, safety) again on attacked copies "
            "of the model and report the change: relearn, relearn-lora, quant-8bit, quant-4bit, quant-fp4, probe "
-           "(probe-prefix, probe-roleplay, probe-incontext, probe-paraphrase) or all, comma-separated "
-           "(docs/attacks.md). The model on disk is never changed.", panel=EVALUATION),
+           "(probe-prefix, probe-roleplay, probe-incontext, probe-paraphrase), white-box (logit-lens, linear-probe, "
+           "embedding, orthogonalize, prune) or all, comma-separated (docs/attacks.md). The model on disk is never "
+           "changed.", panel=EVALUATION),
     Option("--relearn-data", str, "Relearning attacks: JSON lines with question, answer to fine-tune on [default: "
            "the first half of the forget rows; the other half is reported apart]", panel=EVALUATION),
     Option("--relearn-steps", str, "Relearning attacks: K optimizer steps, or several comma-separated (one "
            "relearned copy each; the published presets are 50, 100, 150) [default: 50]", panel=EVALUATION),
+    Option("--base-model", str, "White-box attacks (orthogonalize, prune, the probe's reference): the model the "
+           "unlearning started from, a hub id or folder [default: the run's model when --model is a run's final/]",
+           panel=EVALUATION),
+    Option("--utility-budget", float, "The attacks' worst case keeps only attacked copies whose utility (the "
+           "suite's own: MU, OVR's utility, lm-eval's mean) dropped by at most this fraction of the unattacked "
+           "model's, e.g. 0.1; the report names the copies left out [default: every copy]", min=0, panel=EVALUATION),
+    Option("--prune-fraction", float, "The prune attack: the fraction of MLP neurons, those whose weights changed "
+           "most, reset to the starting model's [default: 0.01]", min=0, panel=EVALUATION),
 
     # --- doplus bench optimizer, precision and schemes --------------------------------------------------------------
     Option("--json", bool, "Print the result as JSON on stdout instead of a table.",
@@ -471,7 +487,7 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
 # recipe first, as config.PATH_KEYS are in a training recipe.
 EVALUATE_PATH_KEYS = ("model", "data_dir", "forget", "retain", "lm_eval_include", "retain_logs", "holdout",
                       "guard_model", "refusal_model", "refusal_model_prompt", "safety_data_dir", "responses",
-                      "muse_data", "muse_retrained", "relearn_data")
+                      "muse_data", "muse_retrained", "relearn_data", "base_model", "mia_reference", "fluency_model")
 
 # Each command's options, by name (a training command's config key, but for recipe, num_processes, dry_run,
 # gpu_memory and multitask's task; evaluate's EvalConfig fields, `suite` setting `suites`; a bench's parameters), in
@@ -481,10 +497,11 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "evaluate": (
         "folders", "compare", "recipe", "model", "suite", "split", "task_id", "data_dir", "forget", "retain", "out",
         "max_samples", "batch_size", "generation_batch_size", "max_new_tokens", "embedding_model", "nli_model",
-        "targeted", "tasks", "limit", "lm_eval_include", "dtype", "trust_remote_code", "overwrite", "resume", "seed",
-        "prompt_template", "protocol", "retain_logs", "holdout", "guard_model", "refusal_model",
-        "refusal_model_prompt", "safety_data_dir", "responses", "muse_corpus", "muse_data", "muse_retrained",
-        "attacks", "relearn_data", "relearn_steps", "dry_run",
+        "fluency_model", "targeted", "tasks", "limit", "lm_eval_include", "dtype", "trust_remote_code", "overwrite",
+        "resume", "seed", "prompt_template", "protocol", "retain_logs", "holdout", "mia_reference", "guard_model",
+        "refusal_model", "refusal_model_prompt", "safety_data_dir", "responses", "muse_corpus", "muse_data",
+        "muse_retrained", "attacks", "relearn_data", "relearn_steps", "base_model", "utility_budget", "prune_fraction",
+        "dry_run",
     ),
     "bench optimizer": (
         "recipe", "params", "dtype", "device", "steps", "warmup", "only", "json", "seed", "stability", "v_floor",

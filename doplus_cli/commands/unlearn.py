@@ -37,6 +37,7 @@ from doplus_cli.evaluation.runner import evaluate_model, load_judges
 from doplus_cli.evaluation.suites import load_tofu_sets
 from doplus_cli.generation import greedy_generate, write_self_answered
 from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossParams, LossSpec, checked_rmu_layer, prepare_rmu
+from doplus_cli.models import embedded_gguf_path
 
 # OUT/answers/: the starting model's own answers to the forget and retain questions (--answers-from-model)
 ANSWERS = "answers"
@@ -279,8 +280,10 @@ def _evaluate_tofu(step, accelerator, model, tokenizer, config, out, progress, s
         if config.eval_attacks and step == config.steps:  # the last evaluation, also under attack
             from doplus_cli.engine.attacks import attack_runner
 
+            # the white-box attacks' starting model: the one this run began from
             eval_config = dataclasses.replace(eval_config, attacks=parse_attacks(config.eval_attacks,
-                                                                                 eval_config.suites))
+                                                                                 eval_config.suites),
+                                              base_model=config.model or str(embedded_gguf_path()))
             attacks = attack_runner(progress.console if progress is not None else None)
         unwrapped = accelerator.unwrap_model(model)
         if "judges" not in state:

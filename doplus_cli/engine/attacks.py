@@ -23,13 +23,16 @@ from typing import Any
 from rich.console import Console
 
 from doplus_cli.config import TASK_DEFAULTS, MultitaskConfig
+from doplus_cli.errors import UserError
 from doplus_cli.evaluation import attacks as registry
+from doplus_cli.evaluation.attack_api import AttackInput, Reading
 from doplus_cli.evaluation.compute import packed_linears
 from doplus_cli.evaluation.protocol import get_protocol
-from doplus_cli.evaluation.runner import SUITE_REGISTRY
+from doplus_cli.evaluation.runner import SUITE_REGISTRY, run_config
 from doplus_cli.evaluation.suite_api import EvalConfig, SuiteContext
 from doplus_cli.evaluation.suites import QASet, load_real_world_sets, load_tofu_sets
 from doplus_cli.files import write_json
+from doplus_cli.models import embedded_gguf_path
 
 # The relearning run's optimizer: torch.optim.AdamW's defaults for betas and weight decay, no warm-up (a
 # constant-then-linear-decay schedule over K steps), one objective, so the step is plain AdamW.
@@ -135,6 +138,8 @@ def run_attacks(context: SuiteContext, record: dict[str, Any], console: Console)
     summaries: dict[str, dict[str, Any]] = {}
     held_out: dict[str, dict[str, dict[str, float]]] = {}  # suite -> attack id -> values on the held-out half
     relearn = None
+    base = StartingModel(context)
+    readings: dict[str, dict[str, Reading]] = {}  # suite -> attack id -> what a reading attack gave
     for attack_name in config.attacks:
         attack = registry.ATTACKS[attack_name]
         steps = config.relearn_steps if attack.kind == "relearn" else (None,)
@@ -165,22 +170,119 @@ def run_attacks(context: SuiteContext, record: dict[str, Any], console: Console)
                 model = registry.quantized_copy(context.model, attack_name)
                 summary = _run_suites(context, model, folder, entry, attack_name)
                 del model
+            elif attack.needs_base and base.get() is None:
+                entry["skipped"] = [f"(every suite): it needs the starting model, {base.why}"]
+                entry["suites"], summary = [], {}
+            elif attack.kind == "edit":
+                model, entry["edit"] = edited_copy(context, attack_name, base.get())
+                summary = _run_suites(context, model, folder, entry, attack_name)
+                del model
+            elif attack.kind == "read":
+                summary = {}
+                for suite in list(entry["suites"]):
+                    reading = read_attack(context, attack_name, suite, base.get())
+                    entry.setdefault("reading", {})[suite] = {"rows": reading.rows, "details": reading.details}
+                    readings.setdefault(suite, {})[attack_id] = reading
+                write_json(folder / "READING.json", entry.get("reading", {}))
             else:
                 summary = _run_suites(context, context.model, folder, entry, attack_name)
             write_json(folder / "SUMMARY.json", summary)
             entry["seconds"] = time.perf_counter() - started
             runs.append(entry)
             summaries[attack_id] = summary
-    rows = []
+    rows, checks = [], []
     for suite in suites:
-        taken = {run["id"]: summaries[run["id"]] for run in runs if suite in run["suites"]}
-        rows += registry.metric_rows(suite, unattacked, taken, SUITE_REGISTRY[suite].directions)
+        taken = {run["id"]: summaries[run["id"]] for run in runs
+                 if suite in run["suites"] and registry.ATTACKS[run["attack"]].kind != "read"}
+        excluded = {}
+        if config.utility_budget is not None:
+            for attack_id, values in taken.items():
+                within, reason = registry.utility_check(SUITE_REGISTRY[suite].utility, unattacked, values,
+                                                        config.utility_budget)
+                checks.append({"suite": suite, "attack": attack_id, "kept": within, "reason": reason})
+                if not within:
+                    excluded[attack_id] = reason
+        rows += registry.metric_rows(suite, unattacked, taken, SUITE_REGISTRY[suite].directions, excluded)
+    for suite, by_attack in readings.items():
+        for attack_id, reading in by_attack.items():
+            rows += registry.metric_rows(f"{suite} {reading.rows}", reading.unattacked, {attack_id: reading.attacked},
+                                         reading.directions)
     for suite, by_attack in held_out.items():
         start = relearn[3]
         base = registry.held_out_values(json.loads((context.out / SUITE_REGISTRY[suite].forget_rows).read_text())
                                         ["sets"]["forget"], start)
         rows += registry.metric_rows(f"{suite} held-out half", base, by_attack, registry.HELD_OUT_METRICS)
-    return {"runs": runs, "metrics": rows}
+    section: dict[str, Any] = {"runs": runs, "metrics": rows}
+    if config.utility_budget is not None:
+        section["utility_budget"] = {"budget": config.utility_budget, "checks": checks}
+    if base.spec is not None:
+        section["starting_model"] = base.spec
+    return section
+
+
+class StartingModel:
+    """The model the unlearning started from, loaded once, when an attack first asks: `--base-model`, else the
+    `model` of the run whose final/ folder is evaluated (its config.yaml), else none (`why` says so)."""
+
+    def __init__(self, context: SuiteContext) -> None:
+        config = context.config
+        self.context, self.model, self.spec, self.why = context, None, None, ""
+        if config.base_model is not None:
+            self.spec = config.base_model
+        else:
+            record = run_config(config.model)
+            if "model" in record:
+                self.spec = record["model"] if record["model"] is not None else str(embedded_gguf_path())
+            else:
+                self.why = "which neither --base-model nor the evaluated model's run record (a run's final/) names"
+
+    def get(self):
+        if self.spec is None:
+            return None
+        if self.model is None:
+            from doplus_cli.models import load_model_and_tokenizer
+
+            config = self.context.config
+            self.model, tokenizer, _ = load_model_and_tokenizer(self.spec, config.dtype, config.trust_remote_code)
+            if tokenizer.get_vocab() != self.context.tokenizer.get_vocab():
+                raise UserError(f"--base-model {self.spec}: its tokenizer differs from the evaluated model's, so it "
+                                "cannot be the model the unlearning started from")
+            self.model.to(next(self.context.model.parameters()).device).eval()
+        return self.model
+
+
+def attack_input(context: SuiteContext, suite: str, base) -> AttackInput:
+    """What a white-box attack reads: `suite`'s forget and retain (or neighbour) rows as it loads them."""
+    sets = qa_sets(context.config, suite)
+    return AttackInput(context.model, context.tokenizer, context.formatter, sets[0].samples, sets[1].samples
+                       if len(sets) > 1 else [], base, context.config.seed, context.config.batch_size,
+                       {"fraction": context.config.prune_fraction})
+
+
+def edited_copy(context: SuiteContext, attack: str, base) -> tuple[Any, dict[str, Any]]:
+    """An edit attack's copy of the model and what it did; orthogonalize reads the first chosen QA suite's
+    forget prompts."""
+    from doplus_cli.evaluation import weight_edits
+
+    suite = next((s for s in context.config.suites if s in registry.QA_SUITES), None)
+    if attack == "orthogonalize":
+        return weight_edits.orthogonalized_copy(attack_input(context, suite, base))
+    inp = attack_input(context, suite, base) if suite is not None else \
+        AttackInput(context.model, context.tokenizer, context.formatter, [], [], base, context.config.seed,
+                    context.config.batch_size, {"fraction": context.config.prune_fraction})
+    return weight_edits.pruned_copy(inp, context.config.prune_fraction)
+
+
+def read_attack(context: SuiteContext, attack: str, suite: str, base) -> Reading:
+    """A reading attack on `suite`'s rows."""
+    from doplus_cli.evaluation import soft_prompt, white_box
+
+    inp = attack_input(context, suite, base)
+    if attack == "logit-lens":
+        return white_box.logit_lens(inp)
+    if attack == "linear-probe":
+        return white_box.linear_probe(inp)
+    return soft_prompt.embedding_attack(inp)
 
 
 def _run_suites(context: SuiteContext, model, folder: Path, entry: dict[str, Any], attack: str) -> dict[str, Any]:
@@ -197,7 +299,9 @@ def _run_suites(context: SuiteContext, model, folder: Path, entry: dict[str, Any
                 entry["suites"].remove(name)
                 entry.setdefault("skipped", []).append(f"{name}: its forget rows have no paraphrased_question")
                 continue
-        attacked = replace(context, model=model, formatter=formatter, out=folder, forget_only=True)
+        # the forget side alone, unless the utility budget needs each copy's utility too
+        attacked = replace(context, model=model, formatter=formatter, out=folder,
+                           forget_only=context.config.utility_budget is None)
         with packed_linears(model):
             summary.update(SUITE_REGISTRY[name].run(attacked).summary)
     return summary

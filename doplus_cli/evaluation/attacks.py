@@ -13,6 +13,9 @@ suite's forget-side metrics beside the unattacked ones, the change, and the wors
   for a float product), the attack of Zhang et al. (ICLR 2025).
 - probe-prefix, probe-roleplay, probe-incontext, probe-paraphrase (`probe`: all four): the questions asked
   through prompt templates written for doplus after RWKU's adversarial probes and Lynch et al. (2024).
+- logit-lens, linear-probe, embedding (reading attacks: they score forget rows themselves, beside the
+  unattacked model on the same rows) and orthogonalize, prune (edit attacks: a changed copy, the suites run on
+  it), `white-box`: all five; orthogonalize, prune and the probe's reference need the starting model.
 
 This module holds what the evaluation layer does (the registry, the quantization, the probe prompts, the
 section and its table); relearning trains through the engine, which sits above, and lives in
@@ -41,10 +44,11 @@ from doplus_cli.registry import Registry
 @dataclass(frozen=True)
 class Attack:
     name: str
-    kind: str  # relearn, quant, probe
+    kind: str  # relearn, quant, probe, edit (a changed copy), read (scores rows itself: attack_api.Reading)
     what: str  # one line for the report
     source: str  # the paper its setting comes from
     suites: tuple[str, ...]  # the suites it can be applied to
+    needs_base: bool = False  # the starting model (--base-model, or the run's record)
 
 
 QA_SUITES = ("tofu", "real-world")
@@ -78,8 +82,27 @@ ATTACKS: Registry[Attack] = Registry("attack", Attack, ((a.name, a) for a in (
            "Lynch et al. 2024 (Eight methods to evaluate robust unlearning), in-context relearning", QA_SUITES),
     Attack("probe-paraphrase", "probe", "the row's paraphrased question instead of the question",
            "Lynch et al. 2024 (Eight methods to evaluate robust unlearning), rephrased prompts", QA_SUITES),
+    Attack("logit-lens", "read", "the forget answers read through the final norm and unembedding at every layer's "
+           "output: the best layer's Probability, and ROUGE of a greedy decode from that layer",
+           "nostalgebraist 2020 (the logit lens); Lucki et al. 2024 (An adversarial perspective on machine "
+           "unlearning for AI safety)", QA_SUITES),
+    Attack("linear-probe", "read", "a logistic-regression probe on hidden states, trained on half of the forget "
+           "rows to tell the answer from its perturbed versions, scored on the other half",
+           "Patil et al. 2024 (Can sensitive information be deleted from LLMs?); Lucki et al. 2024", QA_SUITES),
+    Attack("embedding", "read", "a soft prompt of a few vectors optimised on half of the forget rows to raise the "
+           "answers' likelihood, scored on the other half",
+           "Schwinn et al. 2024 (Soft prompt threats); Lucki et al. 2024 (embedding-space attacks)", QA_SUITES),
+    Attack("orthogonalize", "edit", "the direction the unlearning added to the residual stream on the forget "
+           "prompts projected out of every weight that writes to it",
+           "Arditi et al. 2024 (Refusal is mediated by a single direction); Lucki et al. 2024", QA_SUITES,
+           needs_base=True),
+    Attack("prune", "edit", "the MLP neurons whose weights changed most during unlearning (--prune-fraction) "
+           "reset to the starting model's", "Lucki et al. 2024 (An adversarial perspective on machine "
+           "unlearning for AI safety), pruning", WEIGHT_SUITES, needs_base=True),
 )))
-GROUPS = {"probe": tuple(name for name in ATTACKS if name.startswith("probe-")), "all": tuple(ATTACKS)}
+GROUPS = {"probe": tuple(name for name in ATTACKS if name.startswith("probe-")),
+          "white-box": tuple(name for name in ATTACKS if ATTACKS[name].kind in ("read", "edit")),
+          "all": tuple(ATTACKS)}
 ATTACK_CHOICES = (*ATTACKS, *GROUPS)
 
 # Relearning presets: (lr, batch size, LoRA rank); K, the steps, is --relearn-steps (the sources use 50, 100, 150).
@@ -107,7 +130,7 @@ def parse_attacks(text: str | None, suites: tuple[str, ...]) -> tuple[str, ...]:
             raise UserError(f"--attacks: unknown attack '{name}': choose from {', '.join(ATTACK_CHOICES)} "
                             "(comma-separated)")
         group = GROUPS.get(name)
-        if group is not None and name == "all":
+        if group is not None and name in ("all", "white-box"):
             names += [a for a in group if set(ATTACKS[a].suites) & set(suites)]
         else:
             names += list(group or (name,))
@@ -292,10 +315,32 @@ def held_out_values(records: list[dict[str, Any]], start: int) -> dict[str, floa
             "truth_ratio": metrics.truth_ratio_forget([r["truth_ratio"] for r in rows])}
 
 
+def utility_check(utility_key: str | None, unattacked: dict[str, Any], attacked: dict[str, Any],
+                  budget: float) -> tuple[bool, str]:
+    """Whether an attacked copy stays within the utility budget: its utility (`utility_key` of the suite's
+    summary, higher is better) at least (1 - budget) times the unattacked model's, as TamperBench keeps, for
+    the worst case, only attacks that cost at most that fraction of utility. (kept, the reason in words); a
+    utility that was not measured keeps the copy and says so."""
+    if utility_key is None:
+        return True, "kept: the suite has no utility metric to check"
+    before, after = unattacked.get(utility_key), attacked.get(utility_key)
+    if before is None or after is None:
+        return True, f"kept: {utility_key} not measured on both models"
+    if before <= 0:
+        return True, f"kept: the unattacked {utility_key} is {before:.4g}, no drop to measure"
+    drop = (before - after) / before
+    words = f"{utility_key} {before:.4g} -> {after:.4g} ({-100 * drop:+.1f}%)"
+    if drop > budget:
+        return False, f"left out: {words}, a drop beyond the budget of {100 * budget:.0f}%"
+    return True, f"kept: {words}"
+
+
 def metric_rows(suite: str, unattacked: dict[str, Any], attacked: dict[str, dict[str, Any]],
-                directions: dict[str, int]) -> list[dict[str, Any]]:
+                directions: dict[str, int], excluded: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """One entry per forget-side metric: the unattacked value, each attack's value and change, and the worst
-    case (the attack that moved the metric furthest toward knowing the forget set)."""
+    case (the attack that moved the metric furthest toward knowing the forget set) among the attacks not in
+    `excluded` (attack id -> why: the copies beyond the utility budget)."""
+    excluded = excluded or {}
     rows = []
     for key, direction in directions.items():
         base = unattacked.get(key)
@@ -306,6 +351,9 @@ def metric_rows(suite: str, unattacked: dict[str, Any], attacked: dict[str, dict
             value = values.get(key)
             change = None if value is None or base is None else value - base
             entry["attacks"][name] = {"value": value, "change": change}
+            if name in excluded:
+                entry["attacks"][name]["excluded"] = excluded[name]
+                continue
             if value is not None and (worst_value is None or direction * (value - worst_value) > 0):
                 worst, worst_value = name, value
         entry["worst"] = {"attack": worst, "value": worst_value,
@@ -331,7 +379,8 @@ def render_attack_lines(section: dict[str, Any]) -> list[str]:
         cells = []
         for name in names:
             cell = row["attacks"].get(name)
-            cells.append("" if cell is None else f"{_fmt(cell['value'])} ({_change(cell['change'])})")
+            mark = " [over budget]" if cell is not None and cell.get("excluded") else ""
+            cells.append("" if cell is None else f"{_fmt(cell['value'])} ({_change(cell['change'])}){mark}")
         worst = row["worst"]
         lines.append(f"| {row['suite']} | {row['metric']} | {row['recovered_when']} | {_fmt(row['unattacked'])} | "
                      + " | ".join(cells) + f" | {worst['attack'] or 'n/a'} ({_change(worst['change'])}) |")
@@ -348,7 +397,25 @@ def render_attack_lines(section: dict[str, Any]) -> list[str]:
         held_out = relearn.get("held_out_from") or "none (relearned on --relearn-data)"
         lines.append(f"- {run['id']}: {relearn['steps']} steps on {relearn['data']} ({relearn['rows']} rows); "
                      f"held-out rows: {held_out}")
+    for run in section["runs"]:
+        for suite, reading in run.get("reading", {}).items():
+            lines.append(f"- {run['id']} on {suite}: scored on {reading['rows']}" + _details(reading["details"]))
+        if run.get("edit"):
+            lines.append(f"- {run['id']}: " + _details(run["edit"]).removeprefix("; "))
+    budget = section.get("utility_budget")
+    if budget is not None:
+        lines += ["", f"Utility budget {100 * budget['budget']:.0f}%: the worst case counts only the attacked copies "
+                  "whose utility dropped by at most that fraction of the unattacked model's (a reading attack "
+                  "does not change the model and is always counted)."]
+        lines += [f"- {check['suite']}, {check['attack']}: {check['reason']}" for check in budget["checks"]]
     return lines
+
+
+def _details(details: dict[str, Any]) -> str:
+    """A reading or edit attack's scalar details, as `; key value` pairs (lists and tables stay in eval.json)."""
+    shown = [f"{key} {_fmt(value)}" for key, value in details.items()
+             if isinstance(value, (int, float, str)) and not isinstance(value, bool)]
+    return "".join(f"; {item}" for item in shown)
 
 
 def _change(value: float | None) -> str:

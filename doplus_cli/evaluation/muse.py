@@ -363,4 +363,4 @@ def print_section(section: dict[str, Any], console) -> None:
 
 MUSE_SUITE = Suite("muse", run_muse, files=("MUSE_EVAL.json", "MUSE_SUMMARY.json"),
                    forget_metrics=(("forget_verbmem_ROUGE", 1), ("forget_knowmem_ROUGE", 1), ("privleak", -1)),
-                   headline="forget_knowmem_ROUGE")
+                   headline="forget_knowmem_ROUGE", utility="retain_knowmem_ROUGE")

@@ -151,4 +151,4 @@ def print_section(section: Mapping[str, Any], console: Console) -> None:
 
 WMDP_SUITE = Suite("wmdp", run_wmdp_suite, files=("WMDP.json",),
                    forget_metrics=(("wmdp_bio/acc", 1), ("wmdp_cyber/acc", 1), ("wmdp_chem/acc", 1)),
-                   headline="wmdp_bio/acc")
+                   headline="wmdp_bio/acc", utility="mmlu/acc")
