@@ -286,6 +286,19 @@ def test_bench_schemes_pools_forget_tasks_and_the_statistics_match_the_runs(tiny
                 assert value == (None if expected is None else pytest.approx(expected)), (name, level)
     assert ("MU (%) at matched UFE (higher is better)" if rule else "MU (%) at matched UFE: no levels") in table
     assert "UFE (%) at matched MU" in table
+
+    def union_area(points, x_ref):  # the union of the rectangles [x_ref, x] x [0, y], strip by strip
+        xs = sorted({x_ref, *(x for x, _ in points if x > x_ref)})
+        return sum((right - left) * max([max(y, 0.0) for x, y in points if x >= right], default=0.0)
+                   for left, right in zip(xs, xs[1:]))
+
+    # the whole curves: each run's dominated area, and the area compared pair by pair like the score metrics
+    assert tradeoff["area_reference"][0] == pytest.approx(starts)
+    for name, curve in curves.items():
+        assert tradeoff["areas"][name] == pytest.approx(union_area(curve, starts), abs=1e-9), name
+        assert summary["runs"][name]["values"]["envelope_area"] == tradeoff["areas"][name]
+    assert tradeoff["dominance"] == []  # one scheme: no pair of rows to compare (test_tradeoff.py compares two)
+    assert "Whole curves: the area of the (UFE, MU) region" in table
     assert (out / "tradeoff_curves.png").read_bytes()[:4] == b"\x89PNG"
     # a repeated task is one line, exit 2
     assert run_cli("bench", "schemes", "--recipe", recipe, "--out", out, "--schemes", "doplus", "--seeds", "0",

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from doplus_cli.bench.tradeoff import at_level, cell, levels, render, summarise_tradeoff
+from doplus_cli.bench.tradeoff import (
+    at_level,
+    cell,
+    dominance,
+    dominance_between,
+    dominance_counts,
+    dominated_area,
+    envelope,
+    levels,
+    render,
+    summarise_tradeoff,
+)
 
 # (x, y) in step order: x rises 10 -> 30 -> 50 while y falls 50 -> 40 -> 20
 RISING = [(10.0, 50.0), (30.0, 40.0), (50.0, 20.0)]
@@ -91,3 +102,51 @@ def test_summary_means_stds_and_runs_that_never_reach_a_level():
 def test_no_curve_no_tradeoff():
     assert summarise_tradeoff({"r": {"start": None, "evals": [{"step": 4, "UFE": 1.0, "MU": 2.0}]}},
                               [("R", ["r"])]) is None
+
+
+def test_the_envelope_keeps_the_points_no_other_point_beats_on_both():
+    # (UFE, MU): (20, 45) is beaten by (30, 46); (40, 30) and (40, 20): only the higher MU stays
+    curve = [(10.0, 50.0), (20.0, 45.0), (30.0, 46.0), (40.0, 30.0), (40.0, 20.0), (35.0, 10.0)]
+    assert envelope(curve) == [(10.0, 50.0), (30.0, 46.0), (40.0, 30.0)]
+    assert envelope([]) == [] and envelope([(5.0, 5.0), (5.0, 5.0)]) == [(5.0, 5.0)]
+
+
+def test_the_area_an_envelope_dominates_by_hand():
+    curve = [(10.0, 50.0), (30.0, 46.0), (40.0, 30.0)]
+    # above (10, 0): (10 -> 30) x 46 + (30 -> 40) x 30; the start point adds no width
+    assert dominated_area(curve, 10.0) == pytest.approx(20 * 46 + 10 * 30)
+    # above (20, 0): the point at 10 is left of the reference, (20 -> 30) x 46 + (30 -> 40) x 30
+    assert dominated_area(curve, 20.0) == pytest.approx(10 * 46 + 10 * 30)
+    # above (0, 40): the point below MU 40 adds nothing; (0 -> 10) x 10 + (10 -> 30) x 6
+    assert dominated_area(curve, 0.0, 40.0) == pytest.approx(10 * 10 + 20 * 6)
+    assert dominated_area(curve, 50.0) == 0.0
+
+
+def test_a_curve_above_another_all_along_dominates_it_and_crossing_curves_do_not():
+    low = [(10.0, 50.0), (30.0, 40.0), (50.0, 20.0)]
+    high = [(10.0, 52.0), (30.0, 44.0), (50.0, 25.0), (55.0, 5.0)]  # better MU at every UFE, and further
+    crossing = [(10.0, 50.0), (30.0, 45.0), (50.0, 10.0)]  # above low in the middle, below it at the end
+    assert dominance(high, low) == "a" and dominance(low, high) == "b"
+    assert dominance(low, crossing) == "cross"
+    assert dominance(low, list(reversed(low))) == "equal"
+    assert dominated_area(high, 10.0) > dominated_area(low, 10.0)
+    counts = dominance_counts({(1, 0): high, (1, 1): low, (2, 0): low}, {(1, 0): low, (1, 1): crossing, (3, 0): low})
+    assert {k: counts[k] for k in ("pairs", "first", "second", "equal", "cross")} == \
+        {"pairs": 2, "first": 1, "second": 0, "equal": 0, "cross": 1}
+
+
+def test_the_summary_gives_each_row_its_runs_areas_and_says_which_envelope_dominates():
+    start = {"step": 0, "UFE": 10.0, "MU": 50.0}
+    better = [{"step": 10, "UFE": 30.0, "MU": 48.0}, {"step": 20, "UFE": 50.0, "MU": 40.0}]
+    worse = [{"step": 10, "UFE": 30.0, "MU": 44.0}, {"step": 20, "UFE": 45.0, "MU": 30.0}]
+    runs = {"a0": {"start": start, "evals": better}, "b0": {"start": start, "evals": worse}}
+    summary = summarise_tradeoff(runs, [("A", ["a0"]), ("B", ["b0"])])
+    # reference UFE 10 (both start there): A (10 -> 30) x 48 + (30 -> 50) x 40; B (10 -> 30) x 44 + (30 -> 45) x 30
+    assert summary["areas"] == {"a0": pytest.approx(20 * 48 + 20 * 40), "b0": pytest.approx(20 * 44 + 15 * 30)}
+    assert [row["area"]["mean"] for row in summary["rows"]] == [pytest.approx(1760.0), pytest.approx(1330.0)]
+    rows = [{"label": "A", "sweep_value": None, "runs": ["a0"]}, {"label": "B", "sweep_value": None, "runs": ["b0"]}]
+    facts = {"a0": {"task_id": 1, "seed": 0}, "b0": {"task_id": 1, "seed": 0}}
+    summary["dominance"] = dominance_between(rows, facts, summary["curves"])
+    assert summary["dominance"][0]["first"] == 1 and summary["dominance"][0]["pairs"] == 1
+    text = "\n".join(render(summary, "seeds"))
+    assert "| A | 1760.0 (1 runs) |" in text and "A's envelope dominates in 1, B's in 0" in text

@@ -13,6 +13,16 @@ A run whose curve never reaches a level has no value there: it is counted as not
 A run whose curve already starts past the level (its taught model is past it) is counted apart, as past at the
 start. Levels come from the runs themselves by a fixed rule (`levels`), so no one picks them after seeing the
 schemes' numbers.
+
+Matched levels read a curve at a few places; the whole curve is read by its Pareto envelope, the evaluations no
+other evaluation of the run beats on both UFE and MU (`envelope`):
+
+- **The area it dominates** (`dominated_area`): the area of the (UFE, MU) region that some envelope point is at
+  least as good as on both, above the reference point (the runs' mean starting UFE, MU 0): more forgetting at
+  the same utility, or more utility at the same forgetting, anywhere along the run, enlarges it.
+- **Dominance** (`dominance`): one run's envelope dominates another's when every point of the other is matched
+  or beaten on both by one of its points, and not the reverse; otherwise the two envelopes cross (or coincide).
+  Two schemes' runs on the same forget task and seed are compared pair by pair (`dominance_counts`).
 """
 
 from __future__ import annotations
@@ -75,6 +85,69 @@ def curve_of(start: dict[str, Any] | None, evals: Sequence[dict[str, Any]]) -> l
     return [(p["UFE"], p["MU"]) for p in ordered(start, evals) if p.get("UFE") is not None and p.get("MU") is not None]
 
 
+def envelope(curve: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points of `curve` ((UFE, MU), both higher is better) that no other point matches or beats on both with
+    one of them strictly better, once each, in rising UFE (so falling MU)."""
+    front: list[tuple[float, float]] = []
+    for x, y in sorted(set(curve), key=lambda p: (-p[0], -p[1])):  # highest UFE first, then highest MU
+        if not front or y > front[-1][1]:
+            front.append((x, y))
+    return front[::-1]
+
+
+def dominated_area(curve: Sequence[tuple[float, float]], x_ref: float, y_ref: float = 0.0) -> float:
+    """The area of the region {(x, y): x_ref <= x <= X and y_ref <= y <= Y for some envelope point (X, Y)}: with
+    the envelope in rising x (falling y) and x_0 = x_ref, the sum over its points beyond the reference of
+    (x_i - max(x_{i-1}, x_ref)) * (y_i - y_ref)."""
+    area, left = 0.0, x_ref
+    for x, y in envelope(curve):
+        if x <= left or y <= y_ref:
+            continue
+        area += (x - left) * (y - y_ref)
+        left = x
+    return area
+
+
+def dominance(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> str:
+    """"a" when a's envelope dominates b's (every point of b's matched or beaten on both by a point of a's, not the
+    reverse), "b" the other way, "equal" when each covers the other, "cross" when neither does."""
+    def covers(first, second):
+        return all(any(x >= u and y >= v for x, y in envelope(first)) for u, v in envelope(second))
+
+    a_covers, b_covers = covers(a, b), covers(b, a)
+    if a_covers and b_covers:
+        return "equal"
+    return "a" if a_covers else "b" if b_covers else "cross"
+
+
+def dominance_counts(first: dict[Any, Sequence[tuple[float, float]]],
+                     second: dict[Any, Sequence[tuple[float, float]]]) -> dict[str, Any]:
+    """`dominance` over the pairs both hold (key: forget task and seed): how many times the first's envelope
+    dominates, the second's does, they are equal, they cross; and the pairs, in key order."""
+    shared = sorted(set(first) & set(second), key=repr)
+    results = [dominance(first[key], second[key]) for key in shared]
+    return {"pairs": len(shared), "first": results.count("a"), "second": results.count("b"),
+            "equal": results.count("equal"), "cross": results.count("cross"),
+            "by_pair": [[list(key) if isinstance(key, tuple) else key, r] for key, r in zip(shared, results)]}
+
+
+def dominance_between(rows: list[dict[str, Any]], runs: dict[str, dict[str, Any]],
+                      curves: dict[str, Sequence[Sequence[float]]]) -> list[dict[str, Any]]:
+    """For each pair of SCHEMES.json rows at the same sweep value, `dominance_counts` of their runs' curves paired
+    by (forget task, seed)."""
+    def by_pair(row: dict[str, Any]) -> dict[Any, list[tuple[float, float]]]:
+        return {(runs[n].get("task_id"), runs[n]["seed"]): [tuple(p) for p in curves[n]]
+                for n in row["runs"] if n in curves}
+
+    found = []
+    for i, first in enumerate(rows):
+        for second in rows[i + 1:]:
+            if first["sweep_value"] == second["sweep_value"]:
+                found.append({"a": first["label"], "b": second["label"], "sweep_value": first["sweep_value"],
+                              **dominance_counts(by_pair(first), by_pair(second))})
+    return found
+
+
 def summarise_tradeoff(runs: dict[str, dict[str, Any]], groups: list[tuple[str, list[str]]]) -> dict[str, Any] | None:
     """`runs`: name -> {"start": point or None, "evals": [points]}; `groups`: (row label, run names).
     Levels by `levels`, then per row and level the mean and sample std of the runs that reached it, and how many
@@ -103,7 +176,14 @@ def summarise_tradeoff(runs: dict[str, dict[str, Any]], groups: list[tuple[str, 
                     "past_at_start": sum(c.status == "past at the start" for c in crossings),
                 })
         rows.append(row)
-    return {"ufe_levels": ufe_levels, "mu_levels": mu_levels, "rows": rows,
+    x_ref = statistics.mean(c[0][0] for c in curves.values())
+    areas = {name: dominated_area(c, x_ref) for name, c in curves.items()}
+    for row in rows:
+        values = [areas[n] for n in row["runs"]]
+        row["area"] = {"values": values, "mean": statistics.mean(values) if values else None,
+                       "std": statistics.stdev(values) if len(values) > 1 else None, "runs": len(values)}
+    return {"ufe_levels": ufe_levels, "mu_levels": mu_levels, "rows": rows, "areas": areas,
+            "area_reference": [x_ref, 0.0],
             "curves": {name: [list(p) for p in c] for name, c in curves.items()},
             "rule": "levels at 1/4, 1/2 and 3/4 of the way from the runs' mean starting value (the taught model) to "
                     "the median over runs of the final UFE / the lowest MU on the curve; a run's value at a level is "
@@ -135,4 +215,18 @@ def render(tradeoff: dict[str, Any], over: str) -> list[str]:
         for row in tradeoff["rows"]:
             lines.append(f"| {row['label']} | " + " | ".join(cell(e) for e in row[key]) + " |")
         lines.append("")
+    x_ref = tradeoff["area_reference"][0]
+    lines += [f"Whole curves: the area of the (UFE, MU) region each run's Pareto envelope dominates above UFE = "
+              f"{x_ref:.1f} (the runs' mean start) and MU = 0, in UFE·MU points (higher is better)", "",
+              "| scheme | area |", "| --- | ---: |"]
+    for row in tradeoff["rows"]:
+        area = row["area"]
+        value = "n/a" if area["mean"] is None else f"{area['mean']:.1f}" + (
+            f" ± {area['std']:.1f}" if area["std"] is not None else "")
+        lines.append(f"| {row['label']} | {value} ({area['runs']} runs) |")
+    lines.append("")
+    for entry in tradeoff.get("dominance", []):
+        lines.append(f"- {entry['a']} against {entry['b']}, over {entry['pairs']} runs of the same forget task and "
+                     f"seed: {entry['a']}'s envelope dominates in {entry['first']}, {entry['b']}'s in "
+                     f"{entry['second']}, they coincide in {entry['equal']} and cross in {entry['cross']}.")
     return lines

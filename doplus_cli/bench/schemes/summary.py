@@ -17,7 +17,7 @@ from doplus_cli.bench.adapters import Metric
 from doplus_cli.bench.paired import comparisons
 from doplus_cli.bench.paired import render as render_paired
 from doplus_cli.bench.schemes.planning import Bench, completed_report, plain, start_point
-from doplus_cli.bench.tradeoff import ordered, summarise_tradeoff
+from doplus_cli.bench.tradeoff import dominance_between, ordered, summarise_tradeoff
 from doplus_cli.bench.tradeoff import render as render_tradeoff
 from doplus_cli.config import SCHEMES
 from doplus_cli.errors import UserError
@@ -113,6 +113,7 @@ def resources(report: dict[str, Any], records: list[dict[str, Any]]) -> dict[str
 
 
 WORST = "worst attack"
+ENVELOPE_AREA = "envelope_area"  # per run: the area its (UFE, MU) envelope dominates (bench/tradeoff.py)
 
 
 def attack_values(evaluation: Path) -> dict[str, Any]:
@@ -210,6 +211,12 @@ def summarise(bench: Bench, results: list[Result], unfinished: list[str]) -> dic
             partial[column.key] = [{"note": note, "runs": n} for note, n in counts.items()]
     runs = {r.name: {"scheme": r.scheme, "seed": r.seed, "sweep_value": r.sweep_value, "task_id": r.task_id,
                      **r.facts, "values": r.values, "notes": r.notes} for r in results}
+    whole_curve = []  # the area each run's envelope dominates, compared pair by pair as the score metrics are
+    if tradeoff is not None:
+        for name, area in tradeoff["areas"].items():
+            runs[name]["values"] = {**runs[name]["values"], ENVELOPE_AREA: area}
+        tradeoff["dominance"] = dominance_between(rows, runs, tradeoff["curves"])
+        whole_curve = [(ENVELOPE_AREA, "the area the (UFE, MU) envelope dominates", True)]
     return {
         "caption": caption(bench, results),
         "kind": bench.adapter.command,
@@ -227,7 +234,7 @@ def summarise(bench: Bench, results: list[Result], unfinished: list[str]) -> dic
              "(`eval_attacks`, docs/attacks.md); METRIC worst attack: the attack that moved it furthest toward "
              "knowing the forget set, per run."] if attacked else []),
         "tradeoff": tradeoff,
-        "paired": comparisons(rows, runs, [(m.key, m.label, m.higher_is_better) for m in scores]),
+        "paired": comparisons(rows, runs, [(m.key, m.label, m.higher_is_better) for m in scores] + whole_curve),
         "over": over(results),
         "runs": runs,
     }
@@ -362,7 +369,7 @@ def render_markdown(summary: dict[str, Any], figures: list[str]) -> str:
                                                      for k, v in values.items())
             for scheme, values in summary["tuned"]["values"].items()) + "."]
     if summary.get("paired"):
-        labels = {c["key"]: c["label"] for c in columns}
+        labels = {c["key"]: c["label"] for c in columns} | {ENVELOPE_AREA: "envelope area (UFE·MU)"}
         lines += [""] + render_paired(summary["paired"], labels, sweep["key"] if sweep else None)
     if summary.get("tradeoff"):
         lines += [""] + render_tradeoff(summary["tradeoff"], summary.get("over", "seeds"))
