@@ -252,11 +252,11 @@ class StartingModel:
 
 
 def attack_input(context: SuiteContext, suite: str, base) -> AttackInput:
-    """What a white-box attack reads: `suite`'s forget and retain (or neighbour) rows as it loads them."""
+    """What a white-box attack reads: `suite`'s forget and retain (or neighbour) rows as it loads them; the
+    attacks' own settings are their defaults (prune's fraction is an argument of its own)."""
     sets = qa_sets(context.config, suite)
     return AttackInput(context.model, context.tokenizer, context.formatter, sets[0].samples, sets[1].samples
-                       if len(sets) > 1 else [], base, context.config.seed, context.config.batch_size,
-                       {"fraction": context.config.prune_fraction})
+                       if len(sets) > 1 else [], base, context.config.seed, context.config.batch_size)
 
 
 def edited_copy(context: SuiteContext, attack: str, base) -> tuple[Any, dict[str, Any]]:
@@ -269,7 +269,7 @@ def edited_copy(context: SuiteContext, attack: str, base) -> tuple[Any, dict[str
         return weight_edits.orthogonalized_copy(attack_input(context, suite, base))
     inp = attack_input(context, suite, base) if suite is not None else \
         AttackInput(context.model, context.tokenizer, context.formatter, [], [], base, context.config.seed,
-                    context.config.batch_size, {"fraction": context.config.prune_fraction})
+                    context.config.batch_size)
     return weight_edits.pruned_copy(inp, context.config.prune_fraction)
 
 
