@@ -96,3 +96,34 @@ def test_edit_attacks_on_the_starting_model_itself_change_no_forget_number(tiny_
     for row in record["attacks"]["metrics"]:
         assert all(cell["change"] in (0, None) for cell in row["attacks"].values()), row
     assert record["attacks"]["starting_model"] == str(tiny_llama)
+
+
+def test_reading_attacks_report_their_rows_beside_the_unattacked_model_on_the_same_rows(tiny_llama, tofu_dir,
+                                                                                       tmp_path):
+    """The three reading attacks through `doplus evaluate`: each gives a row per metric named by the suite and
+    the rows it scored, with the unattacked value it computed on the same rows, and leaves no summary of a copy
+    (there is none); the unattacked files are those of a plain evaluation."""
+    common = ["evaluate", "--model", tiny_llama, "--data-dir", tofu_dir, "--max-samples", 4, "--max-new-tokens", 4,
+              "--nli-model", tmp_path / "no-nli", "--embedding-model", tmp_path / "no-embedder"]
+    assert run_cli(*common, "--out", tmp_path / "plain") == 0
+    out = tmp_path / "eval"
+    assert run_cli(*common, "--out", out, "--attacks", "logit-lens,linear-probe,embedding") == 0
+    assert (out / "TOFU_EVAL.json").read_bytes() == (tmp_path / "plain" / "TOFU_EVAL.json").read_bytes()
+    record = json.loads((out / "eval.json").read_text())
+    runs = {run["id"]: run for run in record["attacks"]["runs"]}
+    assert set(runs) == {"logit-lens", "linear-probe", "embedding"}
+    for attack, run in runs.items():
+        reading = json.loads((out / "attacks" / attack / "READING.json").read_text())
+        assert reading == run["reading"] and set(reading) == {"tofu"}
+        assert json.loads((out / "attacks" / attack / "SUMMARY.json").read_text()) == {}
+        rows = [m for m in record["attacks"]["metrics"] if attack in m["attacks"]]
+        assert rows and all(m["suite"] == f"tofu {reading['tofu']['rows']}" for m in rows), attack
+        for m in rows:
+            cell = m["attacks"][attack]
+            assert cell["change"] == pytest.approx(cell["value"] - m["unattacked"])
+            assert m["worst"]["attack"] == attack  # the only attack on its own rows
+    lens = next(m for m in record["attacks"]["metrics"] if m["metric"] == "probability" and "logit-lens" in m["attacks"])
+    # the lens's last layer is the model's own output, so the best layer is at least as likely
+    assert lens["attacks"]["logit-lens"]["value"] >= lens["unattacked"] - 1e-9
+    report = (out / "report.md").read_text()
+    assert all(f"- {attack} on tofu: scored on" in report for attack in runs)

@@ -85,10 +85,11 @@ ATTACKS: Registry[Attack] = Registry("attack", Attack, ((a.name, a) for a in (
     Attack("logit-lens", "read", "the forget answers read through the final norm and unembedding at every layer's "
            "output: the best layer's Probability, and ROUGE of a greedy decode from that layer",
            "nostalgebraist 2020 (the logit lens); Lucki et al. 2024 (An adversarial perspective on machine "
-           "unlearning for AI safety)", QA_SUITES),
+           "unlearning for AI safety); Patil et al. 2024 (the head projection attack)", QA_SUITES),
     Attack("linear-probe", "read", "a logistic-regression probe on hidden states, trained on half of the forget "
            "rows to tell the answer from its perturbed versions, scored on the other half",
-           "Patil et al. 2024 (Can sensitive information be deleted from LLMs?); Lucki et al. 2024", QA_SUITES),
+           "Lynch et al. 2024 (Eight methods to evaluate robust unlearning in LLMs), latent-knowledge probes",
+           QA_SUITES),
     Attack("embedding", "read", "a soft prompt of a few vectors optimised on half of the forget rows to raise the "
            "answers' likelihood, scored on the other half",
            "Schwinn et al. 2024 (Soft prompt threats); Lucki et al. 2024 (embedding-space attacks)", QA_SUITES),
