@@ -138,7 +138,7 @@ def run_attacks(context: SuiteContext, record: dict[str, Any], console: Console)
     summaries: dict[str, dict[str, Any]] = {}
     held_out: dict[str, dict[str, dict[str, float]]] = {}  # suite -> attack id -> values on the held-out half
     relearn = None
-    base = StartingModel(context)
+    starting = StartingModel(context)
     readings: dict[str, dict[str, Reading]] = {}  # suite -> attack id -> what a reading attack gave
     for attack_name in config.attacks:
         attack = registry.ATTACKS[attack_name]
@@ -170,17 +170,17 @@ def run_attacks(context: SuiteContext, record: dict[str, Any], console: Console)
                 model = registry.quantized_copy(context.model, attack_name)
                 summary = _run_suites(context, model, folder, entry, attack_name)
                 del model
-            elif attack.needs_base and base.get() is None:
-                entry["skipped"] = [f"(every suite): it needs the starting model, {base.why}"]
+            elif attack.needs_base and starting.get() is None:
+                entry["skipped"] = [f"(every suite): it needs the starting model, {starting.why}"]
                 entry["suites"], summary = [], {}
             elif attack.kind == "edit":
-                model, entry["edit"] = edited_copy(context, attack_name, base.get())
+                model, entry["edit"] = edited_copy(context, attack_name, starting.get())
                 summary = _run_suites(context, model, folder, entry, attack_name)
                 del model
             elif attack.kind == "read":
                 summary = {}
                 for suite in list(entry["suites"]):
-                    reading = read_attack(context, attack_name, suite, base.get())
+                    reading = read_attack(context, attack_name, suite, starting.get())
                     entry.setdefault("reading", {})[suite] = {"rows": reading.rows, "details": reading.details}
                     readings.setdefault(suite, {})[attack_id] = reading
                 write_json(folder / "READING.json", entry.get("reading", {}))
@@ -215,8 +215,8 @@ def run_attacks(context: SuiteContext, record: dict[str, Any], console: Console)
     section: dict[str, Any] = {"runs": runs, "metrics": rows}
     if config.utility_budget is not None:
         section["utility_budget"] = {"budget": config.utility_budget, "checks": checks}
-    if base.spec is not None:
-        section["starting_model"] = base.spec
+    if starting.spec is not None:
+        section["starting_model"] = starting.spec
     return section
 
 

@@ -177,7 +177,8 @@ def load_summary(folder: str) -> dict[str, Any]:
 def compare_table(folders: list[str]) -> str:
     """A markdown table: one column per evaluation folder, one row per summary key they share (aggregates first)."""
     summaries = [load_summary(f) for f in folders]
-    keys = [k for k in summaries[0] if all(k in s for s in summaries[1:])]
+    # a `*_missing` key says in words why its metric is absent; the metric's own row shows n/a
+    keys = [k for k in summaries[0] if all(k in s for s in summaries[1:]) and not k.endswith("_missing")]
     first = [k for k in ("MU", "UFE", "TFE", "OVR", "OVR_targeted", "OVR_untargeted", "SAFETY_OVR", "safety_judge",
                          "safety_rate_avg", "xstest_over_refusal", "xstest_unsafe_refusal") if k in keys]
     ordered = first + [k for k in keys if k not in first]
