@@ -127,3 +127,19 @@ def test_reading_attacks_report_their_rows_beside_the_unattacked_model_on_the_sa
     assert lens["attacks"]["logit-lens"]["value"] >= lens["unattacked"] - 1e-9
     report = (out / "report.md").read_text()
     assert all(f"- {attack} on tofu: scored on" in report for attack in runs)
+
+
+def test_the_last_evaluation_of_a_run_takes_its_starting_model_for_the_edit_attacks(tiny_llama, tofu_dir, tmp_path):
+    """`unlearn --eval-attacks prune`: the starting model is the run's own, and the 1% of MLP neurons that moved
+    most (2 of the tiny model's 2 x 64) are reset in the copy."""
+    forget = tmp_path / "f.jsonl"
+    forget.write_text("".join(list(open(tofu_dir / "forget01.json"))[:6]))
+    out = tmp_path / "run"
+    assert run_cli("unlearn", "--model", tiny_llama, "--forget", forget, "--loss", "GA", "--steps", 2, "--lr", 1e-2,
+                   "--eval-data-dir", tofu_dir, "--eval-max-samples", 2, "--eval-max-new-tokens", 2,
+                   "--eval-nli-model", tmp_path / "no-nli", "--eval-embedding-model", tmp_path / "no-embedder",
+                   "--show-samples", 0, "--eval-every", 2, "--eval-attacks", "prune", "--out", out) == 0
+    section = json.loads((out / "evals" / "step-2" / "eval.json").read_text())["attacks"]
+    assert section["starting_model"] == str(tiny_llama)
+    (prune,) = section["runs"]
+    assert prune["edit"]["k"] == 2 and prune["edit"]["edited"] == 2 and prune["suites"] == ["tofu"]
