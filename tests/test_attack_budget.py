@@ -122,7 +122,8 @@ def test_reading_attacks_report_their_rows_beside_the_unattacked_model_on_the_sa
             cell = m["attacks"][attack]
             assert cell["change"] == pytest.approx(cell["value"] - m["unattacked"])
             assert m["worst"]["attack"] == attack  # the only attack on its own rows
-    lens = next(m for m in record["attacks"]["metrics"] if m["metric"] == "probability" and "logit-lens" in m["attacks"])
+    lens = next(m for m in record["attacks"]["metrics"]
+                if m["metric"] == "probability" and "logit-lens" in m["attacks"])
     # the lens's last layer is the model's own output, so the best layer is at least as likely
     assert lens["attacks"]["logit-lens"]["value"] >= lens["unattacked"] - 1e-9
     report = (out / "report.md").read_text()
