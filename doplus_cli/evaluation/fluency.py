@@ -112,18 +112,11 @@ def load_fluency_judge(name: str | None = None, device: str = "cpu") -> tuple[Gi
     """(GibberishJudge, None) for `name` (None: DEFAULT_FLUENCY_MODEL; else a hub id or a local folder), or
     (None, one-line reason) on any failure; with no network or HF_HUB_OFFLINE set it looks in the local cache
     only, so a missing model fails at once."""
-    from doplus_cli.evaluation.judges import quiet_loading, why_not_loaded
-    from doplus_cli.models import judge_files_only
+    from doplus_cli.evaluation.judges import load_classifier, why_not_loaded
 
     name = name or DEFAULT_FLUENCY_MODEL
     try:
-        quiet_loading()
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        offline = judge_files_only()
-        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=offline)
-        model = AutoModelForSequenceClassification.from_pretrained(name, local_files_only=offline).to(device)
-        judge = GibberishJudge(model, tokenizer, name)
+        judge = load_classifier(name, device, GibberishJudge)
     except NotAClassifier as error:
         return None, f"'{name}' is not a text classifier ({error})"
     except Exception as error:  # any failure becomes a reason: the value is left out, not the run

@@ -12,8 +12,9 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -158,18 +159,25 @@ def load_embedder(name: str | None = None, device: str = "cpu") -> tuple[Embedde
     return Embedder(model, label), None
 
 
+def load_classifier(name: str, device: str, judge: Callable[[Any, Any, str], Any]) -> Any:
+    """`judge(model, tokenizer, name)` of the sequence classifier `name` (a hub id or a local folder) on `device`,
+    quietly, from the local cache alone where the hub cannot be reached (`judge_files_only`). Raises what loading
+    or `judge` raises; the callers turn it into a reason."""
+    quiet_loading()
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    offline = judge_files_only()
+    tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=offline)
+    model = AutoModelForSequenceClassification.from_pretrained(name, local_files_only=offline).to(device)
+    return judge(model, tokenizer, name)
+
+
 def load_nli(name: str | None = None, device: str = "cpu") -> tuple[NLIJudge | None, str | None]:
     """(NLIJudge, None) for `name` (None: DEFAULT_NLI_MODEL; else a hub id or a local folder), or
     (None, one-line reason) on any failure, fast when offline."""
     name = name or DEFAULT_NLI_MODEL
     try:
-        quiet_loading()
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        offline = judge_files_only()
-        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=offline)
-        model = AutoModelForSequenceClassification.from_pretrained(name, local_files_only=offline).to(device)
-        judge = NLIJudge(model, tokenizer, name)
+        judge = load_classifier(name, device, NLIJudge)
     except NotAnNLIModel as error:
         return None, f"no NLI model: '{name}' is not an NLI classifier ({error})"
     except Exception as error:  # any failure becomes a reason: the indicator is left out, not the run

@@ -23,7 +23,7 @@ from doplus_cli.data.sources import read_json_lines
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation import openunlearning as ou
 from doplus_cli.evaluation.aggregates import AggregateScore, aggregate_lines, openunlearning_aggregates
-from doplus_cli.evaluation.scoring import answer_token_stats, shared_prefix_nlls
+from doplus_cli.evaluation.scoring import answer_token_stats, forward_keeping, shared_prefix_nlls
 from doplus_cli.losses import token_nll
 from doplus_cli.progress import count_tokens
 
@@ -158,11 +158,8 @@ def gradnorm_scores(model: torch.nn.Module, formatter: PromptFormatter, pairs: S
 def _last_logits(model: torch.nn.Module, input_ids: torch.Tensor, keep: int) -> torch.Tensor:
     """Logits of the last `keep` positions of one unpadded row, no KV cache (all positions for models without
     `logits_to_keep`)."""
-    inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "use_cache": False}
-    try:
-        return model(**inputs, logits_to_keep=keep).logits
-    except TypeError:  # an architecture without logits_to_keep
-        return model(**inputs).logits
+    return forward_keeping(model, keep, input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                           use_cache=False).logits
 
 
 def reference_scores(stats: Sequence[dict[str, Any]], reference_stats: Sequence[dict[str, Any]]) -> list[float]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -24,17 +24,9 @@ def mean_token_nlls(
     """
     was_training = model.training
     model.eval()
-    device = next(model.parameters()).device
-    encoded = [formatter.encode(q, a) for q, a in pairs]
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].input_ids))
-    result = [0.0] * len(encoded)
+    result = [0.0] * len(pairs)
     try:
-        for start in range(0, len(order), batch_size):
-            chunk = order[start:start + batch_size]
-            count_tokens("teacher_forced", sum(len(encoded[i].input_ids) for i in chunk))
-            batch = {k: v.to(device) for k, v in left_padded([encoded[i] for i in chunk],
-                                                             formatter.tokenizer.pad_token_id).items()}
-            keep = 1 + max(sum(1 for label in encoded[i].labels if label != IGNORE_INDEX) for i in chunk)
+        for chunk, batch, keep in answer_batches(model, formatter, pairs, batch_size):
             logits = _answer_logits(model, batch, keep)
             nll, mask = token_nll(logits, batch["labels"][:, -logits.shape[1]:])
             means = (nll.sum(-1) / mask.sum(-1).clamp_min(1)).tolist()
@@ -43,6 +35,23 @@ def mean_token_nlls(
     finally:
         model.train(was_training)
     return result
+
+
+def answer_batches(model: torch.nn.Module, formatter: PromptFormatter, pairs: Sequence[tuple[str, str]],
+                   batch_size: int) -> Iterator[tuple[list[int], dict[str, torch.Tensor], int]]:
+    """The (question, answer) pairs encoded, sorted by length and cut into batches of `batch_size`: for each, (the
+    pairs' indexes, the left-padded batch on the model's device, the positions that need logits: the longest
+    answer + 1). The tokens are counted as teacher-forced."""
+    device = next(model.parameters()).device
+    encoded = [formatter.encode(q, a) for q, a in pairs]
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].input_ids))
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        count_tokens("teacher_forced", sum(len(encoded[i].input_ids) for i in chunk))
+        batch = {k: v.to(device) for k, v in left_padded([encoded[i] for i in chunk],
+                                                         formatter.tokenizer.pad_token_id).items()}
+        keep = 1 + max(sum(1 for label in encoded[i].labels if label != IGNORE_INDEX) for i in chunk)
+        yield chunk, batch, keep
 
 
 def left_padded(examples: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
@@ -516,6 +525,12 @@ def _forward(model, input_ids, attention_mask, position_ids, cache, keep: int | 
               "use_cache": True}
     if cache is not None:
         inputs["past_key_values"] = cache
+    return forward_keeping(model, keep, **inputs)
+
+
+def forward_keeping(model, keep: int | None, **inputs):
+    """`model(**inputs)` with the logits of the last `keep` positions only, where the architecture takes
+    `logits_to_keep` (all positions otherwise, and with `keep` None)."""
     if keep is not None:
         try:
             return model(**inputs, logits_to_keep=keep)

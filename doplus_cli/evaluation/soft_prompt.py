@@ -34,7 +34,7 @@ from doplus_cli.data.formatting import IGNORE_INDEX, PromptFormatter
 from doplus_cli.errors import UserError, shown
 from doplus_cli.evaluation import metrics
 from doplus_cli.evaluation.attack_api import AttackInput, Reading
-from doplus_cli.evaluation.scoring import mean_token_nlls
+from doplus_cli.evaluation.scoring import forward_keeping, mean_token_nlls
 from doplus_cli.generation import cache_argument, greedy_generate
 from doplus_cli.losses import token_nll
 
@@ -177,23 +177,12 @@ def _embedded_batch(model, rows: list[_Row], soft: torch.Tensor) -> dict[str, to
     return {"inputs_embeds": inputs, "attention_mask": mask, "position_ids": positions, "labels": target}
 
 
-def _forward(model, keep: int | None = None, **inputs):
-    """The model's output, logits of the last `keep` positions only where the architecture takes
-    `logits_to_keep` (the answers end every left-padded row)."""
-    if keep is not None:
-        try:
-            return model(**inputs, logits_to_keep=keep)
-        except TypeError:  # an architecture without logits_to_keep
-            pass
-    return model(**inputs)
-
-
 def _row_nlls(model, rows: list[_Row], soft: torch.Tensor) -> torch.Tensor:
     """Each row's mean answer-token NLL [B] with `soft` inserted (differentiable in `soft`)."""
     batch = _embedded_batch(model, rows, soft)
     keep = 1 + max(len(row.answer) for row in rows)
-    logits = _forward(model, keep, inputs_embeds=batch["inputs_embeds"], attention_mask=batch["attention_mask"],
-                      position_ids=batch["position_ids"]).logits
+    logits = forward_keeping(model, keep, inputs_embeds=batch["inputs_embeds"],
+                             attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]).logits
     nll, mask = token_nll(logits, batch["labels"][:, -logits.shape[1]:])
     return nll.sum(-1) / mask.sum(-1).clamp_min(1)
 
@@ -251,8 +240,8 @@ def _greedy(model, batch: dict[str, torch.Tensor], max_new_tokens: int, stop: se
     """Greedy decoding of a left-padded batch of input embeddings: each row's tokens up to and including its first
     stop token, at most `max_new_tokens`. Rows that stopped ride along until the last one does."""
     mask, positions = batch["attention_mask"], batch["position_ids"]
-    output = _forward(model, 1, inputs_embeds=batch["inputs_embeds"], attention_mask=mask, position_ids=positions,
-                      use_cache=True)
+    output = forward_keeping(model, 1, inputs_embeds=batch["inputs_embeds"], attention_mask=mask,
+                             position_ids=positions, use_cache=True)
     cache, cache_kwarg = _cache_of(output), cache_argument(model)
     produced: list[list[int]] = [[] for _ in range(mask.shape[0])]
     done = [False] * len(produced)

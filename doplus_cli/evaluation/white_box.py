@@ -26,7 +26,7 @@ from doplus_cli.data.formatting import IGNORE_INDEX, PromptFormatter, left_padde
 from doplus_cli.errors import UserError, shown
 from doplus_cli.evaluation import metrics
 from doplus_cli.evaluation.attack_api import AttackInput, Reading
-from doplus_cli.evaluation.scoring import left_padded
+from doplus_cli.evaluation.scoring import answer_batches
 from doplus_cli.generation import cache_argument
 from doplus_cli.losses import token_nll
 from doplus_cli.progress import count_tokens
@@ -181,17 +181,9 @@ def layer_answer_nlls(model: torch.nn.Module, formatter: PromptFormatter, pairs:
     `scoring.mean_token_nlls` (sorted by length, left-padded), the head run only at the positions that predict an
     answer token; each batch checks that the last layer's lens gives the model's own logits there."""
     lens = lens or find_lens(model)
-    device = _device(model)
-    encoded = [formatter.encode(q, a) for q, a in pairs]
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].input_ids))
     result: list[list[float]] = []
     with _Reading(model):
-        for start in range(0, len(order), batch_size):
-            chunk = order[start:start + batch_size]
-            count_tokens("teacher_forced", sum(len(encoded[i].input_ids) for i in chunk))
-            batch = {k: v.to(device) for k, v in left_padded([encoded[i] for i in chunk],
-                                                             formatter.tokenizer.pad_token_id).items()}
-            keep = 1 + max(sum(1 for label in encoded[i].labels if label != IGNORE_INDEX) for i in chunk)
+        for chunk, batch, keep in answer_batches(model, formatter, pairs, batch_size):
             inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
             output, last = _forward(model, inputs, keep, lens.norm)
             # position t predicts token t + 1: the head runs at the positions whose next token is an answer token
@@ -201,7 +193,7 @@ def layer_answer_nlls(model: torch.nn.Module, formatter: PromptFormatter, pairs:
             counts = scored.sum(-1).clamp_min(1).double()
             states = layer_states(output, last)
             if not result:
-                result = [[0.0] * len(encoded) for _ in states]
+                result = [[0.0] * len(pairs) for _ in states]
             for layer, hidden in enumerate(states):
                 logits = lens(hidden[:, -keep:][:, :-1][scored])
                 if layer == len(states) - 1:
@@ -366,18 +358,10 @@ def answer_features(model: torch.nn.Module, formatter: PromptFormatter, pairs: S
     and its end token) of every hidden state the model returns, index 0 the embedding and l = 1..N decoder layer
     l's output (the N-th after the final norm in Llama-like models), float32 on the CPU [pairs, N + 1, H]; and the
     answer's mean token NLL under the model's own logits."""
-    device = _device(model)
-    encoded = [formatter.encode(q, a) for q, a in pairs]
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].input_ids))
     features: torch.Tensor | None = None
-    nlls = [0.0] * len(encoded)
+    nlls = [0.0] * len(pairs)
     with _Reading(model):
-        for start in range(0, len(order), batch_size):
-            chunk = order[start:start + batch_size]
-            count_tokens("teacher_forced", sum(len(encoded[i].input_ids) for i in chunk))
-            batch = {k: v.to(device) for k, v in left_padded([encoded[i] for i in chunk],
-                                                             formatter.tokenizer.pad_token_id).items()}
-            keep = 1 + max(sum(1 for label in encoded[i].labels if label != IGNORE_INDEX) for i in chunk)
+        for chunk, batch, keep in answer_batches(model, formatter, pairs, batch_size):
             inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
             output, _ = _forward(model, inputs, keep)
             labels = batch["labels"][:, -keep:]
@@ -388,7 +372,7 @@ def answer_features(model: torch.nn.Module, formatter: PromptFormatter, pairs: S
             states = torch.stack([h[:, -keep:].float() for h in output.hidden_states], dim=1)  # [B, N + 1, keep, H]
             means = (states * answer.unsqueeze(1)).sum(2) / answer.sum(1).clamp_min(1).unsqueeze(1)
             if features is None:
-                features = torch.zeros(len(encoded), *means.shape[1:])
+                features = torch.zeros(len(pairs), *means.shape[1:])
             features[chunk] = means.cpu()
     return features, nlls
 
