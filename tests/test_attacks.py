@@ -288,21 +288,28 @@ def test_attacks_leave_the_unattacked_numbers_bit_identical(tiny_llama, tofu_dir
     assert entry["worst"]["attack"] == worst
     assert "## Attacks" in (tmp_path / "attacked" / "report.md").read_text()
 
-    # bench schemes' columns: the headline forget metric (UFE) after each attack and its worst case (the lowest UFE)
+    # bench schemes' columns: the headline forget metric (UFE) after each attack and its worst case (the lowest UFE),
+    # and what each takes back (unattacked UFE minus attacked: UFE is lower when the forget set is known)
     from doplus_cli.bench.schemes.plots import plot_attacks
-    from doplus_cli.bench.schemes.summary import Result, attack_columns, attack_values
+    from doplus_cli.bench.schemes.summary import attack_columns, attack_values
 
     values = attack_values(tmp_path / "attacked")
     attacked_ufe = {a: json.loads((tmp_path / "attacked" / "attacks" / a / "SUMMARY.json").read_text())["UFE"]
                     for a in ("quant-8bit", "probe-prefix")}
     assert values == {"UFE after quant-8bit": attacked_ufe["quant-8bit"],
+                      "UFE taken back by quant-8bit": pytest.approx(plain["UFE"] - attacked_ufe["quant-8bit"]),
                       "UFE after probe-prefix": attacked_ufe["probe-prefix"],
-                      "UFE worst attack": min(attacked_ufe.values())}
+                      "UFE taken back by probe-prefix": pytest.approx(plain["UFE"] - attacked_ufe["probe-prefix"]),
+                      "UFE worst attack": min(attacked_ufe.values()),
+                      "UFE taken back by the worst attack": pytest.approx(plain["UFE"] - min(attacked_ufe.values()))}
     assert attack_values(tmp_path / "plain") == {}
-    result = Result("run", "doplus", 0, None, values, {}, [], [], {})
-    columns = attack_columns([result])
+    by_role = attack_columns(list(values))
+    columns = by_role["attack"]
     assert [c.key for c in columns] == ["UFE after quant-8bit", "UFE after probe-prefix", "UFE worst attack"]
     assert all(c.higher_is_better for c in columns)  # a higher UFE under attack: still forgotten
+    assert [c.key for c in by_role["taken back"]] == ["UFE taken back by quant-8bit", "UFE taken back by probe-prefix",
+                                                      "UFE taken back by the worst attack"]
+    assert not any(c.higher_is_better for c in by_role["taken back"]) and by_role["reading"] == []
     stats = {"mean": 50.0, "std": 1.0}
     summary = {"columns": [{"key": "UFE", "role": "score"}, *({"key": c.key, "role": "attack"} for c in columns)],
                "rows": [{"label": label, "sweep_value": None, "metrics": {k: stats for k in ["UFE", *values]}}

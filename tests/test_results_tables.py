@@ -118,7 +118,7 @@ def test_the_conversion_copies_a_schemes_run_and_places_its_curve():
     assert run["evaluations"] == [{"step": 0, "metrics": {"UFE": 10.0, "MU": 40.0}},
                                   {"step": None, "metrics": {"UFE": 30.0, "MU": 35.0}},
                                   {"step": 8, "metrics": {"UFE": 50.0, "MU": 30.0}}]
-    assert run["attacks"] == {"relearn": {"UFE": 41.0}}
+    assert run["attacks"] == {"relearn": {"UFE": 41.0}, "worst attack": {"UFE": 41.0}}
     assert run["resources"] == {"train_time_s": 3.0, "peak_memory_gb": 1.5, "optimizer_state_bytes": 24,
                                 "peak_memory_kind": "process_peak_rss", "wall_time_s": 5.0}
     assert run["diagnostics"] == {"update_cosine": 0.25}
@@ -313,3 +313,18 @@ def test_a_pruner_table_by_hand():
         "| 0 | **2.69e-4** | 48.79 | **52.68** | **52.68** | 294 | 287 |",
         "| 1 | 7.82e-4 | 46.19 | 45.56 | pruned at 18 | 272 | |",
     ]
+
+
+@pytest.mark.parametrize("key, expected", [
+    ("UFE after relearn-k50", ("relearn-k50", "UFE")),
+    ("UFE worst attack", ("worst attack", "UFE")),
+    ("UFE taken back by prune", ("prune", "UFE taken back")),
+    ("UFE taken back by the worst attack", ("worst attack", "UFE taken back")),
+    ("logit-lens probability unattacked", ("logit-lens", "probability unattacked")),
+    ("linear-probe probe_accuracy on embeddings alone", ("linear-probe", "probe_accuracy on embeddings alone")),
+    ("probe_accuracy taken back by linear-probe", ("linear-probe", "probe_accuracy taken back")),
+    ("held-out rouge after relearn-k50", ("relearn-k50", "held-out rouge")),
+    ("held-out rouge unattacked", ("unattacked", "held-out rouge")),
+])
+def test_a_column_under_attack_goes_to_its_attack(key, expected):
+    assert tables.split_attack_key(key) == expected

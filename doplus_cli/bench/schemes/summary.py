@@ -16,12 +16,12 @@ from rich.table import Table
 from doplus_cli.bench.adapters import Metric
 from doplus_cli.bench.paired import comparisons
 from doplus_cli.bench.paired import render as render_paired
+from doplus_cli.bench.schemes.attacked import attack_columns, attack_values
 from doplus_cli.bench.schemes.planning import Bench, completed_report, plain, start_point
 from doplus_cli.bench.tradeoff import dominance_between, ordered, summarise_tradeoff
 from doplus_cli.bench.tradeoff import render as render_tradeoff
 from doplus_cli.config import SCHEMES
 from doplus_cli.errors import UserError
-from doplus_cli.evaluation.runner import SUITE_REGISTRY
 
 UPDATE_COSINE = Metric("update_cosine", "update cos (mean over the 2nd half of steps)", None, ".3f")
 # The paper's memory and running-time table (Appendix): time and memory (the optimizer-state column's unit is
@@ -112,37 +112,7 @@ def resources(report: dict[str, Any], records: list[dict[str, Any]]) -> dict[str
             "optimizer_state_bytes": report.get("optimizer_state_bytes")}
 
 
-WORST = "worst attack"
 ENVELOPE_AREA = "envelope_area"  # per run: the area its (UFE, MU) envelope dominates (bench/tradeoff.py)
-
-
-def attack_values(evaluation: Path) -> dict[str, Any]:
-    """The run's headline forget metric on each attacked copy and its worst case, where its evaluation ran
-    attacks (`eval_attacks`, docs/attacks.md): {"UFE after quant-4bit": value, ..., "UFE worst attack": value}."""
-    path = evaluation / "eval.json"
-    section = json.loads(path.read_text()).get("attacks") if path.is_file() else None
-    values: dict[str, Any] = {}
-    for row in (section or {}).get("metrics", []):
-        suite = SUITE_REGISTRY.get(row["suite"])  # None: a row of the relearning attacks' held-out half
-        if suite is None or suite.headline != row["metric"]:
-            continue
-        for attack, cell in row["attacks"].items():
-            values[f"{row['metric']} after {attack}"] = cell["value"]
-        values[f"{row['metric']} {WORST}"] = row["worst"]["value"]
-    return values
-
-
-def attack_columns(results: list[Result]) -> list[Metric]:
-    """One column per attack of the headline forget metric, then its worst case; better is the way that means
-    the model still does not know the forget set."""
-    keys = list(dict.fromkeys(key for r in results for key in r.values if " after " in key or key.endswith(WORST)))
-    keys = [k for k in keys if not k.endswith(WORST)] + [k for k in keys if k.endswith(WORST)]
-    columns = []
-    for key in keys:
-        metric = key.split(" ")[0]
-        direction = next(s.directions[metric] for s in SUITE_REGISTRY.values() if metric in s.directions)
-        columns.append(Metric(key, key, direction < 0))
-    return columns
 
 
 def second_half_mean(points: list[tuple[int, float]], steps: int) -> float | None:
@@ -171,9 +141,10 @@ def summarise(bench: Bench, results: list[Result], unfinished: list[str]) -> dic
     scores = [m for m in bench.adapter.metric_list(bench.runs[0].config)
               if any(r.values.get(m.key) is not None for r in results)]
     state, unit = _state_metric(results)
-    attacked = attack_columns(results)
-    columns = [*scores, *attacked, *RESOURCE_METRICS, state]
-    roles = {**{m.key: "score" for m in scores}, **{m.key: "attack" for m in attacked},
+    by_role = attack_columns([key for r in results for key in r.values])
+    attacked = by_role["attack"]
+    columns = [*scores, *attacked, *RESOURCE_METRICS, state, *by_role["reading"], *by_role["taken back"]]
+    roles = {**{m.key: "score" for m in scores}, **{m.key: role for role, ms in by_role.items() for m in ms},
              **{m.key: "resource" for m in (*RESOURCE_METRICS, state)}}
     if bench.log_update_similarity or any(r.values.get(UPDATE_COSINE.key) is not None for r in results):
         columns.append(UPDATE_COSINE)
@@ -232,9 +203,17 @@ def summarise(bench: Bench, results: list[Result], unfinished: list[str]) -> dic
         "definitions": definitions(bench, results, UPDATE_COSINE in columns) + (
             ["METRIC after ATTACK: the forget metric of the run's last evaluation on the attacked copy "
              "(`eval_attacks`, docs/attacks.md); METRIC worst attack: the attack that moved it furthest toward "
-             "knowing the forget set, per run."] if attacked else []),
+             "knowing the forget set, per run."] if attacked else []) + (
+            ["Reading attacks (logit lens, probe, soft prompt) and the relearning attack's held-out half: each value "
+             "on the attack's own rows beside the unattacked model's on the same rows (METRIC unattacked); the probe "
+             "also on the starting model and on token embeddings alone."] if by_role["reading"] else []) + (
+            ["METRIC taken back by ATTACK: how far the attack moved the metric toward knowing the forget set, "
+             "d · (attacked − unattacked) with d = +1 where higher means known and −1 where lower does (UFE); the "
+             "probe's accuracy minus the starting model's: what the unlearning left of its separability."]
+            if by_role["taken back"] else []),
         "tradeoff": tradeoff,
-        "paired": comparisons(rows, runs, [(m.key, m.label, m.higher_is_better) for m in scores] + whole_curve),
+        "paired": comparisons(rows, runs, [(m.key, m.label, m.higher_is_better) for m in scores] + whole_curve
+                              + [(m.key, m.label, m.higher_is_better) for m in by_role["taken back"]]),
         "over": over(results),
         "runs": runs,
     }
@@ -338,15 +317,17 @@ def _cell(stats: dict[str, Any], spec: str, bold: bool) -> str:
     return f"**{text}**" if bold else text
 
 
-def render_markdown(summary: dict[str, Any], figures: list[str]) -> str:
-    columns = summary["columns"]
+EXTRA_TABLES = {"reading": "Reading attacks and the relearning attack's held-out half, each on its own rows",
+                "taken back": "What each attack takes back (toward knowing the forget set; 0: nothing)"}
+
+
+def _table(summary: dict[str, Any], columns: list[dict[str, Any]]) -> list[str]:
     sweep = summary["sweep"]
     arrow = {"higher": " ↑", "lower": " ↓", None: ""}
     with_tasks = any(row.get("tasks") for row in summary["rows"])
     headers = ["Method", *([sweep["key"]] if sweep else []), *[c["label"] + arrow[c["better"]] for c in columns],
                "tasks x seeds" if with_tasks else "seeds"]
-    lines = [f"**Table.** {summary['caption']}", "",
-             "| " + " | ".join(headers) + " |",
+    lines = ["| " + " | ".join(headers) + " |",
              "| --- |" + (" ---: |" if sweep else "") + " ---: |" * len(columns) + " ---: |"]
     for row in summary["rows"]:
         cells = [row["label"], *([str(row["sweep_value"])] if sweep else [])]
@@ -354,6 +335,17 @@ def render_markdown(summary: dict[str, Any], figures: list[str]) -> str:
         cells.append(f"{len(set(row['tasks']))} x {len(set(row['seeds']))}" if row.get("tasks")
                      else str(len(row["seeds"])))
         lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def render_markdown(summary: dict[str, Any], figures: list[str]) -> str:
+    columns = summary["columns"]
+    main = [c for c in columns if c["role"] not in EXTRA_TABLES]
+    lines = [f"**Table.** {summary['caption']}", "", *_table(summary, main)]
+    for role, title in EXTRA_TABLES.items():
+        extra = [c for c in columns if c["role"] == role]
+        if extra:
+            lines += ["", f"**{title}.**", "", *_table(summary, extra)]
     lines.append("")
     if summary["partial"]:
         lines.append("Partial aggregates (a judge model was missing where these runs were evaluated):")
@@ -370,6 +362,7 @@ def render_markdown(summary: dict[str, Any], figures: list[str]) -> str:
             for scheme, values in summary["tuned"]["values"].items()) + "."]
     if summary.get("paired"):
         labels = {c["key"]: c["label"] for c in columns} | {ENVELOPE_AREA: "envelope area (UFE·MU)"}
+        sweep = summary["sweep"]
         lines += [""] + render_paired(summary["paired"], labels, sweep["key"] if sweep else None)
     if summary.get("tradeoff"):
         lines += [""] + render_tradeoff(summary["tradeoff"], summary.get("over", "seeds"))
@@ -387,10 +380,11 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
     table.add_column("scheme")
     if sweep:
         table.add_column(sweep["key"], justify="right")
-    for column in summary["columns"]:
+    shown = [c for c in summary["columns"] if c["role"] not in EXTRA_TABLES]  # the others: SCHEMES.md
+    for column in shown:
         table.add_column(column["label"].replace(" (mean over the 2nd half of steps)", ""), justify="right")
     for row in summary["rows"]:
         cells = [row["label"], *([str(row["sweep_value"])] if sweep else [])]
-        cells += [_cell(row["metrics"][c["key"]], c["format"], False) for c in summary["columns"]]
+        cells += [_cell(row["metrics"][c["key"]], c["format"], False) for c in shown]
         table.add_row(*cells)
     console.print(table)
