@@ -420,6 +420,10 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
            "model's, e.g. 0.1; the report names the copies left out [default: every copy]", min=0, panel=EVALUATION),
     Option("--prune-fraction", float, "The prune attack: the fraction of MLP neurons, those whose weights changed "
            "most, reset to the starting model's [default: 0.01]", min=0, panel=EVALUATION),
+    Option("--attack-option", list[str], "ATTACK.NAME=VALUE: a white-box attack's own setting (repeatable): "
+           "embedding.vectors, .steps, .lr, .max_seconds (a bound on its optimisation), .init (text or random), "
+           ".max_new_tokens; logit-lens.max_new_tokens; linear-probe.l2 [default: docs/attacks.md]",
+           panel=EVALUATION),
 
     # --- doplus bench optimizer, precision and schemes --------------------------------------------------------------
     Option("--json", bool, "Print the result as JSON on stdout instead of a table.",
@@ -501,7 +505,7 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
         "resume", "seed", "prompt_template", "protocol", "retain_logs", "holdout", "mia_reference", "guard_model",
         "refusal_model", "refusal_model_prompt", "safety_data_dir", "responses", "muse_corpus", "muse_data",
         "muse_retrained", "attacks", "relearn_data", "relearn_steps", "base_model", "utility_budget", "prune_fraction",
-        "dry_run",
+        "attack_option", "dry_run",
     ),
     "bench optimizer": (
         "recipe", "params", "dtype", "device", "steps", "warmup", "only", "json", "seed", "stability", "v_floor",

@@ -107,7 +107,9 @@ def test_reading_attacks_report_their_rows_beside_the_unattacked_model_on_the_sa
               "--nli-model", tmp_path / "no-nli", "--embedding-model", tmp_path / "no-embedder"]
     assert run_cli(*common, "--out", tmp_path / "plain") == 0
     out = tmp_path / "eval"
-    assert run_cli(*common, "--out", out, "--attacks", "logit-lens,linear-probe,embedding") == 0
+    assert run_cli(*common, "--out", out, "--attacks", "logit-lens,linear-probe,embedding",
+                   "--attack-option", "embedding.steps=3", "--attack-option", "logit-lens.max_new_tokens=2",
+                   "--attack-option", "linear-probe.l2=0.5") == 0
     assert (out / "TOFU_EVAL.json").read_bytes() == (tmp_path / "plain" / "TOFU_EVAL.json").read_bytes()
     record = json.loads((out / "eval.json").read_text())
     runs = {run["id"]: run for run in record["attacks"]["runs"]}
@@ -128,6 +130,10 @@ def test_reading_attacks_report_their_rows_beside_the_unattacked_model_on_the_sa
     assert lens["attacks"]["logit-lens"]["value"] >= lens["unattacked"] - 1e-9
     report = (out / "report.md").read_text()
     assert all(f"- {attack} on tofu: scored on" in report for attack in runs)
+    # --attack-option reached each attack (the defaults: 100 steps, 32 tokens, l2 0.01)
+    details = {attack: run["reading"]["tofu"]["details"] for attack, run in runs.items()}
+    assert details["embedding"]["steps_requested"] == 3 and details["embedding"]["steps"] <= 3
+    assert details["logit-lens"]["max_new_tokens"] == 2 and details["linear-probe"]["l2"] == 0.5
 
 
 def test_the_last_evaluation_of_a_run_takes_its_starting_model_for_the_edit_attacks(tiny_llama, tofu_dir, tmp_path):

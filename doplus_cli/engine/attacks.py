@@ -251,12 +251,13 @@ class StartingModel:
         return self.model
 
 
-def attack_input(context: SuiteContext, suite: str, base) -> AttackInput:
-    """What a white-box attack reads: `suite`'s forget and retain (or neighbour) rows as it loads them; the
-    attacks' own settings are their defaults (prune's fraction is an argument of its own)."""
+def attack_input(context: SuiteContext, suite: str, base, attack: str) -> AttackInput:
+    """What a white-box attack reads: `suite`'s forget and retain (or neighbour) rows as it loads them, and the
+    attack's own settings from --attack-option (prune's fraction is an argument of its own)."""
     sets = qa_sets(context.config, suite)
     return AttackInput(context.model, context.tokenizer, context.formatter, sets[0].samples, sets[1].samples
-                       if len(sets) > 1 else [], base, context.config.seed, context.config.batch_size)
+                       if len(sets) > 1 else [], base, context.config.seed, context.config.batch_size,
+                       dict(context.config.attack_options.get(attack, {})))
 
 
 def edited_copy(context: SuiteContext, attack: str, base) -> tuple[Any, dict[str, Any]]:
@@ -266,8 +267,8 @@ def edited_copy(context: SuiteContext, attack: str, base) -> tuple[Any, dict[str
 
     suite = next((s for s in context.config.suites if s in registry.QA_SUITES), None)
     if attack == "orthogonalize":
-        return weight_edits.orthogonalized_copy(attack_input(context, suite, base))
-    inp = attack_input(context, suite, base) if suite is not None else \
+        return weight_edits.orthogonalized_copy(attack_input(context, suite, base, attack))
+    inp = attack_input(context, suite, base, attack) if suite is not None else \
         AttackInput(context.model, context.tokenizer, context.formatter, [], [], base, context.config.seed,
                     context.config.batch_size)
     return weight_edits.pruned_copy(inp, context.config.prune_fraction)
@@ -277,7 +278,7 @@ def read_attack(context: SuiteContext, attack: str, suite: str, base) -> Reading
     """A reading attack on `suite`'s rows."""
     from doplus_cli.evaluation import soft_prompt, white_box
 
-    inp = attack_input(context, suite, base)
+    inp = attack_input(context, suite, base, attack)
     if attack == "logit-lens":
         return white_box.logit_lens(inp)
     if attack == "linear-probe":

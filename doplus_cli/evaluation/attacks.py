@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from doplus_cli.data.formatting import PromptFormatter
-from doplus_cli.errors import UserError
+from doplus_cli.errors import UserError, shown
 from doplus_cli.evaluation import metrics
 from doplus_cli.evaluation.suite_api import Suite
 from doplus_cli.evaluation.suite_registry import SUITE_REGISTRY
@@ -148,6 +148,38 @@ def parse_attacks(text: str | None, suites: tuple[str, ...]) -> tuple[str, ...]:
     if not names:
         raise UserError("--attacks is empty: choose from " + ", ".join(ATTACK_CHOICES))
     return tuple(name for name in ATTACKS if name in names)
+
+
+def _attack_settings(attack: str, given: dict[str, str]) -> dict[str, Any]:
+    """An attack's `--attack-option` values checked and typed by the attack's own settings (the errors name them)."""
+    from doplus_cli.evaluation import soft_prompt, white_box
+
+    if attack == "embedding":
+        settings = soft_prompt.parse_settings(given)
+        return {name: getattr(settings, name) for name in given}
+    return white_box.checked_options(attack, given)
+
+
+SETTABLE = ("logit-lens", "linear-probe", "embedding")  # the attacks with settings of their own (docs/attacks.md)
+
+
+def parse_attack_options(texts: Sequence[str] | None, attacks: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """`--attack-option ATTACK.NAME=VALUE` (repeatable) -> {attack: {name: typed value}}, each value checked by its
+    attack; a malformed one, an attack without settings or not among --attacks, an unknown name or a value out of
+    range is one line naming it."""
+    given: dict[str, dict[str, str]] = {}
+    for text in texts or ():
+        name, equals, value = str(text).partition("=")
+        attack, dot, key = name.strip().partition(".")
+        if not equals or not dot or not key.strip() or not value.strip():
+            raise UserError(f"--attack-option {shown(text)}: write ATTACK.NAME=VALUE, e.g. embedding.steps=50")
+        if attack not in SETTABLE:
+            raise UserError(f"--attack-option {shown(text)}: {shown(attack)} has no settings; these attacks do: "
+                            f"{', '.join(SETTABLE)}")
+        if attack not in attacks:
+            raise UserError(f"--attack-option {shown(text)}: {attack} is not among --attacks")
+        given.setdefault(attack, {})[key.strip()] = value.strip()
+    return {attack: _attack_settings(attack, values) for attack, values in given.items()}
 
 
 def parse_relearn_steps(text: str | int | None) -> tuple[int, ...]:

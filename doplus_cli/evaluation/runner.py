@@ -19,7 +19,7 @@ from rich.console import Console
 from doplus_cli import decoding, lifecycle, ownership
 from doplus_cli.data.formatting import check_prompt_template
 from doplus_cli.errors import UserError, writing
-from doplus_cli.evaluation.attacks import ATTACKS, QA_SUITES, parse_attacks, parse_relearn_steps
+from doplus_cli.evaluation.attacks import ATTACKS, QA_SUITES, parse_attack_options, parse_attacks, parse_relearn_steps
 from doplus_cli.evaluation.compute import compute_floor, linear_kernel, matmul_gflops, packed_linears
 from doplus_cli.evaluation.muse import check_muse_data
 from doplus_cli.evaluation.privacy import read_holdout, read_retain_logs
@@ -62,6 +62,7 @@ def resolve_eval_config(options: dict[str, Any]) -> EvalConfig:
     values["tasks"] = tuple(task.strip() for task in (values.get("tasks") or "").split(",") if task.strip())
     values["attacks"] = parse_attacks(values.get("attacks"), values["suites"])
     values["relearn_steps"] = parse_relearn_steps(values.get("relearn_steps"))
+    values["attack_options"] = parse_attack_options(values.pop("attack_option", None), values["attacks"])
     config = EvalConfig(**values)
     check_prompt_template(config.prompt_template)
     get_protocol(config.protocol)

@@ -63,7 +63,7 @@ def parse_settings(options: dict[str, Any]) -> SoftPromptSettings:
     values: dict[str, Any] = {}
     for name, value in options.items():
         if name not in known:
-            raise UserError(f"soft prompt attack: unknown option '{name}': choose from {', '.join(known)}")
+            raise UserError(f"--attack-option embedding: unknown option '{name}': choose from {', '.join(known)}")
         values[name] = _checked(name, value)
     return SoftPromptSettings(**values)
 
@@ -71,7 +71,7 @@ def parse_settings(options: dict[str, Any]) -> SoftPromptSettings:
 def _checked(name: str, value: Any) -> Any:
     if name == "init":
         if value not in INITS:
-            raise UserError(f"soft prompt attack: init must be one of {', '.join(INITS)}, got {shown(value)}")
+            raise UserError(f"--attack-option embedding: init must be one of {', '.join(INITS)}, got {shown(value)}")
         return value
     if name == "max_seconds" and value is None:
         return None
@@ -81,14 +81,14 @@ def _checked(name: str, value: Any) -> Any:
         except ValueError:
             number = 0
         if number < 1:
-            raise UserError(f"soft prompt attack: {name} must be a whole number >= 1, got {shown(value)}")
+            raise UserError(f"--attack-option embedding: {name} must be a whole number >= 1, got {shown(value)}")
         return number
     try:
         number = float(value)
     except (TypeError, ValueError):
         number = math.nan
     if not number > 0 or math.isinf(number):
-        raise UserError(f"soft prompt attack: {name} must be a number > 0, got {shown(value)}")
+        raise UserError(f"--attack-option embedding: {name} must be a number > 0, got {shown(value)}")
     return number
 
 

@@ -7,7 +7,7 @@ registers its tasks, and `runner.evaluate_model` loops over the chosen ones.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +66,8 @@ class EvalConfig:
     base_model: str | None = None  # the model the unlearning started from (white-box attacks); None: the run's record
     utility_budget: float | None = None  # the worst case keeps attacked copies whose utility dropped by at most this
     prune_fraction: float = 0.01  # the prune attack: the fraction of MLP neurons reset to the starting model's
+    # the white-box attacks' own settings (--attack-option ATTACK.NAME=VALUE): {attack: {name: typed value}}
+    attack_options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass

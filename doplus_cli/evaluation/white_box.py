@@ -37,6 +37,8 @@ FINAL_NORMS = ("norm", "final_layernorm", "ln_f", "final_layer_norm", "norm_f")
 LENS_MAX_NEW_TOKENS = 32  # the lens decode's length (option max_new_tokens): ROUGE on each answer's start
 LENS_TOLERANCE = 1e-3  # |lens(last layer) - logits| allowed, relative to the logits' scale
 PROBE_L2 = 1e-2  # the probe's L2 penalty on its weights (standardized features; option l2)
+# the settings `--attack-option ATTACK.NAME=VALUE` may change, with their defaults
+SETTINGS = {"logit-lens": {"max_new_tokens": LENS_MAX_NEW_TOKENS}, "linear-probe": {"l2": PROBE_L2}}
 PROBE_MIN_ROWS = 4  # two to train (one per fold of the layer choice), two held out
 PROBE_MAX_ITER = 500  # LBFGS iterations per fit
 
@@ -275,6 +277,12 @@ def _cache_of(output):
     return cache if cache is not None else output.past_key_values
 
 
+def checked_options(attack: str, options: dict[str, Any]) -> dict[str, Any]:
+    """`--attack-option` values of the logit lens or the probe, checked and typed (`SETTINGS`: their names)."""
+    values = _options(attack, options, SETTINGS[attack])
+    return {name: values[name] for name in options}
+
+
 def _options(attack: str, options: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
     """`AttackInput.options` checked against the attack's own (`defaults`: name -> default value): an unknown name,
     a whole-number option that is not a whole number >= 1 or a float option that is not a number > 0 is one line
@@ -282,18 +290,19 @@ def _options(attack: str, options: dict[str, Any], defaults: dict[str, Any]) -> 
     values = dict(defaults)
     for name, value in options.items():
         if name not in defaults:
-            raise UserError(f"--attacks {attack}: unknown option '{name}': choose from {', '.join(defaults)}")
+            raise UserError(f"--attack-option {attack}.{name}: unknown setting '{name}': choose from "
+                            f"{', '.join(defaults)}")
         if isinstance(defaults[name], int):
             number = int(str(value)) if not isinstance(value, bool) and str(value).strip().isdigit() else 0
             if number < 1:
-                raise UserError(f"--attacks {attack}: {name} must be a whole number >= 1, got {shown(value)}")
+                raise UserError(f"--attack-option {attack}.{name}: must be a whole number >= 1, got {shown(value)}")
         else:
             try:
                 number = float(value)
             except (TypeError, ValueError):
                 number = math.nan
             if not number > 0 or math.isinf(number):
-                raise UserError(f"--attacks {attack}: {name} must be a number > 0, got {shown(value)}")
+                raise UserError(f"--attack-option {attack}.{name}: must be a number > 0, got {shown(value)}")
         values[name] = number
     return values
 
@@ -319,7 +328,7 @@ def logit_lens(inp: AttackInput) -> Reading:
     rows = list(inp.forget)
     if not rows:
         raise UserError("--attacks logit-lens: the suite has no forget rows to read")
-    max_new_tokens = _options("logit-lens", inp.options, {"max_new_tokens": LENS_MAX_NEW_TOKENS})["max_new_tokens"]
+    max_new_tokens = _options("logit-lens", inp.options, SETTINGS["logit-lens"])["max_new_tokens"]
     lens = find_lens(inp.model)
     values = _layer_probabilities(inp.model, inp.formatter, rows, inp.batch_size, lens)
     best, last = _best_layer(values), len(values)
@@ -516,7 +525,7 @@ def linear_probe(inp: AttackInput) -> Reading:
     token embedding (hidden state 0: the answer's words without context), how far wording alone tells the true
     answers from the perturbed ones. With `inp.base`, the same procedure on the starting model is in
     `details["base"]`."""
-    l2 = _options("linear-probe", inp.options, {"l2": PROBE_L2})["l2"]
+    l2 = _options("linear-probe", inp.options, SETTINGS["linear-probe"])["l2"]
     rows = list(inp.forget)
     missing = [i for i, s in enumerate(rows) if not s.perturbed]
     if missing:
