@@ -28,7 +28,23 @@ import typer
 from rich import markup
 
 from doplus_cli import errors
-from doplus_cli.config import SCHEMES, TrainConfig, default_of, recipe_options
+from doplus_cli.config import (
+    BASE_SOURCES,
+    BASE_UPDATES,
+    DOPLUS_RULES,
+    DTYPES,
+    OPTIMIZERS,
+    PRECISIONS,
+    PROTOCOL_NAMES,
+    SAVE_DTYPES,
+    SCHEMES,
+    STATE_BITS,
+    TRACKERS,
+    UPDATE_SCHEMES,
+    TrainConfig,
+    default_of,
+    recipe_options,
+)
 from doplus_cli.data.formatting import TEMPLATE_HELP
 from doplus_cli.errors import UserError
 from doplus_cli.registry import Registry
@@ -53,8 +69,8 @@ class Option:
     """One option of the commands that take a recipe. `flags` is click's declaration (`--lr`, `--fsdp/--no-fsdp`;
     an argument's parameter name), and its first flag names the option: the config field it sets (`--forget-lr`:
     `forget_lr`). `help` may hold `{default}` (the command's config default) and `{command}` (the command's name).
-    `words` maps a command to its own help text; `variant` maps a command to its own `flags`, `type`, `min` or
-    `panel` (the titled group of --help the option is shown in, one of PANELS)."""
+    `words` maps a command to its own help text; `variant` maps a command to its own `flags`, `type`, `min`,
+    `panel` (the titled group of --help the option is shown in, one of PANELS) or `choices`."""
 
     flags: str
     type: Any
@@ -64,15 +80,19 @@ class Option:
     words: Mapping[str, str] = field(default_factory=dict)
     variant: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     panel: str = OUTPUT
+    # A closed set of values, shown in --help in place of the type ([a|b|c]); `many`: a comma-separated list of
+    # them. The commands check the values themselves, with their own one-line errors.
+    choices: tuple[Any, ...] = ()
+    many: bool = False
 
     @property
     def name(self) -> str:
         return self.flags.split("/")[0].removeprefix("--").replace("-", "_")
 
     def settings_for(self, command: str) -> dict[str, Any]:
-        """`flags`, `type`, `min` and `panel` as `command` declares them."""
+        """`flags`, `type`, `min`, `panel` and `choices` as `command` declares them."""
         return {"flags": self.flags, "type": self.type, "min": self.min, "panel": self.panel,
-                **self.variant.get(command, {})}
+                "choices": self.choices, **self.variant.get(command, {})}
 
     def help_for(self, command: str, names: Mapping[str, str] | None = None) -> str:
         """The help text `command` shows: its own words or the shared ones, its default and its name filled in, and
@@ -132,7 +152,8 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
     Option("--dtype", str, DTYPE_HELP + DEFAULT,
            words={"evaluate": "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16.",
                   "bench optimizer": "Parameter dtype: float32 or bfloat16."},
-           variant={"bench optimizer": {"panel": MEASURE}}, panel=MODEL_DATA),
+           variant={"bench optimizer": {"panel": MEASURE, "choices": ("float32", "bfloat16")}}, panel=MODEL_DATA,
+           choices=DTYPES),
     Option("--trust-remote-code/--no-trust-remote-code", bool, "Allow the model's own code to run." + DEFAULT,
            words={"evaluate": "Allow the model's own code to run."},
            variant={"evaluate": {"flags": "--trust-remote-code"}}, panel=MODEL_DATA),
@@ -178,11 +199,11 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
                               "[default: 1]"}, panel=MODEL_DATA),
 
     # --- Every training command --------------------------------------------------------------------------------
-    Option("--precision", str, PRECISION_HELP + DEFAULT, panel=TRAINING),
-    Option("--save-dtype", str, SAVE_DTYPE_HELP + DEFAULT, panel=CHECKPOINTS),
+    Option("--precision", str, PRECISION_HELP + DEFAULT, panel=TRAINING, choices=PRECISIONS),
+    Option("--save-dtype", str, SAVE_DTYPE_HELP + DEFAULT, panel=CHECKPOINTS, choices=SAVE_DTYPES),
     Option("--max-length", int, "Tokens per example." + DEFAULT, panel=MODEL_DATA),
-    Option("--optimizer", str, "adamw or muon (doplus)." + DEFAULT, panel=METHOD),
-    Option("--state-bits", int, "32 or 8 (blockwise 8-bit states)." + DEFAULT, panel=METHOD),
+    Option("--optimizer", str, "adamw or muon (doplus)." + DEFAULT, panel=METHOD, choices=OPTIMIZERS),
+    Option("--state-bits", int, "32 or 8 (blockwise 8-bit states)." + DEFAULT, panel=METHOD, choices=STATE_BITS),
     Option("--betas", str, "AdamW betas as B1,B2" + DEFAULT, panel=TRAINING),
     Option("--lr", float, "Peak learning rate." + DEFAULT,
            words={"bench precision": "Peak learning rate, decaying linearly to 0."},
@@ -200,9 +221,9 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
     Option("--keep-last", int, "Keep the newest K checkpoints (K >= 1) [default: all]", min=1, panel=CHECKPOINTS),
     Option("--log-update-similarity", bool, SIMILARITY_HELP,
            words={"bench schemes": "Record update_cosine/grad_cosine in every run and compare them."}, panel=OUTPUT),
-    Option("--report-to", str, REPORT_TO_HELP, panel=OUTPUT),
+    Option("--report-to", str, REPORT_TO_HELP, panel=OUTPUT, choices=TRACKERS, many=True),
     Option("--base-update", str, "DualOptim+'s base state takes the gradient after-param (the rule), before-delta "
-           "or after-delta (the paper's ablation)." + DEFAULT, panel=METHOD),
+           "or after-delta (the paper's ablation)." + DEFAULT, panel=METHOD, choices=BASE_UPDATES),
     Option("--v-floor", float, "DualOptim+'s safeguarded rule: the floor rho on its denominator, as a fraction of "
            "v_B + |v_k|, in [0, 1) (0: the clamp at 10 lr alone)." + DEFAULT,
            words={"bench optimizer": "With --stability: the safeguarded rule's floors to run, comma-separated, each "
@@ -210,13 +231,13 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
                                      "floor]"},
            variant={"bench optimizer": {"type": str, "panel": MEASURE}}, panel=METHOD),
     Option("--base-source", str, "DualOptim+'s base state takes grad (the rule) or grad-minus-delta, g minus the "
-           "delta (the paper's ablation)." + DEFAULT, panel=METHOD),
+           "delta (the paper's ablation)." + DEFAULT, panel=METHOD, choices=BASE_SOURCES),
     Option("--doplus-rule", str, "DualOptim+'s AdamW rule: safeguarded (floor on the denominator, steps at most 10 "
-           "lr) or paper (exactly as published)." + DEFAULT, panel=METHOD),
+           "lr) or paper (exactly as published)." + DEFAULT, panel=METHOD, choices=DOPLUS_RULES),
     Option("--scheme", str, "joint, alternate, dualoptim, doplus, or the paper's federated-learning baselines "
            "scaffold, fedcm, local-adam." + DEFAULT,
            words={"align": "joint (batches from the mixture of both sets), alternate, dualoptim, doplus, scaffold, "
-                           "fedcm or local-adam." + DEFAULT}, panel=METHOD),
+                           "fedcm or local-adam." + DEFAULT}, panel=METHOD, choices=UPDATE_SCHEMES),
     Option("--steps", int, "Optimizer steps." + DEFAULT,
            words={"align": "Optimizer steps (or --epochs)." + DEFAULT,
                   "bench optimizer": "Timed steps per optimizer (median is reported).",
@@ -322,7 +343,7 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
     Option("--eval-data-dir", str, TOFU_FOLDER_HELP + "]", panel=EVALUATION),
     Option("--eval-nli-model", str, "NLI model " + NLI_DEFAULT, panel=EVALUATION),
     Option("--eval-embedding-model", str, "Embedding model [default: the protocol's]", panel=EVALUATION),
-    Option("--eval-protocol", str, PROTOCOL_HELP + DEFAULT, panel=EVALUATION),
+    Option("--eval-protocol", str, PROTOCOL_HELP + DEFAULT, panel=EVALUATION, choices=PROTOCOL_NAMES),
     Option("--eval-attacks", str, "The last evaluation (--eval-every) also runs on attacked copies of the final "
            "weights: relearn, relearn-lora, quant-8bit, quant-4bit, quant-fp4, probe, white-box (logit-lens, "
            "linear-probe, embedding, orthogonalize, prune) or all, comma-separated (docs/attacks.md) [default: none]",
@@ -381,7 +402,7 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
     Option("--limit", float, "lm-eval: samples per task (or a fraction < 1).", panel=EVALUATION),
     Option("--lm-eval-include", str, "Folder of extra lm-eval task YAMLs. lm-eval runs the Python a task names "
            "(`!function file.fn`) from that folder: give only a folder whose code you trust.", panel=EVALUATION),
-    Option("--protocol", str, PROTOCOL_HELP, panel=EVALUATION),
+    Option("--protocol", str, PROTOCOL_HELP, panel=EVALUATION, choices=PROTOCOL_NAMES),
     Option("--retain-logs", str, "A retain model's TOFU_EVAL.json (doplus's or OpenUnlearning's): forget_quality "
            "and privleak's reference AUC; muse: a retrained model's MUSE_EVAL.json.", panel=EVALUATION),
     Option("--holdout", str, "Non-member rows (JSON lines with question, answer; TOFU's holdout10): the privacy "
@@ -398,7 +419,7 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
     Option("--safety-data-dir", str, "safety, xstest: folder " + SAFETY_FILES_HELP, panel=MODEL_DATA),
     Option("--responses", str, "safety, xstest: judge the (prompt, response) rows of FILE.jsonl|csv instead of "
            "generating", panel=MODEL_DATA),
-    Option("--muse-corpus", str, "muse: news or books.", panel=MODEL_DATA),
+    Option("--muse-corpus", str, "muse: news or books.", panel=MODEL_DATA, choices=("news", "books")),
     Option("--muse-data", str, "muse: a folder in MUSE's layout (<config>/<split>.jsonl) or hf:NAME [default: "
            "hf:muse-bench/MUSE-News or MUSE-Books]", panel=MODEL_DATA),
     Option("--muse-retrained", str, "muse: a retrained model (hub id or folder) whose Min-40% AUC is privleak's "
@@ -430,7 +451,7 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
            words={"bench schemes": "With --list-runs: the grid as JSON, with each run's folder and command."},
            panel=OUTPUT),
     Option("--params", str, "Synthetic parameter count: 50M, 1.5G, 1B, 200k, 123456.", panel=MEASURE),
-    Option("--device", str, "auto (cuda if available), cpu or cuda.", panel=MEASURE),
+    Option("--device", str, "auto (cuda if available), cpu or cuda.", panel=MEASURE, choices=("auto", "cpu", "cuda")),
     Option("--warmup", int, "Untimed steps first (compilation happens here).", min=1, panel=MEASURE),
     Option("--only", str, "Comma-separated subset of rows, e.g. adamw,doplus,doplus-8bit.", panel=MEASURE),
     Option("--stability", bool, "Instead of speed: the paper's and the safeguarded DualOptim+ rule on a synthetic "
@@ -448,7 +469,7 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
            "removed, so the bench needs the disk of one run's checkpoints plus every run's final/).", panel=RUNS),
     Option("--summarize-from", str, "Score each run by its final model, or by its best step (best: the runs "
            "evaluate during training and keep their best step, --set select_by=METRIC --set eval_every=N).",
-           panel=RUNS),
+           panel=RUNS, choices=("final", "best")),
     Option("--list-runs", bool, "Print the grid (index, scheme, seed, task, sweep value, state: pending, running, "
            "done or failed) and run nothing.", panel=RUNS),
     Option("--indexes", str, "With --list-runs: only the indexes of the runs in these states (e.g. pending,failed) "
@@ -480,7 +501,8 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
     Option("--trials", int, "The study's budget: finished trials (complete, pruned or failed) over every worker on "
            "its storage.", min=1, panel=SEARCH),
     Option("--pruner", str, "median (stop a trial whose evaluation during training is below the median of the "
-           "trials before it at that step), hyperband, or none. Needs eval_every in the recipe.", panel=SEARCH),
+           "trials before it at that step), hyperband, or none. Needs eval_every in the recipe.", panel=SEARCH,
+           choices=("median", "hyperband", "none")),
     Option("--storage", str, "Where the study lives: a journal file's path (works on a shared file system, no "
            "server) or a database URL (sqlite:///study.db, postgresql://...) [default: DIR/study.journal]",
            panel=SEARCH),
@@ -543,11 +565,29 @@ def option_type(name: str, command: str, names: Mapping[str, str] | None = None,
     settings = option.settings_for(command)
     text = option.help_for(command, names)
     finite = finite_number if settings["type"] is float else None
+    metavar, text = choices_shown(settings["choices"], option.many, text)
     text = markup.escape(text)  # shown as written: [default: ...], hf:NAME[:CONFIG][@SPLIT] are no rich markup
     info = (typer.Argument(help=text, show_default=show_default) if option.argument  # a panel of typer's own
             else typer.Option(settings["flags"], help=text, min=settings["min"], callback=finite,
-                              rich_help_panel=settings["panel"], show_default=show_default))
+                              rich_help_panel=settings["panel"], show_default=show_default, metavar=metavar))
     return Annotated[settings["type"] | None, info]
+
+
+METAVAR_WIDTH = 20  # a longer list of choices goes into the help text, which wraps, not the type column, which cuts
+
+
+def choices_shown(choices: tuple[Any, ...], many: bool, text: str) -> tuple[str | None, str]:
+    """(the type column's text, the help text) for an option with a closed set of values: `[a|b|c]` in the type
+    column when it fits, else `[choices: a, b, c]` after the help text unless the text already names each one."""
+    if not choices:
+        return None, text
+    names = [str(c) for c in choices]
+    metavar = "[" + "|".join(names) + "]" + (",..." if many else "")
+    if len(metavar) <= METAVAR_WIDTH:
+        return metavar, text
+    if all(name in text for name in names):
+        return None, text
+    return None, f"{text} [choices: {', '.join(names)}{', comma-separated' if many else ''}]"
 
 
 def finite_number(value: float | None) -> float | None:

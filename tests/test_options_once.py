@@ -281,6 +281,32 @@ def test_the_closed_sets_are_listed_in_the_help():
     assert all(attack in attacks for attack in ATTACKS), [a for a in ATTACKS if a not in attacks]
 
 
+def test_an_options_choices_are_its_type_column_or_end_its_help():
+    """An option with a closed set (`Option.choices`, per command) shows each value: in the type column as [a|b]
+    when that fits, else after its help text, unless the text already names every one."""
+    from doplus_cli.evaluation.runner import SUITE_REGISTRY
+
+    seen = 0
+    for command, names in options.COMMAND_OPTIONS.items():
+        for name in names:
+            choices = options.OPTIONS[name].settings_for(command)["choices"]
+            if not choices:
+                continue
+            seen += 1
+            info = options.option_type(name, command, {"suites": SUITE_REGISTRY.listing()}).__metadata__[0]
+            shown = (info.metavar or "") + " " + info.help
+            assert all(str(choice) in shown for choice in choices), (command, name, shown)
+            assert info.metavar is None or len(info.metavar) <= options.METAVAR_WIDTH
+    assert seen >= 20
+    assert options.choices_shown(("a", "b"), False, "Pick.") == ("[a|b]", "Pick.")
+    assert options.choices_shown(("a", "b"), True, "Pick.") == ("[a|b],...", "Pick.")
+    long = ("first-choice", "second-choice")
+    assert options.choices_shown(long, False, "Pick.") == (None, "Pick. [choices: first-choice, second-choice]")
+    assert options.choices_shown(long, False, "first-choice or second-choice.") == (
+        None, "first-choice or second-choice.")
+    assert options.choices_shown((), False, "Any.") == (None, "Any.")
+
+
 @pytest.mark.parametrize("command", HELP_COMMANDS)
 def test_the_examples_at_the_foot_of_a_help_are_commands_the_docs_run(command):
     """Each command's --help ends with examples, and each is a command of the README or docs/, which
