@@ -34,7 +34,7 @@ def balanced_order(items: Sequence[T], heavy: Callable[[T], bool]) -> list[T]:
 # the metrics, the configuration and the command line against their references, without a doplus process, a
 # real model or a bench. Their tests marked with a HEAVY_MARKERS marker stay out of it.
 QUICK_MODULES = (
-    "test_optim_rules", "test_optim_api", "test_v_floor",  # the optimizer
+    "test_optim_rules", "test_optim_api", "test_optim_groups", "test_v_floor",  # the optimizer
     "test_losses", "test_losses_beyond_the_paper",  # the losses
     "test_eval_metrics", "test_similarity", "test_select_by", "test_paired",  # the metrics
     "test_config_final", "test_config_fields_set_by_doplus", "test_refused_keys", "test_options_once",  # config

@@ -658,7 +658,8 @@ def _step_diagnostics(run: Run, objective: str) -> dict[str, float | None]:
     if run.similarity is not None:
         update.update(run.similarity.after_step(objective))
     if run.sharded:
-        safeguarded = getattr(run.optimizer, "rule", None) == "safeguarded"  # the same on every process
+        # DualOptim+'s rule is a param group's setting; the groups are the same on every process
+        safeguarded = any(group.get("rule") == "safeguarded" for group in run.optimizer.param_groups)
         counts = run.optimizer.safeguard_counts() if safeguarded else None
         update = sharding.gather_step_diagnostics(update, run.accelerator.device)
         if safeguarded:

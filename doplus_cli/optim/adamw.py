@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from doplus_cli.optim.checks import check_common, check_param_groups
+from doplus_cli.optim.checks import check_common, check_param_groups, with_built_settings
 from doplus_cli.optim.diagnostics import reduce_step_stats
 from doplus_cli.optim.kernels import FUSED_MIN_NUMEL, AdamWScalars, adamw_fused, adamw_reference
 
@@ -44,6 +44,9 @@ class AdamW(Optimizer):
         compensation: a dict {parameter: buffer} shared with other optimizers over the same weights (one
             buffer per weight, whichever state steps it); None: the buffers live in this optimizer's state.
         fused: the compiled one-pass kernel (True), the eager reference (False), or by size (None).
+
+    ``compensated`` and ``fused`` are defaults of the param groups, as ``lr`` is: a group may set its own, and
+    `state_dict` carries them.
     """
 
     def __init__(
@@ -52,15 +55,15 @@ class AdamW(Optimizer):
         compensation: dict[Tensor, Tensor] | None = None, fused: bool | None = None,
     ) -> None:
         check_common(lr, betas, eps, weight_decay, 32)
-        self.compensated = compensated
         self.shared_compensation = compensation
-        self.fused = fused
         self._step_stats: list[tuple[Tensor, Tensor]] = []
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, compensated=compensated,
+                        fused=fused)
+        super().__init__(params, defaults)
         check_param_groups(self.param_groups)
 
-    def _compensation(self, param: Tensor, state: dict) -> Tensor | None:
-        if not self.compensated or param.dtype not in LOW_PRECISION:
+    def _compensation(self, param: Tensor, state: dict, group: dict) -> Tensor | None:
+        if not group["compensated"] or param.dtype not in LOW_PRECISION:
             return None
         store = state if self.shared_compensation is None else self.shared_compensation
         key = "compensation" if self.shared_compensation is None else param
@@ -68,10 +71,11 @@ class AdamW(Optimizer):
             store[key] = new_compensation(param)
         return store[key]
 
-    def _use_fused(self, param: Tensor, grad: Tensor) -> bool:
-        if self.fused is False or not (param.is_contiguous() and grad.is_contiguous()):
+    @staticmethod
+    def _use_fused(param: Tensor, grad: Tensor, fused: bool | None) -> bool:
+        if fused is False or not (param.is_contiguous() and grad.is_contiguous()):
             return False
-        return self.fused is True or param.numel() >= FUSED_MIN_NUMEL
+        return fused is True or param.numel() >= FUSED_MIN_NUMEL
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -94,9 +98,9 @@ class AdamW(Optimizer):
                 state["step"] += 1
                 s = AdamWScalars(lr=float(group["lr"]), weight_decay=group["weight_decay"], beta1=beta1, beta2=beta2,
                                  eps=group["eps"], step=int(state["step"].item()))
-                compensation = self._compensation(param, state)
+                compensation = self._compensation(param, state, group)
                 m, v = state["exp_avg"], state["exp_avg_sq"]
-                if self._use_fused(param, param.grad):
+                if self._use_fused(param, param.grad, group["fused"]):
                     stats = adamw_fused(param, param.grad, m, v, s.packed(param.device, m.dtype), compensation)
                 else:
                     stats = adamw_reference(param, param.grad, m, v, s, compensation)
@@ -104,7 +108,7 @@ class AdamW(Optimizer):
         return loss
 
     def __getstate__(self) -> dict:
-        # torch's Optimizer keeps only defaults, state and param_groups; a copy needs the compensation settings
+        # torch's Optimizer keeps only defaults, state and param_groups; a copy needs the shared compensation
         return self.__dict__.copy()
 
     def step_diagnostics(self) -> dict[str, float]:
@@ -114,8 +118,10 @@ class AdamW(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As `torch.optim.Optimizer`, but every state tensor keeps its saved dtype (torch casts states to the
-        parameter's dtype: float32 moments of a bf16 weight would become bf16)."""
-        super().load_state_dict(state_dict)
+        parameter's dtype: float32 moments of a bf16 weight would become bf16). The state dicts of doplus 0.1.0
+        and 0.2.0 kept ``compensated`` and ``fused`` on the optimizer: each group takes them from the group as this
+        optimizer was built (its own value, else the constructor's)."""
+        super().load_state_dict(with_built_settings(state_dict, self.param_groups))
         params = [p for group in self.param_groups for p in group["params"]]
         for index, saved in state_dict["state"].items():
             self.state[params[index]] = clone_state(saved, params[index].device)

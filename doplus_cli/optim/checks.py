@@ -63,6 +63,19 @@ def check_param_groups(param_groups: Sequence[Mapping[str, Any]], betas_keys: Se
             raise ValueError(f"param group {index}: {error}") from None
 
 
+def with_built_settings(state_dict: Mapping[str, Any], param_groups: Sequence[Mapping[str, Any]]) -> dict:
+    """`state_dict` whose saved param groups take the settings they lack from this optimizer's groups of the same
+    index, as it was built (doplus 0.1.0 and 0.2.0 kept some settings on the optimizer, so their state dicts'
+    groups lack them); a saved value wins. With another number of groups it is returned as it is, for torch's
+    load to name the mismatch."""
+    saved = state_dict.get("param_groups")
+    if not isinstance(saved, Sequence) or len(saved) != len(param_groups):
+        return dict(state_dict)
+    groups = [{**{key: value for key, value in built.items() if key != "params"}, **group}
+              for built, group in zip(param_groups, saved)]
+    return {**state_dict, "param_groups": groups}
+
+
 def unknown_objective(objective: Any, objectives: tuple[str, ...]) -> ValueError:
     return ValueError(
         f"unknown objective {objective!r}: this optimizer was built with objectives={list(objectives)}"

@@ -41,6 +41,7 @@ from doplus_cli.optim.checks import (
     check_lr_multipliers,
     check_objectives,
     step_arguments,
+    with_built_settings,
 )
 from doplus_cli.optim.diagnostics import reduce_step_stats, step_counts
 from doplus_cli.optim.distributed import local_shard
@@ -62,6 +63,10 @@ QUANTIZE_CHOICES = ("all", "base", "delta")
 BASE_UPDATES = ("after-param", "before-delta", "after-delta")  # the paper's Table 10; the first is the rule
 BASE_SOURCES = ("grad", "grad-minus-delta")  # the paper's Table 11; the first is the rule
 FUSED_8BIT_CHUNK_ROWS = 512  # 128k elements per call of the 8-bit kernel
+
+# a param group's settings that the AdamW rule's scalars take (`adamw_plus_scalars`), beside its learning rate
+ADAMW_RULE_SETTINGS = ("betas", "base_betas", "eps", "weight_decay", "rule", "v_floor", "max_update", "base_update",
+                       "base_source")
 
 _ADAMW_STATES = ("exp_avg", "exp_avg_sq")
 _MUON_STATES = ("momentum_buffer",)
@@ -216,15 +221,6 @@ class DualOptimPlus(Optimizer):
             self.param_groups.pop()
             raise ValueError(f"param group {len(self.param_groups)}: {error}") from None
 
-    def __setstate__(self, state: dict) -> None:
-        """torch's, then each group takes the defaults of the settings it lacks: the state dicts of doplus 0.1.0
-        and 0.2.0 kept the rule's settings on the optimizer, not in their param groups (as torch's own
-        optimizers fill in a setting added after a state dict was saved)."""
-        super().__setstate__(state)
-        for group in self.param_groups:
-            for key, value in self.defaults.items():
-                group.setdefault(key, value)
-
     # -- which rule, which storage -------------------------------------------------------------------
 
     @staticmethod
@@ -347,17 +343,10 @@ class DualOptimPlus(Optimizer):
         return int(floored), int(clamped), self._rule_elements
 
     def _adamw_scalars(self, group: dict, lr_scale: float) -> AdamWPlusScalars:
-        """The scalars of `group`'s updates, without the step counts (the update fills them in)."""
-        beta1, beta2 = group["betas"]
-        base_beta1, base_beta2 = group["base_betas"] or group["betas"]
-        safeguarded = group["rule"] == "safeguarded"  # the paper's rule: no floor, no bound
-        return AdamWPlusScalars(
-            lr=float(group["lr"]) * lr_scale, weight_decay=group["weight_decay"], beta1=beta1, beta2=beta2,
-            base_beta1=base_beta1, base_beta2=base_beta2, eps=group["eps"], base_step=0, delta_step=0,
-            v_floor=group["v_floor"] if safeguarded else 0.0,
-            max_update=group["max_update"] if safeguarded else math.inf,
-            base_update=group["base_update"], base_source=group["base_source"],
-        )
+        """The scalars of `group`'s updates, without the step counts (the update fills them in): the group's
+        settings as `dualoptim_plus` takes them, the learning rate times the objective's multiplier."""
+        return adamw_plus_scalars(lr=float(group["lr"]) * lr_scale,
+                                  **{key: group[key] for key in ADAMW_RULE_SETTINGS})
 
     def _muon_update(
         self, param: Tensor, local: Tensor, grad: Tensor, group: dict, state: dict, delta: dict, lr_scale: float,
@@ -385,7 +374,20 @@ class DualOptimPlus(Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load as `torch.optim.Optimizer` does, but keep every state tensor's dtype (uint8 codes, float32
-        states of low-precision parameters), so that a reloaded optimizer continues bit-identically."""
+        states of low-precision parameters), so that a reloaded optimizer continues bit-identically.
+
+        A saved group's settings replace the group's, as in torch. The state dicts of doplus 0.1.0 and 0.2.0 kept
+        the rule's settings (``rule``, ``v_floor``, ``max_update``, ``state_bits``, ``quantize``, ``inner``,
+        ``compensated``, ``fused``, ``multi_tensor``) on the optimizer, not in their groups: each group takes
+        those it lacks from the group as this optimizer was built (its own value, else the constructor's). Every
+        group is checked as the constructor's arguments are before anything is loaded."""
+        state_dict = with_built_settings(state_dict, self.param_groups)
+        if len(state_dict["param_groups"]) == len(self.param_groups):
+            for index, group in enumerate(state_dict["param_groups"]):
+                try:
+                    check_group(group)
+                except ValueError as error:
+                    raise ValueError(f"state_dict param group {index}: {error}") from None
         super().load_state_dict(state_dict)
         params = [p for group in self.param_groups for p in group["params"]]
         for index, saved in state_dict["state"].items():
@@ -420,6 +422,7 @@ def dualoptim_plus(
     base_betas: tuple[float, float] | None = None,
     eps: float,
     weight_decay: float,
+    rule: str = "safeguarded",
     v_floor: float = 0.02,
     max_update: float = 10.0,
     base_update: str = "after-param",
@@ -438,8 +441,9 @@ def dualoptim_plus(
     `grads[i]` (the layout `DualOptimPlus` documents: ``step``, ``exp_avg``, ``exp_avg_sq``, float32 or 8-bit
     codes with their ``_absmax``); both step counters are incremented here, then every state and the parameter
     are updated in place, without autograd. `compensations[i]` is a bf16 weight's compensation buffer or None.
-    ``v_floor=0``, ``max_update=math.inf`` is the paper's rule; `base_update`, `base_source` its ablations
-    (reference only).
+    The settings are a param group's, as `DualOptimPlus` keeps them: ``rule="paper"`` is the safeguarded rule
+    with no floor and no bound (``v_floor=0``, ``max_update=math.inf``), whatever `v_floor` and `max_update`
+    say; `base_update`, `base_source` are its ablations (reference only).
 
     The implementation is chosen once for the call, as `adamw()` chooses among torch's single-tensor,
     multi-tensor and fused ones, and named in the report:
@@ -458,14 +462,30 @@ def dualoptim_plus(
     if not len(grads) == len(states) == len(deltas) == n or (compensations is not None and len(compensations) != n):
         raise ValueError("params, grads, states, deltas (and compensations) must have one entry per tensor")
     compensations = [None] * n if compensations is None else list(compensations)
-    base_beta1, base_beta2 = base_betas or betas
-    template = AdamWPlusScalars(
-        lr=float(lr), weight_decay=weight_decay, beta1=betas[0], beta2=betas[1], base_beta1=base_beta1,
-        base_beta2=base_beta2, eps=eps, base_step=0, delta_step=0, v_floor=v_floor, max_update=max_update,
-        base_update=base_update, base_source=base_source,
-    )
+    template = adamw_plus_scalars(lr=lr, betas=betas, base_betas=base_betas, eps=eps, weight_decay=weight_decay,
+                                  rule=rule, v_floor=v_floor, max_update=max_update, base_update=base_update,
+                                  base_source=base_source)
     updates = [TensorUpdate(*tensors, template) for tensors in zip(params, grads, states, deltas, compensations)]
     return dualoptim_plus_updates(updates, foreach=foreach, fused=fused, multi_tensor_kernel=multi_tensor_kernel)
+
+
+def adamw_plus_scalars(
+    *, lr: float, betas: tuple[float, float], base_betas: tuple[float, float] | None, eps: float,
+    weight_decay: float, rule: str, v_floor: float, max_update: float, base_update: str, base_source: str,
+) -> AdamWPlusScalars:
+    """The scalars of the AdamW rule's updates under one param group's settings, without the step counts (each
+    update reads them from its states). ``base_betas=None`` means ``betas``; the paper's rule is ρ = 0, c = ∞."""
+    if rule not in RULES:
+        raise ValueError(f"unknown rule {rule!r}: choose one of {list(RULES)}")
+    beta1, beta2 = betas
+    base_beta1, base_beta2 = base_betas or betas
+    safeguarded = rule == "safeguarded"
+    return AdamWPlusScalars(
+        lr=float(lr), weight_decay=weight_decay, beta1=beta1, beta2=beta2, base_beta1=base_beta1,
+        base_beta2=base_beta2, eps=eps, base_step=0, delta_step=0,
+        v_floor=v_floor if safeguarded else 0.0, max_update=max_update if safeguarded else math.inf,
+        base_update=base_update, base_source=base_source,
+    )
 
 
 class TensorUpdate(NamedTuple):
