@@ -18,6 +18,7 @@ card writes its command line from `command_flags` (engine/model_card.py).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 from collections.abc import Callable, Mapping
@@ -542,6 +543,26 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "tune": ("recipe", "space", "objective", "constraint", "trials", "out", "set", "pruner", "storage", "seed",
              "dry_run"),
 }
+
+
+# What launches or plans a training run rather than configures it: options with no config field.
+LAUNCH_OPTIONS = ("num_processes", "dry_run", "gpu_memory")
+
+
+def training_options(config_class: type[TrainConfig], extra: tuple[str, ...] = (),
+                     without: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """A training command's options, from its config class: `--recipe`; `extra` (flags that read differently from
+    their field, as multitask's repeated --task for `tasks`); the fields the class adds to TrainConfig's, in their
+    order (what the command is about: its data, its loss); TrainConfig's fields, in their order; the launch options.
+    Only fields OPTIONS declares are options (the others are recipe keys), less `without` (fields every training
+    command has that this one has no flag for). --help keeps this order within each panel (`in_panels`), so a field
+    added to TrainConfig with its entry in OPTIONS is an option of every training command, shown where the field
+    sits."""
+    fields = [f.name for f in dataclasses.fields(config_class)]
+    shared = {f.name for f in dataclasses.fields(TrainConfig)}
+    ordered = [*extra, *(n for n in fields if n not in shared), *(n for n in fields if n in shared)]
+    names = [n for n in ordered if n in OPTIONS and n not in without]
+    return ("recipe", *dict.fromkeys(names), *LAUNCH_OPTIONS)
 
 
 def declare(command: str, config_class: type[TrainConfig], names: tuple[str, ...]) -> None:

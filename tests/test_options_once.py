@@ -19,6 +19,7 @@ from doplus_cli.config import (
     TASK_DEFAULTS,
     AlignConfig,
     MultitaskConfig,
+    TrainConfig,
     UnlearnConfig,
     field_names,
     resolve_config,
@@ -325,3 +326,30 @@ def test_the_help_takes_the_terminals_width():
     for columns in (80, 132):
         lines = command_help("unlearn", columns).splitlines()
         assert max(len(line) for line in lines) == columns
+
+
+def test_a_field_of_trainconfig_with_an_entry_is_an_option_of_every_training_command_and_nowhere_else(monkeypatch):
+    """A training command's options come from its config class (`options.training_options`): giving a TrainConfig
+    field (here the recipe key tracker_project) an entry in OPTIONS makes it an option of unlearn, multitask and
+    align, shown right after the field before it (report_to), and of no other command; each command's own fields
+    come before the shared ones, and a field a command has no flag for stays out."""
+    from doplus_cli.commands import COMMANDS
+    from doplus_cli.registry import Registry
+
+    entry = options.Option("--tracker-project", str, "The tracker's project name.", panel=options.OUTPUT)
+    table = Registry("option", options.Option, [*options.OPTIONS.items(), ("tracker_project", entry)])
+    before = {name: command.options for name, command in COMMANDS.items()}
+    monkeypatch.setattr(options, "OPTIONS", table)
+    for name, command in COMMANDS.items():
+        derived = options.training_options(command.config_class, command.extra_options, command.without_flags)
+        assert [n for n in derived if n != "tracker_project"] == list(before[name]), name
+        assert derived.index("tracker_project") == derived.index("report_to") + 1, name
+        own = [f.name for f in dataclasses.fields(command.config_class)
+               if f.name not in {g.name for g in dataclasses.fields(TrainConfig)} and f.name in table]
+        shared = [n for n in derived if n in {g.name for g in dataclasses.fields(TrainConfig)}]
+        assert max(derived.index(n) for n in own if n in derived) < min(derived.index(n) for n in shared), name
+        assert not set(command.without_flags) & set(derived)
+        option_type = options.option_type("tracker_project", name)  # typer can build it for the command
+        assert option_type.__metadata__[0].help == "The tracker's project name."
+    assert all("tracker_project" not in names for command, names in options.COMMAND_OPTIONS.items()
+               if command not in COMMANDS)

@@ -111,18 +111,7 @@ class AlignCommand(Command):
     help = "Safety alignment as targeted unlearning: learn the safe responses, keep the general ones."
     examples = ("doplus align --recipe recipes/align/demo.yaml --out runs/align-demo",
                 "doplus align --recipe recipes/align/safety_llama3.yaml")
-    options = (
-        "recipe", "safety", "general", "instruction_key", "input_key", "output_key", "freq", "epochs", "held_out",
-        "model", "dtype", "precision", "save_dtype", "trust_remote_code", "max_length", "max_new_tokens",
-        "prompt_template", "scheme", "optimizer", "state_bits", "doplus_rule", "v_floor", "base_update",
-        "base_source", "betas", "steps", "lr", "batch_size", "grad_accum", "warmup_steps", "weight_decay",
-        "max_grad_norm", "seed", "out", "overwrite", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout",
-        "gradient_checkpointing", "save_adapter_only", "fsdp", "num_processes", "dry_run", "gpu_memory",
-        "save_every", "keep_last", "resume", "accept_changed", "accept_unverified", "log_update_similarity",
-        "report_to",
-        "eval_batch_size", "eval_suite", "eval_max_samples", "eval_max_new_tokens", "eval_guard_model",
-        "eval_refusal_model", "eval_safety_data_dir", "eval_attacks",
-    )
+    without_flags = ("ref_offload", "eval_every", "select_by")
     activity = "aligning"
     card_title = "aligned"
 

@@ -7,9 +7,9 @@ prints and the evaluation it runs. The object in the registry carries no config;
 run (`bound`), which is what the loop is handed. What only `doplus bench schemes` asks of a command lives with the
 bench, in its adapter (bench/adapters/).
 
-Adding a command is one module with its `Command` subclass and one `register` line in commands/__init__.py: the
-command names its options (`options`, each declared once in options.py's table) and its help, and cli.py makes
-`doplus NAME` of every registered command. A command module imports no other command module.
+Adding a command is one module with its `Command` subclass and one `register` line in commands/__init__.py: its
+options are the fields of its config class that options.py's table declares (`options.training_options`), it
+names its help, and cli.py makes `doplus NAME` of every registered command. A command module imports no other command module.
 
 A command module imports the engine at its top: the engine's own imports of the heavy packages (transformers,
 accelerate, peft, matplotlib, ...) sit inside its functions, so looking a command up (for a recipe's command, a help
@@ -42,8 +42,18 @@ class Command(Plan):
     marker = ""  # a recipe (or --set) key that only this command has
     config_class: type[TrainConfig] = TrainConfig
     help = ""  # the command's line in `doplus --help`, and the first line of its own --help
-    options: tuple[str, ...] = ()  # its options by name, in the order of its --help (options.py declares each)
+    # Its options by name, in the order of its --help (options.py declares each): by default those of its config
+    # class (`options.training_options`), with `extra_options` (flags that are no field of their own name) and less
+    # `without_flags` (TrainConfig fields the command has no flag for: its validation refuses a value for them).
+    options: tuple[str, ...] = ()
+    extra_options: tuple[str, ...] = ()
+    without_flags: tuple[str, ...] = ()
     examples: tuple[str, ...] = ()  # command lines shown at the foot of its --help, each one the docs run as written
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "options" not in cls.__dict__ and cls.config_class is not TrainConfig:
+            cls.options = options.training_options(cls.config_class, cls.extra_options, cls.without_flags)
 
     def __init__(self, config: TrainConfig | None = None) -> None:
         self.config = config

@@ -54,16 +54,8 @@ class MultitaskCommand(Command):
     help = "Train on several tasks at once, one DualOptim+ delta state per task; scores each task before and after."
     examples = ("doplus multitask --recipe recipes/multitask/demo.yaml",
                 "doplus multitask --recipe recipes/multitask/trace_llama2.yaml --scheme joint")
-    options = (
-        "recipe", "task", "freq", "prompt_key", "answer_key", "eval_rows", "eval_every", "select_by",
-        "eval_batch_size", "model", "dtype", "precision", "save_dtype", "trust_remote_code", "max_length",
-        "max_new_tokens", "scheme", "optimizer", "state_bits", "doplus_rule", "v_floor", "base_update",
-        "base_source", "prompt_template", "betas", "steps", "lr", "batch_size", "grad_accum", "warmup_steps",
-        "weight_decay", "max_grad_norm", "seed", "out", "overwrite", "lora_rank", "lora_alpha", "lora_targets",
-        "lora_dropout", "gradient_checkpointing", "save_adapter_only", "fsdp", "num_processes", "dry_run",
-        "gpu_memory", "save_every", "keep_last", "resume", "accept_changed", "accept_unverified",
-        "log_update_similarity", "report_to",
-    )
+    extra_options = ("task",)  # --task, repeated: the tasks list
+    without_flags = ("ref_offload", "tasks")
     activity = "training"
 
     def from_options(self, values: dict[str, Any]) -> dict[str, Any]:

@@ -75,21 +75,6 @@ class UnlearnCommand(Command):
     examples = ("doplus unlearn --recipe recipes/quickstart.yaml",
                 "doplus unlearn --recipe recipes/tofu/phi-1.5/npo_gd.yaml --out runs/npo-doplus",
                 "doplus unlearn --recipe recipes/tofu/phi-1.5/npo_gd.yaml --task-id 3")
-    options = (
-        "recipe", "model", "dtype", "precision", "save_dtype", "trust_remote_code", "forget", "retain", "task_id",
-        "task_ids", "continual", "question_key", "answer_key", "max_length", "text_window", "prompt_template",
-        "answers_from_model", "max_new_tokens", "loss", "beta", "simnpo_beta", "simnpo_gamma", "undial_beta",
-        "wga_beta", "satimp_beta1", "satimp_beta2", "rmu_layer", "rmu_coeff", "rmu_update_layers", "rmu_modules",
-        "forget_coeff", "retain_coeff", "scheme", "optimizer", "state_bits", "doplus_rule", "v_floor",
-        "base_update", "base_source", "forget_freq", "retain_freq", "betas", "steps", "lr", "forget_lr",
-        "batch_size", "grad_accum", "warmup_steps", "weight_decay", "max_grad_norm", "seed", "out", "overwrite",
-        "show_samples", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "gradient_checkpointing",
-        "save_adapter_only", "ref_offload", "fsdp", "num_processes", "dry_run", "gpu_memory", "save_every",
-        "keep_last", "resume", "accept_changed", "accept_unverified", "eval_every", "select_by", "eval_suite",
-        "eval_split",
-        "eval_data_dir", "eval_max_samples", "eval_max_new_tokens", "eval_batch_size", "eval_nli_model",
-        "eval_embedding_model", "eval_protocol", "eval_attacks", "log_update_similarity", "report_to",
-    )
     activity = "unlearning"
     card_title = "forgotten"
     lr_options = "--lr or --forget-lr"
