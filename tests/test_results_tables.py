@@ -328,3 +328,57 @@ def test_a_pruner_table_by_hand():
 ])
 def test_a_column_under_attack_goes_to_its_attack(key, expected):
     assert tables.split_attack_key(key) == expected
+
+
+def _attacked(scheme: str, task: int, ufe: float, worst: float, lens: tuple[float, float], probe: float,
+              taught_probe: float) -> dict[str, Any]:
+    run = record(f"{scheme}-t{task}", scheme, 0, {"UFE": ufe, "MU": 30.0 + task})
+    run["task"] = task
+    run["attacks"] = {
+        "relearn-k50": {"UFE": worst, "UFE taken back": ufe - worst, "held-out rouge": 0.4},
+        "prune": {"UFE": ufe - 1.0, "UFE taken back": 1.0},
+        "worst attack": {"UFE": worst, "UFE taken back": ufe - worst},
+        "unattacked": {"held-out rouge": 0.1},
+        "logit-lens": {"probability unattacked": lens[0], "probability": lens[1],
+                       "probability taken back": lens[1] - lens[0]},
+        "linear-probe": {"probe_accuracy": probe, "probe_accuracy on the starting model": taught_probe,
+                         "probe_accuracy minus the starting model's": probe - taught_probe},
+    }
+    tables.check_record(run)
+    return run
+
+
+def test_the_white_box_tables_from_runs_worked_out_by_hand():
+    runs = [_attacked("doplus", 1, 60.0, 30.0, (0.20, 0.50), 0.80, 0.95),
+            _attacked("doplus", 2, 58.0, 27.0, (0.30, 0.40), 0.85, 0.90),
+            _attacked("doplus", 3, 62.0, 29.0, (0.10, 0.30), 0.70, 0.95),
+            _attacked("alternate", 1, 59.0, 36.0, (0.20, 0.30), 0.75, 0.95),
+            _attacked("alternate", 2, 57.0, 35.0, (0.30, 0.35), 0.80, 0.90),
+            _attacked("alternate", 3, 60.0, 37.0, (0.10, 0.20), 0.60, 0.95)]
+    ufe = tables.WHITEBOX_TABLES["tofu_protocol_whitebox"].render(runs)
+    assert ufe[0].startswith("| Method | MU | UFE unattacked | relearn (K = 50) |")
+    doplus = ufe[2].split(" | ")
+    assert doplus[2] == f"60.00 ± {statistics.stdev([60, 58, 62]):.2f}"  # UFE unattacked
+    assert doplus[3] == f"{statistics.mean([30, 27, 29]):.2f} ± {statistics.stdev([30, 27, 29]):.2f}"  # relearn
+    assert doplus[4] == "n/a"  # NF4: not in these runs
+    assert doplus[8] == f"59.00 ± {statistics.stdev([59, 57, 61]):.2f}"  # prune: UFE - 1
+    reading = tables.WHITEBOX_TABLES["tofu_protocol_whitebox_reading"].render(runs)
+    lens = reading[2].split(" | ")[1]
+    assert lens == (f"{statistics.mean([.2, .3, .1]):.3f} ± {statistics.stdev([.2, .3, .1]):.3f} → "
+                    f"{statistics.mean([.5, .4, .3]):.3f} ± {statistics.stdev([.5, .4, .3]):.3f}")
+    assert reading[2].split(" | ")[5].startswith("0.100 ± 0.000 → 0.400 ± 0.000")  # relearn's held-out ROUGE-L
+    paired = tables.WHITEBOX_TABLES["tofu_protocol_whitebox_paired"].render(runs)
+    assert paired[0] == "| What is taken back | DO+ − Alternate | DO+ − DO |"  # the bench's labels
+    worst = next(line for line in paired if line.startswith("| UFE, the worst attack |")).split(" | ")
+    # UFE taken back by the worst attack: DO+ 30, 31, 33 against Alternate 23, 22, 23: differences 7, 9, 10
+    diffs = [7.0, 9.0, 10.0]
+    half = 4.302652729911275 * statistics.stdev(diffs) / math.sqrt(3)  # t(0.975, 2 degrees of freedom)
+    mean = statistics.mean(diffs)
+    assert worst[1] == f"{mean:.2f} [{tables.minus(f'{mean - half:.2f}')}, {mean + half:.2f}], 3/3 agree"
+    assert worst[2].rstrip(" |") == "n/a"  # no DualOptim runs
+    probe = next(line for line in paired if line.startswith("| probe accuracy minus")).split(" | ")
+    # DO+ −0.15, −0.05, −0.25 against Alternate −0.20, −0.10, −0.35: differences 0.05, 0.05, 0.10
+    d = [0.05, 0.05, 0.10]
+    h = 4.302652729911275 * statistics.stdev(d) / math.sqrt(3)
+    m = statistics.mean(d)
+    assert probe[1] == f"{m:.3f} [{tables.minus(f'{m - h:.3f}')}, {m + h:.3f}], 3/3 agree"

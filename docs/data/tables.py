@@ -382,28 +382,82 @@ class Column:
     resource: bool = False
     scale: float = 1.0
     spread: bool = True
+    attack: str | None = None  # the value of this attack in the run's `attacks` (split_attack_key's names)
+
+    def value(self, record: dict[str, Any]) -> Any:
+        if self.attack is not None:
+            return ((record["attacks"] or {}).get(self.attack) or {}).get(self.key)
+        return (record["resources"] if self.resource else final_metrics(record)).get(self.key)
 
 
-def mean_std_table(records: Sequence[dict[str, Any]], columns: Sequence[Column]) -> list[str]:
-    """One row per scheme, in the order the schemes first appear: each column's mean ± sample standard deviation
-    (n − 1) over the scheme's runs, formatted by the column's spec, a negative sign as U+2212."""
-    by_scheme: dict[str, list[dict[str, Any]]] = {}
+@dataclass(frozen=True)
+class Arrow:
+    """A column of two values of each run, shown as `before → after`, each mean ± std."""
+
+    label: str
+    before: Column
+    after: Column
+
+
+def mean_std_cell(runs: Sequence[dict[str, Any]], column: Column) -> str:
+    """The column's mean ± sample standard deviation (n − 1) over `runs`, by its spec, a negative sign as U+2212;
+    n/a when a run lacks the value."""
+    values = [column.value(r) for r in runs]
+    if any(v is None for v in values):
+        return "n/a"
+    values = [v / column.scale for v in values]
+    mean = statistics.mean(values)
+    if len(values) < 2 or not column.spread and len(set(values)) == 1:
+        return minus(format(mean, column.spec))
+    return f"{minus(format(mean, column.spec))} ± {format(statistics.stdev(values), column.spec)}"
+
+
+def by_scheme(records: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The runs of each scheme, the schemes in the order they first appear."""
+    found: dict[str, list[dict[str, Any]]] = {}
     for record in records:
-        by_scheme.setdefault(record["scheme"], []).append(record)
+        found.setdefault(record["scheme"], []).append(record)
+    return found
+
+
+def mean_std_table(records: Sequence[dict[str, Any]], columns: Sequence[Column | Arrow]) -> list[str]:
+    """One row per scheme, in the order the schemes first appear: each column's mean ± sample standard deviation
+    over the scheme's runs (an Arrow column: its two, before → after)."""
     lines = [row(["Method", *(c.label for c in columns)]), row(["---", *("---:" for _ in columns)])]
-    for scheme, runs in by_scheme.items():
+    for scheme, runs in by_scheme(records).items():
         cells = [scheme_label(scheme)]
         for column in columns:
-            values = [(r["resources"] if column.resource else final_metrics(r)).get(column.key) for r in runs]
-            if any(v is None for v in values):
-                cells.append("n/a")
-                continue
-            values = [v / column.scale for v in values]
-            mean = statistics.mean(values)
-            if len(values) < 2 or not column.spread and len(set(values)) == 1:
-                cells.append(minus(format(mean, column.spec)))
+            if isinstance(column, Arrow):
+                cells.append(f"{mean_std_cell(runs, column.before)} → {mean_std_cell(runs, column.after)}")
             else:
-                cells.append(f"{minus(format(mean, column.spec))} ± {format(statistics.stdev(values), column.spec)}")
+                cells.append(mean_std_cell(runs, column))
+        lines.append(row(cells))
+    return lines
+
+
+def paired_table(records: Sequence[dict[str, Any]], first: str, others: Sequence[str],
+                 columns: Sequence[Column]) -> list[str]:
+    """Per column, `first` − each of `others` over the forget tasks (and seeds) both ran: the mean difference, its
+    95% t interval and how many pairs agree with its sign (doplus_cli.bench.paired), n the number of pairs."""
+    from doplus_cli.bench.paired import paired
+
+    runs = by_scheme(records)
+    lines = [row(["What is taken back", *(f"{scheme_label(first)} − {scheme_label(o)}" for o in others)]),
+             row(["---", *("---:" for _ in others)])]
+    for column in columns:
+        cells = [column.label]
+        for other in others:
+            a = {(r["task"], r["seed"]): column.value(r) for r in runs.get(first, [])}
+            b = {(r["task"], r["seed"]): column.value(r) for r in runs.get(other, [])}
+            pairs = sorted(k for k in set(a) & set(b) if a[k] is not None and b[k] is not None)
+            result = paired([a[k] for k in pairs], [b[k] for k in pairs])
+            if result.mean is None:
+                cells.append("n/a")
+            elif result.low is None:
+                cells.append(f"{minus(format(result.mean, column.spec))} (n = {result.n})")
+            else:
+                cells.append(f"{minus(format(result.mean, column.spec))} [{minus(format(result.low, column.spec))}, "
+                             f"{minus(format(result.high, column.spec))}], {result.agree}/{result.n} agree")
         lines.append(row(cells))
     return lines
 
@@ -516,6 +570,54 @@ MUSE_COLUMNS = (
     Column("muse_privleak", "PrivLeak (%)", ".1f"),
     Column("optimizer_state_bytes", "optimizer states (GB)", ".2f", resource=True, scale=1e9, spread=False),
 )
+RELEARN = "relearn-k50"
+WHITEBOX_UFE = (
+    Column("MU", "MU", ".2f"),
+    Column("UFE", "UFE unattacked", ".2f"),
+    *(Column("UFE", label, ".2f", attack=attack) for attack, label in (
+        (RELEARN, "relearn (K = 50)"), ("quant-4bit", "NF4"), ("probe-prefix", "prefix"),
+        ("probe-paraphrase", "paraphrase"), ("orthogonalize", "orthogonalize"), ("prune", "prune"),
+        ("worst attack", "worst"))),
+    Column("UFE taken back", "UFE taken back (worst)", ".2f", attack="worst attack"),
+)
+WHITEBOX_READING = (
+    Arrow("lens Probability: output → best layer", Column("probability unattacked", "", ".3f", attack="logit-lens"),
+          Column("probability", "", ".3f", attack="logit-lens")),
+    Arrow("lens ROUGE-L: output → best layer", Column("rouge unattacked", "", ".3f", attack="logit-lens"),
+          Column("rouge", "", ".3f", attack="logit-lens")),
+    Arrow("soft prompt held-out Probability", Column("probability unattacked", "", ".3f", attack="embedding"),
+          Column("probability", "", ".3f", attack="embedding")),
+    Arrow("soft prompt held-out ROUGE-L", Column("rouge unattacked", "", ".3f", attack="embedding"),
+          Column("rouge", "", ".3f", attack="embedding")),
+    Arrow("relearn held-out ROUGE-L", Column("held-out rouge", "", ".3f", attack="unattacked"),
+          Column("held-out rouge", "", ".3f", attack=RELEARN)),
+)
+WHITEBOX_PROBE = (
+    Column("probe_accuracy", "probe, unlearned model", ".3f", attack="linear-probe"),
+    Column("probe_accuracy on the starting model", "probe, taught model", ".3f", attack="linear-probe"),
+    Column("probe_accuracy on embeddings alone", "probe on embeddings alone", ".3f", attack="linear-probe"),
+    Column("probe_accuracy unattacked", "the model's own choice", ".3f", attack="linear-probe"),
+)
+WHITEBOX_TAKEN = (
+    *(Column("UFE taken back", f"UFE, {label}", ".2f", attack=attack) for attack, label in (
+        (RELEARN, "relearn"), ("quant-4bit", "NF4"), ("probe-prefix", "prefix"), ("probe-paraphrase", "paraphrase"),
+        ("orthogonalize", "orthogonalize"), ("prune", "prune"), ("worst attack", "the worst attack"))),
+    Column("probability taken back", "Probability, logit lens", ".3f", attack="logit-lens"),
+    Column("probability taken back", "Probability, soft prompt", ".3f", attack="embedding"),
+    Column("probe_accuracy minus the starting model's", "probe accuracy minus the taught model's", ".3f",
+           attack="linear-probe"),
+)
+# The tables of the white-box attacks on the TOFU-protocol models (results.md, their protocol): they join TABLES
+# with their runs file, records/tofu_protocol_whitebox.jsonl (TABLES holds the tables the page shows).
+WHITEBOX_TABLES: dict[str, Table] = {
+    "tofu_protocol_whitebox": Table("tofu_protocol_whitebox", lambda records: mean_std_table(records, WHITEBOX_UFE)),
+    "tofu_protocol_whitebox_reading": Table("tofu_protocol_whitebox",
+                                            lambda records: mean_std_table(records, WHITEBOX_READING)),
+    "tofu_protocol_whitebox_probe": Table("tofu_protocol_whitebox",
+                                          lambda records: mean_std_table(records, WHITEBOX_PROBE)),
+    "tofu_protocol_whitebox_paired": Table("tofu_protocol_whitebox", lambda records: paired_table(
+        records, "doplus", ("alternate", "dualoptim"), WHITEBOX_TAKEN)),
+}
 TABLES: dict[str, Table] = {
     "real_world_mini_tune_first_6": Table("real_world_mini_tune", lambda records: tune_trials_table(
         records, ("doplus", "alternate"), "lr", ROUGES, range(0, 6), range(0, 6), trial_column=False)),
