@@ -20,7 +20,8 @@ from doplus_cli.bench.schemes import DEFAULT_SCHEMES, DEFAULT_SEEDS
 from doplus_cli.commands import COMMANDS, Command, command_named
 from doplus_cli.config import resolve_config
 from doplus_cli.errors import EXIT_FILE_VARIABLE, UserError, quiet_worker, worker_exit_code
-from doplus_cli.evaluation.runner import SUITE_REGISTRY, EvalConfig, resolve_eval_config, run_evaluate
+from doplus_cli.evaluation.runner import SUITE_REGISTRY, resolve_eval_config, run_evaluate
+from doplus_cli.evaluation.suite_api import evaluate_defaults
 
 app = typer.Typer(
     name="doplus",
@@ -121,15 +122,7 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
 }
 
 
-# The defaults of `doplus evaluate`'s options: EvalConfig's, the lists as typed (comma-separated); click shows them
-# after the help texts. The options not named here default to None, and resolve_eval_config reads None as unset.
-EVALUATE_DEFAULTS = {
-    "compare": False, "suite": ",".join(EvalConfig.suites), "split": EvalConfig.split,
-    "batch_size": EvalConfig.batch_size, "max_new_tokens": EvalConfig.max_new_tokens,
-    "dtype": EvalConfig.dtype, "trust_remote_code": EvalConfig.trust_remote_code,
-    "overwrite": EvalConfig.overwrite, "resume": EvalConfig.resume, "seed": EvalConfig.seed,
-    "protocol": EvalConfig.protocol, "muse_corpus": EvalConfig.muse_corpus, "prune_fraction": EvalConfig.prune_fraction,
-}
+EVALUATE_DEFAULTS = evaluate_defaults()  # EvalConfig's, shown by click after the help texts
 
 
 @app.command(epilog=options.examples(EXAMPLES["evaluate"]))

@@ -433,7 +433,7 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
     Option("--relearn-data", str, "Relearning attacks: JSON lines with question, answer to fine-tune on [default: "
            "the first half of the forget rows; the other half is reported apart]", panel=EVALUATION),
     Option("--relearn-steps", str, "Relearning attacks: K optimizer steps, or several comma-separated (one "
-           "relearned copy each; the published presets are 50, 100, 150) [default: 50]", panel=EVALUATION),
+           "relearned copy each; the published presets are 50, 100, 150)", panel=EVALUATION),
     Option("--base-model", str, "White-box attacks (orthogonalize, prune, the probe's reference): the model the "
            "unlearning started from, a hub id or folder [default: the run's model when --model is a run's final/]",
            panel=EVALUATION),
@@ -441,7 +441,7 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
            "suite's own: MU, OVR's utility, lm-eval's mean) dropped by at most this fraction of the unattacked "
            "model's, e.g. 0.1; the report names the copies left out [default: every copy]", min=0, panel=EVALUATION),
     Option("--prune-fraction", float, "The prune attack: the fraction of MLP neurons, those whose weights changed "
-           "most, reset to the starting model's [default: 0.01]", min=0, panel=EVALUATION),
+           "most, reset to the starting model's.", min=0, panel=EVALUATION),
     Option("--attack-option", list[str], "ATTACK.NAME=VALUE: a white-box attack's own setting (repeatable): "
            "embedding.vectors, .steps, .lr, .max_seconds (a bound on its optimisation), .init (text or random), "
            ".max_new_tokens; logit-lens.max_new_tokens; linear-probe.l2 [default: docs/attacks.md]",
@@ -519,17 +519,9 @@ EVALUATE_PATH_KEYS = ("model", "data_dir", "forget", "retain", "lm_eval_include"
 # Each command's options, by name (a training command's config key, but for recipe, num_processes, dry_run,
 # gpu_memory and multitask's task; evaluate's EvalConfig fields, `suite` setting `suites`; a bench's parameters), in
 # the order of its help; cli.py's signatures take the same (tests/test_cli.py, tests/test_options_once.py check).
-# A training command's list is its command object's `options`, added here when the command is registered.
+# A training command's list is its command object's `options`, added here when the command is registered;
+# evaluate's is made from EvalConfig's fields where the evaluation layer declares EvalConfig (`declare`).
 COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
-    "evaluate": (
-        "folders", "compare", "recipe", "model", "suite", "split", "task_id", "data_dir", "forget", "retain", "out",
-        "max_samples", "batch_size", "generation_batch_size", "max_new_tokens", "embedding_model", "nli_model",
-        "fluency_model", "targeted", "tasks", "limit", "lm_eval_include", "dtype", "trust_remote_code", "overwrite",
-        "resume", "seed", "prompt_template", "protocol", "retain_logs", "holdout", "mia_reference", "guard_model",
-        "refusal_model", "refusal_model_prompt", "safety_data_dir", "responses", "muse_corpus", "muse_data",
-        "muse_retrained", "attacks", "relearn_data", "relearn_steps", "base_model", "utility_budget", "prune_fraction",
-        "attack_option", "dry_run",
-    ),
     "bench optimizer": (
         "recipe", "params", "dtype", "device", "steps", "warmup", "only", "json", "seed", "stability", "v_floor",
         "dry_run",
@@ -565,16 +557,17 @@ def training_options(config_class: type[TrainConfig], extra: tuple[str, ...] = (
     return ("recipe", *dict.fromkeys(names), *LAUNCH_OPTIONS)
 
 
-def declare(command: str, config_class: type[TrainConfig], names: tuple[str, ...]) -> None:
-    """Add a training command's options (by name, in the order of its help) and the config class their shown
-    defaults come from; a name the table lacks, or a command declared twice, is refused."""
+def declare(command: str, config_class: type[TrainConfig] | None, names: tuple[str, ...]) -> None:
+    """Add a command's options (by name, in the order of its help) and, for a training command, the config class
+    their shown defaults come from; a name the table lacks, or a command declared twice, is refused."""
     if command in COMMAND_OPTIONS:
         raise ValueError(f"the options of '{command}' are declared already")
     unknown = [name for name in names if name not in OPTIONS]
     if unknown:
         raise ValueError(f"'{command}' takes options that OPTIONS does not declare: {', '.join(unknown)}")
     COMMAND_OPTIONS[command] = tuple(names)
-    COMMAND_CONFIGS[command] = config_class
+    if config_class is not None:
+        COMMAND_CONFIGS[command] = config_class
 
 
 def option_type(name: str, command: str, names: Mapping[str, str] | None = None, show_default: bool = True) -> Any:

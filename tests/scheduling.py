@@ -38,7 +38,7 @@ QUICK_MODULES = (
     "test_losses", "test_losses_beyond_the_paper",  # the losses
     "test_eval_metrics", "test_similarity", "test_select_by", "test_paired",  # the metrics
     "test_config_final", "test_config_fields_set_by_doplus", "test_refused_keys", "test_options_once",  # config
-    "test_registry", "test_layers", "test_public_imports", "test_cli", "test_toy_command",  # the command line, package
+    "test_registry", "test_layers", "test_public_imports", "test_cli", "test_toy_command", "test_suite_facts",
 )
 
 

@@ -425,4 +425,4 @@ def test_each_forget_suite_carries_its_forget_side_facts():
         assert suite.headline in suite.directions and set(suite.directions.values()) <= {1, -1}, name
         assert suite.forget_rows is None or suite.forget_rows in suite.files, name
     assert [name for name, suite in SUITE_REGISTRY.items() if suite.forget_rows] == ["tofu", "real-world"]
-    assert SUITE_REGISTRY["tofu"].directions["UFE"] == -1 and SUITE_REGISTRY["muse"].directions["privleak"] == -1
+    assert SUITE_REGISTRY["tofu"].directions["UFE"] == -1 and SUITE_REGISTRY["muse"].directions["muse_privleak"] == -1

@@ -353,3 +353,14 @@ def test_a_field_of_trainconfig_with_an_entry_is_an_option_of_every_training_com
         assert option_type.__metadata__[0].help == "The tracker's project name."
     assert all("tracker_project" not in names for command, names in options.COMMAND_OPTIONS.items()
                if command not in COMMANDS)
+
+
+@pytest.mark.parametrize("command", HELP_COMMANDS)
+def test_no_option_shows_its_default_twice(command):
+    """A default click shows after the help text is not also written in the text's words."""
+    group = typer.main.get_command(app)
+    for word in command.split():
+        group = group.commands[word]
+    for param in group.params:
+        if getattr(param, "show_default", False) and param.default is not None and not param.is_flag:
+            assert "[default:" not in (param.help or ""), (command, param.name, param.help)

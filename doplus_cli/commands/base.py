@@ -9,7 +9,8 @@ bench, in its adapter (bench/adapters/).
 
 Adding a command is one module with its `Command` subclass and one `register` line in commands/__init__.py: its
 options are the fields of its config class that options.py's table declares (`options.training_options`), it
-names its help, and cli.py makes `doplus NAME` of every registered command. A command module imports no other command module.
+names its help, and cli.py makes `doplus NAME` of every registered command. A command module imports no other
+command module.
 
 A command module imports the engine at its top: the engine's own imports of the heavy packages (transformers,
 accelerate, peft, matplotlib, ...) sit inside its functions, so looking a command up (for a recipe's command, a help

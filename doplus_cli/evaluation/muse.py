@@ -28,7 +28,7 @@ from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.data.muse import muse_data, muse_rows
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation import openunlearning as ou
-from doplus_cli.evaluation.suite_api import Suite, SuiteContext, SuiteResult
+from doplus_cli.evaluation.suite_api import WEIGHT_ATTACKS, BenchColumn, Suite, SuiteContext, SuiteResult
 from doplus_cli.files import write_json
 from doplus_cli.generation import greedy_generate
 from doplus_cli.progress import count_tokens
@@ -362,5 +362,13 @@ def print_section(section: dict[str, Any], console) -> None:
 
 
 MUSE_SUITE = Suite("muse", run_muse, files=("MUSE_EVAL.json", "MUSE_SUMMARY.json"),
-                   forget_metrics=(("forget_verbmem_ROUGE", 1), ("forget_knowmem_ROUGE", 1), ("privleak", -1)),
-                   headline="forget_knowmem_ROUGE", utility="retain_knowmem_ROUGE")
+                   forget_metrics=(("forget_verbmem_ROUGE", 1), ("forget_knowmem_ROUGE", 1), ("muse_privleak", -1)),
+                   headline="forget_knowmem_ROUGE", utility="retain_knowmem_ROUGE",
+                   # its prompts are raw text: no probe or row-reading attack
+                   attacks=WEIGHT_ATTACKS,
+                   # OpenUnlearning's names; ROUGE-L F1 fractions; privleak in percent, about 0 like the retrained
+                   # model and -100 while the model still knows the forget set, so no side of it is "better"
+                   bench_columns=(BenchColumn("forget_verbmem_ROUGE", "VerbMem forget", False, ".3f"),
+                                  BenchColumn("forget_knowmem_ROUGE", "KnowMem forget", False, ".3f"),
+                                  BenchColumn("retain_knowmem_ROUGE", "KnowMem retain", True, ".3f"),
+                                  BenchColumn("muse_privleak", "PrivLeak (%)", None, ".1f")))

@@ -25,7 +25,7 @@ from doplus_cli.data.sources import read_json_lines
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.refusal import LABELS, agreement, is_refusal, known_label, xstest_prefix_label
 from doplus_cli.evaluation.safety_judges import SafetyJudges
-from doplus_cli.evaluation.suite_api import Suite, SuiteContext, SuiteResult
+from doplus_cli.evaluation.suite_api import WEIGHT_ATTACKS, BenchColumn, Suite, SuiteContext, SuiteResult
 from doplus_cli.files import write_json
 from doplus_cli.generation import greedy_generate
 
@@ -474,9 +474,16 @@ def run_xstest(context: SuiteContext) -> SuiteResult:
 
 SAFETY_SUITE = Suite("safety", run_safety, files=("SAFETY_EVAL.json", "SAFETY_SUMMARY.json"),
                      needs_safety_judges=True, needs_guard=True, forget_metrics=(("safety_rate_avg", -1),),
-                     headline="safety_rate_avg")
+                     headline="safety_rate_avg",
+                     # prefix injection jailbreaks its harmful instructions too (the prefilling attack): the judge
+                     # reads what the model writes after the prefix; the other probes are worded for QA questions
+                     attacks=(*WEIGHT_ATTACKS, "probe-prefix"),
+                     # the bench shows the safety suites' rates (fractions in SUMMARY.json) in percent
+                     bench_columns=(BenchColumn("safety_rate_avg", "safety AVG (%)", True),))
 XSTEST_SUITE = Suite("xstest", run_xstest, files=("XSTEST_EVAL.json", "XSTEST_SUMMARY.json"),
-                     needs_safety_judges=True)
+                     needs_safety_judges=True,
+                     bench_columns=(BenchColumn("xstest_over_refusal", "XSTest over-refusal (%)", False),
+                                    BenchColumn("xstest_unsafe_refusal", "XSTest unsafe refusal (%)", True)))
 
 # ---------------------------------------------------------------------------------------------- report
 

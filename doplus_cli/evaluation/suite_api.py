@@ -1,15 +1,20 @@
 """What an evaluation suite of `doplus evaluate` is: a name, a `run(context)` with one signature for all suites,
-the files it writes and the judges it needs. Each suite module declares its suites (`suites.TOFU_SUITE`,
-`safety.XSTEST_SUITE`, ...); `runner.SUITE_REGISTRY` registers them by name, the way lm-evaluation-harness
-registers its tasks, and `runner.evaluate_model` loops over the chosen ones.
+the files it writes, the judges it needs, and the facts the rest of doplus reads from it rather than from tables
+keyed by suite names (its forget-side metrics and headline, the attacks it takes, its utility metric, the bench's
+columns, a QA suite's metric names), as lm-evaluation-harness keeps a metric's direction on its task's spec.
+Each suite module declares its suites (`suites.TOFU_SUITE`, `safety.XSTEST_SUITE`, ...); `runner.SUITE_REGISTRY`
+registers them by name, the way lm-evaluation-harness registers its tasks, and `runner.evaluate_model` loops
+over the chosen ones.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from doplus_cli import options
 
 if TYPE_CHECKING:
     from doplus_cli.data.formatting import PromptFormatter
@@ -70,6 +75,27 @@ class EvalConfig:
     attack_options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
+# `doplus evaluate`'s options: every EvalConfig field, by the flag of its name (`suites` by --suite, comma-separated;
+# `attack_options` by the repeatable --attack-option), after its folders, --compare and --recipe, with --dry-run
+# last. A field added to EvalConfig with its entry in options.py's table is an option of evaluate, its default the
+# field's (`evaluate_defaults`).
+FLAG_NAMES = {"suites": "suite", "attack_options": "attack_option"}
+options.declare("evaluate", None, ("folders", "compare", "recipe",
+                                   *(FLAG_NAMES.get(f.name, f.name) for f in fields(EvalConfig)), "dry_run"))
+
+
+def evaluate_defaults() -> dict[str, Any]:
+    """The defaults click shows after evaluate's help texts: each EvalConfig field's that says something (not None,
+    not empty), a tuple as typed (comma-separated), and --compare's False. An option left out defaults to None,
+    which `resolve_eval_config` reads as unset."""
+    shown: dict[str, Any] = {"compare": False}
+    for f in fields(EvalConfig):
+        value = f.default
+        if value is MISSING or value is None or value == ():
+            continue
+        shown[FLAG_NAMES.get(f.name, f.name)] = ",".join(map(str, value)) if isinstance(value, tuple) else value
+    return shown
+
 @dataclass
 class SuiteContext:
     """What every suite's run receives: the model and how to prompt it, the options, where to write, the judges."""
@@ -99,6 +125,28 @@ class SuiteResult:
     utility_avg: float | None = None  # lm-eval's mean headline metric, for the safety OVR
 
 
+# The attacks (evaluation/attacks.py `ATTACKS`) a suite names in `Suite.attacks`, by what they need of it. Those
+# that change the weights (relearning, quantization, pruning) need only the suite's own run on the changed copy
+# (relearning reads a QA suite's forget rows, or --relearn-data for any other suite).
+WEIGHT_ATTACKS = ("relearn", "relearn-lora", "quant-8bit", "quant-4bit", "quant-fp4", "prune")
+# The probes are worded for a QA suite's questions, or read its rows (its retained facts, its paraphrased
+# questions); the reading attacks and orthogonalize read its (question, answer) rows.
+QA_ATTACKS = (*WEIGHT_ATTACKS, "probe-prefix", "probe-roleplay", "probe-incontext", "probe-paraphrase", "logit-lens",
+              "linear-probe", "embedding", "orthogonalize")
+
+
+class BenchColumn(NamedTuple):
+    """A score column of `doplus bench schemes` for runs evaluated by a suite (a recipe's `eval_suite`): the key
+    of its value in SUMMARY.json, its label, which way is better (None: no best is marked, a description rather
+    than a goal) and the format of its mean and standard deviation. A plain tuple: the bench's adapters, a layer
+    above, turn it into their `Metric`."""
+
+    key: str
+    label: str
+    higher_is_better: bool | None
+    spec: str = ".2f"
+
+
 @dataclass(frozen=True)
 class Suite:
     name: str
@@ -118,8 +166,25 @@ class Suite:
     forget_rows: str | None = None
     # Its utility metric in SUMMARY.json (higher is better): what `--utility-budget` checks an attacked copy by.
     utility: str | None = None
+    # The attacks it can be run again under (names of evaluation/attacks.py `ATTACKS`; `WEIGHT_ATTACKS`,
+    # `QA_ATTACKS`): the attack registry reads which suites each attack applies to from here. Only a suite with
+    # forget-side metrics takes any.
+    attacks: tuple[str, ...] = ()
+    # The columns `doplus bench schemes` shows for runs it evaluates with this suite (`BenchColumn`).
+    bench_columns: tuple[BenchColumn, ...] = ()
+    # A QA suite's SUMMARY.json names: (indicator, the paper's metric name), a key being "{set prefix}_{name}"
+    # (`retain_Token_Entropy`), except where OpenUnlearning computes the same metric: ((set prefix, indicator),
+    # OpenUnlearning's key), as `forget_Q_A_ROUGE`. `summary_key` reads them.
+    paper_names: tuple[tuple[str, str], ...] = ()
+    openunlearning_names: tuple[tuple[tuple[str, str], str], ...] = ()
 
     @property
     def directions(self) -> dict[str, int]:
         """The forget-side metrics with their directions (`forget_metrics`); {} for a suite that has none."""
         return dict(self.forget_metrics)
+
+    def summary_key(self, prefix: str, indicator: str) -> str:
+        """The SUMMARY.json key of `indicator` on the set whose key prefix is `prefix` (`paper_names`,
+        `openunlearning_names`): OpenUnlearning's name where it has the metric, else "{prefix}_{paper's name}"."""
+        named = dict(self.openunlearning_names).get((prefix, indicator))
+        return named if named is not None else f"{prefix}_{dict(self.paper_names)[indicator]}"

@@ -31,26 +31,12 @@ from doplus_cli.evaluation.privacy import (
 )
 from doplus_cli.evaluation.protocol import PROTOCOLS, Protocol, get_protocol
 from doplus_cli.evaluation.scoring import shared_prefix_nlls
-from doplus_cli.evaluation.suite_api import EvalConfig, Suite, SuiteContext, SuiteResult
+from doplus_cli.evaluation.suite_api import QA_ATTACKS, BenchColumn, EvalConfig, Suite, SuiteContext, SuiteResult
 from doplus_cli.files import write_json
 from doplus_cli.generation import greedy_generate
 from doplus_cli.hub_errors import bound_hub_waits, dataset_error
 
 INDICATORS = ("rouge", "probability", "truth_ratio", "token_entropy", "cosine_similarity", "entailment")
-
-# OpenUnlearning's key names where the metric is the same one; the paper's names for the rest.
-OPENUNLEARNING_NAMES = {
-    ("forget", "rouge"): "forget_Q_A_ROUGE", ("forget", "probability"): "forget_Q_A_Prob",
-    ("retain", "rouge"): "retain_Q_A_ROUGE", ("retain", "probability"): "retain_Q_A_Prob",
-    ("retain", "truth_ratio"): "retain_Truth_Ratio",
-    ("ra", "rouge"): "ra_Q_A_ROUGE", ("ra", "probability"): "ra_Q_A_Prob_normalised",
-    ("ra", "truth_ratio"): "ra_Truth_Ratio",
-    ("wf", "rouge"): "wf_Q_A_ROUGE", ("wf", "probability"): "wf_Q_A_Prob_normalised",
-    ("wf", "truth_ratio"): "wf_Truth_Ratio",
-}
-PAPER_NAMES = {"rouge": "ROUGE", "probability": "Probability", "truth_ratio": "Truth_Ratio",
-               "token_entropy": "Token_Entropy", "cosine_similarity": "Cosine_Similarity",
-               "entailment": "Entailment_Score", "idk_entailment": "IDK_Entailment_Score"}
 
 
 @dataclass
@@ -378,10 +364,11 @@ def _named(aggregate: metrics.Aggregate, name: str) -> metrics.Aggregate:
 
 
 def qa_suite(
-    suite: str, sets: list[QASet], model, formatter, judges: Judges, config: EvalConfig, targeted: bool | None,
+    suite: Suite, sets: list[QASet], model, formatter, judges: Judges, config: EvalConfig, targeted: bool | None,
     progress=None,
 ) -> tuple[dict[str, Any], dict[str, list[dict]], list[metrics.Aggregate], dict[str, float | None]]:
-    """Indicators of every set, the flat summary (fractions; aggregates in percent) and the aggregates."""
+    """Indicators of every set, the flat summary (fractions; aggregates in percent; keys named by the suite's
+    `summary_key`) and the aggregates."""
     values: dict[str, float | None] = {}
     records: dict[str, list[dict]] = {}
     if any(qa_set.is_forget for qa_set in sets):
@@ -396,7 +383,7 @@ def qa_suite(
         for indicator, value in set_values.items():
             values[f"{qa_set.name}_{indicator}"] = value
     reasons = _missing_judge_reasons(judges)
-    if suite == "tofu":
+    if suite.name == "tofu":
         mu = metrics.model_utility(values, reasons)
     else:  # real-world: MU over the neighbour set's six indicators (Section 5.2)
         mu = metrics.model_utility(values, reasons, keys=[f"neighbour_{i}" for i in INDICATORS])
@@ -414,8 +401,7 @@ def qa_suite(
             key = f"{qa_set.name}_{indicator}"
             if key not in values:
                 continue
-            name = OPENUNLEARNING_NAMES.get((qa_set.prefix, indicator), f"{qa_set.prefix}_{PAPER_NAMES[indicator]}")
-            summary[name] = values[key]
+            summary[suite.summary_key(qa_set.prefix, indicator)] = values[key]
         if qa_set.is_forget:  # OpenUnlearning's forget_truth_ratio: mean of min(r, 1/r) (the paper uses 1 - that)
             ratios = [r["truth_ratio"] for r in records[qa_set.name]]
             summary[f"{qa_set.prefix}_truth_ratio"] = sum(min(r, 1 / r) for r in ratios) / len(ratios)
@@ -513,8 +499,8 @@ def run_tofu(context: SuiteContext) -> SuiteResult:
     OpenUnlearning's metrics, into TOFU_EVAL.json and TOFU_SUMMARY.json."""
     config = context.config
     sets = _forget_side(context, _tofu_sets(config))
-    summary, records, aggregates, values = qa_suite("tofu", sets, context.model, context.formatter, context.judges,
-                                                    config, context.targeted, context.progress)
+    summary, records, aggregates, values = qa_suite(TOFU_SUITE, sets, context.model, context.formatter,
+                                                    context.judges, config, context.targeted, context.progress)
     openunlearning, logs = openunlearning_metrics(sets, records, summary, context.model, context.formatter, config,
                                                   context.retain)
     summary.update(openunlearning["values"])
@@ -529,7 +515,7 @@ def run_real_world(context: SuiteContext) -> SuiteResult:
     neighbours, UFE, TFE, OVR, into REAL_WORLD_EVAL.json and REAL_WORLD_SUMMARY.json (rw_ keys in SUMMARY.json)."""
     config = context.config
     sets = _forget_side(context, load_real_world_sets(config.forget, config.retain, config.max_samples))
-    summary, records, aggregates, values = qa_suite("real-world", sets, context.model, context.formatter,
+    summary, records, aggregates, values = qa_suite(REAL_WORLD_SUITE, sets, context.model, context.formatter,
                                                     context.judges, config, context.targeted, context.progress)
     write_json(context.out / "REAL_WORLD_EVAL.json", {"model": context.model_name, "suite": "real-world",
                                                       "sets": records})
@@ -573,13 +559,35 @@ def run_privacy(context: SuiteContext) -> SuiteResult:
                                          {"name": "holdout", "source": config.holdout, "n": len(holdout)}]})
 
 
-TOFU_SUITE = Suite("tofu", run_tofu, files=("TOFU_EVAL.json", "TOFU_SUMMARY.json"), needs_judges=True,
-                   forget_metrics=(("forget_Q_A_ROUGE", 1), ("forget_Q_A_Prob", 1), ("forget_Truth_Ratio", 1),
-                                   ("UFE", -1)), headline="UFE", forget_rows="TOFU_EVAL.json",
-                   utility="MU")
+TOFU_SUITE = Suite(
+    "tofu", run_tofu, files=("TOFU_EVAL.json", "TOFU_SUMMARY.json"), needs_judges=True,
+    forget_metrics=(("forget_Q_A_ROUGE", 1), ("forget_Q_A_Prob", 1), ("forget_Truth_Ratio", 1), ("UFE", -1)),
+    headline="UFE", forget_rows="TOFU_EVAL.json", utility="MU", attacks=QA_ATTACKS,
+    # the paper's aggregates (percent) and OpenUnlearning's (fractions); whether forgetting ran its course, and
+    # the taught retain answers were kept (ROUGE-L recall of greedy answers)
+    bench_columns=(BenchColumn("UFE", "UFE", True), BenchColumn("TFE", "TFE", True), BenchColumn("MU", "MU", True),
+                   BenchColumn("OVR", "OVR", True), BenchColumn("model_utility", "model_utility", True, ".3f"),
+                   BenchColumn("forget_quality", "forget_quality", True, ".3g"),
+                   BenchColumn("forget_Q_A_ROUGE", "forget ROUGE-L", False, ".3f"),
+                   BenchColumn("retain_Q_A_ROUGE", "retain ROUGE-L", True, ".3f")),
+    # the paper's names of the indicators; OpenUnlearning's key where it computes the same metric on that set
+    paper_names=(("rouge", "ROUGE"), ("probability", "Probability"), ("truth_ratio", "Truth_Ratio"),
+                 ("token_entropy", "Token_Entropy"), ("cosine_similarity", "Cosine_Similarity"),
+                 ("entailment", "Entailment_Score"), ("idk_entailment", "IDK_Entailment_Score")),
+    openunlearning_names=(
+        (("forget", "rouge"), "forget_Q_A_ROUGE"), (("forget", "probability"), "forget_Q_A_Prob"),
+        (("retain", "rouge"), "retain_Q_A_ROUGE"), (("retain", "probability"), "retain_Q_A_Prob"),
+        (("retain", "truth_ratio"), "retain_Truth_Ratio"),
+        (("ra", "rouge"), "ra_Q_A_ROUGE"), (("ra", "probability"), "ra_Q_A_Prob_normalised"),
+        (("ra", "truth_ratio"), "ra_Truth_Ratio"),
+        (("wf", "rouge"), "wf_Q_A_ROUGE"), (("wf", "probability"), "wf_Q_A_Prob_normalised"),
+        (("wf", "truth_ratio"), "wf_Truth_Ratio")))
+# Its forget set is named as TOFU's (SUMMARY.json adds rw_ to every key), its neighbour set by the paper's names.
 REAL_WORLD_SUITE = Suite("real-world", run_real_world, files=("REAL_WORLD_EVAL.json", "REAL_WORLD_SUMMARY.json"),
                          needs_judges=True,
                          forget_metrics=(("rw_forget_Q_A_ROUGE", 1), ("rw_forget_Q_A_Prob", 1),
                                          ("rw_forget_Truth_Ratio", 1), ("rw_UFE", -1)),
-                         headline="rw_UFE", forget_rows="REAL_WORLD_EVAL.json", utility="rw_MU")
+                         headline="rw_UFE", forget_rows="REAL_WORLD_EVAL.json", utility="rw_MU",
+                         attacks=QA_ATTACKS, paper_names=TOFU_SUITE.paper_names,
+                         openunlearning_names=TOFU_SUITE.openunlearning_names)
 PRIVACY_SUITE = Suite("privacy", run_privacy, files=("PRIVACY_EVAL.json", "PRIVACY_SUMMARY.json"))

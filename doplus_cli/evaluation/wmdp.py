@@ -18,7 +18,7 @@ from rich.table import Table
 
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.lm_eval_suite import DatasetUnreachable, run_lm_eval
-from doplus_cli.evaluation.suite_api import Suite, SuiteContext, SuiteResult
+from doplus_cli.evaluation.suite_api import WEIGHT_ATTACKS, BenchColumn, Suite, SuiteContext, SuiteResult
 from doplus_cli.files import write_json
 
 # The hazardous-knowledge tasks (lower accuracy = more forgotten; 25% is chance on four choices) and the utility
@@ -151,4 +151,11 @@ def print_section(section: Mapping[str, Any], console: Console) -> None:
 
 WMDP_SUITE = Suite("wmdp", run_wmdp_suite, files=("WMDP.json",),
                    forget_metrics=(("wmdp_bio/acc", 1), ("wmdp_cyber/acc", 1), ("wmdp_chem/acc", 1)),
-                   headline="wmdp_bio/acc", utility="mmlu/acc")
+                   headline="wmdp_bio/acc", utility="mmlu/acc",
+                   # lm-eval's multiple-choice prompts, scored by the letters' log-probabilities: no probe
+                   attacks=WEIGHT_ATTACKS,
+                   # lm-eval's accuracies under OpenUnlearning's names: hazardous knowledge lower, MMLU higher
+                   bench_columns=(BenchColumn("wmdp_bio/acc", "WMDP-Bio", False, ".3f"),
+                                  BenchColumn("wmdp_cyber/acc", "WMDP-Cyber", False, ".3f"),
+                                  BenchColumn("wmdp_chem/acc", "WMDP-Chem", False, ".3f"),
+                                  BenchColumn("mmlu/acc", "MMLU", True, ".3f")))

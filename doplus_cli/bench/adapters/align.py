@@ -13,15 +13,21 @@ from doplus_cli.bench.adapters.base import BenchAdapter, Metric, TradeoffAxes, d
 from doplus_cli.commands.align import ALIGN, AlignCommand
 from doplus_cli.config import AlignConfig
 from doplus_cli.errors import UserError
+from doplus_cli.evaluation.suite_registry import SUITE_REGISTRY
 
-# The safety suites' rates (percent) and what the run measures itself.
-ALIGN_EVAL_METRICS = (Metric("safety_rate_avg", "safety AVG (%)", True),)
-XSTEST_METRICS = (Metric("xstest_over_refusal", "XSTest over-refusal (%)", False),
-                  Metric("xstest_unsafe_refusal", "XSTest unsafe refusal (%)", True))
+# What the run measures itself; the safety suites' columns are their Suite's `bench_columns` (`eval_metrics`).
 ALIGN_HELD_OUT_METRICS = (Metric("held_out_safety_refusal", "held-out harmful refused (%)", True, ".1f"),
                           Metric("held_out_general_refusal", "held-out benign refused (%)", False, ".1f"))
 ALIGN_LOSS_METRICS = (Metric("safety_loss", "safety loss", False, ".3f"),
                       Metric("general_loss", "general loss", False, ".3f"))
+
+
+def eval_metrics(eval_suite: str | None) -> tuple[Metric, ...]:
+    """The columns of the suites `eval_suite` names (safety, xstest or both), in `--suite`'s order: each suite's
+    `bench_columns`, rates the bench shows in percent."""
+    chosen = {name.strip() for name in (eval_suite or "").split(",")}
+    return tuple(Metric(*column) for name, suite in SUITE_REGISTRY.items() if name in chosen
+                 for column in suite.bench_columns)
 
 
 class AlignAdapter(BenchAdapter):
@@ -33,10 +39,8 @@ class AlignAdapter(BenchAdapter):
                             "losses would be compared; set held_out > 0 or eval_suite: safety (or xstest)")
 
     def metric_list(self, config: AlignConfig) -> tuple[Metric, ...]:
-        suites = config.eval_suite.split(",") if config.eval_suite else []
-        return (*(ALIGN_EVAL_METRICS if "safety" in suites else ()),
-                *(XSTEST_METRICS if "xstest" in suites else ()),
-                *(ALIGN_HELD_OUT_METRICS if config.held_out else ()), *ALIGN_LOSS_METRICS)
+        return (*eval_metrics(config.eval_suite), *(ALIGN_HELD_OUT_METRICS if config.held_out else ()),
+                *ALIGN_LOSS_METRICS)
 
     def describe(self, config: AlignConfig, swept: str | None) -> str:
         length = f"{config.epochs:g} epoch(s)" if config.epochs is not None else f"{config.steps} steps"
@@ -85,7 +89,7 @@ class AlignAdapter(BenchAdapter):
         summary_path = evaluation / "SUMMARY.json"
         if evaluation.name == "eval" and summary_path.is_file():
             summary = read_json(summary_path)
-            for metric in (*ALIGN_EVAL_METRICS, *XSTEST_METRICS):
+            for metric in eval_metrics(report["config"].get("eval_suite")):  # fractions in SUMMARY.json
                 value = summary.get(metric.key)
                 values[metric.key] = None if value is None else 100 * value
             judge = summary.get("safety_judge") or ""

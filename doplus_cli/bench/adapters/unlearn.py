@@ -14,35 +14,28 @@ from doplus_cli.bench.adapters.base import BenchAdapter, Metric, TradeoffAxes, d
 from doplus_cli.commands.unlearn import UNLEARN
 from doplus_cli.config import UNLEARN_EVAL_SUITES, UnlearnConfig
 from doplus_cli.errors import UserError
+from doplus_cli.evaluation.suite_registry import SUITE_REGISTRY
 
-# The paper's aggregates (percent, higher is better; TOFU_SUMMARY.json) and OpenUnlearning's (fractions).
-UNLEARN_METRICS = (
-    Metric("UFE", "UFE", True), Metric("TFE", "TFE", True), Metric("MU", "MU", True), Metric("OVR", "OVR", True),
-    Metric("model_utility", "model_utility", True, ".3f"), Metric("forget_quality", "forget_quality", True, ".3g"),
-    # whether forgetting ran its course, and the taught retain answers were kept (ROUGE-L recall of greedy answers)
-    Metric("forget_Q_A_ROUGE", "forget ROUGE-L", False, ".3f"),
-    Metric("retain_Q_A_ROUGE", "retain ROUGE-L", True, ".3f"),
-)
+# `eval_suite: answers` is no suite of `doplus evaluate`: it scores the run's own before/after answers (the
+# unlearn command's report.json), so its columns are the bench's own; every other eval_suite's are its Suite's
+# `bench_columns`.
 ANSWER_METRICS = (Metric("forget_rouge", "forget ROUGE-L", False, ".3f"),
                   Metric("retain_rouge", "retain ROUGE-L", True, ".3f"))
-# The MUSE suite's SUMMARY.json keys (OpenUnlearning's names; ROUGE-L F1 fractions, privleak in percent: about 0
-# like the retrained model, -100 still knows the forget set, so no side of it is "better") and the WMDP suite's
-# (lm-eval's accuracy under OpenUnlearning's names: hazardous knowledge lower, MMLU higher).
-MUSE_METRICS = (
-    Metric("forget_verbmem_ROUGE", "VerbMem forget", False, ".3f"),
-    Metric("forget_knowmem_ROUGE", "KnowMem forget", False, ".3f"),
-    Metric("retain_knowmem_ROUGE", "KnowMem retain", True, ".3f"),
-    Metric("muse_privleak", "PrivLeak (%)", None, ".1f"),
-)
-WMDP_METRICS = (Metric("wmdp_bio/acc", "WMDP-Bio", False, ".3f"), Metric("wmdp_cyber/acc", "WMDP-Cyber", False, ".3f"),
-                Metric("wmdp_chem/acc", "WMDP-Chem", False, ".3f"), Metric("mmlu/acc", "MMLU", True, ".3f"))
-SUITE_METRICS = {"answers": ANSWER_METRICS, "muse": MUSE_METRICS, "wmdp": WMDP_METRICS}
 MUSE_CORPORA = ("news", "books")
 EVALUATED_SUITES = UNLEARN_EVAL_SUITES  # config.py says what each is
 
 
+def suite_metrics(eval_suite: str | None) -> tuple[Metric, ...]:
+    """The score columns of runs evaluated by `eval_suite`: the answers' own, else the suite's `bench_columns`
+    (None, or a name that is no registered suite: those of UnlearnConfig's default suite, TOFU)."""
+    if eval_suite == "answers":
+        return ANSWER_METRICS
+    suite = SUITE_REGISTRY.get(eval_suite or "", SUITE_REGISTRY[UnlearnConfig.eval_suite])
+    return tuple(Metric(*column) for column in suite.bench_columns)
+
+
 class UnlearnAdapter(BenchAdapter):
-    training, metrics = UNLEARN, UNLEARN_METRICS
+    training = UNLEARN
     takes_task_ids = True
     matched_tradeoff = True
 
@@ -63,7 +56,7 @@ class UnlearnAdapter(BenchAdapter):
                             "questions of each set; show_samples is 0")
 
     def metric_list(self, config: UnlearnConfig) -> tuple[Metric, ...]:
-        return SUITE_METRICS.get(config.eval_suite, self.metrics)
+        return suite_metrics(config.eval_suite)
 
     def describe(self, config: UnlearnConfig, swept: str | None) -> str:
         parts = [] if swept == "loss" else [config.loss]
@@ -150,7 +143,7 @@ class UnlearnAdapter(BenchAdapter):
             return {"forget_rouge": means.get("forget"), "retain_rouge": means.get("retain")}, {}
         summary = read_json(evaluation / "SUMMARY.json")
         record = read_json(evaluation / "eval.json")
-        metrics = SUITE_METRICS.get(report["config"].get("eval_suite"), self.metrics)
+        metrics = suite_metrics(report["config"].get("eval_suite"))
         values = {m.key: summary.get(m.key) for m in metrics}
         notes = {a["name"]: a["note"] for section in record.get("sections", []) if section.get("suite") == "tofu"
                  for a in section.get("aggregates", []) if a.get("note")}
