@@ -36,7 +36,7 @@ def balanced_order(items: Sequence[T], heavy: Callable[[T], bool]) -> list[T]:
 QUICK_MODULES = (
     "test_optim_rules", "test_optim_api", "test_optim_groups", "test_v_floor",  # the optimizer
     "test_losses", "test_losses_beyond_the_paper",  # the losses
-    "test_eval_metrics", "test_similarity", "test_select_by", "test_paired",  # the metrics
+    "test_eval_metrics", "test_similarity", "test_select_by", "test_paired", "test_sensitivity",  # the metrics
     "test_config_final", "test_config_fields_set_by_doplus", "test_refused_keys", "test_options_once",  # config
     "test_registry", "test_layers", "test_public_imports", "test_cli", "test_toy_command", "test_suite_facts",
 )

@@ -171,6 +171,12 @@ def test_sweep_and_set_one_row_per_value_and_finished_runs_are_reused(tiny_llama
     markdown = (out / "SCHEMES.md").read_text()
     assert "| Method | retain_freq | UFE ↑ |" in markdown and "update cos (mean over the 2nd half of steps)" in markdown
     assert "lr=0.0005, forget_coeff=0.5" in markdown  # the caption names the --set values
+    # the sweep's sensitivity (bench/sensitivity.py): UFE's best retain_freq is the one with the higher mean
+    ufe = next(entry for entry in summary["sensitivity"] if entry["metric"] == "UFE")
+    means = {row["sweep_value"]: row["metrics"]["UFE"]["mean"] for row in summary["rows"]}
+    assert ufe["schemes"]["DO+"]["best"] == max(means, key=means.get)
+    assert ufe["schemes"]["DO+"]["losses"] == [pytest.approx(abs(means[1] - means[3]))]
+    assert "**Sensitivity to retain_freq, by UFE**" in markdown
 
     # Another command into the same OUT re-uses the finished run that matches; its evaluation had gone.
     run = out / "runs" / "doplus-retain_freq=3-s3"

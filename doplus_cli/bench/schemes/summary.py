@@ -18,6 +18,8 @@ from doplus_cli.bench.paired import comparisons
 from doplus_cli.bench.paired import render as render_paired
 from doplus_cli.bench.schemes.attacked import attack_columns, attack_values
 from doplus_cli.bench.schemes.planning import Bench, completed_report, plain, start_point
+from doplus_cli.bench.sensitivity import render as render_sensitivity
+from doplus_cli.bench.sensitivity import sensitivity
 from doplus_cli.bench.tradeoff import dominance_between, ordered, summarise_tradeoff
 from doplus_cli.bench.tradeoff import render as render_tradeoff
 from doplus_cli.config import SCHEMES
@@ -212,6 +214,9 @@ def summarise(bench: Bench, results: list[Result], unfinished: list[str]) -> dic
              "probe's accuracy minus the starting model's: what the unlearning left of its separability."]
             if by_role["taken back"] else []),
         "tradeoff": tradeoff,
+        "sensitivity": sensitivity(rows, runs, [(m.key, m.label, m.higher_is_better) for m in scores],
+                                   {row["scheme"]: row["label"] for row in rows})
+        if bench.sweep_key and len(sweep["values"]) > 1 else None,
         "paired": comparisons(rows, runs, [(m.key, m.label, m.higher_is_better) for m in scores] + whole_curve
                               + [(m.key, m.label, m.higher_is_better) for m in by_role["taken back"]]),
         "over": over(results),
@@ -364,6 +369,8 @@ def render_markdown(summary: dict[str, Any], figures: list[str]) -> str:
         labels = {c["key"]: c["label"] for c in columns} | {ENVELOPE_AREA: "envelope area (UFE·MU)"}
         sweep = summary["sweep"]
         lines += [""] + render_paired(summary["paired"], labels, sweep["key"] if sweep else None)
+    if summary.get("sensitivity"):
+        lines += render_sensitivity(summary["sensitivity"], summary["sweep"]["key"])
     if summary.get("tradeoff"):
         lines += [""] + render_tradeoff(summary["tradeoff"], summary.get("over", "seeds"))
     if summary["unfinished"]:
