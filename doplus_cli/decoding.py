@@ -164,8 +164,9 @@ def buffered_layer_class() -> type:
 
 
 def eligible(model: torch.nn.Module, cache) -> bool:
-    """Whether `buffered_decoding` applies: a CPU model whose plain config runs SDPA, every cache layer a
-    `DynamicLayer` of 4-D keys and values, and $DOPLUS_DECODE_BUFFERS not 0."""
+    """Whether `buffered_decoding` applies: a CPU model whose plain config runs SDPA and that switches its attention
+    with transformers' `set_attn_implementation`, every cache layer a `DynamicLayer` of 4-D keys and values, and
+    $DOPLUS_DECODE_BUFFERS not 0."""
     from transformers.cache_utils import DynamicLayer
 
     config = getattr(model, "config", None)
@@ -173,6 +174,7 @@ def eligible(model: torch.nn.Module, cache) -> bool:
     return (os.environ.get(BUFFERS_VARIABLE, "1").strip() != "0"
             and config is not None and not getattr(config, "sub_configs", None)
             and getattr(config, "_attn_implementation", None) == "sdpa"
+            and callable(getattr(model, "set_attn_implementation", None))
             and parameter is not None and parameter.device.type == "cpu"
             and bool(getattr(cache, "layers", None))
             and all(type(layer) is DynamicLayer and layer.is_initialized and layer.keys.dim() == 4
@@ -190,10 +192,9 @@ def buffered_decoding(model: torch.nn.Module, cache, capacity: int) -> Iterator[
     _register()
     layer_class = buffered_layer_class()
     cache.layers = [layer_class(layer, capacity) for layer in cache.layers]
-    config = model.config
-    previous = config._attn_implementation
-    config._attn_implementation = DECODE_ATTENTION
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(DECODE_ATTENTION)  # transformers' public switch
     try:
         yield True
     finally:
-        config._attn_implementation = previous
+        model.set_attn_implementation(previous)

@@ -1,7 +1,7 @@
 """A run's life in its output folder: one run per folder, and SIGTERM or Ctrl-C from the run's first second.
 
-One run per folder: the run holds an advisory lock on `OUT/.doplus.lock` (the operating system's `flock`,
-`FolderLock`) from its start to its end, so a second start on the same folder stops at once with one
+One run per folder: the run holds an advisory lock on `OUT/.doplus.lock` (the operating system's `flock` through
+filelock, `FolderLock`) from its start to its end, so a second start on the same folder stops at once with one
 line naming the holder (host, process id, since when; from `OUT/.doplus-holder.json`). The operating system
 releases the lock when the holding process ends, however it ends, so a killed run leaves nothing to clear by hand.
 A launch of several processes is held by the process that launches them (doplus's `--num-processes`) or by the
@@ -16,7 +16,6 @@ stop, and the loop ends after the current step with a checkpoint.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shlex
@@ -258,55 +257,53 @@ def _locks_off() -> bool:
 
 
 class FolderLock:
-    """An exclusive `flock` on a lock file, held until `release()` or the end of the process.
+    """An exclusive lock on a lock file, held until `release()` or the end of the process: filelock's
+    `UnixFileLock` (the operating system's `flock`), one open file per instance, so two instances exclude each other
+    in one process as in two.
 
-    After the lock is granted, the file it locked must still be the one at the path. A run that created a folder
-    and wrote nothing into it removes the folder again, lock file included, while it holds the lock; a start that
-    opened the old file just before and is granted its lock just after would otherwise hold a lock nobody else can
-    see, beside a run that takes the new one. Such a start tries again on the file now at the path. filelock's
-    own lock and this one are compared in docs/architecture.md ("Hand-written where a library has it")."""
+    A lock granted on a file its holder removed meanwhile is not held: a run that created a folder and wrote nothing
+    into it removes the folder again, lock file included, while it holds the lock, and a start that opened the old
+    file just before and is granted its lock just after would otherwise hold a lock nobody else can see, beside a
+    run that takes the new one. filelock (4.3.1 and later) refuses a lock granted on a file with no name left
+    (`st_nlink` 0): a blocking acquire tries again, a non-blocking one reads it as held."""
 
     def __init__(self, file: Path) -> None:
         self.file = Path(file)
-        self.fd: int | None = None
+        self.lock: Any = None  # the held `UnixFileLock`
 
     def acquire(self, blocking: bool) -> bool:
         """Take the lock (waiting for it when `blocking`); False when another process holds it. A file system that
-        refuses locks is one line; a folder that disappears meanwhile reads as held (its holder removed it)."""
-        while True:
-            try:
-                fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o666)  # the process's umask applies
-            except FileNotFoundError:
-                return False
-            except OSError as error:
-                raise UserError(f"{self.file}: cannot create the folder's lock ({error.strerror or error})") from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-            except BlockingIOError:
-                os.close(fd)
-                return False
-            except OSError as error:
-                os.close(fd)
-                raise UserError(f"{self.file}: cannot lock the folder ({error.strerror or error}); on Lustre mount "
-                                f"with -o flock, or set {LOCK_SWITCH}=off and keep to one run per folder yourself"
-                                ) from None
-            if _same_file(fd, self.file):
-                self.fd = fd
-                return True
-            os.close(fd)  # its holder removed that file before letting go: try the one at the path now
+        refuses locks is one line (no soft lock instead: a marker file outlives a killed holder); a folder that is
+        gone reads as held (its holder removed it)."""
+        from filelock import Timeout, UnixFileLock
+
+        if not self.file.parent.is_dir():  # filelock would create the folder again
+            return False
+        lock = UnixFileLock(self.file, thread_local=False, fallback_to_soft=False)
+        try:
+            lock.acquire(blocking=blocking)
+        except Timeout:  # held, or granted on a file its holder removed (then the folder is gone too)
+            return False
+        except OSError as error:
+            raise _lock_error(self.file, error) from None
+        self.lock = lock
+        return True
 
     def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # closing the last descriptor lets the lock go
-            self.fd = None
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
 
-def _same_file(fd: int, file: Path) -> bool:
+def _lock_error(file: Path, error: OSError) -> UserError:
+    """The line for filelock's OSError: the lock file could not be opened (or created), or the file system refused
+    the lock on it; an open of the file tells which."""
     try:
-        opened, named = os.fstat(fd), os.stat(file)
+        os.close(os.open(file, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666))
     except OSError:
-        return False
-    return (opened.st_dev, opened.st_ino) == (named.st_dev, named.st_ino)
+        return UserError(f"{file}: cannot create the folder's lock ({error.strerror or error})")
+    return UserError(f"{file}: cannot lock the folder ({error.strerror or error}); on Lustre mount with -o flock, or "
+                     f"set {LOCK_SWITCH}=off and keep to one run per folder yourself")
 
 
 def _folder(folder: str | os.PathLike) -> tuple[Path, bool]:

@@ -239,12 +239,30 @@ def test_greedy_answers_run_the_buffered_decoder(model_and_formatter):
     assert decoding.KERNEL.compiled_calls - before >= (both - 1) * model.config.num_hidden_layers > 0
 
 
-@pytest.mark.parametrize("change", ["eager attention", "sub-configs", "not a DynamicLayer", "switched off"])
+def test_the_attention_switch_and_its_undoing_are_transformers_set_attn_implementation(model_and_formatter,
+                                                                                        monkeypatch):
+    """The model's attention goes to the decoder's and back through transformers' public call, also when the block
+    ends with an error."""
+    model, _ = model_and_formatter
+    calls = []
+    switch = model.set_attn_implementation
+    monkeypatch.setattr(model, "set_attn_implementation", lambda name: (calls.append(name), switch(name))[1])
+    with pytest.raises(KeyError):
+        with decoding.buffered_decoding(model, _prefilled(model), 10) as applied:
+            assert applied and model.config._attn_implementation == decoding.DECODE_ATTENTION
+            raise KeyError("a failure inside the block")
+    assert calls == [decoding.DECODE_ATTENTION, "sdpa"] and model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("change", ["eager attention", "sub-configs", "not a DynamicLayer", "switched off",
+                                    "no set_attn_implementation"])
 def test_other_models_decode_as_before(model_and_formatter, monkeypatch, change):
     model, _ = model_and_formatter
     cache = _prefilled(model)
     if change == "eager attention":
         monkeypatch.setattr(model.config, "_attn_implementation_internal", "eager")
+    elif change == "no set_attn_implementation":  # a model that is not transformers' PreTrainedModel
+        monkeypatch.setattr(model, "set_attn_implementation", None)
     elif change == "sub-configs":
         monkeypatch.setattr(type(model.config), "sub_configs", {"text_config": type(model.config)})
     elif change == "not a DynamicLayer":

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -201,11 +202,10 @@ def test_a_lock_granted_on_a_file_its_holder_removed_is_not_held(tmp_path, monke
     real_flock = fcntl.flock
 
     def holder_leaves_and_a_third_run_comes(fd, operation):
-        if not third:
+        if not third:  # the late start's flock (the holder's release and the third's lock call it too)
+            third["lock"] = lock = lifecycle.FolderLock(folder / lifecycle.LOCK_NAME)
             (folder / lifecycle.LOCK_NAME).unlink()  # the holder's clean-up
             first.release()
-            lock = lifecycle.FolderLock(folder / lifecycle.LOCK_NAME)
-            third["lock"] = lock
             assert lock.acquire(blocking=False)  # a new file at the path
         return real_flock(fd, operation)
 
@@ -215,6 +215,37 @@ def test_a_lock_granted_on_a_file_its_holder_removed_is_not_held(tmp_path, monke
     third["lock"].release()
     assert late.acquire(blocking=False) is True  # free now: taken on the file at the path
     late.release()
+
+
+def test_a_folder_gone_reads_as_held_and_is_not_made_again(tmp_path):
+    """The lock never creates its folder: one its holder removed reads as held (a listing or a late start leaves no
+    folder behind)."""
+    gone = tmp_path / "gone"
+    assert lifecycle.FolderLock(gone / lifecycle.LOCK_NAME).acquire(blocking=False) is False
+    assert not gone.exists()
+
+
+def test_a_blocking_acquire_waits_for_the_holder_and_then_holds(tmp_path):
+    """`shared_turn`'s wait: a second lock on the file waits while the first is held (by another thread: its own
+    open file) and holds once it is let go; a third then finds it held."""
+    first, second = (lifecycle.FolderLock(tmp_path / lifecycle.SHARED_LOCK_NAME) for _ in range(2))
+    assert first.acquire(blocking=False)
+    got = threading.Event()
+    waiter = threading.Thread(target=lambda: second.acquire(blocking=True) and got.set(), daemon=True)
+    waiter.start()
+    assert not got.wait(0.3)  # still held by the first
+    first.release()
+    waiter.join(timeout=30)
+    assert got.is_set()
+    assert lifecycle.FolderLock(tmp_path / lifecycle.SHARED_LOCK_NAME).acquire(blocking=False) is False
+    second.release()
+
+
+def test_a_lock_file_that_cannot_be_opened_is_one_line(tmp_path):
+    folder = tmp_path / "odd"
+    (folder / lifecycle.LOCK_NAME).mkdir(parents=True)  # a folder where the lock file goes
+    with pytest.raises(UserError, match=r"\.doplus\.lock: cannot create the folder's lock \(Is a directory\)$"):
+        lifecycle.FolderLock(folder / lifecycle.LOCK_NAME).acquire(blocking=False)
 
 
 def test_a_file_system_without_locks_is_one_line(tmp_path, monkeypatch):
