@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from doplus_cli.bench.stability import doplus_builder, relative_distance, run, start_weights
-from doplus_cli.engine.outputs import render_unlearn_report, update_summary, update_warning
+from doplus_cli.commands.unlearn import render_unlearn_report
+from doplus_cli.engine.outputs import update_summary, update_warning
 from doplus_cli.optim import DualOptim, DualOptimPlus
 from doplus_cli.optim.diagnostics import adamw_step_stats, reduce_step_stats, step_counts
 from tests.helpers import Float64DualOptimPlus, cycle

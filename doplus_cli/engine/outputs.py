@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import yaml
 
-from doplus_cli.engine.selection import best_lines
 from doplus_cli.errors import writing
 from doplus_cli.evaluation import compute
 from doplus_cli.files import atomic_write_text, follow_umask
@@ -180,7 +179,7 @@ def cell(text: str, limit: int = 90) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _lora_lines(lora: dict[str, Any] | None) -> list[str]:
+def lora_lines(lora: dict[str, Any] | None) -> list[str]:
     if not lora:
         return []
     norms = lora["adapter_norms"]
@@ -224,102 +223,6 @@ def teach_note(teach: dict[str, Any] | None) -> str:
         return ""
     how = "reused from" if teach.get("reused") else "taught now, cached in"
     return f"; taught first by {teach['recipe']} ({how} {teach['cache']})"
-
-
-def task_note(data: dict[str, Any]) -> str:
-    """`: task 2 of tasks 1-3 (task_id; 120 rows in the file)` for a forget file whose rows carry task_id."""
-    task = data.get("task")
-    if not task:
-        return ""
-    how = "" if task["task_given"] else ", the default"
-    note = (f": task {task['task_id']}{how} of the file's tasks {', '.join(map(str, task['file_tasks']))} "
-            f"({task['forget_file_rows']} rows in the file)")
-    if len(task["unlearned"]) > 1:
-        note += f"; continual, tasks unlearned so far {', '.join(map(str, task['unlearned']))}"
-    return note
-
-
-def retain_note(data: dict[str, Any]) -> str:
-    """`: the authors' retain set, retain90 (3,600) + other tasks (360)`, or the parts of an explicit set."""
-    retain = data.get("retain")
-    if not retain:
-        return ""
-    parts = " + ".join(f"{part['source']} ({part['rows']:,})" for part in retain["parts"])
-    return f": the authors' retain set, {parts}" if retain["kind"] == "authors" else ""
-
-
-def warmup_note(cfg: dict[str, Any], report: dict[str, Any]) -> str:
-    epoch = report.get("data", {}).get("epoch_steps")
-    if epoch is None:
-        return " (set by warmup_steps)"
-    return f" (one epoch of {epoch} steps by the DualOptim+ authors' rule for {cfg['scheme']})"
-
-
-def render_unlearn_report(report: dict[str, Any]) -> str:
-    cfg = report["config"]
-    env = report["environment"]
-    lines = [
-        f"# doplus unlearn: {cfg['loss']} with {cfg['scheme']}",
-        "",
-        f"- model: {report['model']}" + teach_note(report.get("teach")),
-        f"- forget: {cfg['forget']} ({report['data']['forget_rows']} rows{task_note(report['data'])}); "
-        f"retain: {cfg['retain']} ({report['data']['retain_rows']} rows{retain_note(report['data'])})",
-        f"- scheme {cfg['scheme']}, optimizer {cfg['optimizer']} ({cfg['state_bits']}-bit states"
-        + (f", {cfg.get('doplus_rule', 'paper')} rule" if cfg["scheme"] == "doplus" else "") + "), "
-        f"F_f:F_r = {cfg['forget_freq']}:{cfg['retain_freq']}, lr {cfg['lr']}"
-        + (f" (forget {cfg['forget_lr']})" if cfg.get("forget_lr") is not None else "")
-        + f", betas {tuple(cfg['betas'])}, weight decay {cfg['weight_decay']}, warmup {report['warmup_steps']} steps"
-        + warmup_note(cfg, report),
-        f"- {report['steps']} steps ({', '.join(f'{k}: {v}' for k, v in report['steps_per_objective'].items())}), "
-        f"effective batch {env['effective_batch']}, seed {env['seed']}",
-        f"- wall time {report['wall_time_s']:.1f} s, peak memory {report['peak_memory_gb']:.2f} GB "
-        f"({report['peak_memory_kind']})",
-        *_lora_lines(report.get("lora")),
-        "",
-        "## Losses",
-        "",
-        "| objective | term | start | end | mean of last 10 |",
-        "| --- | --- | ---: | ---: | ---: |",
-    ]
-    for objective, terms in report["losses"].items():
-        for term, values in terms.items():
-            if term == "steps":
-                continue
-            lines.append(
-                f"| {objective} | {term} | {values['start']:.4f} | {values['end']:.4f} | {values['end_mean10']:.4f} |"
-            )
-    lines += update_lines(report.get("update_sizes") or {})
-    if report.get("samples"):
-        lines += [
-            "",
-            "## Answers before and after",
-            "",
-            "ROUGE-L recall of the answer after unlearning against the answer before (1: unchanged).",
-            "",
-            "| set | question | before | after | ROUGE-L |",
-            "| --- | --- | --- | --- | ---: |",
-        ]
-        for s in report["samples"]:
-            lines.append(
-                f"| {s['set']} | {cell(s['question'], 60)} | {cell(s['before'])} | {cell(s['after'])} "
-                f"| {s['rouge_l_recall']:.2f} |"
-            )
-        for name, value in report.get("sample_rouge_mean", {}).items():
-            lines.append(f"\nMean ROUGE-L recall, {name}: {value:.3f}")
-    if report.get("evals"):
-        names = [n for n in ("MU", "UFE", "TFE", "OVR") if any(e.get(n) is not None for e in report["evals"])]
-        lines += ["", "## Evaluations during training (TOFU suite, %)", "",
-                  "| step | " + " | ".join(names) + " |", "| ---: |" + " ---: |" * len(names)]
-        for e in report["evals"]:
-            cells = ["n/a" if e.get(n) is None else f"{e[n]:.2f}" for n in names]
-            lines.append(f"| {e['step']} | " + " | ".join(cells) + " |")
-        notes = {note for e in report["evals"] for note in e.get("notes", {}).values()}
-        lines += [f"\nCoverage: {note}" for note in sorted(notes)]
-        if report.get("eval_curves"):
-            lines += ["", "![curves](evals/curves.png)"]
-    lines += best_lines(report)
-    lines += environment_lines(env)
-    return "\n".join(lines) + "\n"
 
 
 def environment_lines(env: dict[str, Any]) -> list[str]:
