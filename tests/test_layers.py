@@ -288,11 +288,10 @@ def test_each_command_has_one_object_registered_and_one_bench_adapter():
 COMMANDS_LAYER = next(index for index, (name, _) in enumerate(LAYERS) if name == "commands")
 # Modules below the commands that still name one, each with what it names; the list only shrinks. The
 # configuration layer holds each command's config class and its options' per-command words until each command
-# declares its own; --continual is unlearn's mode run by the engine.
+# declares its own.
 STILL_NAMING = {
     "doplus_cli.config": {"UnlearnConfig", "MultitaskConfig", "AlignConfig", "multitask", "align"},
     "doplus_cli.options": {"unlearn", "multitask", "align"},
-    "doplus_cli.engine.continual": {"UnlearnConfig", "unlearn"},
 }
 
 

@@ -149,11 +149,16 @@ def test_paper_protocol_caps_every_set_at_300_rows_after_picking_the_task(tofu_d
         r["question"] for r in _rows(tofu_dir / "forget10_perturbed.json") if r["task_id"] == "3"][:5]
 
 
-def test_continual_starts_each_task_from_the_previous_final_model(tiny_llama, authors_dir, tmp_path):
+def test_continual_starts_each_task_from_the_previous_final_model(tiny_llama, authors_dir, tmp_path, capsys):
     common = ["--forget", authors_dir / "forget01.json", "--retain", "tofu-authors", "--loss", "IDK+GD",
               "--scheme", "doplus", "--steps", 3, "--batch-size", 2, "--max-length", 48, "--show-samples", 0,
               "--lr", 1e-3, "--eval-data-dir", authors_dir, "--eval-split", "forget01", "--eval-max-new-tokens", 2]
     out = tmp_path / "continual"
+    # the dry run plans a run per task (the command's own plan of its folder) and writes nothing
+    capsys.readouterr()
+    assert run_cli("unlearn", "--model", tiny_llama, *common, "--task-ids", "1,2", "--continual", "--out", out,
+                   "--dry-run") == 0
+    assert f"out: {out}: tasks 1, 2, one run each in task-T/" in capsys.readouterr().out and not out.exists()
     assert run_cli("unlearn", "--model", tiny_llama, *common, "--task-ids", "1,2", "--continual", "--out", out) == 0
     first, second = out / "task-1", out / "task-2"
     second_report = json.loads((second / "report.json").read_text())

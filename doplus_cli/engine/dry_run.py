@@ -13,8 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from doplus_cli.config import TrainConfig, parse_task_ids
-from doplus_cli.engine import continual
+from doplus_cli.config import TrainConfig
 from doplus_cli.engine.loop import default_out_dir, derive, out_folder_plan
 from doplus_cli.engine.objectives import Plan
 from doplus_cli.models import check_model
@@ -42,12 +41,7 @@ def training_plan(command: Plan, config: TrainConfig, processes: int | None, gpu
     lines.append(f"steps: {opened.steps} ({config.scheme}, effective batch "
                  f"{config.batch_size * config.grad_accum * world} on {world} process{'es' if world > 1 else ''}), "
                  f"warm-up {opened.warmup_steps}")
-    if getattr(config, "continual", False):
-        order = parse_task_ids(config.task_ids)
-        continual.prepare(resolved, Path(opened.out), order, write=False)
-        lines.append(f"out: {opened.out}: tasks {', '.join(map(str, order))}, one run each in task-T/")
-    else:
-        lines.append("out: " + out_folder_plan(resolved, plan, world))
+    lines.append(plan.planned_out(resolved, Path(opened.out)) or "out: " + out_folder_plan(resolved, plan, world))
     if readable:
         from doplus_cli.engine.memory_plan import dry_run as memory_plan
 

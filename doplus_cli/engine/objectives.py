@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -96,6 +97,11 @@ class Plan:
 
     def data_report(self) -> dict[str, Any]:
         return {}
+
+    def planned_out(self, config, out: Path) -> str | None:
+        """A dry run's line for OUT when the command lays out its folder itself (unlearn's --continual: a run per
+        task), after the checks that layout makes; None: the loop's own run folder."""
+        return None
 
     def outputs(self, config) -> tuple[str, ...]:
         """The entries a run of `config` writes directly in OUT beyond the loop's own (`engine.loop.run_outputs`):
