@@ -326,6 +326,12 @@ class AlignConfig(TrainConfig):
         validate_align(self)
 
 
+def parse_lora_targets(text: str | None) -> tuple[str, ...] | None:
+    """`--lora-targets q_proj,v_proj` -> ("q_proj", "v_proj"); None (unset or empty): peft's for the architecture."""
+    targets = tuple(t.strip() for t in str(text).split(",") if t.strip()) if text else ()
+    return targets or None
+
+
 def parse_task_ids(text: Any, flag: str = "--task-ids") -> list[int]:
     """`1,2,3` -> [1, 2, 3]: whole numbers >= 0, none repeated."""
     items = [item.strip() for item in str(text).split(",") if item.strip()]

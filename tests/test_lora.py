@@ -191,3 +191,10 @@ def test_target_defaults(tiny_llama):
     assert resolve_targets(model, None) == "all-linear"
     wrapped = apply_lora(model, LoraSettings(rank=RANK))
     assert adapter_norms(wrapped)["modules"] == 2 * 7  # q, k, v, o, gate, up, down in 2 layers; not lm_head
+
+
+def test_lora_targets_are_parsed_in_one_place():
+    from doplus_cli.config import parse_lora_targets
+
+    assert parse_lora_targets("q_proj, v_proj,") == ("q_proj", "v_proj")
+    assert parse_lora_targets(None) is None and parse_lora_targets("") is None and parse_lora_targets(" , ") is None

@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from doplus_cli import lifecycle, ownership
-from doplus_cli.config import TrainConfig, parse_report_to
+from doplus_cli.config import TrainConfig, parse_lora_targets, parse_report_to
 from doplus_cli.data.batches import IndexStream
 from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.data.sources import MixtureSource
@@ -592,8 +592,7 @@ def tracker_settings(config: TrainConfig, out: Path, command: str) -> tracking.T
 def _lora_settings(config: TrainConfig) -> LoraSettings | None:
     if config.lora_rank <= 0:
         return None
-    targets = tuple(t.strip() for t in config.lora_targets.split(",") if t.strip()) if config.lora_targets else None
-    return LoraSettings(rank=config.lora_rank, alpha=config.lora_alpha, targets=targets,
+    return LoraSettings(rank=config.lora_rank, alpha=config.lora_alpha, targets=parse_lora_targets(config.lora_targets),
                         dropout=config.lora_dropout, gradient_checkpointing=config.gradient_checkpointing)
 
 
