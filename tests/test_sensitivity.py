@@ -72,3 +72,18 @@ def test_an_interval_across_zero_is_no_difference_with_the_detectable_size():
     table = [line for line in lines if line.startswith("| A |")]
     assert table and table[0].startswith("| A | 0.0002 | 51 | 9 | 11 |")
     assert any(line.startswith("- no difference") for line in lines)
+
+
+def test_seed_spreads_compared_value_by_value():
+    from doplus_cli.bench.sensitivity import seed_reading
+
+    values = [1, 2, 3, 4, 5]
+    a = {"values": values, "seed_spread": [1.0, 1.0, 3.0, 1.0, 1.0]}
+    b = {"values": values, "seed_spread": [2.0, 2.0, 2.0, 2.0, 2.0]}
+    assert seed_reading("A", "B", a, b).startswith("A is less seed-sensitive than B (A's seed spread is below "
+                                                   "B's at 4 of 5 values, above at 1)")
+    assert seed_reading("B", "A", b, a).startswith("B is more seed-sensitive than A")
+    c = {"values": values, "seed_spread": [1.0, 3.0, 3.0, 1.0, None]}  # 2 below, 2 above over 4 values
+    assert seed_reading("C", "B", c, b).startswith("no difference in seed spread called")
+    two = {"values": [1, 2], "seed_spread": [1.0, 1.0]}
+    assert seed_reading("D", "B", two, b).startswith("no difference")  # two values: too few to call

@@ -11,7 +11,9 @@ writes down, applied here:
   the tasks (a task with one seed adds nothing);
 - for each pair of schemes, the paired differences of their losses (A − B over the shared pairs) with the 95% t
   interval of `bench/paired.py`: A is called less sensitive than B only when the interval lies below 0, more
-  sensitive only when it lies above; otherwise no difference is detected, with the smallest the grid detects.
+  sensitive only when it lies above; otherwise no difference is detected, with the smallest the grid detects;
+- and their seed spreads value by value: A is called less (more) seed-sensitive only when its spread is below
+  (above) B's at every value but at most one, over three values or more.
 """
 
 from __future__ import annotations
@@ -95,6 +97,21 @@ def reading(first: str, second: str, metric: str, result: Any) -> str:
             f"grid detects a difference of about {result.detectable:.3g} or more")
 
 
+def seed_reading(first: str, second: str, a: dict[str, Any], b: dict[str, Any]) -> str:
+    """The two schemes' seed spreads value by value: A is called less (more) seed-sensitive only when its spread is
+    below (above) B's at all the values both have a spread at but at most one, and at three values or more."""
+    spreads = [(x, y) for value, x in zip(a["values"], a["seed_spread"]) if value in b["values"]
+               for y in [b["seed_spread"][b["values"].index(value)]] if x is not None and y is not None]
+    below = sum(1 for x, y in spreads if x < y)
+    above = sum(1 for x, y in spreads if x > y)
+    count = f"{first}'s seed spread is below {second}'s at {below} of {len(spreads)} values, above at {above}"
+    if len(spreads) >= 3 and below >= len(spreads) - 1:
+        return f"{first} is less seed-sensitive than {second} ({count})"
+    if len(spreads) >= 3 and above >= len(spreads) - 1:
+        return f"{first} is more seed-sensitive than {second} ({count})"
+    return f"no difference in seed spread called between {first} and {second} ({count})"
+
+
 def sensitivity(rows: list[dict[str, Any]], runs: dict[str, dict[str, Any]],
                 metrics: Sequence[tuple[str, str, bool | None]], labels: dict[str, str]) -> list[dict[str, Any]]:
     """For each metric with a direction (key, label, higher is better): every scheme's sensitivity and every pair
@@ -117,7 +134,9 @@ def sensitivity(rows: list[dict[str, Any]], runs: dict[str, dict[str, Any]],
                 shared = [p for p in la if p in lb]
                 result = paired([la[p] for p in shared], [lb[p] for p in shared])
                 comparisons.append({"a": labels.get(a, a), "b": labels.get(b, b), **result.to_dict(),
-                                    "reading": reading(labels.get(a, a), labels.get(b, b), label, result)})
+                                    "reading": reading(labels.get(a, a), labels.get(b, b), label, result),
+                                    "seed_spread": seed_reading(labels.get(a, a), labels.get(b, b),
+                                                                per_scheme[a], per_scheme[b])})
         found.append({"metric": key, "label": label, "higher_is_better": higher,
                       "schemes": {labels.get(s, s): v for s, v in per_scheme.items()}, "comparisons": comparisons})
     return found
@@ -142,7 +161,7 @@ def render(found: list[dict[str, Any]], sweep_key: str) -> list[str]:
             cells = [label, str(s["best"]), _fmt(s["best_mean"]), _fmt(s["loss_mean"]), _fmt(s["step_loss"]),
                      *(_fmt(x) for x in s["seed_spread"])]
             lines.append("| " + " | ".join(cells) + " |")
-        lines += [""] + [f"- {c['reading']}." for c in entry["comparisons"]]
+        lines += [""] + [f"- {c['reading']}; {c['seed_spread']}." for c in entry["comparisons"]]
     return lines
 
 
