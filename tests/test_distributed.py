@@ -66,13 +66,15 @@ def test_two_processes_at_batch_b_equal_one_at_2b(tiny_llama, data, tmp_path, na
                 assert b[key] == pytest.approx(a[key], rel=1e-5)
 
 
-@pytest.mark.parametrize("sharding", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
-def test_doplus_with_both_objectives_on_two_processes_equals_one_at_2b(tiny_llama, data, tmp_path, sharding):
+@pytest.mark.parametrize("sharding,accum", [([], 1), (["--fsdp"], 1), ([], 2), (["--fsdp"], 2)],
+                         ids=["ddp", "fsdp", "ddp-accum", "fsdp-accum"])
+def test_doplus_with_both_objectives_on_two_processes_equals_one_at_2b(tiny_llama, data, tmp_path, sharding, accum):
     """Forget and retain steps under DualOptim+ (the default, safeguarded rule) on two processes at batch b end
     with the weights of one process at 2b, at an lr (1e-3) that moves them, and see the same losses and
-    gradient norms on the way."""
+    gradient norms on the way; also with two micro-batches a step (`accum`), where DDP reduces the gradients on
+    the second only and FSDP on each."""
     one, two = tmp_path / "one", tmp_path / "two"
-    extra = ["--scheme", "doplus", "--loss", "NPO+GD", "--forget-freq", 1, "--retain-freq", 2]
+    extra = ["--scheme", "doplus", "--loss", "NPO+GD", "--forget-freq", 1, "--retain-freq", 2, "--grad-accum", accum]
     assert run_cli(*common(tiny_llama, data, one, "--batch-size", 4, *extra)) == 0
     two_processes(common(tiny_llama, data, two, "--batch-size", 2, *sharding, *extra))
     for a, b in zip(metrics(one), metrics(two), strict=True):
@@ -153,7 +155,8 @@ def test_fsdp_run_with_8bit_states_resumes_bit_identically_on_its_number_of_proc
 
 
 def test_accelerate_fsdp_config_shards_the_run(tiny_llama, data, tmp_path):
-    """`accelerate launch --config_file recipes/cluster/accelerate_fsdp.yaml` (FSDP2) on two CPU processes."""
+    """`accelerate launch --config_file recipes/cluster/accelerate_fsdp.yaml` (FSDP2) on two CPU processes, with
+    two micro-batches a step (accelerate's `accumulate` under its FSDP2 state)."""
     root = os.path.dirname(os.path.dirname(__file__))
     out = tmp_path / "acc"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -161,12 +164,14 @@ def test_accelerate_fsdp_config_shards_the_run(tiny_llama, data, tmp_path):
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
          os.path.join(root, "recipes", "cluster", "accelerate_fsdp.yaml"), "--num_processes", "2",
          "--main_process_port", "0",  # a free port: tests running side by side must not share 29500
-         "-m", "doplus_cli", *map(str, common(tiny_llama, data, out, "--batch-size", 2, "--save-every", 3))],
+         "-m", "doplus_cli", *map(str, common(tiny_llama, data, out, "--batch-size", 2, "--save-every", 3,
+                                                 "--grad-accum", 2))],
         env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (out / "checkpoints" / "step-3" / "optimizer.rank1.pt").is_file()  # per-process shards: sharded
     report = json.loads((out / "report.json").read_text())
     assert report["config"]["fsdp"] is True and report["environment"]["world_size"] == 2
+    assert report["config"]["grad_accum"] == 2 and report["environment"]["effective_batch"] == 8
 
 
 def test_sigterm_stops_an_fsdp_run_with_a_checkpoint_and_it_resumes(tiny_llama, data, tmp_path, capsys):

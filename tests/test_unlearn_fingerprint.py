@@ -9,7 +9,8 @@ they must agree exactly on any machine.
 The loop below is the nanoGPT-style loop the engine must equal for `unlearn`'s two objectives: the forget-first
 F_f:F_r cycle (forget, retain, retain), each objective's rows in a seeded permutation per epoch
 (`seed * 100003 + epoch`, objective i seeded `seed + i`), NPO on the forget batch against a frozen copy of
-the starting model, GD (CE) on the retain batch, a joint step summing both, gradient clipping at 1.0, linear
+the starting model, GD (CE) on the retain batch, a joint step summing both, with --grad-accum each step's
+micro-batches backward one by one, each loss over their number, gradient clipping at 1.0, linear
 warm-up and decay, and each scheme's optimizer built by hand (the weight-decay groups, torch's fused AdamW for
 joint and alternate, DualOptim, DualOptim+ with AdamW, 8-bit states or Muon). It borrows from doplus only the
 pieces other tests cover on their own: the prompt formatter and padding, the loss functions and the
@@ -32,6 +33,7 @@ from doplus_cli.optim import DualOptim, DualOptimPlus
 from tests.helpers import cpu_only, run_cli
 
 STEPS, LR, WARMUP, BATCH, MAX_LENGTH, WEIGHT_DECAY, BETA, SEED = 6, 1e-3, 2, 2, 48, 0.01, 0.1, 0
+ACCUM = 2  # --grad-accum of the run that accumulates
 CYCLE = ["forget", "retain", "retain"]  # --forget-freq 1 --retain-freq 2
 RUNS = {  # run -> (--scheme, extra options)
     "joint": ("joint", []),
@@ -41,6 +43,7 @@ RUNS = {  # run -> (--scheme, extra options)
     "doplus-paper": ("doplus", ["--doplus-rule", "paper"]),
     "doplus-8bit": ("doplus", ["--state-bits", 8]),
     "doplus-muon": ("doplus", ["--optimizer", "muon"]),
+    "doplus-accum": ("doplus", ["--grad-accum", ACCUM]),
 }
 
 
@@ -118,8 +121,10 @@ def plain_loop(model_dir, rows: dict[str, list[dict]], run: str) -> dict[str, to
 
     for index in range(STEPS):
         objective = "joint" if RUNS[run][0] == "joint" else CYCLE[index % len(CYCLE)]
-        loss = loss_of("forget") + loss_of("retain") if objective == "joint" else loss_of(objective)
-        loss.backward()
+        accum = ACCUM if "--grad-accum" in RUNS[run][1] else 1
+        for _ in range(accum):  # each micro-batch's loss over their number, its gradients added
+            loss = loss_of("forget") + loss_of("retain") if objective == "joint" else loss_of(objective)
+            (loss / accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         step(objective)
         scheduler.step()

@@ -177,22 +177,30 @@ def non_finite_in(model: torch.nn.Module, optimizer, states: bool = True) -> tup
 
 
 class Processes:
-    """Who writes what: this process's index, how many there are, a barrier, and whether weights and
-    optimizer states are sharded (FSDP)."""
+    """Who writes what. This process's index, how many there are, which one is the main one and the barrier are
+    accelerate's `PartialState`'s (read when asked); doplus adds the file names each process writes and whether
+    weights and optimizer states are sharded (FSDP). `world`: the number of processes a dry run plans for without
+    starting them, and starting no accelerate state (this process is then the main one and nothing waits)."""
 
-    def __init__(self, accelerator=None, sharded: bool = False) -> None:
-        self.rank = accelerator.process_index if accelerator else 0
-        self.world = accelerator.num_processes if accelerator else 1
+    def __init__(self, sharded: bool = False, world: int | None = None) -> None:
         self.sharded = sharded
-        self._accelerator = accelerator
+        self._planned = world
+
+    @property
+    def rank(self) -> int:
+        return 0 if self._planned is not None else _state().process_index
+
+    @property
+    def world(self) -> int:
+        return self._planned if self._planned is not None else _state().num_processes
 
     @property
     def main(self) -> bool:
-        return self.rank == 0
+        return self._planned is not None or _state().is_main_process
 
     def barrier(self) -> None:
-        if self.world > 1:
-            self._accelerator.wait_for_everyone()
+        if self._planned is None:
+            _state().wait_for_everyone()
 
     def gather(self, value: Any) -> list[Any]:
         """Every process's `value`, in process order, on every process."""
@@ -217,6 +225,13 @@ class Processes:
     def weights_name(self, stem: str, suffix: str) -> str:
         """The file of the weights or optimizer states: one per process under FSDP, else one for all."""
         return self.name(stem, suffix) if self.sharded else f"{stem}{suffix}"
+
+
+def _state():
+    """accelerate's process state (shared by every `Accelerator` of this process)."""
+    from accelerate import PartialState
+
+    return PartialState()
 
 
 def _save_torch(obj: Any, path: Path) -> None:

@@ -16,7 +16,7 @@ import math
 import os
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -197,8 +197,7 @@ def out_folder_plan(resolved: TrainConfig, plan: Plan, world: int) -> str:
         legacy = _check_resumable(resolved, out, command, names, main=False)
         if _interrupted_before_a_checkpoint(resolved, out):
             return f"{out}: starts the run there again from the beginning (it stopped before its first checkpoint)"
-        processes = checkpoint.Processes()
-        processes.world, processes.sharded = world, resolved.fsdp and world > 1
+        processes = checkpoint.Processes(sharded=resolved.fsdp and world > 1, world=world)
         path, saved = checkpoint.checked_resume(resolved.resume, out, resolved.to_dict(), processes,
                                                 resolved.accept_changed, resolved.accept_unverified, write=False)
         taken_on = " (a run of an older doplus: its entries would be recorded)" if legacy else ""
@@ -223,12 +222,13 @@ def _open_run(config: TrainConfig, plan: Plan, console: Console
 
     # cpu=True without CUDA: several processes started by `accelerate launch --multi_gpu` or torchrun then
     # form a gloo group on CPU (accelerate's own `--cpu` launcher needs MPI for more than one process).
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), **tracking.accelerator_options(config.report_to))
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_plugin=_accumulation(config),
+                              **tracking.accelerator_options(config.report_to))
     set_seed(config.seed)
     plan.open()  # every data file is checked before anything is written
     world = accelerator.num_processes
     fsdp = wants_fsdp(config, accelerator)
-    processes = checkpoint.Processes(accelerator, sharded=fsdp and world > 1)
+    processes = checkpoint.Processes(sharded=fsdp and world > 1)
     opened = derive(config, plan, world, fsdp, config.out or _shared_default_out(accelerator, plan.command))
     resolved = opened.applied_to(config)
     lifecycle.hold(opened.out, f"doplus {plan.command}")  # before anything in the folder is read or written
@@ -350,7 +350,7 @@ def setup(config: TrainConfig, plan: Plan, console: Console) -> Iterator[Run]:
                                                      frequencies=frequencies(objectives))
         scheduler = linear_warmup_schedule(torch_optimizer, config.warmup_steps, config.steps)
         streams = {o.name: o.stream for o in objectives}
-        processes = checkpoint.Processes(accelerator, sharded=sharded)
+        processes = checkpoint.Processes(sharded=sharded)
         start_step, records, evals = 0, [], []
         if resume_from is not None:
             state = checkpoint.load_checkpoint(resume_from, model, optimizer, scheduler, streams, processes)
@@ -789,9 +789,23 @@ def _token_count(accelerator):
     return global_count
 
 
+def _accumulation(config: TrainConfig):
+    """accelerate's gradient accumulation over `--grad-accum` micro-batches a step (passed as a plugin, which an
+    `ACCELERATE_GRADIENT_ACCUMULATION_STEPS` in the environment does not override): `accelerator.backward` divides
+    each loss by their number and `accelerator.accumulate` skips the gradient reduction (DDP's `no_sync`) on every
+    one but the last of a step. Under FSDP every micro-batch reduces its gradients (`sync_each_batch`): each
+    process then holds only its shard of them between micro-batches, where FSDP2's skipped reduction would hold
+    unsharded ones. The count follows the loop's own steps, never a data loader's end (doplus prepares none;
+    `sync_with_dataloader` off)."""
+    from accelerate.utils import GradientAccumulationPlugin
+
+    return GradientAccumulationPlugin(num_steps=config.grad_accum, sync_with_dataloader=False,
+                                      sync_each_batch=bool(config.fsdp) or sharding.launcher_says_fsdp())
+
+
 def _accumulate_gradients(objective: str, run: Run, config: TrainConfig) -> dict[str, float | None]:
-    """Backward `grad_accum` micro-batches of this step's objective (gradients averaged); return the mean
-    of each loss term. A joint step sums every objective's weighted loss on one batch of each. An objective
+    """Backward `grad_accum` micro-batches of this step's objective (gradients averaged: `_accumulation`); return
+    the mean of each loss term. A joint step sums every objective's weighted loss on one batch of each. An objective
     over a `MixtureSource` also logs each part's loss and rows (`PartTally`)."""
     objectives, context, formatter, accelerator = run.objectives, run.context, run.formatter, run.accelerator
     parts = list(objectives) if objective == JOINT else [o for o in objectives if o.name == objective]
@@ -799,9 +813,8 @@ def _accumulate_gradients(objective: str, run: Run, config: TrainConfig) -> dict
     model = context.model
     mixed = tuple(n for part in parts if isinstance(part.source, MixtureSource) for n in part.source.part_names)
     context.tally = PartTally(mixed, accelerator.device) if mixed else None
-    for micro in range(config.grad_accum):
-        last = micro == config.grad_accum - 1
-        with nullcontext() if last or config.fsdp else accelerator.no_sync(model):
+    for _ in range(config.grad_accum):
+        with accelerator.accumulate(model):
             total = 0.0
             for part in parts:
                 batch = part.next_batch(formatter, accelerator.device, config.seed)
@@ -809,7 +822,7 @@ def _accumulate_gradients(objective: str, run: Run, config: TrainConfig) -> dict
                     value = part.loss.fn(context, batch)
                 sums[f"{part.name}_loss"] += value.item() / config.grad_accum
                 total = total + part.weight * value
-            accelerator.backward(total / config.grad_accum)
+            accelerator.backward(total)  # divided by grad_accum there (`_accumulation`)
     if accelerator.num_processes > 1:  # log the global batch's loss, as one process would see it
         names = list(sums)
         mean = accelerator.reduce(torch.tensor([sums[n] for n in names], device=accelerator.device), "mean")

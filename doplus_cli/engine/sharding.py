@@ -18,7 +18,9 @@ import torch
 from doplus_cli.errors import UserError
 
 
-def _launcher_says_fsdp() -> bool:
+def launcher_says_fsdp() -> bool:
+    """Whether `accelerate launch` was given an FSDP config (it sets ACCELERATE_USE_FSDP for its processes); known
+    before any Accelerator exists."""
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
@@ -27,7 +29,7 @@ def launched_with_fsdp(accelerator) -> bool:
     MULTI_CPU and only the launcher's environment says so)."""
     from accelerate.utils import DistributedType
 
-    return accelerator.distributed_type == DistributedType.FSDP or _launcher_says_fsdp()
+    return accelerator.distributed_type == DistributedType.FSDP or launcher_says_fsdp()
 
 
 def fsdp_plugin(accelerator):
@@ -35,7 +37,7 @@ def fsdp_plugin(accelerator):
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
-    if plugin is None and _launcher_says_fsdp():
+    if plugin is None and launcher_says_fsdp():
         plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables the launcher set
     if plugin is None:
         plugin = FullyShardedDataParallelPlugin(
