@@ -34,7 +34,7 @@ def test_values_come_back_typed_by_attack():
     ("embedding.init=zeros", CHOSEN, "init must be one of text, random"),
     ("logit-lens.max_new_tokens=x", CHOSEN, "logit-lens.max_new_tokens: must be a whole number >= 1"),
     ("linear-probe.l2=-1", CHOSEN, "linear-probe.l2: must be a number > 0"),
-    ("linear-probe.C=1", CHOSEN, "unknown setting 'C': choose from l2"),
+    ("linear-probe.C=1", CHOSEN, "unknown option 'C': choose from l2"),
 ])
 def test_a_bad_option_is_one_line_naming_it(text, attacks, message):
     with pytest.raises(UserError) as caught:

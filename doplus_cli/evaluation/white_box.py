@@ -290,7 +290,7 @@ def _options(attack: str, options: dict[str, Any], defaults: dict[str, Any]) -> 
     values = dict(defaults)
     for name, value in options.items():
         if name not in defaults:
-            raise UserError(f"--attack-option {attack}.{name}: unknown setting '{name}': choose from "
+            raise UserError(f"--attack-option {attack}.{name}: unknown option '{name}': choose from "
                             f"{', '.join(defaults)}")
         if isinstance(defaults[name], int):
             number = int(str(value)) if not isinstance(value, bool) and str(value).strip().isdigit() else 0
