@@ -327,7 +327,7 @@ def test_a_pruner_table_by_hand():
     ("held-out rouge unattacked", ("unattacked", "held-out rouge")),
 ])
 def test_a_column_under_attack_goes_to_its_attack(key, expected):
-    assert tables.split_attack_key(key) == expected
+    assert tables.split_key(key) == expected
 
 
 def _attacked(scheme: str, task: int, ufe: float, worst: float, lens: tuple[float, float], probe: float,

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from doplus_cli.bench.schemes.attacked import ROLES, split_key
 from doplus_cli.data.sources import parse_json_line
 from doplus_cli.errors import UserError, shown
 
@@ -221,38 +222,12 @@ RESOURCE_KEYS = ("train_time_s", "peak_memory_gb", "optimizer_state_bytes")
 RUN_FACTS = ("model", "steps", "device", "world_size", "evaluation", "evaluated_during_training")
 
 
-ATTACK_ROLES = ("attack", "reading", "taken back")  # SCHEMES.json's columns under attack (bench/schemes/attacked.py)
-
-
-def split_attack_key(key: str) -> tuple[str, str]:
-    """A bench column under attack -> (attack, metric) of a record's `attacks`: "UFE after prune" -> ("prune",
-    "UFE"), "UFE worst attack" -> ("worst attack", "UFE"), "UFE taken back by the worst attack" -> ("worst attack",
-    "UFE taken back"), "logit-lens probability unattacked" -> ("logit-lens", "probability unattacked"),
-    "held-out rouge after relearn-k50" -> ("relearn-k50", "held-out rouge"), "held-out rouge unattacked" ->
-    ("unattacked", "held-out rouge")."""
-    if " taken back by " in key:
-        metric, attack = key.split(" taken back by ", 1)
-        return attack.removeprefix("the "), f"{metric} taken back"
-    if key.startswith("held-out "):
-        rest = key.removeprefix("held-out ")
-        if rest.endswith(" unattacked"):
-            return "unattacked", "held-out " + rest.removesuffix(" unattacked")
-        metric, attack = rest.split(" after ", 1)
-        return attack, f"held-out {metric}"
-    if " after " in key:
-        metric, attack = key.split(" after ", 1)
-        return attack, metric
-    if key.endswith(" worst attack"):
-        return "worst attack", key.removesuffix(" worst attack")
-    attack, metric = key.split(" ", 1)
-    return attack, metric
-
-
 def records_from_schemes(summary: dict[str, Any], source: str) -> list[dict[str, Any]]:
     """One record per run of a SCHEMES.json. The run's last evaluation (step = its steps) holds every score the
     bench kept; where the bench drew the trade-off curves, each run's curve adds the starting model's evaluation
     (step 0, the same model for every run of a task) and those during training (UFE and MU; their step is not in
-    SCHEMES.json, so it is null). The columns under attack become the run's attacks (`split_attack_key`)."""
+    SCHEMES.json, so it is null). The columns under attack become the run's attacks
+    (`bench/schemes/attacked.split_key`)."""
     roles = {column["key"]: column["role"] for column in summary["columns"]}
     curves = (summary.get("tradeoff") or {}).get("curves", {})
     starts: dict[Any, list[float]] = {}
@@ -263,8 +238,8 @@ def records_from_schemes(summary: dict[str, Any], source: str) -> list[dict[str,
                   if roles.get(k, "score") == "score" and k not in RESOURCE_KEYS and k != "update_cosine"}
         attacks: dict[str, dict[str, Any]] = {}
         for key, value in values.items():
-            if roles.get(key) in ATTACK_ROLES:
-                attack, metric = split_attack_key(key)
+            if roles.get(key) in ROLES:
+                attack, metric = split_key(key)
                 attacks.setdefault(attack, {})[metric] = value
         evaluations = []
         curve = curves.get(name)
@@ -382,7 +357,7 @@ class Column:
     resource: bool = False
     scale: float = 1.0
     spread: bool = True
-    attack: str | None = None  # the value of this attack in the run's `attacks` (split_attack_key's names)
+    attack: str | None = None  # the value of this attack in the run's `attacks` (`split_key`'s names)
 
     def value(self, record: dict[str, Any]) -> Any:
         if self.attack is not None:

@@ -70,12 +70,17 @@ def paired(a: Sequence[float], b: Sequence[float]) -> Paired:
                   (t + t_quantile(POWER, n - 1)) * error)
 
 
+def interval_words(result: Paired, what: str = "mean") -> str:
+    """`mean +1.2, 95% CI [+0.3, +2.1], 5 of 6 pairs agree` (`what` names the mean)."""
+    return (f"{what} {result.mean:+.3g}, 95% CI [{result.low:+.3g}, {result.high:+.3g}], {result.agree} of "
+            f"{result.n} pairs agree")
+
+
 def reading(first: str, second: str, metric: str, higher_is_better: bool | None, result: Paired) -> str:
     """The comparison in words, by the rule of the module's docstring."""
     if result.n < 2 or result.low is None or result.high is None or result.mean is None:
         return f"{first} − {second} on {metric}: {result.n} pair{'s' if result.n != 1 else ''}, too few for an interval"
-    interval = (f"mean {result.mean:+.3g}, 95% CI [{result.low:+.3g}, {result.high:+.3g}], {result.agree} of "
-                f"{result.n} pairs agree")
+    interval = interval_words(result)
     if result.low > 0 or result.high < 0:
         if higher_is_better is None:
             side = "higher" if result.mean > 0 else "lower"

@@ -22,7 +22,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from doplus_cli.bench.paired import paired
+from doplus_cli.bench.paired import interval_words, paired
 
 Pair = tuple[Any, int]  # (task, seed)
 
@@ -87,8 +87,7 @@ def reading(first: str, second: str, metric: str, result: Any) -> str:
     """The comparison of two schemes' losses in words, by the module's rule."""
     if result.n < 2 or result.low is None:
         return f"{first} − {second}: {result.n} pair{'s' if result.n != 1 else ''}, too few for an interval"
-    interval = (f"loss difference {result.mean:+.3g}, 95% CI [{result.low:+.3g}, {result.high:+.3g}], "
-                f"{result.agree} of {result.n} pairs agree")
+    interval = interval_words(result, "loss difference")
     if result.high < 0:
         return f"{first} is less sensitive than {second} on {metric} ({interval})"
     if result.low > 0:

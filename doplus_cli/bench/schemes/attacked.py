@@ -135,3 +135,28 @@ def attack_columns(keys: list[str]) -> dict[str, list[Metric]]:
     for role, columns in by_role.items():
         by_role[role] = [c for c in columns if WORST not in c.key] + [c for c in columns if WORST in c.key]
     return by_role
+
+
+def split_key(key: str) -> tuple[str, str]:
+    """A column under attack -> (attack, metric), the inverse of the names `attack_values` gives (docs/data's
+    records keep them so): "UFE after prune" -> ("prune",
+    "UFE"), "UFE worst attack" -> ("worst attack", "UFE"), "UFE taken back by the worst attack" -> ("worst attack",
+    "UFE taken back"), "logit-lens probability unattacked" -> ("logit-lens", "probability unattacked"),
+    "held-out rouge after relearn-k50" -> ("relearn-k50", "held-out rouge"), "held-out rouge unattacked" ->
+    ("unattacked", "held-out rouge")."""
+    if " taken back by " in key:
+        metric, attack = key.split(" taken back by ", 1)
+        return attack.removeprefix("the "), f"{metric} taken back"
+    if key.startswith("held-out "):
+        rest = key.removeprefix("held-out ")
+        if rest.endswith(" unattacked"):
+            return "unattacked", "held-out " + rest.removesuffix(" unattacked")
+        metric, attack = rest.split(" after ", 1)
+        return attack, f"held-out {metric}"
+    if " after " in key:
+        metric, attack = key.split(" after ", 1)
+        return attack, metric
+    if key.endswith(" worst attack"):
+        return "worst attack", key.removesuffix(" worst attack")
+    attack, metric = key.split(" ", 1)
+    return attack, metric
