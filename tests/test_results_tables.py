@@ -382,3 +382,93 @@ def test_the_white_box_tables_from_runs_worked_out_by_hand():
     h = 4.302652729911275 * statistics.stdev(d) / math.sqrt(3)
     m = statistics.mean(d)
     assert probe[1] == f"{m:.3f} [{tables.minus(f'{m - h:.3f}')}, {m + h:.3f}], 3/3 agree"
+
+
+def test_the_stability_bench_output_converts_to_one_record_per_rule_and_scale():
+    """`doplus bench optimizer --stability --json` kept with its provenance: each row becomes a run whose figures
+    are its diagnostics, its rule the scheme, its retain scale and floor the settings."""
+    output = {"command": "doplus bench optimizer --stability --json", "seed": 0, "version": "0.2.0",
+              "commit": "abc1234", "machine": "2 cores",
+              "output": [{"rule": "doplus safeguarded", "v_floor": 0.02, "retain_scale": 0.01,
+                          "max_update_float64": 4.6, "max_update_float32": 4.6, "big_updates_float32": 0,
+                          "float32_vs_float64": 1e-7, "8bit_all_vs_32bit": 0.197, "seconds": 12.5},
+                         {"rule": "dualoptim", "retain_scale": 1.0, "float32_vs_float64": 0.0,
+                          "8bit_all_vs_32bit": 0.014}]}
+    first, second = tables.records_from_stability(output, "optimizer_stability.json")
+    for converted in (first, second):
+        tables.check_record(converted)
+    assert first["run"] == "doplus safeguarded, v_floor 0.02, retain scale 0.01"
+    assert first["source"] == "optimizer_stability.json#/output/0" and first["scheme"] == "doplus safeguarded"
+    assert first["settings"] == {"command": "doplus bench optimizer --stability --json", "retain_scale": 0.01,
+                                 "v_floor": 0.02}
+    assert (first["version"], first["commit"], first["seed"]) == ("0.2.0", "abc1234", 0)
+    assert first["resources"] == {"seconds": 12.5, "machine": "2 cores"}
+    assert first["diagnostics"] == {"max_update_float64": 4.6, "max_update_float32": 4.6, "big_updates_float32": 0,
+                                    "float32_vs_float64": 1e-7, "8bit_all_vs_32bit": 0.197}
+    assert second["run"] == "dualoptim, retain scale 1" and second["settings"]["v_floor"] is None
+    assert second["resources"] == {"seconds": None, "machine": "2 cores"}
+
+
+def test_a_stability_table_by_hand():
+    """Steps in learning rates (two decimals under 10, thousands separated, millions as M), counts with
+    separators, distances to three digits (0 as is, 2e-7 below a thousandth, whole numbers above a thousand)."""
+    def run(rule, scale, floor, values):
+        return {**record(f"{rule} {scale}", rule, 0, {}), "settings": {"retain_scale": scale, "v_floor": floor},
+                "evaluations": [], "diagnostics": values}
+
+    records = [run("doplus paper", 1.0, None, {"max_update_float64": 1765.2, "max_update_float32": 43_712_345.0,
+                                               "big_updates_float32": 11900, "float32_vs_float64": 1195.4,
+                                               "8bit_all_vs_32bit": 1.1, "8bit_base_vs_32bit": 1.0,
+                                               "8bit_delta_vs_32bit": 0.99951}),
+               run("doplus safeguarded", 0.01, 0.02, {"max_update_float64": 4.6051, "max_update_float32": 4.6049,
+                                                      "big_updates_float32": 0, "float32_vs_float64": 1.49e-7,
+                                                      "8bit_all_vs_32bit": 0.19712, "8bit_base_vs_32bit": 0.0391,
+                                                      "8bit_delta_vs_32bit": 0.1934}),
+               run("dualoptim", 1.0, None, {"float32_vs_float64": 0.0, "8bit_all_vs_32bit": 0.01362})]
+    assert tables.stability_table(records) == [
+        "| rule | retain scale s | largest step, fp64 | largest step, fp32 | element-steps > 10η, fp32 | fp32 vs fp64 "
+        "| 8-bit all | 8-bit base | 8-bit delta |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| DualOptim+, paper rule | 1 | 1,765η | 43.7Mη | 11,900 | 1,195 | 1.1 | 1 | 1 |",
+        "| DualOptim+, safeguarded (ρ = 0.02) | 0.01 | 4.61η | 4.60η | 0 | 1e-7 | 0.197 | 0.0391 | 0.193 |",
+        "| DualOptim | 1 | | | | 0 | 0.0136 | | |",
+    ]
+
+
+def _precision_output() -> dict[str, Any]:
+    def mode(name, changed, distance, error, weights, compensation, states, step):
+        return {"mode": name, "changed": changed, "distance_vs_fp32": distance, "error_vs_fp32": error,
+                "bytes_per_parameter": {"weights": weights, "compensation": compensation, "gradients": weights,
+                                        "optimizer_states": states,
+                                        "total": 2 * weights + compensation + states},
+                "step_s": step, "first_step_s": 2 * step}
+
+    return {"command": "doplus bench precision", "seed": 0, "version": "0.2.0", "commit": "abc1234",
+            "machine": "2 cores", "output": {"model": "tiny", "steps": 20, "lr": 1e-5, "threads": 2, "rows": [
+                mode("fp32", 1.0, 1.0, 0.0, 4, 0, 16.0, 1.6412),
+                mode("bf16-uncompensated", 0.01849, 0.15649, 0.99551, 2, 0, 16.0, 1.0851)]}}
+
+
+def test_the_precision_bench_output_converts_to_one_record_per_mode():
+    first, second = tables.records_from_precision(_precision_output(), "precision.json")
+    for converted in (first, second):
+        tables.check_record(converted)
+    assert (first["run"], first["source"], first["scheme"]) == ("fp32", "precision.json#/output/rows/0", "doplus")
+    assert first["settings"] == {"command": "doplus bench precision", "mode": "fp32", "model": "tiny", "steps": 20,
+                                 "lr": 1e-5, "threads": 2}
+    assert second["resources"] == {"step_s": 1.0851, "first_step_s": 2.1702, "machine": "2 cores"}
+    assert second["diagnostics"] == {"changed": 0.01849, "distance_vs_fp32": 0.15649, "error_vs_fp32": 0.99551,
+                                     "bytes_per_parameter_weights": 2, "bytes_per_parameter_compensation": 0,
+                                     "bytes_per_parameter_gradients": 2, "bytes_per_parameter_optimizer_states": 16.0,
+                                     "bytes_per_parameter_total": 20.0}
+
+
+def test_a_precision_table_by_hand():
+    records = tables.records_from_precision(_precision_output(), "precision.json")
+    assert tables.precision_table(records) == [
+        "| mode | weight elements changed | distance travelled vs fp32 | displacement error vs fp32 | bytes per "
+        "parameter (weights + compensation + gradients + states) |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        "| `fp32` | 100.0% | 1.000 | 0.000 | 24.0 (4 + 0 + 4 + 16.0) |",
+        "| bf16 without compensation | 1.8% | 0.156 | 0.996 | 20.0 (2 + 0 + 2 + 16.0) |",
+    ]

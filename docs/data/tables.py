@@ -210,13 +210,15 @@ def metric_at(record: dict[str, Any], step: int, metric: str) -> Any:
 
 # ---- conversion of the bench and tune outputs ------------------------------------------------------------------
 
-# runs file -> its sources in docs/data: ("schemes", a SCHEMES.json) or ("tune", a TUNE.json)
+# runs file -> its sources in docs/data: ("schemes", a SCHEMES.json), ("tune", a TUNE.json) or ("stability", the
+# output of `doplus bench optimizer --stability --json` with its provenance)
 SOURCES: dict[str, list[tuple[str, str]]] = {
     "tofu_protocol": [("schemes", "tofu_protocol_task3_SCHEMES.json")],
     "muse_mini": [("schemes", "muse_mini_SCHEMES.json")],
     "real_world_mini_tune": [("tune", "tune_real_world_mini_doplus.json"),
                              ("tune", "tune_real_world_mini_alternate.json")],
     "mini_tofu_pruner": [("tune", "tune_mini_tofu_pruner_none.json"), ("tune", "tune_mini_tofu_pruner_median.json")],
+    "optimizer_stability": [("stability", "optimizer_stability.json")],
 }
 RESOURCE_KEYS = ("train_time_s", "peak_memory_gb", "optimizer_state_bytes")
 RUN_FACTS = ("model", "steps", "device", "world_size", "evaluation", "evaluated_during_training")
@@ -303,6 +305,66 @@ def records_from_tune(summary: dict[str, Any], source: str) -> list[dict[str, An
     return records
 
 
+# A bench output kept in docs/data as it was printed, under `output`, beside what ran it: the command line, the seed,
+# the doplus version and commit, and the machine.
+PROVENANCE = ("command", "seed", "version", "commit", "machine", "output")
+# What `doplus bench optimizer --stability --json` prints for each rule and retain scale (bench/stability.py)
+STABILITY_METRICS = ("max_update_float64", "max_update_float32", "big_updates_float32", "float32_vs_float64",
+                     "8bit_all_vs_32bit", "8bit_base_vs_32bit", "8bit_delta_vs_32bit", "max_update_8bit_all",
+                     "max_update_8bit_base", "max_update_8bit_delta")
+
+
+def records_from_stability(output: dict[str, Any], source: str) -> list[dict[str, Any]]:
+    """One record per row of `doplus bench optimizer --stability --json`, whose output is kept under `output` beside
+    the command that printed it and its provenance (PROVENANCE). A row's figures are its diagnostics; its rule is
+    the scheme, its retain scale and floor the settings."""
+    records = []
+    for number, values in enumerate(output["output"]):
+        floor = values.get("v_floor")
+        name = (values["rule"] + ("" if floor is None else f", v_floor {floor:g}")
+                + f", retain scale {values['retain_scale']:g}")
+        records.append({
+            "run": name, "source": f"{source}#/output/{number}", "scheme": values["rule"], "task": None,
+            "seed": output["seed"], "settings": {"command": output["command"], "retain_scale": values["retain_scale"],
+                                                 "v_floor": floor},
+            "version": output["version"], "commit": output["commit"], "state": "complete", "error": None,
+            "evaluations": [], "resources": {"seconds": values.get("seconds"), "machine": output["machine"]},
+            "diagnostics": {key: values[key] for key in STABILITY_METRICS if key in values}, "notes": {},
+            "attacks": None, "study": None,
+        })
+    return records
+
+
+def records_from_precision(output: dict[str, Any], source: str) -> list[dict[str, Any]]:
+    """One record per mode of `doplus bench precision`'s precision.json, kept under `output` beside the command that
+    wrote it and its provenance (PROVENANCE). The mode and the bench's settings are the settings; the weights'
+    figures (elements changed, distance and displacement error against the fp32 run, bytes per parameter) are the
+    diagnostics; the step times and the machine the resources."""
+    result = output["output"]
+    records = []
+    for number, values in enumerate(result["rows"]):
+        per_parameter = values["bytes_per_parameter"]
+        records.append({
+            "run": values["mode"], "source": f"{source}#/output/rows/{number}", "scheme": "doplus", "task": None,
+            "seed": output["seed"], "settings": {"command": output["command"], "mode": values["mode"],
+                                                 "model": result["model"], "steps": result["steps"],
+                                                 "lr": result["lr"], "threads": result["threads"]},
+            "version": output["version"], "commit": output["commit"], "state": "complete", "error": None,
+            "evaluations": [], "resources": {"step_s": values["step_s"], "first_step_s": values["first_step_s"],
+                                             "machine": output["machine"]},
+            "diagnostics": {"changed": values["changed"], "distance_vs_fp32": values.get("distance_vs_fp32"),
+                            "error_vs_fp32": values.get("error_vs_fp32"),
+                            **{f"bytes_per_parameter_{key}": value for key, value in per_parameter.items()}},
+            "notes": {}, "attacks": None, "study": None,
+        })
+    return records
+
+
+CONVERTERS: dict[str, Callable[[dict[str, Any], str], list[dict[str, Any]]]] = {
+    "schemes": records_from_schemes, "tune": records_from_tune, "stability": records_from_stability,
+    "precision": records_from_precision}
+
+
 def convert(data: Path = DATA, out: Path | None = None) -> list[Path]:
     """Write every runs file of SOURCES from its sources in `data` (into `out`, data/records by default)."""
     out = out or data / "records"
@@ -311,7 +373,7 @@ def convert(data: Path = DATA, out: Path | None = None) -> list[Path]:
         records = []
         for kind, file in sources:
             summary = json.loads((data / file).read_text(encoding="utf-8"))
-            records += (records_from_schemes if kind == "schemes" else records_from_tune)(summary, file)
+            records += CONVERTERS[kind](summary, file)
         write_runs(out / f"{name}.jsonl", records)
         written.append(out / f"{name}.jsonl")
     return written
@@ -537,6 +599,72 @@ class Table:
     render: Callable[[list[dict[str, Any]]], list[str]]
 
 
+RULE_LABELS = {"doplus paper": "DualOptim+, paper rule", "doplus safeguarded": "DualOptim+, safeguarded",
+               "adamw (shared state)": "AdamW (shared state)", "dualoptim": "DualOptim"}
+
+
+def in_lrs(value: Any) -> str:
+    """A step size in learning rates (η): 4.90η, 501η, 11,900η, 43.7Mη."""
+    if value is None:
+        return ""
+    if value < 10:
+        return f"{value:.2f}η"
+    if value < 1e6:
+        return f"{value:,.0f}η"
+    return f"{value / 1e6:.1f}Mη"
+
+
+def displacements(value: Any) -> str:
+    """A distance in displacements: three significant digits, 2e-7 below a thousandth, 1,195 above a thousand."""
+    if value is None:
+        return ""
+    if value == 0 or value >= 1e-3 and value < 1e3:
+        return f"{value:.3g}"
+    if value >= 1e3:
+        return f"{value:,.0f}"
+    mantissa, exponent = f"{value:.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def stability_table(records: Sequence[dict[str, Any]]) -> list[str]:
+    """One row per rule and retain scale of `doplus bench optimizer --stability`, in the bench's order."""
+    lines = [row(("rule", "retain scale s", "largest step, fp64", "largest step, fp32", "element-steps > 10η, fp32",
+                  "fp32 vs fp64", "8-bit all", "8-bit base", "8-bit delta")),
+             row(("---",) + ("---:",) * 8)]
+    for record in records:
+        values, floor = record["diagnostics"], record["settings"]["v_floor"]
+        label = RULE_LABELS.get(record["scheme"], record["scheme"]) + ("" if floor is None else f" (ρ = {floor:g})")
+        big = values.get("big_updates_float32")
+        lines.append(row((label, f"{record['settings']['retain_scale']:g}", in_lrs(values.get("max_update_float64")),
+                          in_lrs(values.get("max_update_float32")), "" if big is None else f"{big:,}",
+                          *(displacements(values.get(key)) for key in (
+                              "float32_vs_float64", "8bit_all_vs_32bit", "8bit_base_vs_32bit",
+                              "8bit_delta_vs_32bit")))))
+    return lines
+
+
+MODE_LABELS = {"fp32": "`fp32`", "bf16-mixed": "`bf16-mixed`", "bf16": "`bf16` (compensated)",
+               "bf16-uncompensated": "bf16 without compensation"}
+
+
+def precision_table(records: Sequence[dict[str, Any]]) -> list[str]:
+    """One row per mode of `doplus bench precision`, in the bench's order: what each mode does to the weights. The
+    step times stay in the records: they say what the machine that ran the bench does with bfloat16."""
+    lines = [row(("mode", "weight elements changed", "distance travelled vs fp32", "displacement error vs fp32",
+                  "bytes per parameter (weights + compensation + gradients + states)")),
+             row(("---",) + ("---:",) * 4)]
+    for record in records:
+        values = record["diagnostics"]
+        distance, error = values.get("distance_vs_fp32"), values.get("error_vs_fp32")
+        parts = [values[f"bytes_per_parameter_{key}"] for key in ("weights", "compensation", "gradients",
+                                                                  "optimizer_states")]
+        lines.append(row((MODE_LABELS.get(record["run"], record["run"]), f"{100 * values['changed']:.1f}%",
+                          "" if distance is None else f"{distance:.3f}", "" if error is None else f"{error:.3f}",
+                          f"{values['bytes_per_parameter_total']:.1f} ({parts[0]:g} + {parts[1]:g} + {parts[2]:g} + "
+                          f"{parts[3]:.1f})")))
+    return lines
+
+
 ROUGES = (("forget_rouge", "forget ROUGE-L ↓"), ("retain_rouge", "retain ROUGE-L ↑"))
 MUSE_COLUMNS = (
     Column("forget_verbmem_ROUGE", "VerbMem forget ↓", ".3f"),
@@ -601,6 +729,7 @@ TABLES: dict[str, Table] = {
         trial_column=True)),
     "mini_tofu_pruner": Table("mini_tofu_pruner", lambda records: pruner_table(records, "lr", ("none", "median"))),
     "muse_mini": Table("muse_mini", lambda records: mean_std_table(records, MUSE_COLUMNS)),
+    "optimizer_stability": Table("optimizer_stability", stability_table),
 }
 
 START = re.compile(r"^<!-- table: (?P<name>\S+) \(generated by [^\n]*\) -->$", re.M)
