@@ -472,3 +472,10 @@ def test_a_precision_table_by_hand():
         "| `fp32` | 100.0% | 1.000 | 0.000 | 24.0 (4 + 0 + 4 + 16.0) |",
         "| bf16 without compensation | 1.8% | 0.156 | 0.996 | 20.0 (2 + 0 + 2 + 16.0) |",
     ]
+
+
+def test_a_bench_output_without_its_provenance_is_refused_by_name():
+    output = _precision_output()
+    del output["commit"]
+    with pytest.raises(UserError, match=r"precision.json: no 'commit'"):
+        tables.records_from_precision(output, "precision.json")

@@ -316,24 +316,34 @@ STABILITY_METRICS = ("max_update_float64", "max_update_float32", "big_updates_fl
                      "max_update_8bit_base", "max_update_8bit_delta")
 
 
+def _bench_record(output: dict[str, Any], source: str, pointer: str, run: str, scheme: str,
+                  settings: dict[str, Any], resources: dict[str, Any], diagnostics: dict[str, Any]) -> dict[str, Any]:
+    """A record of one row of a bench output kept with its provenance (PROVENANCE): the command, seed, version,
+    commit and machine come from the file, the row's own values from the caller."""
+    missing = [key for key in PROVENANCE if key not in output]
+    if missing:
+        raise UserError(f"{source}: no {shown(missing[0])}: a bench output is kept under 'output' beside "
+                        f"{', '.join(PROVENANCE[:-1])}")
+    return {"run": run, "source": f"{source}#/output/{pointer}", "scheme": scheme, "task": None,
+            "seed": output["seed"], "settings": {"command": output["command"], **settings},
+            "version": output["version"], "commit": output["commit"], "state": "complete", "error": None,
+            "evaluations": [], "resources": {**resources, "machine": output["machine"]},
+            "diagnostics": diagnostics, "notes": {}, "attacks": None, "study": None}
+
+
 def records_from_stability(output: dict[str, Any], source: str) -> list[dict[str, Any]]:
     """One record per row of `doplus bench optimizer --stability --json`, whose output is kept under `output` beside
     the command that printed it and its provenance (PROVENANCE). A row's figures are its diagnostics; its rule is
     the scheme, its retain scale and floor the settings."""
     records = []
-    for number, values in enumerate(output["output"]):
+    for number, values in enumerate(output.get("output") or []):
         floor = values.get("v_floor")
         name = (values["rule"] + ("" if floor is None else f", v_floor {floor:g}")
                 + f", retain scale {values['retain_scale']:g}")
-        records.append({
-            "run": name, "source": f"{source}#/output/{number}", "scheme": values["rule"], "task": None,
-            "seed": output["seed"], "settings": {"command": output["command"], "retain_scale": values["retain_scale"],
-                                                 "v_floor": floor},
-            "version": output["version"], "commit": output["commit"], "state": "complete", "error": None,
-            "evaluations": [], "resources": {"seconds": values.get("seconds"), "machine": output["machine"]},
-            "diagnostics": {key: values[key] for key in STABILITY_METRICS if key in values}, "notes": {},
-            "attacks": None, "study": None,
-        })
+        records.append(_bench_record(
+            output, source, str(number), name, values["rule"],
+            {"retain_scale": values["retain_scale"], "v_floor": floor}, {"seconds": values.get("seconds")},
+            {key: values[key] for key in STABILITY_METRICS if key in values}))
     return records
 
 
@@ -342,23 +352,16 @@ def records_from_precision(output: dict[str, Any], source: str) -> list[dict[str
     wrote it and its provenance (PROVENANCE). The mode and the bench's settings are the settings; the weights'
     figures (elements changed, distance and displacement error against the fp32 run, bytes per parameter) are the
     diagnostics; the step times and the machine the resources."""
-    result = output["output"]
+    result = output.get("output") or {"rows": []}
     records = []
     for number, values in enumerate(result["rows"]):
-        per_parameter = values["bytes_per_parameter"]
-        records.append({
-            "run": values["mode"], "source": f"{source}#/output/rows/{number}", "scheme": "doplus", "task": None,
-            "seed": output["seed"], "settings": {"command": output["command"], "mode": values["mode"],
-                                                 "model": result["model"], "steps": result["steps"],
-                                                 "lr": result["lr"], "threads": result["threads"]},
-            "version": output["version"], "commit": output["commit"], "state": "complete", "error": None,
-            "evaluations": [], "resources": {"step_s": values["step_s"], "first_step_s": values["first_step_s"],
-                                             "machine": output["machine"]},
-            "diagnostics": {"changed": values["changed"], "distance_vs_fp32": values.get("distance_vs_fp32"),
-                            "error_vs_fp32": values.get("error_vs_fp32"),
-                            **{f"bytes_per_parameter_{key}": value for key, value in per_parameter.items()}},
-            "notes": {}, "attacks": None, "study": None,
-        })
+        records.append(_bench_record(
+            output, source, f"rows/{number}", values["mode"], "doplus",
+            {"mode": values["mode"], **{key: result[key] for key in ("model", "steps", "lr", "threads")}},
+            {"step_s": values["step_s"], "first_step_s": values["first_step_s"]},
+            {"changed": values["changed"], "distance_vs_fp32": values.get("distance_vs_fp32"),
+             "error_vs_fp32": values.get("error_vs_fp32"),
+             **{f"bytes_per_parameter_{key}": value for key, value in values["bytes_per_parameter"].items()}}))
     return records
 
 
