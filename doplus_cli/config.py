@@ -22,7 +22,7 @@ import yaml
 from doplus_cli.data.formatting import check_prompt_template
 from doplus_cli.data.sources import path_problem
 from doplus_cli.errors import UserError, shown
-from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossParams, parse_layer_list
+from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossParams
 from doplus_cli.registry import Registry
 
 if TYPE_CHECKING:
@@ -131,7 +131,7 @@ class TrainConfig:
     # LoRA and memory
     lora_rank: int = 0  # 0: train every weight
     lora_alpha: float = 16.0
-    lora_targets: str | None = None  # comma-separated module names; None: peft's default for the architecture
+    lora_targets: tuple[str, ...] | None = None  # module names (q_proj,v_proj); None: peft's default for the model
     lora_dropout: float = 0.0
     gradient_checkpointing: bool = False
     save_adapter_only: bool = False
@@ -141,7 +141,7 @@ class TrainConfig:
     save_every: int = 0  # 0: no checkpoints
     keep_last: int | None = None  # None: keep every checkpoint
     resume: str | None = None  # "latest" or a checkpoint folder
-    accept_changed: str | None = None  # "data,model,software" (or "all"): resume on inputs changed since the start
+    accept_changed: tuple[str, ...] | None = None  # data, model, software (or all): resume on changed inputs
     accept_unverified: bool = False  # resume from a checkpoint without a manifest (doplus 0.1 and 0.2 wrote none)
     # Evaluation during training, at every N-th step and at the end
     eval_every: int = 0  # 0: never
@@ -151,7 +151,7 @@ class TrainConfig:
     # The paper's Figure 2 diagnostic: cosine of the objectives' latest updates and gradients, in metrics.jsonl
     log_update_similarity: bool = False  # recorded in metrics.jsonl: update_cosine, grad_cosine
     # Experiment trackers through accelerate (engine/tracking.py): none, or tensorboard, wandb, mlflow, trackio, all
-    report_to: str = "none"
+    report_to: tuple[str, ...] = ("none",)
     tracker_project: str | None = None  # None: doplus-COMMAND (W&B and trackio project, MLflow experiment)
     tracker_run_name: str | None = None  # None: the --out folder's name
     tracker_group: str | None = None  # W&B and trackio group, an MLflow tag (bench schemes: scheme and sweep value)
@@ -162,11 +162,24 @@ class TrainConfig:
     # False only in `doplus bench precision`: --precision bf16 updated in place without compensation buffers
     compensation: bool = field(default=True, repr=False)
 
+    def __post_init__(self) -> None:
+        # A config made in code (a test, a bench, `replace`) takes a list option as its flag's text too; what a
+        # recipe or a flag gives is parsed by `coerce_option`, at the boundary, the same way.
+        for name, item in list_fields(type(self)).items():
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, tuple):
+                object.__setattr__(self, name, list_value(value, item, _optional(type(self), name),
+                                                          f"--{name.replace('_', '-')}"))
+
     def to_dict(self) -> dict[str, Any]:
+        """The options as config.yaml, a checkpoint and the teaching cache record them: each list option in the
+        form its flag is typed (`q_proj,v_proj`), so what a run records reads as it was given."""
         data = dataclasses.asdict(self)
         for name in NOT_OPTIONS:
             data.pop(name)
         data["betas"] = list(self.betas)
+        for name in list_fields(type(self)):
+            data[name] = recorded(data[name])
         return data
 
     # A validated config is final: what was checked is what runs, and no code downstream changes a value under
@@ -214,7 +227,7 @@ class UnlearnConfig(TrainConfig):
     retain: str | None = None  # a file, hf:..., or "tofu-authors": the authors' retain set for the forget file
     # Files whose rows carry task_id (the DualOptim+ authors' TOFU files): the forget task to unlearn; None: task 1
     task_id: int | None = None
-    task_ids: str | None = None  # "1,2,3" with continual: the tasks in the order they are unlearned
+    task_ids: tuple[int, ...] | None = None  # with continual: the tasks in the order they are unlearned
     continual: bool = False  # each task starts from the previous task's final model (data/tofu.py)
     question_key: str = "question"
     answer_key: str = "answer"
@@ -236,8 +249,8 @@ class UnlearnConfig(TrainConfig):
     satimp_beta2: float = LossParams.satimp_beta2
     rmu_layer: int | None = LossParams.rmu_layer  # None: 7, or 7/32 of the depth of a model with fewer layers
     rmu_coeff: float = LossParams.rmu_coeff
-    rmu_update_layers: str | None = LossParams.rmu_update_layers  # "5,6,7"; None: rmu_layer-2 .. rmu_layer
-    rmu_modules: str | None = LossParams.rmu_modules  # "mlp.down_proj"; None: the MLP's output projection
+    rmu_update_layers: tuple[int, ...] | None = LossParams.rmu_update_layers  # 5,6,7; None: rmu_layer-2 .. rmu_layer
+    rmu_modules: tuple[str, ...] | None = LossParams.rmu_modules  # mlp.down_proj; None: the MLP's output projection
     # The forget-first F_f:F_r cycle
     forget_freq: int = 1
     retain_freq: int = 5
@@ -285,7 +298,7 @@ class MultitaskConfig(TrainConfig):
     """Every option of `doplus multitask`: the options of every training command plus the tasks."""
 
     tasks: list[dict[str, Any]] = field(default_factory=list)  # TASK_DEFAULTS keys, one dict per task
-    freq: str | None = None  # "F1,F2,...": each task's frequency in order (overrides the tasks' own freq)
+    freq: tuple[int, ...] | None = None  # F1,F2,...: each task's frequency in order (overrides the tasks' own)
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     eval_rows: int = 200  # rows kept out of training for a task without an eval file (0: not evaluated)
@@ -326,25 +339,65 @@ class AlignConfig(TrainConfig):
         validate_align(self)
 
 
-def parse_lora_targets(text: str | None) -> tuple[str, ...] | None:
-    """`--lora-targets q_proj,v_proj` -> ("q_proj", "v_proj"); None (unset or empty): peft's for the architecture."""
-    targets = tuple(t.strip() for t in str(text).split(",") if t.strip()) if text else ()
-    return targets or None
+# The options that take a list: their fields are typed `tuple[str, ...]` or `tuple[int, ...]` (whole numbers >= 0).
+# A flag gives one comma-separated text (`--lora-targets q_proj,v_proj`), a recipe that text or a YAML list; both
+# are parsed once, by `list_value`, and the engine only ever sees the tuple. A run records each in its flag's form
+# (`recorded`).
+LIST_KINDS: dict[str, type] = {"tuple[str, ...]": str, "tuple[int, ...]": int}
 
 
-def parse_task_ids(text: Any, flag: str = "--task-ids") -> list[int]:
-    """`1,2,3` -> [1, 2, 3]: whole numbers >= 0, none repeated."""
-    items = [item.strip() for item in str(text).split(",") if item.strip()]
-    if not items:
+def list_fields(cls: type[TrainConfig]) -> dict[str, type]:
+    """`cls`'s list options, each with the type of its items."""
+    return {f.name: LIST_KINDS[kind] for f in dataclasses.fields(cls)
+            if (kind := str(f.type).removesuffix(" | None")) in LIST_KINDS}
+
+
+def _optional(cls: type[TrainConfig], name: str) -> bool:
+    return next(str(f.type) for f in dataclasses.fields(cls) if f.name == name).endswith("| None")
+
+
+def list_value(value: Any, item: type, optional: bool, where: str) -> tuple[Any, ...] | None:
+    """A list option's value as the engine takes it: `q_proj, v_proj,` or [q_proj, v_proj] -> ("q_proj", "v_proj"),
+    `5,6,7` -> (5, 6, 7) for whole numbers; empty items dropped, and None for an optional option given no item. One
+    line naming `where` for an item that is not one."""
+    parts = value.split(",") if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else [value]
+    items: list[Any] = []
+    for part in parts:
+        if part is None or isinstance(part, (bool, dict, list, tuple, float)):
+            raise UserError(f"{where} must be {'whole numbers' if item is int else 'names'} separated by commas, "
+                            f"got {shown(value)}")
+        text = str(part).strip()
+        if text and item is int and not text.isdigit():
+            raise UserError(f"{where} {shown(recorded(value), quoted=False)}: {shown(text)} is not a whole number "
+                            ">= 0")
+        if text:
+            items.append(int(text) if item is int else text)
+    return None if optional and not items else tuple(items)
+
+
+def recorded(value: Any) -> Any:
+    """A list option's value as its flag is typed (`(5, 6, 7)` -> `5,6,7`); None and any other value as it is."""
+    return ",".join(str(item) for item in value) if isinstance(value, (list, tuple)) else value
+
+
+def recipe_form(key: str, value: Any, cls: type[TrainConfig]) -> Any:
+    """A checked value as a recipe writes it: a list option in its flag's form, any other as it is."""
+    return recorded(value) if key in list_fields(cls) else value
+
+
+def parse_task_ids(text: Any, flag: str = "--task-ids") -> tuple[int, ...]:
+    """`1,2,3` -> (1, 2, 3): whole numbers >= 0, none repeated (`bench schemes --task-ids`, `--tune-task`)."""
+    ids = list_value(text, int, True, flag)
+    if ids is None:
         raise UserError(f"{flag} is empty: give one or more task ids, e.g. {flag} 1,2,3")
-    bad = next((item for item in items if not item.isdigit()), None)
-    if bad is not None:
-        raise UserError(f"{flag} {shown(str(text), quoted=False)}: {shown(bad)} is not a whole number >= 0")
-    ids = [int(item) for item in items]
+    check_distinct_tasks(ids, flag)
+    return ids
+
+
+def check_distinct_tasks(ids: tuple[int, ...], flag: str) -> None:
     repeated = next((task for task in ids if ids.count(task) > 1), None)
     if repeated is not None:
-        raise UserError(f"{flag} {shown(str(text), quoted=False)}: task {repeated} is given twice")
-    return ids
+        raise UserError(f"{flag} {recorded(ids)}: task {repeated} is given twice")
 
 
 def parse_cycle(text: str) -> tuple[int, int]:
@@ -668,6 +721,8 @@ def coerce_option(key: str, value: Any, source: str, cls: type[TrainConfig] = Un
             if isinstance(value, bool):
                 raise ValueError
             return finite(float(value), where)  # YAML reads 1e-5 (no dot) as a string; float() takes it
+        if kind.removesuffix(" | None") in LIST_KINDS:
+            return list_value(value, LIST_KINDS[kind.removesuffix(" | None")], kind.endswith("| None"), where)
         if kind.startswith("tuple"):
             items = value.split(",") if isinstance(value, str) else list(value)
             if len(items) != 2 or any(isinstance(item, bool) for item in items):
@@ -679,8 +734,6 @@ def coerce_option(key: str, value: Any, source: str, cls: type[TrainConfig] = Un
             if not isinstance(value, list):
                 raise ValueError
             return list(value)
-        if key == "task_ids" and isinstance(value, list):  # a recipe may write the list as YAML: [1, 2, 3]
-            return ",".join(str(item) for item in value)
         if isinstance(value, (dict, list)):
             raise ValueError
         return str(value)
@@ -734,17 +787,17 @@ def _tracker_installed(name: str) -> bool:
         return False
 
 
-def parse_report_to(text: str | None) -> list[str]:
-    """`none` -> []; `tensorboard,mlflow` -> both; `all` -> every installed tracker. Unknown names and trackers
-    whose package is missing are one line each (exit 2), before any model is loaded."""
-    items = [item.strip().lower() for item in str(text or "none").split(",") if item.strip()]
+def chosen_trackers(given: tuple[str, ...]) -> list[str]:
+    """`--report-to`'s trackers: (none,) -> []; (tensorboard, mlflow) -> both; (all,) -> every installed tracker.
+    Unknown names and trackers whose package is missing are one line each (exit 2), before any model is loaded."""
+    items = [item.lower() for item in given]
     if not items or items == ["none"]:
         return []
     unknown = [item for item in items if item not in (*TRACKERS, "all")]
     if unknown or ("none" in items):
         bad = unknown[0] if unknown else "none"
-        raise UserError(f"--report-to {shown(str(text), quoted=False)}: unknown tracker {shown(bad)}: choose none, "
-                        f"or one or more of {', '.join(TRACKERS)}, all (comma-separated)")
+        raise UserError(f"--report-to {shown(recorded(given), quoted=False)}: unknown tracker {shown(bad)}: choose "
+                        f"none, or one or more of {', '.join(TRACKERS)}, all (comma-separated)")
     if "all" in items:
         names = [name for name in TRACKERS if _tracker_installed(name)]
         if not names:
@@ -813,7 +866,7 @@ def validate_training(config: TrainConfig) -> None:
         raise UserError("--accept-unverified applies to a resumed run: add --resume")
     parse_accept_changed(config.accept_changed)
     check_prompt_template(config.prompt_template)
-    parse_report_to(config.report_to)  # an unknown tracker or a missing package: one line, before any model loads
+    chosen_trackers(config.report_to)  # an unknown tracker or a missing package: one line, before any model loads
     if config.optimizer == "muon" and config.scheme != "doplus":
         raise UserError("--optimizer muon is built for --scheme doplus only; use adamw with the other schemes")
 
@@ -822,16 +875,16 @@ def validate_training(config: TrainConfig) -> None:
 ACCEPT_CHANGED_KINDS = ("data", "model", "software")
 
 
-def parse_accept_changed(text: str | None) -> set[str]:
+def parse_accept_changed(given: tuple[str, ...] | None) -> set[str]:
     """`--accept-changed data,model` -> {"data", "model"}; `all` is every kind."""
-    if not text:
+    if not given:
         return set()
-    kinds = {k.strip() for k in str(text).split(",") if k.strip()}
+    kinds = set(given)
     if "all" in kinds:
         return set(ACCEPT_CHANGED_KINDS)
     unknown = sorted(kinds - set(ACCEPT_CHANGED_KINDS))
     if unknown:
-        raise UserError(f"--accept-changed {shown(str(text), quoted=False)}: unknown kind {shown(unknown[0])} "
+        raise UserError(f"--accept-changed {shown(recorded(given), quoted=False)}: unknown kind {shown(unknown[0])} "
                         f"(choose from {', '.join(ACCEPT_CHANGED_KINDS)}, all; comma-separated)")
     return kinds
 
@@ -958,15 +1011,11 @@ def validate_multitask(config: MultitaskConfig) -> None:
         if names.count(name) > 1:
             raise UserError(f"task '{name}' is given {names.count(name)} times: task names must be distinct")
     if config.freq is not None:
-        items = [item.strip() for item in str(config.freq).split(",")]
-        if len(items) != len(names):
-            raise UserError(f"--freq {shown(config.freq, quoted=False)}: {len(items)} frequencies for {len(names)} "
+        if len(config.freq) != len(names):
+            raise UserError(f"--freq {recorded(config.freq)}: {len(config.freq)} frequencies for {len(names)} "
                             f"tasks ({', '.join(names)}); give one per task, in order")
-        for task, item in zip(config.tasks, items):
-            if not item.isdigit():
-                raise UserError(f"--freq {shown(config.freq, quoted=False)}: {shown(item)} (task '{task['name']}') is "
-                                "not a whole number >= 0")
-            task["freq"] = int(item)
+        for task, freq in zip(config.tasks, config.freq):
+            task["freq"] = freq
     if config.scheme != "joint" and not any(task["freq"] > 0 for task in config.tasks):
         raise UserError(f"every task has frequency 0 ({', '.join(names)}): at least one needs steps of its own")
     if config.scheme == "joint" and any(task["lr_multiplier"] != 1.0 for task in config.tasks):
@@ -996,8 +1045,6 @@ def validate_loss_params(config: UnlearnConfig) -> None:
         raise UserError(f"--simnpo-gamma must be a finite number, got {config.simnpo_gamma}")
     if config.rmu_layer is not None and config.rmu_layer < 0:
         raise UserError(f"--rmu-layer must be a layer number >= 0, got {config.rmu_layer}")
-    if config.rmu_update_layers is not None:
-        parse_layer_list(config.rmu_update_layers)
 
 
 def eval_batch_size(config: UnlearnConfig) -> int:
@@ -1046,12 +1093,12 @@ def validate_unlearn(config: UnlearnConfig) -> None:
     if config.continual and config.task_ids is None:
         raise UserError("--continual needs --task-ids T1,T2,...: the forget tasks in the order they are unlearned")
     if config.task_ids is not None:
-        ids = parse_task_ids(config.task_ids, "--task-ids")
+        check_distinct_tasks(config.task_ids, "--task-ids")
         if not config.continual:
             raise UserError("--task-ids unlearns tasks one after another: add --continual (for independent runs "
                             "per task, from the same starting model, use doplus bench schemes --task-ids)")
-        if config.task_id is not None and config.task_id not in ids:
-            raise UserError(f"--task-id {config.task_id} is not in --task-ids {config.task_ids}")
+        if config.task_id is not None and config.task_id not in config.task_ids:
+            raise UserError(f"--task-id {config.task_id} is not in --task-ids {recorded(config.task_ids)}")
     if config.retain_loss is not None and config.retain is None:
         raise UserError(f"loss {config.loss} has a retain term: pass --retain FILE.jsonl or use a forget loss alone")
     if config.scheme in ("joint",) and config.forget_lr is not None:

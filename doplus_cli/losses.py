@@ -42,8 +42,8 @@ class LossParams:
     satimp_beta2: float = 1.0  # SatImp's importance exponent on 1 - p (OpenUnlearning's SatImp.yaml)
     rmu_layer: int | None = None  # the decoder layer whose output RMU steers; None: 7, or 7/32 of a shallower depth
     rmu_coeff: float = 20.0  # the steering coefficient c (OpenUnlearning's RMU class default)
-    rmu_update_layers: str | None = None  # "5,6,7": the layers whose modules RMU trains; None: layer-2 .. layer
-    rmu_modules: str | None = None  # "mlp.down_proj": modules of those layers; None: the MLP's output projection
+    rmu_update_layers: tuple[int, ...] | None = None  # the layers whose modules RMU trains; None: layer-2 .. layer
+    rmu_modules: tuple[str, ...] | None = None  # modules of those layers; None: the MLP's output projection
     seed: int = 0  # seeds RMU's random direction u (the run's --seed)
 
 
@@ -421,12 +421,9 @@ def _mlp_output_projection(block: torch.nn.Module) -> str:
                     "name the modules to train with --rmu-modules")
 
 
-def parse_layer_list(text: str, option: str = "rmu-update-layers") -> list[int]:
-    """`5,6,7` -> [5, 6, 7], or one line naming `--option`."""
-    items = [item.strip() for item in str(text).split(",") if item.strip()]
-    if not items or not all(item.isdigit() for item in items):
-        raise UserError(f"--{option} {text}: give layer numbers separated by commas, e.g. 5,6,7")
-    return [int(item) for item in items]
+def _listed(items: tuple | range) -> str:
+    """A list option's items as its flag is typed: (5, 6, 7) -> 5,6,7."""
+    return ",".join(str(item) for item in items)
 
 
 def checked_rmu_layer(model: torch.nn.Module, params: LossParams) -> int:
@@ -447,21 +444,20 @@ def prepare_rmu(model: torch.nn.Module, params: LossParams) -> list[str]:
     layers = decoder_layers(model)
     depth = len(layers)
     layer = checked_rmu_layer(model, params)
-    update = (parse_layer_list(params.rmu_update_layers) if params.rmu_update_layers is not None
-              else list(range(max(0, layer - 2), layer + 1)))
+    update = (params.rmu_update_layers if params.rmu_update_layers is not None
+              else range(max(0, layer - 2), layer + 1))
     for index in update:
         if not index < depth:
-            raise UserError(f"--rmu-update-layers {params.rmu_update_layers}: layer {index} is out of range, the "
+            raise UserError(f"--rmu-update-layers {_listed(update)}: layer {index} is out of range, the "
                             f"model has {depth} decoder layers (0..{depth - 1})")
     chosen: dict[str, torch.nn.Module] = {}
     for index in update:
         block = layers[index]
-        paths = ([p.strip() for p in params.rmu_modules.split(",") if p.strip()] if params.rmu_modules
-                 else [_mlp_output_projection(block)])
+        paths = params.rmu_modules or (_mlp_output_projection(block),)
         present = dict(block.named_modules())
         for path in paths:
             if path not in present or not path:
-                raise UserError(f"--rmu-modules {params.rmu_modules}: layer {index} has no module '{path}' "
+                raise UserError(f"--rmu-modules {_listed(paths)}: layer {index} has no module '{path}' "
                                 f"(e.g. {_mlp_output_projection(block)})")
             chosen[f"{index}.{path}"] = present[path]
     keep = {id(p) for module in chosen.values() for p in module.parameters() if p.requires_grad}

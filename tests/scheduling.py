@@ -37,7 +37,8 @@ QUICK_MODULES = (
     "test_optim_rules", "test_optim_api", "test_optim_groups", "test_v_floor",  # the optimizer
     "test_losses", "test_losses_beyond_the_paper",  # the losses
     "test_eval_metrics", "test_similarity", "test_select_by", "test_paired", "test_sensitivity",  # the metrics
-    "test_config_final", "test_config_fields_set_by_doplus", "test_refused_keys", "test_options_once",  # config
+    "test_config_final", "test_config_fields_set_by_doplus", "test_list_options",  # config
+    "test_refused_keys", "test_options_once",
     "test_registry", "test_layers", "test_public_imports", "test_cli", "test_toy_command", "test_suite_facts",
 )
 

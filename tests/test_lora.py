@@ -193,8 +193,16 @@ def test_target_defaults(tiny_llama):
     assert adapter_norms(wrapped)["modules"] == 2 * 7  # q, k, v, o, gate, up, down in 2 layers; not lm_head
 
 
-def test_lora_targets_are_parsed_in_one_place():
-    from doplus_cli.config import parse_lora_targets
+def test_lora_targets_are_parsed_once_at_the_boundary(tmp_path):
+    """A flag's text and a recipe's YAML list give the engine the same tuple; no item, peft's default (None); the run
+    records the flag's form."""
+    from doplus_cli.config import UnlearnConfig, resolve_config
 
-    assert parse_lora_targets("q_proj, v_proj,") == ("q_proj", "v_proj")
-    assert parse_lora_targets(None) is None and parse_lora_targets("") is None and parse_lora_targets(" , ") is None
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("forget: f.jsonl\nloss: GA\nlora_targets: [q_proj, v_proj]\n")
+    assert resolve_config(str(recipe), {}).lora_targets == ("q_proj", "v_proj")
+    flagged = resolve_config(None, {"forget": "f.jsonl", "loss": "GA", "lora_targets": "q_proj, v_proj,"})
+    assert flagged.lora_targets == ("q_proj", "v_proj") and flagged.to_dict()["lora_targets"] == "q_proj,v_proj"
+    for empty in ("", " , "):
+        assert resolve_config(None, {"forget": "f.jsonl", "loss": "GA", "lora_targets": empty}).lora_targets is None
+    assert UnlearnConfig(lora_targets="down_proj").lora_targets == ("down_proj",)  # made in code: parsed alike

@@ -336,7 +336,8 @@ def test_two_processes_at_batch_b_equal_one_at_2b(tiny_llama, data, tmp_path, lo
         (["--loss", "GA+EMBED", "--rmu-layer", 2], "--rmu-layer 2: out of range, the model has 2 decoder layers"),
         (["--loss", "RMU+EMBED", "--rmu-layer", -1], "--rmu-layer must be a layer number >= 0, got -1"),
         (["--loss", "RMU+EMBED", "--rmu-update-layers", "0,3"], "--rmu-update-layers 0,3: layer 3 is out of range"),
-        (["--loss", "RMU+EMBED", "--rmu-update-layers", "0,x"], "--rmu-update-layers 0,x: give layer numbers"),
+        (["--loss", "RMU+EMBED", "--rmu-update-layers", "0,x"],
+         "--rmu-update-layers 0,x: 'x' is not a whole number >= 0"),
         (["--loss", "RMU+EMBED", "--rmu-modules", "mlp.nothing"], "--rmu-modules mlp.nothing: layer 0 has no module"),
         (["--loss", "RMU+GD", "--lora-rank", 2, "--lora-targets", "q_proj"], "none of their weights is trainable"),
         (["--loss", "SimNPO+GD", "--simnpo-beta", -1], "--simnpo-beta must be a number >= 0, got -1.0"),
@@ -384,7 +385,7 @@ def test_rmu_default_modules_follow_the_architecture_phi_fc2():
 
 RECIPE_PARAMS = {
     "simnpo_gd": ("SimNPO+GD", {"simnpo_beta": 4.5, "simnpo_gamma": 0.0, "retain_coeff": 0.125}),
-    "rmu_embed": ("RMU+EMBED", {"rmu_layer": 7, "rmu_coeff": 20.0, "rmu_update_layers": "5,6,7"}),
+    "rmu_embed": ("RMU+EMBED", {"rmu_layer": 7, "rmu_coeff": 20.0, "rmu_update_layers": (5, 6, 7)}),
     "undial_gd": ("UNDIAL+GD", {"undial_beta": 10.0}),
     "wga_gd": ("WGA+GD", {"wga_beta": 1.0}),
     "satimp_gd": ("SatImp+GD", {"satimp_beta1": 5.0, "satimp_beta2": 1.0}),
@@ -408,4 +409,4 @@ def test_tofu_recipes_of_the_2026_losses(model, name):
         1e-5, 300, 1, 5, "doplus")
     assert {k: getattr(config, k) for k in values} == values
     if name == "rmu_embed":
-        assert config.rmu_modules == {"phi-1.5": "mlp.fc2", "llama2-7b": "mlp.down_proj"}[model]
+        assert config.rmu_modules == ({"phi-1.5": "mlp.fc2", "llama2-7b": "mlp.down_proj"}[model],)

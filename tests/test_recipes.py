@@ -100,8 +100,8 @@ def test_recipe_resolves(shipped, tmp_path):
         assert config.show_samples >= max(len(_rows(config.forget)), len(_rows(config.retain)))
     if "wmdp" in shipped.parts:  # the WMDP authors' zephyr RMU run (rmu/unlearn.py, run_rmu_zephyr.ipynb)
         assert config.model == "HuggingFaceH4/zephyr-7b-beta" and config.loss == "RMU+EMBED"
-        assert (config.rmu_layer, config.rmu_update_layers, config.rmu_coeff, config.retain_coeff) == (7, "5,6,7", 6.5,
-                                                                                                      1200.0)
+        assert (config.rmu_layer, config.rmu_update_layers, config.rmu_coeff, config.retain_coeff) == (
+            7, (5, 6, 7), 6.5, 1200.0)
         assert (config.lr, config.batch_size, config.max_length, config.seed) == (5e-5, 4, 512, 42)
         assert config.steps == {"joint": 150}.get(config.scheme, 300) and config.eval_suite == "wmdp"
         assert "shared" not in config.forget and config.forget.endswith("data/wmdp/forget.jsonl")

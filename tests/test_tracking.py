@@ -247,13 +247,13 @@ def test_a_missing_tracker_package_names_it_before_any_model_loads(data, tmp_pat
 
 
 def test_all_means_every_installed_tracker(monkeypatch):
-    from doplus_cli.config import parse_report_to
+    from doplus_cli.config import chosen_trackers
 
     monkeypatch.setitem(sys.modules, "wandb", None)
     monkeypatch.setitem(sys.modules, "trackio", None)
-    assert parse_report_to("all") == ["tensorboard", "mlflow"]
-    assert parse_report_to("none") == [] and parse_report_to(None) == []
-    assert parse_report_to("TensorBoard, mlflow,tensorboard") == ["tensorboard", "mlflow"]
+    assert chosen_trackers(("all",)) == ["tensorboard", "mlflow"]
+    assert chosen_trackers(("none",)) == [] and chosen_trackers(()) == []
+    assert chosen_trackers(("TensorBoard", "mlflow", "tensorboard")) == ["tensorboard", "mlflow"]
 
 
 def test_a_multitask_card_writes_each_task_as_a_flag_and_parses_back(tiny_llama, tmp_path, monkeypatch):
@@ -291,13 +291,14 @@ def test_bench_schemes_names_and_groups_each_run_in_one_tracker_folder(tiny_llam
     assert len(bench.runs) == 8
     for run in bench.runs:
         config = run.config
-        assert config.report_to == "tensorboard,mlflow" and config.tracker_run_name == run.name
+        assert config.report_to == ("tensorboard", "mlflow") and config.tracker_run_name == run.name
+        assert run.recipe["report_to"] == "tensorboard,mlflow"  # the run's recipe as the flag is typed
         lr = "0.001" if config.lr == 0.001 else "0.002"
         assert run.name == f"{run.scheme}-lr={lr}-s{run.seed}"
         assert config.tracker_group == f"{run.scheme}-lr={lr}"  # the seeds of one scheme and value together
         assert config.tracker_dir == str(out.resolve() / "trackers") and config.tracker_project == "doplus-bench-cmp"
     plain = plan_bench(str(recipe), "doplus", "0", str(tmp_path / "plain"), [], None, False)
-    assert plain.runs[0].config.tracker_run_name is None and plain.runs[0].config.report_to == "none"
+    assert plain.runs[0].config.tracker_run_name is None and plain.runs[0].config.report_to == ("none",)
 
 
 def test_the_users_mlflow_tracking_uri_goes_first(tiny_llama, data, tmp_path, monkeypatch):

@@ -24,7 +24,7 @@ from rich.table import Table
 
 from doplus_cli import ownership
 from doplus_cli.commands.base import Command
-from doplus_cli.config import UnlearnConfig, eval_batch_size, parse_report_to, parse_task_ids
+from doplus_cli.config import UnlearnConfig, chosen_trackers, eval_batch_size
 from doplus_cli.data.muse import TextWindows
 from doplus_cli.data.sources import Keys, Source, available_tasks, open_source, task_rows
 from doplus_cli.data.tofu import AUTHORS_RETAIN, authors_retain, describe_retain
@@ -113,7 +113,7 @@ class UnlearnCommand(Command):
             self.forget_source = task_rows(forget_file, config.forget, task_id)
             unlearned = [task_id]
             if config.continual:  # the tasks unlearned before this one leave the retain set too
-                order = parse_task_ids(config.task_ids)
+                order = list(config.task_ids)
                 unlearned = order[:order.index(task_id) + 1]
             self.task = {"task_id": task_id, "task_given": config.task_id is not None, "file_tasks": tasks,
                          "forget_file_rows": len(forget_file), "unlearned": unlearned}
@@ -216,7 +216,7 @@ class UnlearnCommand(Command):
         """--continual: a run per task in OUT/task-T/, checked as the run checks them (nothing written)."""
         if not config.continual:
             return None
-        order = parse_task_ids(config.task_ids)
+        order = list(config.task_ids)
         prepare_continual(config, out, order, write=False)
         return f"out: {out}: tasks {', '.join(map(str, order))}, one run each in task-T/"
 
@@ -531,7 +531,7 @@ CONTINUAL = "doplus unlearn --continual"  # the command the folder's record name
 def continual_outputs(config: UnlearnConfig, order: list[int]) -> tuple[str, ...]:
     """The entries a continual run writes in OUT: recorded before it writes any of them."""
     names = ["config.yaml", "continual.json", "report.md", *(task_folder(Path(), task).name for task in order)]
-    if parse_report_to(config.report_to) and config.tracker_dir is None:
+    if chosen_trackers(config.report_to) and config.tracker_dir is None:
         names.append("trackers")  # the tasks' tracker runs, side by side
     return tuple(names)
 
@@ -575,7 +575,7 @@ def run_continual(config: UnlearnConfig, console: Console | None,
     """Unlearn `config.task_ids` in order, each task one run of `run_unlearn` (`doplus unlearn`'s single run,
     handed over by its command); return the continual report (also written to OUT)."""
     console = console or Console(stderr=True)
-    order = parse_task_ids(config.task_ids)
+    order = list(config.task_ids)
     if config.task_id is not None:
         raise UserError("--task-id and --continual: the tasks come from --task-ids (give --task-ids only)")
     out = Path(config.out or default_out_dir("unlearn"))

@@ -572,7 +572,8 @@ def read_state(path: Path) -> dict[str, Any]:
 
 
 def open_resume(resume: str, out: Path, config: dict[str, Any], processes: Processes,
-                accept_changed: str | None = None, accept_unverified: bool = False) -> tuple[Path, dict[str, Any]]:
+                accept_changed: tuple[str, ...] | None = None,
+                accept_unverified: bool = False) -> tuple[Path, dict[str, Any]]:
     """(the checkpoint `--resume` names, its saved state), after checking its files against its manifest; refused
     when it was written by another process layout, with a configuration that changes what is computed
     (`config`: this run's, resolved), or on inputs that changed since (data, model, software; engine/inputs.py)
@@ -592,7 +593,7 @@ def open_resume(resume: str, out: Path, config: dict[str, Any], processes: Proce
 
 
 def checked_resume(resume: str, out: Path, config: dict[str, Any], processes: Processes,
-                   accept_changed: str | None, accept_unverified: bool,
+                   accept_changed: tuple[str, ...] | None, accept_unverified: bool,
                    write: bool = True) -> tuple[str, dict[str, Any]]:
     """(the checkpoint `--resume` names, its saved state) once every check passed: its files against its manifest,
     the process layout, the configuration, the inputs (`write` False: nothing recorded, for `--dry-run`)."""

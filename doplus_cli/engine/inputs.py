@@ -272,7 +272,7 @@ def check_data_unchanged(out: Path, config: dict[str, Any], when: str) -> None:
 
 
 def check_unchanged(checkpoint: Path, recorded: dict[str, Any] | None, software: dict[str, Any] | None,
-                    config: dict[str, Any], out: Path, accept_changed: str | None,
+                    config: dict[str, Any], out: Path, accept_changed: tuple[str, ...] | None,
                     say: Callable[[str], None], write: bool = True) -> None:
     """Refuse to resume `checkpoint` on inputs other than those recorded, in one line naming each change and the
     flag that accepts it; with that flag, say what changed, record the inputs as they are now and go on (`write`

@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from doplus_cli import lifecycle, ownership
-from doplus_cli.config import TrainConfig, parse_lora_targets, parse_report_to
+from doplus_cli.config import TrainConfig, chosen_trackers, recorded
 from doplus_cli.data.batches import IndexStream
 from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.data.sources import MixtureSource
@@ -267,7 +267,7 @@ def run_outputs(config: TrainConfig, plan: Plan) -> tuple[str, ...]:
         names.append(BEST)
     if config.eval_every:
         names.append("evals")  # evals/step-N/, evals/curves.png
-    if parse_report_to(config.report_to) and config.tracker_dir is None:
+    if chosen_trackers(config.report_to) and config.tracker_dir is None:
         names.append("trackers")
     return (*names, *plan.outputs(config))
 
@@ -517,8 +517,8 @@ def _save_final(run: Run, config: TrainConfig, full_weights: dict[str, torch.Ten
     if run.lora is not None:
         if full_weights is not None:  # FSDP: the adapters' full weights on an unsharded copy of the model
             model, full_weights = _unsharded_lora_model(config, run.lora, full_weights), None
-        lora_report = {"lora": {"rank": config.lora_rank, "alpha": config.lora_alpha, "targets": config.lora_targets,
-                                "adapter_norms": adapter_norms(model),
+        lora_report = {"lora": {"rank": config.lora_rank, "alpha": config.lora_alpha,
+                                "targets": recorded(config.lora_targets), "adapter_norms": adapter_norms(model),
                                 "final": "adapter only" if config.save_adapter_only else "merged model"}}
         model = final_model(model, config.save_adapter_only)
     trained_dtype = str(model.dtype).removeprefix("torch.")
@@ -592,7 +592,7 @@ def tracker_settings(config: TrainConfig, out: Path, command: str) -> tracking.T
 def _lora_settings(config: TrainConfig) -> LoraSettings | None:
     if config.lora_rank <= 0:
         return None
-    return LoraSettings(rank=config.lora_rank, alpha=config.lora_alpha, targets=parse_lora_targets(config.lora_targets),
+    return LoraSettings(rank=config.lora_rank, alpha=config.lora_alpha, targets=config.lora_targets,
                         dropout=config.lora_dropout, gradient_checkpointing=config.gradient_checkpointing)
 
 

@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from doplus_cli.config import TrainConfig, parse_lora_targets
+from doplus_cli.config import TrainConfig
 from doplus_cli.engine import training_precision as precisions
 from doplus_cli.errors import UserError
 from doplus_cli.optim.quant import BLOCKSIZE, MIN_8BIT_SIZE
@@ -220,7 +220,7 @@ def model_plan(config: TrainConfig, run: Plan) -> ModelPlan:
             from doplus_cli.lora import LoraSettings, apply_lora
 
             model = apply_lora(model, LoraSettings(rank=config.lora_rank, alpha=config.lora_alpha,
-                                                   targets=parse_lora_targets(config.lora_targets),
+                                                   targets=config.lora_targets,
                                                    dropout=config.lora_dropout))
         run.prepare_model(model)  # as the loop does once the model is final: RMU leaves its modules trainable
     params = tuple(

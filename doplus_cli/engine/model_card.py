@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from doplus_cli import __version__
-from doplus_cli.config import default_of
+from doplus_cli.config import default_of, recipe_form
 from doplus_cli.engine.outputs import cell
 from doplus_cli.engine.selection import best_lines
 from doplus_cli.engine.tracking import numbers
@@ -118,7 +118,7 @@ def command_line(plan: Plan, config: dict[str, Any], world_size: int = 1) -> tup
                           if k not in ("name", "data") and v is not None and v != _task_default(k)]
                 words += ["--task", ",".join([f"{task['name']}={task['data']}", *extras])]
             continue
-        default = default_of(key, cls)
+        default = recipe_form(key, default_of(key, cls), cls)  # as config.yaml records it
         if isinstance(default, tuple):
             default = list(default)
         if value == default:

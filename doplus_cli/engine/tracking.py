@@ -18,17 +18,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from doplus_cli.config import parse_report_to
+from doplus_cli.config import chosen_trackers
 
 # report.json's sections that are not metrics (configuration, text, per-row tables)
 _NOT_METRICS = ("config", "environment", "evals", "eval_curves", "samples", "final", "model", "status", "data",
                 "steps_per_objective", "precision", "teach", "lora", "reference")
 
 
-def accelerator_options(report_to: str | None) -> dict[str, Any]:
+def accelerator_options(report_to: tuple[str, ...]) -> dict[str, Any]:
     """`Accelerator(**...)`'s tracker options for `--report-to`; the logging folder is set when the run's folder
     is known."""
-    names = parse_report_to(report_to)
+    names = chosen_trackers(report_to)
     return {"log_with": names, "project_dir": "."} if names else {}
 
 

@@ -47,6 +47,7 @@ from doplus_cli.config import (
     field_names,
     load_recipe,
     read_recipe,
+    recipe_form,
 )
 from doplus_cli.errors import RunError, UserError
 from doplus_cli.files import atomic_write_text
@@ -149,8 +150,8 @@ def plan(recipe: str, space: list[str], objective: str, constraints: list[str], 
             raise UserError(f"--set {key}: unknown option '{key}'")
         if key in TUNE_KEYS:
             raise UserError(f"--set {key}: doplus tune sets {key} itself")
-        value = coerce_option(key, None if text.lower() in ("null", "~") else text, f"--set {key}",
-                              adapter.config_class)
+        value = recipe_form(key, coerce_option(key, None if text.lower() in ("null", "~") else text,
+                                               f"--set {key}", adapter.config_class), adapter.config_class)
         set_values[key] = absolute_paths({key: value})[key]
     params = parse_space(space, adapter.config_class, fixed=set(set_values))
     if pruner not in studies.PRUNERS:

@@ -28,6 +28,7 @@ from doplus_cli.config import (
     load_recipe,
     parse_task_ids,
     read_recipe,
+    recipe_form,
 )
 from doplus_cli.errors import UserError
 from doplus_cli.files import atomic_write_text
@@ -116,7 +117,8 @@ def plan_bench(recipe: str, schemes: str, seeds: str, out: str, set_options: lis
     set_values: dict[str, Any] = {}
     for key, text in set_pairs:
         key = _option_key(key, "--set", names)
-        value = coerce_option(key, _null(text), f"--set {key}", adapter.config_class)
+        value = recipe_form(key, coerce_option(key, _null(text), f"--set {key}", adapter.config_class),
+                            adapter.config_class)
         set_values[key] = absolute_paths({key: value})[key]
     sweep_key, sweep_values = None, [None]
     if sweep_pair is not None:
@@ -126,8 +128,9 @@ def plan_bench(recipe: str, schemes: str, seeds: str, out: str, set_options: lis
         items = [item.strip() for item in sweep_pair[1].split(",")]
         if not all(items):
             raise UserError(f"--sweep {sweep_pair[0]}={sweep_pair[1]}: write KEY=V1,V2,... with no empty value")
-        sweep_values = [absolute_paths({sweep_key: coerce_option(sweep_key, _null(v), f"--sweep {sweep_key}",
-                                                            adapter.config_class)})[sweep_key] for v in items]
+        sweep_values = [absolute_paths({sweep_key: recipe_form(
+            sweep_key, coerce_option(sweep_key, _null(v), f"--sweep {sweep_key}", adapter.config_class),
+            adapter.config_class)})[sweep_key] for v in items]
         if len({json.dumps(plain(v)) for v in sweep_values}) < len(sweep_values):
             raise UserError(f"--sweep {sweep_key}: a value is given twice ({sweep_pair[1]})")
     if task_ids is not None:
