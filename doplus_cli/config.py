@@ -266,7 +266,7 @@ class UnlearnConfig(TrainConfig):
     eval_embedding_model: str | None = None
     eval_protocol: str = "doplus"  # or "paper": the DualOptim+ authors' judges and generation budget
     eval_batch_size: int | None = None  # prompts per batch of the evaluation during training; None: max(batch_size, 8)
-    eval_attacks: str | None = None  # `doplus evaluate --attacks` for the last evaluation (comma-separated names)
+    eval_attacks: tuple[str, ...] | None = None  # `doplus evaluate --attacks` for the last evaluation
 
     @property
     def forget_loss(self) -> str:
@@ -326,13 +326,13 @@ class AlignConfig(TrainConfig):
     held_out: int = 4  # each set's last rows, kept out of training and answered before and after (0: none)
     eval_batch_size: int = 16  # prompts per greedy generation batch (held-out rows, the evaluation suite)
     # `doplus evaluate`'s safety suites on final/ after training, into OUT/eval/
-    eval_suite: str | None = None  # safety, xstest or safety,xstest
+    eval_suite: tuple[str, ...] | None = None  # safety, xstest or both
     eval_max_samples: int | None = None  # the first N prompts of each set
     eval_max_new_tokens: int = 64
     eval_guard_model: str | None = None  # None: Llama-Guard-2-8B when it loads, else the refusal judge; "none"
     eval_refusal_model: str | None = None  # a chat model labelling refusals (XSTest's protocol); None: offline judge
     eval_safety_data_dir: str | None = None  # None: the releases' files, downloaded once
-    eval_attacks: str | None = None  # the safety suite on final/ also under these attacks (quant-*, probe-prefix)
+    eval_attacks: tuple[str, ...] | None = None  # the safety suite on final/ also under these attacks
 
     def check(self) -> None:
         super().check()
@@ -939,10 +939,9 @@ def validate_align(config: AlignConfig) -> None:
     if config.eval_batch_size < 1:
         raise UserError(f"--eval-batch-size must be at least 1, got {config.eval_batch_size}")
     if config.eval_suite is not None:
-        suites = [s.strip() for s in config.eval_suite.split(",") if s.strip()]
-        if not suites or any(s not in ALIGN_EVAL_SUITES for s in suites):
-            raise UserError(f"unknown --eval-suite {shown(config.eval_suite)} for align: choose safety, xstest or "
-                            "safety,xstest (other suites: run `doplus evaluate` on final/)")
+        if any(s not in ALIGN_EVAL_SUITES for s in config.eval_suite):
+            raise UserError(f"unknown --eval-suite {shown(recorded(config.eval_suite))} for align: choose safety, "
+                            "xstest or safety,xstest (other suites: run `doplus evaluate` on final/)")
     if config.eval_max_samples is not None and config.eval_max_samples < 1:
         raise UserError(f"--eval-max-samples must be at least 1, got {config.eval_max_samples}")
     if config.eval_max_new_tokens < 1:

@@ -24,10 +24,11 @@ CONFIGS = (UnlearnConfig, MultitaskConfig, AlignConfig)
 
 
 def test_the_list_options_are_the_fields_typed_as_tuples():
-    unlearn = list_fields(UnlearnConfig)
-    assert unlearn == {"lora_targets": str, "accept_changed": str, "report_to": str, "task_ids": int,
-                       "rmu_update_layers": int, "rmu_modules": str}
-    assert list_fields(MultitaskConfig) == {"lora_targets": str, "accept_changed": str, "report_to": str, "freq": int}
+    shared = {"lora_targets": str, "accept_changed": str, "report_to": str}
+    assert list_fields(UnlearnConfig) == {**shared, "task_ids": int, "rmu_update_layers": int, "rmu_modules": str,
+                                          "eval_attacks": str}
+    assert list_fields(MultitaskConfig) == {**shared, "freq": int}
+    assert list_fields(AlignConfig) == {**shared, "eval_suite": str, "eval_attacks": str}
     for cls in CONFIGS:  # no list option keeps its items in one comma-separated text
         for field in dataclasses.fields(cls):
             if field.name in list_fields(cls):

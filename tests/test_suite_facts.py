@@ -137,14 +137,14 @@ def test_a_suite_registered_from_outside_gets_the_attacks_it_declares(toy_suite)
     assert ATTACKS["probe-prefix"].suites == ("tofu", "real-world", "safety", "toy")
     assert "toy" not in ATTACKS["relearn"].suites and "toy" not in ATTACKS["probe-roleplay"].suites
     assert "toy" in forget_suites()
-    assert parse_attacks("probe-prefix,quant-4bit", ("toy",)) == ("quant-4bit", "probe-prefix")
-    assert parse_attacks("all", ("toy",)) == ("quant-4bit", "probe-prefix")
+    assert parse_attacks(("probe-prefix", "quant-4bit"), ("toy",)) == ("quant-4bit", "probe-prefix")
+    assert parse_attacks(("all",), ("toy",)) == ("quant-4bit", "probe-prefix")
     with pytest.raises(UserError) as error:
-        parse_attacks("probe-roleplay", ("tofu", "toy"))
+        parse_attacks(("probe-roleplay",), ("tofu", "toy"))
     assert str(error.value) == ("--attacks: attack 'probe-roleplay' cannot be applied to suite toy (it applies to "
                                 "tofu, real-world)")
     with pytest.raises(UserError) as error:
-        parse_attacks("relearn", ("toy",))
+        parse_attacks(("relearn",), ("toy",))
     assert "cannot be applied to suite toy (it applies to tofu, real-world, safety, wmdp, muse)" in str(error.value)
 
 

@@ -24,7 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from doplus_cli.commands.base import Command
-from doplus_cli.config import AlignConfig, parse_cycle
+from doplus_cli.config import AlignConfig, parse_cycle, recorded
 from doplus_cli.data.sources import Keys, MixtureSource, RowRange, Source, open_source
 from doplus_cli.engine import outputs
 from doplus_cli.engine.evaluations import Evaluation
@@ -64,11 +64,11 @@ def run_align(config: AlignConfig, console: Console | None = None) -> dict[str, 
 
 def align_evaluation(config: AlignConfig) -> Evaluation:
     """`eval_suite` (safety, xstest or both) with the recipe's eval_* values and the run's seed and dtype."""
-    return Evaluation({"suite": config.eval_suite, "max_samples": config.eval_max_samples,
+    return Evaluation({"suite": recorded(config.eval_suite), "max_samples": config.eval_max_samples,
                        "max_new_tokens": config.eval_max_new_tokens, "batch_size": config.eval_batch_size,
                        "guard_model": config.eval_guard_model, "refusal_model": config.eval_refusal_model,
                        "safety_data_dir": config.eval_safety_data_dir, "seed": config.seed, "dtype": config.dtype,
-                       "attacks": config.eval_attacks},
+                       "attacks": recorded(config.eval_attacks)},
                       config.trust_remote_code)
 
 
@@ -248,7 +248,7 @@ def check_eval_prompts(config: AlignConfig) -> None:
         for suite in parse_suites(config.eval_suite):
             prompt_sets(suite, config.eval_safety_data_dir, config.eval_max_samples, "--eval-safety-data-dir")
     except UserError as error:
-        raise UserError(f"--eval-suite {config.eval_suite}: {error}") from None
+        raise UserError(f"--eval-suite {recorded(config.eval_suite)}: {error}") from None
 
 
 def evaluate_final(config: AlignConfig, report: dict[str, Any], console: Console | None) -> dict[str, Any]:

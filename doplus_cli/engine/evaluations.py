@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from doplus_cli.config import list_value
 from doplus_cli.evaluation.attacks import parse_attacks
 from doplus_cli.evaluation.runner import parse_suites
 from doplus_cli.evaluation.suite_api import EvalConfig
@@ -30,9 +31,9 @@ class Evaluation:
     def config(self, model: str | None, out: str | None = None) -> EvalConfig:
         """The EvalConfig of `doplus evaluate --model MODEL` with these options (and `--out OUT --overwrite`)."""
         values = {name: value for name, value in self.options.items() if value is not None}
-        suites = parse_suites(values.pop("suite"))
+        suites = parse_suites(list_value(values.pop("suite"), str, False, "--suite"))
         if "attacks" in values:  # as typed (comma-separated), as `doplus evaluate --attacks` parses it
-            values["attacks"] = parse_attacks(values["attacks"], suites)
+            values["attacks"] = parse_attacks(list_value(values["attacks"], str, False, "--attacks"), suites)
         return EvalConfig(model=model, suites=suites, out=out, overwrite=out is not None,
                           trust_remote_code=self.trust_remote_code, **values)
 

@@ -119,14 +119,14 @@ def forget_suites() -> dict[str, Suite]:
     return {name: suite for name, suite in SUITE_REGISTRY.items() if suite.forget_metrics}
 
 
-def parse_attacks(text: str | None, suites: tuple[str, ...]) -> tuple[str, ...]:
-    """`--attacks` (comma-separated names, `probe` and `all` expanded) -> the attacks in registry order; a name
-    that is not an attack, or an attack none of the chosen suites can take, is one line naming it. `all` keeps
-    the attacks the chosen suites can take."""
-    if not text:
+def parse_attacks(given: Sequence[str] | None, suites: tuple[str, ...]) -> tuple[str, ...]:
+    """`--attacks`'s names (`probe`, `white-box` and `all` expanded) -> the attacks in registry order; a name that
+    is not an attack, or an attack none of the chosen suites can take, is one line naming it. `all` keeps the
+    attacks the chosen suites can take."""
+    if not given:
         return ()
     names: list[str] = []
-    for name in (n.strip() for n in text.split(",") if n.strip()):
+    for name in given:
         if name not in ATTACK_CHOICES:
             raise UserError(f"--attacks: unknown attack '{name}': choose from {', '.join(ATTACK_CHOICES)} "
                             "(comma-separated)")

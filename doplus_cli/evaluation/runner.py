@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,7 @@ from typing import Any
 from rich.console import Console
 
 from doplus_cli import decoding, lifecycle, ownership
+from doplus_cli.config import list_value
 from doplus_cli.data.formatting import check_prompt_template
 from doplus_cli.errors import UserError, writing
 from doplus_cli.evaluation.attacks import ATTACKS, QA_SUITES, parse_attack_options, parse_attacks, parse_relearn_steps
@@ -42,8 +43,9 @@ from doplus_cli.progress import counting_tokens, progress_bar
 AttackRunner = Callable[[SuiteContext, dict[str, Any]], dict[str, Any]]
 
 
-def parse_suites(text: str) -> tuple[str, ...]:
-    suites = tuple(s.strip() for s in text.split(",") if s.strip())
+def parse_suites(given: Sequence[str]) -> tuple[str, ...]:
+    """`--suite`'s names, each a suite of `SUITES`; one line naming the first that is not."""
+    suites = tuple(given)
     for suite in suites:
         if suite not in SUITES:
             raise UserError(f"unknown suite '{suite}': choose from {', '.join(SUITES)} (comma-separated)")
@@ -58,9 +60,10 @@ def resolve_eval_config(options: dict[str, Any]) -> EvalConfig:
     if options["dtype"] not in ("auto", "float32", "bfloat16"):
         raise UserError(f"unknown dtype '{options['dtype']}': choose one of auto, float32, bfloat16")
     values = dict(options)
-    values["suites"] = parse_suites(values.pop("suite"))
-    values["tasks"] = tuple(task.strip() for task in (values.get("tasks") or "").split(",") if task.strip())
-    values["attacks"] = parse_attacks(values.get("attacks"), values["suites"])
+    values["suites"] = parse_suites(list_value(values.pop("suite") or "", str, False, "--suite"))
+    values["tasks"] = list_value(values.get("tasks") or "", str, False, "--tasks")
+    values["attacks"] = parse_attacks(list_value(values.get("attacks") or "", str, False, "--attacks"),
+                                      values["suites"])
     values["relearn_steps"] = parse_relearn_steps(values.get("relearn_steps"))
     values["attack_options"] = parse_attack_options(values.pop("attack_option", None), values["attacks"])
     config = EvalConfig(**values)

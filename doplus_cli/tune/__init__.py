@@ -48,6 +48,7 @@ from doplus_cli.config import (
     load_recipe,
     read_recipe,
     recipe_form,
+    recorded,
 )
 from doplus_cli.errors import RunError, UserError
 from doplus_cli.files import atomic_write_text
@@ -166,7 +167,7 @@ def plan(recipe: str, space: list[str], objective: str, constraints: list[str], 
     configs = [tune.trial_config(tune.trial_values(corner)) for corner in corners]  # each validated
     config = configs[0]
     adapter.check_evaluation(given | {p.key for p in params}, config, path)
-    suite = str(getattr(config, "eval_suite", None) or adapter.command)
+    suite = str(recorded(getattr(config, "eval_suite", None)) or adapter.command)
     metrics = {m.key: m.higher_is_better for m in adapter.metric_list(config)}
     tune.objective = parse_objective(objective, metrics, suite)
     tune.constraints = parse_constraints(constraints, metrics, suite)

@@ -19,6 +19,7 @@ import yaml
 
 from doplus_cli.bench.schemes.planning import completed_report
 from doplus_cli.bench.schemes.running import Signals, last_error
+from doplus_cli.config import recorded
 from doplus_cli.errors import RunError
 
 if TYPE_CHECKING:
@@ -132,7 +133,7 @@ def evaluate_start(tune: Tune, values: dict[str, Any], model: str, signals: Sign
             raise TrialStopped(signals.received)
         if code != 0 or not (out / "eval.json").is_file():
             raise RunError(_failed("the evaluation of the starting model", code, log))
-    return tune.adapter.scores({"config": {"eval_suite": getattr(config, "eval_suite", None)}}, out)[0]
+    return tune.adapter.scores({"config": {"eval_suite": recorded(getattr(config, "eval_suite", None))}}, out)[0]
 
 
 def _read_metric(path: Path, metric: str) -> float | None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from doplus_cli.bench.adapters.base import BenchAdapter, Metric, TradeoffAxes, doplus_evaluate, read_json
 from doplus_cli.commands.align import ALIGN, AlignCommand
-from doplus_cli.config import AlignConfig
+from doplus_cli.config import AlignConfig, list_value, recorded
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.suite_registry import SUITE_REGISTRY
 
@@ -22,10 +22,10 @@ ALIGN_LOSS_METRICS = (Metric("safety_loss", "safety loss", False, ".3f"),
                       Metric("general_loss", "general loss", False, ".3f"))
 
 
-def eval_metrics(eval_suite: str | None) -> tuple[Metric, ...]:
-    """The columns of the suites `eval_suite` names (safety, xstest or both), in `--suite`'s order: each suite's
-    `bench_columns`, rates the bench shows in percent."""
-    chosen = {name.strip() for name in (eval_suite or "").split(",")}
+def eval_metrics(eval_suite: tuple[str, ...] | str | None) -> tuple[Metric, ...]:
+    """The columns of the suites `eval_suite` names (safety, xstest or both; the config's tuple, or a report's
+    record of it), in `--suite`'s order: each suite's `bench_columns`, rates the bench shows in percent."""
+    chosen = set(list_value(eval_suite or "", str, False, "eval_suite"))
     return tuple(Metric(*column) for name, suite in SUITE_REGISTRY.items() if name in chosen
                  for column in suite.bench_columns)
 
@@ -49,7 +49,7 @@ class AlignAdapter(BenchAdapter):
     def score_definitions(self, config: AlignConfig, facts: list[dict[str, Any]]) -> list[str]:
         lines = []
         if config.eval_suite:
-            lines.append(f"safety AVG, XSTest: `doplus evaluate --suite {config.eval_suite}` on final/ ("
+            lines.append(f"safety AVG, XSTest: `doplus evaluate --suite {recorded(config.eval_suite)}` on final/ ("
                          + (f"the first {config.eval_max_samples} prompt(s) of each set; " if config.eval_max_samples
                             else "")
                          + "the judge is named under Partial aggregates when it is the refusal judge standing in for "
