@@ -18,7 +18,7 @@ from rich.text import Text
 from doplus_cli import __version__, lifecycle, options
 from doplus_cli.bench.schemes import DEFAULT_SCHEMES, DEFAULT_SEEDS
 from doplus_cli.commands import COMMANDS, Command, command_named
-from doplus_cli.config import resolve_config
+from doplus_cli.config import list_value, resolve_config
 from doplus_cli.errors import EXIT_FILE_VARIABLE, UserError, quiet_worker, worker_exit_code
 from doplus_cli.evaluation.runner import SUITE_REGISTRY, resolve_eval_config, run_evaluate
 from doplus_cli.evaluation.suite_api import evaluate_defaults
@@ -225,7 +225,7 @@ def bench_precision(**values: Any) -> None:
     dry_run = values.pop("dry_run")
     given = options.with_recipe(context, recipe, values, ("model",))  # a model folder: next to the recipe first
     model, out, steps, lr, modes = (given[name] for name in ("model", "out", "steps", "lr", "modes"))
-    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
+    chosen = list_value(modes, str, False, "--modes")
     unknown = [m for m in chosen if m not in MODES]
     if unknown or not chosen:
         raise UserError(f"--modes {modes}: choose from {', '.join(MODES)}")

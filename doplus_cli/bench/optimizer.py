@@ -51,6 +51,7 @@ import torch
 from torch import Tensor
 
 from doplus_cli import optim
+from doplus_cli.config import list_value
 from doplus_cli.errors import UserError
 from doplus_cli.optim import multi_tensor, quant
 
@@ -190,7 +191,7 @@ class BenchConfig:
             raise UserError(f"--warmup: need at least 1 warm-up step, got {warmup}")
         selected = None
         if only is not None:
-            names = [name.strip() for name in only.split(",") if name.strip()]
+            names = list_value(only, str, False, "--only")
             unknown = [name for name in names if name not in ROW_NAMES]
             if unknown or not names:
                 what = f"unknown row(s) {', '.join(unknown)}" if unknown else "no rows named"

@@ -34,6 +34,7 @@ from rich.table import Table
 
 from doplus_cli.bench.adapters.base import read_json
 from doplus_cli.bench.schemes.planning import Bench, Run, completed_report
+from doplus_cli.config import list_value
 from doplus_cli.engine.checkpoint import list_checkpoints
 from doplus_cli.errors import UserError
 from doplus_cli.files import atomic_write_text
@@ -99,7 +100,7 @@ def check_run_index(bench: Bench, index: int) -> Run:
 
 
 def parse_states(text: str) -> list[str]:
-    states = [s.strip() for s in text.split(",") if s.strip()]
+    states = list_value(text, str, False, "--indexes")
     unknown = [s for s in states if s not in STATES]
     if unknown or not states:
         raise UserError(f"--indexes {text}: give states from {', '.join(STATES)} (comma-separated)")

@@ -25,6 +25,7 @@ from doplus_cli.config import (
     coerce_option,
     default_of,
     field_names,
+    list_value,
     load_recipe,
     parse_task_ids,
     read_recipe,
@@ -161,7 +162,7 @@ def plan_bench(recipe: str, schemes: str, seeds: str, out: str, set_options: lis
 
 
 def parse_schemes(text: str) -> list[str]:
-    names = [name.strip() for name in text.split(",") if name.strip()]
+    names = list(list_value(text, str, False, "--schemes"))
     if not names:
         raise UserError(f"--schemes is empty: choose from {SCHEMES.listing()}")
     for name in names:
@@ -175,13 +176,9 @@ def parse_schemes(text: str) -> list[str]:
 
 
 def parse_seeds(text: str) -> list[int]:
-    items = [item.strip() for item in text.split(",") if item.strip()]
-    if not items:
+    seeds = list(list_value(text, int, False, "--seeds"))
+    if not seeds:
         raise UserError("--seeds is empty: give one or more seeds, e.g. --seeds 0,1,2")
-    if not all(item.isdigit() for item in items):
-        bad = next(item for item in items if not item.isdigit())
-        raise UserError(f"--seeds {text}: '{bad}' is not a whole number >= 0")
-    seeds = [int(item) for item in items]
     if len(set(seeds)) < len(seeds):
         raise UserError(f"--seeds {text}: a seed is given twice")
     return seeds
