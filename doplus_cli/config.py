@@ -165,11 +165,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         # A config made in code (a test, a bench, `replace`) takes a list option as its flag's text too; what a
         # recipe or a flag gives is parsed by `coerce_option`, at the boundary, the same way.
-        for name, item in list_fields(type(self)).items():
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, tuple):
-                object.__setattr__(self, name, list_value(value, item, _optional(type(self), name),
-                                                          f"--{name.replace('_', '-')}"))
+        for f in dataclasses.fields(self):
+            value, kind = getattr(self, f.name), list_kind(f.type)
+            if kind is not None and value is not None and not isinstance(value, tuple):
+                object.__setattr__(self, f.name, list_value(value, *kind, f"--{f.name.replace('_', '-')}"))
 
     def to_dict(self) -> dict[str, Any]:
         """The options as config.yaml, a checkpoint and the teaching cache record them: each list option in the
@@ -346,14 +345,16 @@ class AlignConfig(TrainConfig):
 LIST_KINDS: dict[str, type] = {"tuple[str, ...]": str, "tuple[int, ...]": int}
 
 
+def list_kind(annotation: Any) -> tuple[type, bool] | None:
+    """A field's (item type, optional) when its annotation is a list option's, else None."""
+    kind = str(annotation)
+    item = LIST_KINDS.get(kind.removesuffix(" | None"))
+    return None if item is None else (item, kind.endswith(" | None"))
+
+
 def list_fields(cls: type[TrainConfig]) -> dict[str, type]:
     """`cls`'s list options, each with the type of its items."""
-    return {f.name: LIST_KINDS[kind] for f in dataclasses.fields(cls)
-            if (kind := str(f.type).removesuffix(" | None")) in LIST_KINDS}
-
-
-def _optional(cls: type[TrainConfig], name: str) -> bool:
-    return next(str(f.type) for f in dataclasses.fields(cls) if f.name == name).endswith("| None")
+    return {f.name: kind[0] for f in dataclasses.fields(cls) if (kind := list_kind(f.type)) is not None}
 
 
 def list_value(value: Any, item: type, optional: bool, where: str) -> tuple[Any, ...] | None:
@@ -721,8 +722,8 @@ def coerce_option(key: str, value: Any, source: str, cls: type[TrainConfig] = Un
             if isinstance(value, bool):
                 raise ValueError
             return finite(float(value), where)  # YAML reads 1e-5 (no dot) as a string; float() takes it
-        if kind.removesuffix(" | None") in LIST_KINDS:
-            return list_value(value, LIST_KINDS[kind.removesuffix(" | None")], kind.endswith("| None"), where)
+        if list_kind(kind) is not None:
+            return list_value(value, *list_kind(kind), where)
         if kind.startswith("tuple"):
             items = value.split(",") if isinstance(value, str) else list(value)
             if len(items) != 2 or any(isinstance(item, bool) for item in items):

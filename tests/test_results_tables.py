@@ -479,3 +479,7 @@ def test_a_bench_output_without_its_provenance_is_refused_by_name():
     del output["commit"]
     with pytest.raises(UserError, match=r"precision.json: no 'commit'"):
         tables.records_from_precision(output, "precision.json")
+    rowless = _precision_output()
+    del rowless["output"]  # refused too, not read as a bench with no rows
+    with pytest.raises(UserError, match=r"precision.json: no 'output'"):
+        tables.records_from_precision(rowless, "precision.json")

@@ -316,14 +316,19 @@ STABILITY_METRICS = ("max_update_float64", "max_update_float32", "big_updates_fl
                      "max_update_8bit_base", "max_update_8bit_delta")
 
 
-def _bench_record(output: dict[str, Any], source: str, pointer: str, run: str, scheme: str,
-                  settings: dict[str, Any], resources: dict[str, Any], diagnostics: dict[str, Any]) -> dict[str, Any]:
-    """A record of one row of a bench output kept with its provenance (PROVENANCE): the command, seed, version,
-    commit and machine come from the file, the row's own values from the caller."""
+def kept_output(output: dict[str, Any], source: str) -> Any:
+    """The bench output a file keeps under 'output', once the file is checked to hold every PROVENANCE field."""
     missing = [key for key in PROVENANCE if key not in output]
     if missing:
         raise UserError(f"{source}: no {shown(missing[0])}: a bench output is kept under 'output' beside "
                         f"{', '.join(PROVENANCE[:-1])}")
+    return output["output"]
+
+
+def _bench_record(output: dict[str, Any], source: str, pointer: str, run: str, scheme: str,
+                  settings: dict[str, Any], resources: dict[str, Any], diagnostics: dict[str, Any]) -> dict[str, Any]:
+    """A record of one row of a bench output checked by `kept_output`: the command, seed, version, commit and
+    machine come from the file, the row's own values from the caller."""
     return {"run": run, "source": f"{source}#/output/{pointer}", "scheme": scheme, "task": None,
             "seed": output["seed"], "settings": {"command": output["command"], **settings},
             "version": output["version"], "commit": output["commit"], "state": "complete", "error": None,
@@ -336,7 +341,7 @@ def records_from_stability(output: dict[str, Any], source: str) -> list[dict[str
     the command that printed it and its provenance (PROVENANCE). A row's figures are its diagnostics; its rule is
     the scheme, its retain scale and floor the settings."""
     records = []
-    for number, values in enumerate(output.get("output") or []):
+    for number, values in enumerate(kept_output(output, source)):
         floor = values.get("v_floor")
         name = (values["rule"] + ("" if floor is None else f", v_floor {floor:g}")
                 + f", retain scale {values['retain_scale']:g}")
@@ -352,7 +357,7 @@ def records_from_precision(output: dict[str, Any], source: str) -> list[dict[str
     wrote it and its provenance (PROVENANCE). The mode and the bench's settings are the settings; the weights'
     figures (elements changed, distance and displacement error against the fp32 run, bytes per parameter) are the
     diagnostics; the step times and the machine the resources."""
-    result = output.get("output") or {"rows": []}
+    result = kept_output(output, source)
     records = []
     for number, values in enumerate(result["rows"]):
         records.append(_bench_record(
