@@ -15,14 +15,27 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import yaml
 
-from doplus_cli.data.formatting import check_prompt_template
+from doplus_cli.data.formatting import TEMPLATE_HELP, check_prompt_template
 from doplus_cli.data.sources import path_problem
 from doplus_cli.errors import UserError, shown
 from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossParams
+from doplus_cli.option import (
+    CHECKPOINTS,
+    DEFAULT,
+    DISTRIBUTED,
+    EVALUATION,
+    MEASURE,
+    METHOD,
+    MODEL_DATA,
+    OUTPUT,
+    SEARCH,
+    TRAINING,
+    option,
+)
 from doplus_cli.registry import Registry
 
 if TYPE_CHECKING:
@@ -72,6 +85,46 @@ SAVE_DTYPES = ("auto", "float32", "bfloat16")
 STATE_BITS = (32, 8)
 FORGET_LOSS_NAMES = tuple(FORGET_LOSSES)  # GA, NPO, DPO, ME, IDK, SimNPO, WGA, SatImp, UNDIAL, CE-U, RMU
 RETAIN_LOSS_NAMES = tuple(RETAIN_LOSSES)  # GD, KL, AP, EMBED
+REF_OFFLOADS = (None, "cpu", "8bit")
+DOPLUS_RULES = ("safeguarded", "paper")
+BASE_UPDATES = ("after-param", "before-delta", "after-delta")  # optim.dualoptim_plus.BASE_UPDATES
+BASE_SOURCES = ("grad", "grad-minus-delta")  # optim.dualoptim_plus.BASE_SOURCES
+# `--eval-protocol` / `doplus evaluate --protocol`: the protocols' settings are evaluation/protocol.py's PROTOCOLS,
+# a registry declared over these names
+PROTOCOL_NAMES = ("doplus", "paper")
+# `--report-to`: the trackers engine/tracking.py hands to accelerate; each one's module and PyPI package share its name
+TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
+
+# The help texts of options that several declare alike (a training field and an option of `doplus evaluate`)
+# or that are long.
+REPORT_TO_HELP = ("Experiment trackers through accelerate: none, or one or more of tensorboard, wandb, mlflow, "
+                  "trackio, all (comma-separated; files under OUT/trackers/, W&B offline unless WANDB_MODE says "
+                  "otherwise)" + DEFAULT)
+SIMILARITY_HELP = ("Record in metrics.jsonl the cosine similarity of the objectives' latest updates and gradients "
+                   "(update_cosine, grad_cosine; the paper's Figure 2). Costs a copy of the weights per objective.")
+PROTOCOL_HELP = ("Judges, generation budget and lm-eval metrics: doplus (all-MiniLM-L6-v2, --max-new-tokens new "
+                 "tokens, Token Entropy over the generated ids) or paper (the DualOptim+ code: "
+                 "paraphrase-MiniLM-L6-v2, 200 tokens in total, Token Entropy over the re-tokenised text, TOFU sets "
+                 "cut to 300 rows, lm-eval with the BOS token, TruthfulQA mc1, TriviaQA remove_whitespace, GSM8K "
+                 "flexible-extract).")
+PRECISION_HELP = ("Training precision: fp32 (float32 weights and compute), bf16-mixed (float32 master weights and "
+                  "optimizer states, bf16 autocast compute) or bf16 (bf16 weights with a compensated update in every "
+                  "optimizer); auto: bf16-mixed where the model loads in bf16 (CUDA), fp32 otherwise.")
+SAVE_DTYPE_HELP = "final/'s dtype: float32 or bfloat16; auto: float32 under fp32, bfloat16 under the bf16 precisions."
+DTYPE_HELP = ("Load dtype (the reference model of NPO/DPO/KL, LoRA's frozen base under bf16-mixed): auto (bf16 on "
+              "CUDA, fp32 on CPU), float32, bfloat16.")
+SOURCE_HELP = "FILE.jsonl, FILE.json (one JSON array) or hf:NAME[:CONFIG][@SPLIT]; FILE[START:STOP] takes those rows."
+# Worded alike by `doplus evaluate` and the training commands' evaluation options (--eval-*).
+ANSWER_TOKENS_HELP = "Greedy tokens per answer."
+TOFU_FOLDER_HELP = "Folder of TOFU JSON-lines files [default: hf:locuslab/TOFU"
+NLI_DEFAULT = "[default: sileod/deberta-v3-base-tasksource-nli]"
+SAFETY_FILES_HELP = "with I-*.json, Q-Harm.json, xstest_prompts.csv [default: download the releases' files]"
+GUARD_DEFAULT = "[default: meta-llama/Meta-Llama-Guard-2-8B if it loads, else the offline refusal judge"
+SELECT_BY_HELP = ("Keep the evaluated step that is best by METRIC as OUT/best/ beside final/: {metrics} (higher is "
+                  "better); METRIC:max or METRIC:min sets the direction [default: keep none]")
+WARMUP_HELP = "Linear warmup, then linear decay to 0 [default: {warmup}]"
+
+
 # Keys in a recipe whose relative paths are looked up next to the recipe file first.
 # Recipe keys whose value may be a local path, read next to the recipe; and the path keys of a `tasks:` entry.
 PATH_KEYS = ("model", "teach", "forget", "retain", "eval_data_dir", "safety", "general", "eval_safety_data_dir")
@@ -91,67 +144,210 @@ class TrainConfig:
 
     description: str = ""
     # Model
-    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    model: str | None = option(
+        None,
+        "Hub id, local model folder or .gguf file [default: embedded SmolLM2-135M-Instruct]",
+        words={"evaluate": "Hub id, model folder (e.g. a run's final/) or .gguf [default: embedded SmolLM2]"},
+        panel=MODEL_DATA)
     teach: str | None = None  # a multitask recipe taught first (cached); its final model is the starting model
-    dtype: str = "auto"  # the load dtype: auto is bfloat16 on CUDA, float32 on CPU
+    dtype: str = option(
+        "auto",
+        DTYPE_HELP + DEFAULT,
+        words={"evaluate": "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16.",
+               "bench optimizer": "Parameter dtype: float32 or bfloat16."},
+        variant={"bench optimizer": {"panel": MEASURE, "choices": ("float32", "bfloat16")}},
+        panel=MODEL_DATA,
+        choices=DTYPES)
     # fp32, bf16-mixed (float32 master weights, bf16 autocast) or bf16 (bf16 weights, compensated updates);
     # auto: bf16-mixed where the model loads in bfloat16 (CUDA), fp32 otherwise (engine/training_precision.py)
-    precision: str = "auto"
-    save_dtype: str = "auto"  # final/'s dtype: auto is float32 under fp32, bfloat16 under bf16-mixed and bf16
-    trust_remote_code: bool = False
-    max_length: int = 256
+    precision: str = option("auto", PRECISION_HELP + DEFAULT, panel=TRAINING, choices=PRECISIONS)
+    save_dtype: str = option("auto", SAVE_DTYPE_HELP + DEFAULT, panel=CHECKPOINTS, choices=SAVE_DTYPES)
+    trust_remote_code: bool = option(
+        False,
+        "Allow the model's own code to run." + DEFAULT,
+        flags="--trust-remote-code/--no-trust-remote-code",
+        words={"evaluate": "Allow the model's own code to run."},
+        variant={"evaluate": {"flags": "--trust-remote-code"}},
+        panel=MODEL_DATA)
+    max_length: int = option(256, "Tokens per example." + DEFAULT, panel=MODEL_DATA)
     # None: the tokenizer's chat template, `question-answer` without one; else a preset (chat, question-answer,
     # phi-tofu, llama2) or a string with {question} (doplus_cli.data.formatting.PROMPT_TEMPLATES)
-    prompt_template: str | None = None
-    max_new_tokens: int = 48
+    prompt_template: str | None = option(
+        None,
+        TEMPLATE_HELP,
+        words={"evaluate": TEMPLATE_HELP.replace("[default: ", "[default: a run's own template; else ")},
+        panel=MODEL_DATA)
+    max_new_tokens: int = option(
+        48,
+        "Tokens generated per answer (targets, sample table)." + DEFAULT,
+        words={"evaluate": ANSWER_TOKENS_HELP},
+        variant={"evaluate": {"min": 1}},
+        panel=EVALUATION)
     # Update scheme and optimizer
-    scheme: str = "doplus"
-    optimizer: str = "adamw"
-    doplus_rule: str = "safeguarded"  # or "paper": DualOptim+'s AdamW rule exactly as the paper writes it
+    scheme: str = option(
+        "doplus",
+        "joint, alternate, dualoptim, doplus, or the paper's federated-learning baselines scaffold, fedcm, "
+        "local-adam." + DEFAULT,
+        panel=METHOD,
+        choices=UPDATE_SCHEMES)
+    optimizer: str = option("adamw", "adamw or muon (doplus)." + DEFAULT, panel=METHOD, choices=OPTIMIZERS)
+    doplus_rule: str = option(
+        "safeguarded",
+        "DualOptim+'s AdamW rule: safeguarded (floor on the denominator, steps at most 10 lr) or paper "
+        "(exactly as published)." + DEFAULT,
+        panel=METHOD,
+        choices=DOPLUS_RULES)
     # the safeguarded rule's floor ρ on its denominator, a fraction of v̂_B + |v̂_k| (0: the clamp alone);
     # chosen by the criterion in docs/optimizers.md, "Choosing the floor"
-    v_floor: float = 0.02
+    v_floor: float = option(
+        0.02,
+        "DualOptim+'s safeguarded rule: the floor rho on its denominator, as a fraction of v_B + |v_k|, in "
+        "[0, 1) (0: the clamp at 10 lr alone)." + DEFAULT,
+        words={"bench optimizer": "With --stability: the safeguarded rule's floors to run, comma-separated, each in "
+                                  "[0, 1) (0: the clamp alone), e.g. 0,0.01,0.02,0.05 [default: the default floor]"},
+        variant={"bench optimizer": {"type": str, "panel": MEASURE}},
+        panel=METHOD)
     # DualOptim+'s base state, the paper's ablations (Tables 10, 11): when it takes the gradient, and what it takes
-    base_update: str = "after-param"  # or before-delta, after-delta
-    base_source: str = "grad"  # or grad-minus-delta
-    state_bits: int = 32
-    betas: tuple[float, float] = (0.9, 0.95)
+    base_update: str = option(
+        "after-param",
+        "DualOptim+'s base state takes the gradient after-param (the rule), before-delta or after-delta "
+        "(the paper's ablation)." + DEFAULT,
+        panel=METHOD,
+        choices=BASE_UPDATES)
+    base_source: str = option(
+        "grad",
+        "DualOptim+'s base state takes grad (the rule) or grad-minus-delta, g minus the delta (the paper's "
+        "ablation)." + DEFAULT,
+        panel=METHOD,
+        choices=BASE_SOURCES)
+    state_bits: int = option(32, "32 or 8 (blockwise 8-bit states)." + DEFAULT, panel=METHOD, choices=STATE_BITS)
+    betas: tuple[float, float] = option((0.9, 0.95), "AdamW betas as B1,B2" + DEFAULT, panel=TRAINING)
     # Training
-    steps: int = 300
-    lr: float = 1e-5
-    batch_size: int = 4
-    grad_accum: int = 1
-    warmup_steps: int | None = None  # None: the command's default (unlearn: the DualOptim+ authors' one epoch)
-    weight_decay: float = 0.01
-    max_grad_norm: float = 1.0
-    seed: int = 0
+    steps: int = option(
+        300,
+        "Optimizer steps." + DEFAULT,
+        words={"bench optimizer": "Timed steps per optimizer (median is reported).",
+               "bench precision": "Steps per run (IDK+GD, DualOptim+)."},
+        variant={"bench optimizer": {"min": 5, "panel": MEASURE},
+                 "bench precision": {"min": 3, "panel": MEASURE}},
+        panel=TRAINING)
+    lr: float = option(
+        1e-5,
+        "Peak learning rate." + DEFAULT,
+        words={"bench precision": "Peak learning rate, decaying linearly to 0."},
+        variant={"bench precision": {"panel": MEASURE}},
+        panel=TRAINING)
+    batch_size: int = option(
+        4,
+        "Examples per device per micro-step." + DEFAULT,
+        words={"evaluate": "Prompts per generation batch; NLL batches hold about 48 tokens per unit."},
+        variant={"evaluate": {"min": 1, "panel": EVALUATION}},
+        panel=TRAINING)
+    grad_accum: int = option(1, "Micro-steps per optimizer step (averaged)." + DEFAULT, panel=TRAINING)
+    # None: the command's default (unlearn: the DualOptim+ authors' one epoch)
+    warmup_steps: int | None = option(None, WARMUP_HELP.format(warmup="a tenth of the steps"), panel=TRAINING)
+    weight_decay: float = option(0.01, "AdamW weight decay." + DEFAULT, panel=TRAINING)
+    max_grad_norm: float = option(1.0, "Gradient clipping (0: off)." + DEFAULT, panel=TRAINING)
+    seed: int = option(
+        0,
+        "Seed for weights' RNG and data order." + DEFAULT,
+        words={"evaluate": "Seed (rejection answers drawn for TFE).",
+               "tune": "Seed of the TPE sampler (each further worker on the study adds its number to it); the runs' "
+                       "own seed is the recipe's (--set seed=N).",
+               "bench optimizer": ""},
+        variant={"evaluate": {"panel": EVALUATION},
+                 "tune": {"panel": SEARCH},
+                 "bench optimizer": {"panel": MEASURE}},
+        panel=TRAINING)
     # Outputs
-    out: str | None = None  # None: runs/COMMAND-YYYYmmdd-HHMMSS
-    overwrite: bool = False
+    out: str | None = option(
+        None,
+        "Output folder [default: runs/{command}-DATE-TIME]",
+        words={"evaluate": "Output folder [default: evals/DATE-TIME]",
+               "bench precision": "Output folder (one run per mode, precision.json).",
+               "bench schemes": "Output folder [default: bench/RECIPE-NAME]",
+               "tune": "The study's folder (DIR): its settings, trials, best.yaml and report [default: "
+                       "tune/RECIPE-NAME]"},
+        panel=OUTPUT)
+    overwrite: bool = option(
+        False,
+        "Replace the run in a non-empty --out folder." + DEFAULT,
+        flags="--overwrite/--no-overwrite",
+        words={"evaluate": "Replace an evaluation already in --out."},
+        variant={"evaluate": {"flags": "--overwrite"}},
+        panel=CHECKPOINTS)
     # LoRA and memory
-    lora_rank: int = 0  # 0: train every weight
-    lora_alpha: float = 16.0
-    lora_targets: tuple[str, ...] | None = None  # module names (q_proj,v_proj); None: peft's default for the model
-    lora_dropout: float = 0.0
-    gradient_checkpointing: bool = False
-    save_adapter_only: bool = False
-    ref_offload: str | None = None  # the reference model (NPO, DPO, KL): "cpu" keeps it there, "8bit" LLM.int8
-    fsdp: bool = False  # full shard (FSDP2) across processes: weights, gradients and optimizer states
+    lora_rank: int = option(0, "Train LoRA adapters of rank R (peft) [default: {default}, every weight]", panel=METHOD)
+    lora_alpha: float = option(16.0, "LoRA alpha." + DEFAULT, panel=METHOD)
+    # module names (q_proj,v_proj); None: peft's default for the model
+    lora_targets: tuple[str, ...] | None = option(
+        None,
+        "Modules to adapt, comma-separated [default: peft's for the architecture]",
+        panel=METHOD)
+    lora_dropout: float = option(0.0, "LoRA dropout." + DEFAULT, panel=METHOD)
+    gradient_checkpointing: bool = option(
+        False,
+        "Recompute activations in backward (less memory)." + DEFAULT,
+        flags="--gradient-checkpointing/--no-gradient-checkpointing",
+        panel=TRAINING)
+    save_adapter_only: bool = option(
+        False,
+        "final/ holds the LoRA adapter only [default: merged model]",
+        flags="--save-adapter-only/--save-merged",
+        panel=CHECKPOINTS)
+    ref_offload: str | None = option(
+        None,
+        "cpu: keep the reference model (NPO, DPO, KL) on the CPU; 8bit: load it with LLM.int8 weights (bitsandbytes) "
+        "on the device [default: a full copy on the device; its shards under FSDP]",
+        panel=TRAINING)
+    fsdp: bool = option(
+        False,
+        "Shard weights, gradients and optimizer states across processes (FSDP2).",
+        flags="--fsdp/--no-fsdp",
+        words={"bench schemes": "Run every run with FSDP2 (with --num-processes)."},
+        variant={"bench schemes": {"flags": "--fsdp"}},
+        panel=DISTRIBUTED)
     # Checkpoints and resume
-    save_every: int = 0  # 0: no checkpoints
-    keep_last: int | None = None  # None: keep every checkpoint
-    resume: str | None = None  # "latest" or a checkpoint folder
-    accept_changed: tuple[str, ...] | None = None  # data, model, software (or all): resume on changed inputs
-    accept_unverified: bool = False  # resume from a checkpoint without a manifest (doplus 0.1 and 0.2 wrote none)
+    save_every: int = option(0, "Write checkpoints/step-N/ every N steps [default: never]", panel=CHECKPOINTS)
+    keep_last: int | None = option(
+        None,
+        "Keep the newest K checkpoints (K >= 1) [default: all]",
+        min=1,
+        panel=CHECKPOINTS)
+    resume: str | None = option(
+        None,
+        "Continue the run in --out: `--resume` alone takes its latest checkpoint, `--resume PATH` the checkpoint "
+        "folder given.",
+        words={"evaluate": "Continue an interrupted evaluation in --out: the suites it finished are kept, the "
+                           "others run."},
+        variant={"evaluate": {"type": bool}},
+        panel=CHECKPOINTS)
+    accept_changed: tuple[str, ...] | None = option(
+        None,
+        "With --resume: go on although these inputs changed since the run started: data, model, software "
+        "(comma-separated, or all). Without it such a resumption is refused, naming what changed.",
+        panel=CHECKPOINTS)
+    accept_unverified: bool = option(
+        False,
+        "With --resume: go on from a checkpoint that has no manifest.json (doplus 0.1 and 0.2 wrote none), whose "
+        "files therefore cannot be checked. Without it such a checkpoint is refused.",
+        panel=CHECKPOINTS)
     # Evaluation during training, at every N-th step and at the end
-    eval_every: int = 0  # 0: never
+    eval_every: int = option(
+        0,
+        "Evaluate every N steps (and at the end) into OUT/evals/step-N/ [default: never]",
+        panel=EVALUATION)
     # Keep the evaluated step that is best by this metric as OUT/best/ (unlearn: MU, UFE, TFE, OVR; multitask: a
     # task's name or average); METRIC:max or METRIC:min names the direction, else the metric's own
-    select_by: str | None = None
+    select_by: str | None = option(None, SELECT_BY_HELP.format(metrics="MU, UFE, TFE or OVR"), panel=EVALUATION)
     # The paper's Figure 2 diagnostic: cosine of the objectives' latest updates and gradients, in metrics.jsonl
-    log_update_similarity: bool = False  # recorded in metrics.jsonl: update_cosine, grad_cosine
+    log_update_similarity: bool = option(
+        False,
+        SIMILARITY_HELP,
+        words={"bench schemes": "Record update_cosine/grad_cosine in every run and compare them."},
+        panel=OUTPUT)
     # Experiment trackers through accelerate (engine/tracking.py): none, or tensorboard, wandb, mlflow, trackio, all
-    report_to: tuple[str, ...] = ("none",)
+    report_to: tuple[str, ...] = option(("none",), REPORT_TO_HELP, panel=OUTPUT, choices=TRACKERS, many=True)
     tracker_project: str | None = None  # None: doplus-COMMAND (W&B and trackio project, MLflow experiment)
     tracker_run_name: str | None = None  # None: the --out folder's name
     tracker_group: str | None = None  # W&B and trackio group, an MLflow tag (bench schemes: scheme and sweep value)
@@ -221,51 +417,104 @@ class TrainConfig:
 class UnlearnConfig(TrainConfig):
     """Every option of `doplus unlearn`. Field names are the recipe keys; `--forget-lr` is `forget_lr`."""
 
+    # TrainConfig's options as unlearn words them
+    option_words: ClassVar[dict[str, str]] = {"warmup_steps": WARMUP_HELP.format(
+        warmup="one epoch of the F_f:F_r cycle as the DualOptim+ authors count it: ceil(forget rows / effective "
+               "batch) x (F_f + F_r) / F_f steps (counted on the retain rows when the retain side runs out first; "
+               "Joint: ceil(forget rows / effective batch)), at most --steps; none when that is 1")}
+
     # Data
-    forget: str | None = None
-    retain: str | None = None  # a file, hf:..., or "tofu-authors": the authors' retain set for the forget file
+    forget: str | None = option(None, "Forget set: FILE.jsonl or hf:NAME[:CONFIG][@SPLIT].", panel=MODEL_DATA)
+    retain: str | None = option(
+        None,
+        "Retain set: FILE.jsonl, hf:NAME[:CONFIG][@SPLIT], or tofu-authors (the DualOptim+ authors' retain set for "
+        "--forget's file and task).",
+        panel=MODEL_DATA)
     # Files whose rows carry task_id (the DualOptim+ authors' TOFU files): the forget task to unlearn; None: task 1
-    task_id: int | None = None
-    task_ids: tuple[int, ...] | None = None  # with continual: the tasks in the order they are unlearned
-    continual: bool = False  # each task starts from the previous task's final model (data/tofu.py)
-    question_key: str = "question"
-    answer_key: str = "answer"
-    answers_from_model: bool = False  # targets are the starting model's own greedy answers (real-world setting)
+    task_id: int | None = option(
+        None,
+        "Forget files whose rows carry task_id (the authors' TOFU files): the task to unlearn [default: 1]",
+        panel=MODEL_DATA)
+    task_ids: tuple[int, ...] | None = option(None, "With --continual: the tasks, in order (1,2,3).", panel=MODEL_DATA)
+    continual: bool = option(
+        False,
+        "Unlearn --task-ids one after another, each from the previous task's final model." + DEFAULT,
+        flags="--continual/--no-continual",
+        panel=MODEL_DATA)
+    question_key: str = option("question", "Question field." + DEFAULT, panel=MODEL_DATA)
+    answer_key: str = option("answer", "Answer field." + DEFAULT, panel=MODEL_DATA)
+    answers_from_model: bool = option(
+        False,
+        "Use the starting model's own greedy answers as targets (real-world setting)." + DEFAULT,
+        flags="--answers-from-model/--no-answers-from-model",
+        panel=MODEL_DATA)
     # Sets of text rows cut into windows of this many tokens, joined first (MUSE trains on 2048; data/muse.py);
     # None: each text row is one example, cut at max_length
-    text_window: int | None = None
+    text_window: int | None = option(
+        None,
+        "Join the text rows of the forget and retain sets and cut them into windows of N tokens, as MUSE trains "
+        "(N=2048, with --max-length 2048) [default: each text row is one example]",
+        panel=MODEL_DATA)
     # Losses
-    loss: str = "NPO+GD"
-    beta: float = 0.1
-    forget_coeff: float = 1.0
-    retain_coeff: float = 1.0
+    loss: str = option(
+        "NPO+GD",
+        "FORGET[+RETAIN]: FORGET in GA, NPO, DPO, ME, IDK, SimNPO, RMU, UNDIAL, WGA, SatImp, CE-U; RETAIN "
+        "in GD, KL, AP, EMBED (RMU's activation term)." + DEFAULT,
+        panel=METHOD)
+    beta: float = option(0.1, "Temperature of NPO, DPO and AP." + DEFAULT, panel=METHOD)
+    forget_coeff: float = option(1.0, "Weight of the forget loss." + DEFAULT, panel=METHOD)
+    retain_coeff: float = option(1.0, "Weight of the retain loss." + DEFAULT, panel=METHOD)
     # The hyper-parameters of SimNPO, UNDIAL, WGA, SatImp and RMU/EMBED; defaults and sources: losses.LossParams
-    simnpo_beta: float = LossParams.simnpo_beta
-    simnpo_gamma: float = LossParams.simnpo_gamma
-    undial_beta: float = LossParams.undial_beta
-    wga_beta: float = LossParams.wga_beta
-    satimp_beta1: float = LossParams.satimp_beta1
-    satimp_beta2: float = LossParams.satimp_beta2
-    rmu_layer: int | None = LossParams.rmu_layer  # None: 7, or 7/32 of the depth of a model with fewer layers
-    rmu_coeff: float = LossParams.rmu_coeff
-    rmu_update_layers: tuple[int, ...] | None = LossParams.rmu_update_layers  # 5,6,7; None: rmu_layer-2 .. rmu_layer
-    rmu_modules: tuple[str, ...] | None = LossParams.rmu_modules  # mlp.down_proj; None: the MLP's output projection
+    simnpo_beta: float = option(LossParams.simnpo_beta, "SimNPO's beta." + DEFAULT, panel=METHOD)
+    simnpo_gamma: float = option(LossParams.simnpo_gamma, "SimNPO's reward margin gamma." + DEFAULT, panel=METHOD)
+    undial_beta: float = option(
+        LossParams.undial_beta,
+        "UNDIAL's reduction of the true token's reference logit." + DEFAULT,
+        panel=METHOD)
+    wga_beta: float = option(LossParams.wga_beta, "WGA's exponent on p_t." + DEFAULT, panel=METHOD)
+    satimp_beta1: float = option(LossParams.satimp_beta1, "SatImp's exponent on p_t." + DEFAULT, panel=METHOD)
+    satimp_beta2: float = option(LossParams.satimp_beta2, "SatImp's exponent on 1 - p_t." + DEFAULT, panel=METHOD)
+    rmu_layer: int | None = option(
+        LossParams.rmu_layer,
+        "RMU/EMBED: the decoder layer whose output is steered or held [default: 7; 7/32 of the depth of a model with "
+        "7 layers or fewer]",
+        panel=METHOD)
+    rmu_coeff: float = option(LossParams.rmu_coeff, "RMU's steering coefficient c." + DEFAULT, panel=METHOD)
+    rmu_update_layers: tuple[int, ...] | None = option(
+        LossParams.rmu_update_layers,
+        "RMU: layers whose modules train, e.g. 5,6,7 [default: the RMU layer and the two before it]",
+        panel=METHOD)
+    rmu_modules: tuple[str, ...] | None = option(
+        LossParams.rmu_modules,
+        "RMU: the modules of those layers that train, e.g. mlp.down_proj [default: the MLP's output projection]",
+        panel=METHOD)
     # The forget-first F_f:F_r cycle
-    forget_freq: int = 1
-    retain_freq: int = 5
-    forget_lr: float | None = None
-    show_samples: int = 3
+    forget_freq: int = option(1, "F_f: forget steps per cycle." + DEFAULT, panel=METHOD)
+    retain_freq: int = option(5, "F_r: retain steps per cycle." + DEFAULT, panel=METHOD)
+    forget_lr: float | None = option(None, "Learning rate of forget steps [default: --lr]", panel=TRAINING)
+    show_samples: int = option(3, "Questions per set shown before/after (0: none)." + DEFAULT, panel=EVALUATION)
     # `doplus evaluate`'s suites during training (into OUT/evals/step-N/)
-    eval_suite: str = "tofu"
-    eval_split: str = "forget10"
-    eval_data_dir: str | None = None  # None: hf:locuslab/TOFU
-    eval_max_samples: int | None = None
-    eval_max_new_tokens: int = 64
-    eval_nli_model: str | None = None
-    eval_embedding_model: str | None = None
-    eval_protocol: str = "doplus"  # or "paper": the DualOptim+ authors' judges and generation budget
-    eval_batch_size: int | None = None  # prompts per batch of the evaluation during training; None: max(batch_size, 8)
-    eval_attacks: tuple[str, ...] | None = None  # `doplus evaluate --attacks` for the last evaluation
+    eval_suite: str = option("tofu", "Suite run during training." + DEFAULT, panel=EVALUATION)
+    eval_split: str = option("forget10", "TOFU forget split." + DEFAULT, panel=EVALUATION)
+    eval_data_dir: str | None = option(None, TOFU_FOLDER_HELP + "]", panel=EVALUATION)
+    eval_max_samples: int | None = option(None, "Questions per set [default: all]", panel=EVALUATION)
+    eval_max_new_tokens: int = option(64, ANSWER_TOKENS_HELP + DEFAULT, panel=EVALUATION)
+    eval_nli_model: str | None = option(None, "NLI model " + NLI_DEFAULT, panel=EVALUATION)
+    eval_embedding_model: str | None = option(None, "Embedding model [default: the protocol's]", panel=EVALUATION)
+    # or "paper": the DualOptim+ authors' judges and generation budget
+    eval_protocol: str = option("doplus", PROTOCOL_HELP + DEFAULT, panel=EVALUATION, choices=PROTOCOL_NAMES)
+    # prompts per batch of the evaluation during training; None: max(batch_size, 8)
+    eval_batch_size: int | None = option(
+        None,
+        "Prompts per batch of the evaluation during training [default: the larger of --batch-size and 8]",
+        panel=EVALUATION)
+    # `doplus evaluate --attacks` for the last evaluation
+    eval_attacks: tuple[str, ...] | None = option(
+        None,
+        "The last evaluation (--eval-every) also runs on attacked copies of the final weights: relearn, "
+        "relearn-lora, quant-8bit, quant-4bit, quant-fp4, probe, white-box (logit-lens, linear-probe, embedding, "
+        "orthogonalize, prune) or all, comma-separated (docs/attacks.md) [default: none]",
+        panel=EVALUATION)
 
     @property
     def forget_loss(self) -> str:
@@ -296,12 +545,28 @@ AVERAGE = "average"  # the mean of the tasks' scores, reported beside each task'
 class MultitaskConfig(TrainConfig):
     """Every option of `doplus multitask`: the options of every training command plus the tasks."""
 
+    # The options multitask shares with every training command, in its own words
+    option_words: ClassVar[dict[str, str]] = {
+        "recipe": "YAML recipe (a tasks: list); flags override it.",
+        "max_new_tokens": "Greedy tokens per evaluated answer." + DEFAULT,
+        "eval_every": "Score every task every N steps (and at the end) [default: never]",
+        "select_by": SELECT_BY_HELP.format(metrics="a task's name or average"),
+    }
+
     tasks: list[dict[str, Any]] = field(default_factory=list)  # TASK_DEFAULTS keys, one dict per task
-    freq: tuple[int, ...] | None = None  # F1,F2,...: each task's frequency in order (overrides the tasks' own)
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    eval_rows: int = 200  # rows kept out of training for a task without an eval file (0: not evaluated)
-    eval_batch_size: int = 16  # prompts per greedy generation batch
+    # F1,F2,...: each task's frequency in order (overrides the tasks' own)
+    freq: tuple[int, ...] | None = option(
+        None,
+        "Each task's steps per cycle, in order: 1,2,1 [default: each task's freq, 1]",
+        panel=METHOD)
+    prompt_key: str = option("prompt", "Prompt field." + DEFAULT, panel=MODEL_DATA)
+    answer_key: str = option("answer", "Answer field." + DEFAULT, panel=MODEL_DATA)
+    eval_rows: int = option(
+        200,
+        "Rows kept out of training for evaluation, per task without an eval file (0: none)." + DEFAULT,
+        panel=EVALUATION)
+    # prompts per greedy generation batch
+    eval_batch_size: int = option(16, "Prompts per generation batch." + DEFAULT, panel=EVALUATION)
 
     def check(self) -> None:
         super().check()
@@ -315,23 +580,63 @@ ALIGN_EVAL_SUITES = ("safety", "xstest")  # `doplus evaluate`'s suites an align 
 class AlignConfig(TrainConfig):
     """Every option of `doplus align`: the options of every training command plus the safety and general sets."""
 
-    safety: str | None = None  # harmful instructions with the safe response to learn
-    general: str | None = None  # benign instructions with their responses (the utility to keep)
-    instruction_key: str = "instruction"
-    input_key: str = "input"  # optional per row; when not empty it follows the instruction after a blank line
-    output_key: str = "output"
-    freq: str = "1:10"  # F_s:F_g: safety steps, then general steps, per cycle (the paper's F_f:F_r = 1:10)
-    epochs: float | None = None  # instead of steps: passes over the general set (commands/align.py, epoch_steps)
-    held_out: int = 4  # each set's last rows, kept out of training and answered before and after (0: none)
-    eval_batch_size: int = 16  # prompts per greedy generation batch (held-out rows, the evaluation suite)
+    # The options align shares with every training command, in its own words
+    option_words: ClassVar[dict[str, str]] = {
+        "max_new_tokens": "Greedy tokens per held-out response." + DEFAULT,
+        "scheme": "joint (batches from the mixture of both sets), alternate, dualoptim, doplus, scaffold, fedcm or "
+                  "local-adam." + DEFAULT,
+        "steps": "Optimizer steps (or --epochs)." + DEFAULT,
+        "warmup_steps": WARMUP_HELP.format(warmup="the first epoch with --epochs, else a tenth of the steps"),
+    }
+
+    safety: str | None = option(
+        None,
+        "Harmful instructions with the safe response to learn: " + SOURCE_HELP,
+        panel=MODEL_DATA)
+    general: str | None = option(
+        None,
+        "Benign instructions with their responses (Alpaca): " + SOURCE_HELP,
+        panel=MODEL_DATA)
+    instruction_key: str = option("instruction", "Instruction field." + DEFAULT, panel=MODEL_DATA)
+    input_key: str = option(
+        "input",
+        "Optional input field, after the instruction and a blank line when not empty." + DEFAULT,
+        panel=MODEL_DATA)
+    output_key: str = option("output", "Response field." + DEFAULT, panel=MODEL_DATA)
+    freq: str = option("1:10", "F_s:F_g, safety steps then general steps per cycle." + DEFAULT, panel=METHOD)
+    epochs: float | None = option(
+        None,
+        "Passes over the general set, instead of --steps (warmup: the first epoch).",
+        panel=TRAINING)
+    held_out: int = option(
+        4,
+        "Each set's last N rows, kept out of training and answered before and after (0: none)." + DEFAULT,
+        panel=EVALUATION)
+    # prompts per greedy generation batch (held-out rows, the evaluation suite)
+    eval_batch_size: int = option(16, "Prompts per generation batch." + DEFAULT, panel=EVALUATION)
     # `doplus evaluate`'s safety suites on final/ after training, into OUT/eval/
-    eval_suite: tuple[str, ...] | None = None  # safety, xstest or both
-    eval_max_samples: int | None = None  # the first N prompts of each set
-    eval_max_new_tokens: int = 64
-    eval_guard_model: str | None = None  # None: Llama-Guard-2-8B when it loads, else the refusal judge; "none"
-    eval_refusal_model: str | None = None  # a chat model labelling refusals (XSTest's protocol); None: offline judge
-    eval_safety_data_dir: str | None = None  # None: the releases' files, downloaded once
-    eval_attacks: tuple[str, ...] | None = None  # the safety suite on final/ also under these attacks
+    eval_suite: tuple[str, ...] | None = option(
+        None,
+        "After training, `doplus evaluate` final/ into OUT/eval/: safety, xstest or safety,xstest [default: none]",
+        panel=EVALUATION)
+    eval_max_samples: int | None = option(None, "The first N prompts of each set [default: all]", panel=EVALUATION)
+    eval_max_new_tokens: int = option(64, ANSWER_TOKENS_HELP + DEFAULT, panel=EVALUATION)
+    # None: Llama-Guard-2-8B when it loads, else the refusal judge; "none"
+    eval_guard_model: str | None = option(
+        None,
+        "A Llama Guard-protocol model, or none " + GUARD_DEFAULT + "]",
+        panel=EVALUATION)
+    eval_refusal_model: str | None = option(
+        None,
+        "A chat model labelling refusals by XSTest's protocol [default: the offline refusal judge]",
+        panel=EVALUATION)
+    # None: the releases' files, downloaded once
+    eval_safety_data_dir: str | None = option(None, "Folder " + SAFETY_FILES_HELP, panel=EVALUATION)
+    eval_attacks: tuple[str, ...] | None = option(
+        None,
+        "The safety suite on final/ (--eval-suite) also runs on attacked copies: quant-8bit, quant-4bit, quant-fp4, "
+        "probe-prefix, comma-separated (docs/attacks.md) [default: none]",
+        panel=EVALUATION)
 
     def check(self) -> None:
         super().check()
@@ -756,17 +1061,10 @@ def _choice(name: str, value: Any, choices: tuple) -> None:
         raise UserError(f"unknown {name} {shown(str(value))}: choose one of {', '.join(map(str, choices))}")
 
 
-REF_OFFLOADS = (None, "cpu", "8bit")
-DOPLUS_RULES = ("safeguarded", "paper")
-BASE_UPDATES = ("after-param", "before-delta", "after-delta")  # optim.dualoptim_plus.BASE_UPDATES
-BASE_SOURCES = ("grad", "grad-minus-delta")  # optim.dualoptim_plus.BASE_SOURCES
 # Their base update or merge runs once per period: 32-bit states. engine/optimizers.py's FL_OPTIMIZERS is declared
 # over these names.
 FL_SCHEMES = ("scaffold", "fedcm", "local-adam")
 
-# `--eval-protocol` / `doplus evaluate --protocol`: the protocols' settings are evaluation/protocol.py's PROTOCOLS,
-# a registry declared over these names
-PROTOCOL_NAMES = ("doplus", "paper")
 
 
 def check_protocol(name: str) -> str:
@@ -776,8 +1074,6 @@ def check_protocol(name: str) -> str:
     return name
 
 
-# `--report-to`: the trackers engine/tracking.py hands to accelerate; each one's module and PyPI package share its name
-TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
 
 
 def _tracker_installed(name: str) -> bool:

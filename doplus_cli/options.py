@@ -1,15 +1,18 @@
-"""The options of the commands that take a recipe (`doplus unlearn`, `multitask`, `align`, `evaluate`) and of the
-benches (`doplus bench optimizer`, `bench precision`, `bench schemes`), each declared once; `bench optimizer` and
-`bench precision` take a recipe of their options through `with_recipe`, as `evaluate` does.
+"""The options of every command: the CLI's signatures, --help, recipe values and the model card's command line are
+built here from their declarations.
 
-Every option is one `Option` in `OPTIONS`: its flags, the type of its value and its help text. Where the commands
-word or declare an option differently, the difference is data in that one entry (`words`: a command's own help;
-`variant`: a command's own flags, type or range), not a second declaration. A help text shows a training command's
-default as `{default}`, read from that command's config class (`COMMAND_CONFIGS`; config.py holds every default),
-and names the command as `{command}`. The flag's own default is None, "not given", so a recipe's value stands
-unless a flag replaces it. `doplus evaluate`'s defaults are EvalConfig's (evaluation/, a layer above), the
-benches' those their code runs with: cli.py hands them to `takes`, click shows them, and `with_recipe` asks click's
-parameter source which options the command line gave.
+An option is declared once. A training command's options are the fields of its config class declared with
+`option.option(...)` (config.py, and each command's own config class): the field holds its default, its help, its
+panel and its choices, so adding an option shared by every training command is one field of TrainConfig. A
+command's config class words a shared option its own way in `option_words` (align's --steps says "or --epochs").
+`doplus evaluate`'s options and the benches' (which set no training field) are declared in `OPTIONS` below, with
+the same `Option`; where they share a training field's option (a bench's --steps, evaluate's --model), the
+difference is data on that one declaration (`words`: a command's own help; `variant`: its own flags, type or
+range). A help text shows a training command's default as `{default}`, read from that command's config class
+(`COMMAND_CONFIGS`), and names the command as `{command}`. The flag's own default is None, "not given", so a
+recipe's value stands unless a flag replaces it. `doplus evaluate`'s defaults are EvalConfig's (evaluation/, a layer
+above), the benches' those their code runs with: cli.py hands them to `takes`, click shows them, and `with_recipe`
+asks click's parameter source which options the command line gave.
 
 `COMMAND_OPTIONS` lists each command's options by name, in the order of its help: `takes` makes them the signature
 of the command's function in cli.py (`option_type` builds each one's typer type for that command), and the model
@@ -22,7 +25,6 @@ import dataclasses
 import inspect
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import typer
@@ -30,80 +32,55 @@ from rich import markup
 
 from doplus_cli import errors
 from doplus_cli.config import (
-    BASE_SOURCES,
-    BASE_UPDATES,
-    DOPLUS_RULES,
-    DTYPES,
-    OPTIMIZERS,
-    PRECISIONS,
+    GUARD_DEFAULT,
+    NLI_DEFAULT,
+    PROTOCOL_HELP,
     PROTOCOL_NAMES,
-    SAVE_DTYPES,
+    SAFETY_FILES_HELP,
     SCHEMES,
-    STATE_BITS,
-    TRACKERS,
-    UPDATE_SCHEMES,
+    TOFU_FOLDER_HELP,
     TrainConfig,
     default_of,
     recipe_options,
 )
-from doplus_cli.data.formatting import TEMPLATE_HELP
 from doplus_cli.errors import UserError
+from doplus_cli.option import (
+    COMPARE,
+    DISTRIBUTED,
+    EVALUATION,
+    MEASURE,
+    MODEL_DATA,
+    OUTPUT,
+    PANELS,
+    RUNS,
+    SEARCH,
+    Option,
+    field_options,
+)
 from doplus_cli.registry import Registry
 
-# The config class each training command reads its options' defaults from, as the command declares it when it is
-# registered (`declare`, called by commands/base.py's `register`: the command modules are a layer above).
+# The config class each training command reads its options' defaults from, and the options its fields declare
+# (their help in the command's own words), as the command declares them when it is registered (`declare`, called
+# by commands/base.py's `register`: the command modules are a layer above).
 COMMAND_CONFIGS: dict[str, type[TrainConfig]] = {}
-# A help text's place for the config field's default, and for the command's name.
-DEFAULT = " [default: {default}]"
-
-# The titled panels of --help, in the order a command shows those it has: what the run works on, what it compares or
-# searches, how it trains, how it is scored, and then where its files go.
-MODEL_DATA, COMPARE, MEASURE, SEARCH = "Model and data", "What to compare", "What to measure", "Tuning"
-METHOD, TRAINING, EVALUATION = "Method and scheme", "Training", "Evaluation"
-RUNS, CHECKPOINTS, DISTRIBUTED = "The bench's runs", "Checkpoints and resume", "Distributed"
-OUTPUT = "Logging and output"
-PANELS = (MODEL_DATA, COMPARE, MEASURE, SEARCH, METHOD, TRAINING, EVALUATION, RUNS, CHECKPOINTS, DISTRIBUTED, OUTPUT)
+COMMAND_FIELDS: dict[str, dict[str, Option]] = {}
 
 
-@dataclass(frozen=True)
-class Option:
-    """One option of the commands that take a recipe. `flags` is click's declaration (`--lr`, `--fsdp/--no-fsdp`;
-    an argument's parameter name), and its first flag names the option: the config field it sets (`--forget-lr`:
-    `forget_lr`). `help` may hold `{default}` (the command's config default) and `{command}` (the command's name).
-    `words` maps a command to its own help text; `variant` maps a command to its own `flags`, `type`, `min`,
-    `panel` (the titled group of --help the option is shown in, one of PANELS) or `choices`."""
+def option_of(name: str, command: str) -> Option:
+    """Option `name` as `command` declares it: its config class's field, else the table's."""
+    own = COMMAND_FIELDS.get(command, {})
+    return own[name] if name in own else OPTIONS[name]
 
-    flags: str
-    type: Any
-    help: str
-    min: float | None = None
-    argument: bool = False
-    words: Mapping[str, str] = field(default_factory=dict)
-    variant: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    panel: str = OUTPUT
-    # A closed set of values, shown in --help in place of the type ([a|b|c]); `many`: a comma-separated list of
-    # them. The commands check the values themselves, with their own one-line errors.
-    choices: tuple[Any, ...] = ()
-    many: bool = False
 
-    @property
-    def name(self) -> str:
-        return self.flags.split("/")[0].removeprefix("--").replace("-", "_")
-
-    def settings_for(self, command: str) -> dict[str, Any]:
-        """`flags`, `type`, `min`, `panel` and `choices` as `command` declares them."""
-        return {"flags": self.flags, "type": self.type, "min": self.min, "panel": self.panel,
-                "choices": self.choices, **self.variant.get(command, {})}
-
-    def help_for(self, command: str, names: Mapping[str, str] | None = None) -> str:
-        """The help text `command` shows: its own words or the shared ones, its default and its name filled in, and
-        each `{key}` of `names` (lists a layer above hands in, such as evaluate's `{suites}`)."""
-        text = self.words.get(command, self.help).replace("{command}", command)
-        for key, listed in (names or {}).items():
-            text = text.replace("{" + key + "}", listed)
-        if "{default}" in text:
-            text = text.replace("{default}", shown(default_of(self.name, COMMAND_CONFIGS[command])))
-        return text
+def help_for(option: Option, command: str, names: Mapping[str, str] | None = None) -> str:
+    """The help text `command` shows for `option`: its own words or the shared ones, its default and its name filled
+    in, and each `{key}` of `names` (lists a layer above hands in, such as evaluate's `{suites}`)."""
+    text = option.words.get(command, option.help).replace("{command}", command)
+    for key, listed in (names or {}).items():
+        text = text.replace("{" + key + "}", listed)
+    if "{default}" in text:
+        text = text.replace("{default}", shown(default_of(option.name, COMMAND_CONFIGS[command])))
+    return text
 
 
 def shown(value: Any) -> str:
@@ -111,156 +88,19 @@ def shown(value: Any) -> str:
     return ",".join(str(item) for item in value) if isinstance(value, tuple) else str(value)
 
 
-REPORT_TO_HELP = ("Experiment trackers through accelerate: none, or one or more of tensorboard, wandb, mlflow, "
-                  "trackio, all (comma-separated; files under OUT/trackers/, W&B offline unless WANDB_MODE says "
-                  "otherwise)" + DEFAULT)
-SIMILARITY_HELP = ("Record in metrics.jsonl the cosine similarity of the objectives' latest updates and gradients "
-                   "(update_cosine, grad_cosine; the paper's Figure 2). Costs a copy of the weights per objective.")
-PROTOCOL_HELP = ("Judges, generation budget and lm-eval metrics: doplus (all-MiniLM-L6-v2, --max-new-tokens new "
-                 "tokens, Token Entropy over the generated ids) or paper (the DualOptim+ code: "
-                 "paraphrase-MiniLM-L6-v2, 200 tokens in total, Token Entropy over the re-tokenised text, TOFU sets "
-                 "cut to 300 rows, lm-eval with the BOS token, TruthfulQA mc1, TriviaQA remove_whitespace, GSM8K "
-                 "flexible-extract).")
-PRECISION_HELP = ("Training precision: fp32 (float32 weights and compute), bf16-mixed (float32 master weights and "
-                  "optimizer states, bf16 autocast compute) or bf16 (bf16 weights with a compensated update in every "
-                  "optimizer); auto: bf16-mixed where the model loads in bf16 (CUDA), fp32 otherwise.")
-SAVE_DTYPE_HELP = "final/'s dtype: float32 or bfloat16; auto: float32 under fp32, bfloat16 under the bf16 precisions."
-DTYPE_HELP = ("Load dtype (the reference model of NPO/DPO/KL, LoRA's frozen base under bf16-mixed): auto (bf16 on "
-              "CUDA, fp32 on CPU), float32, bfloat16.")
-SOURCE_HELP = "FILE.jsonl, FILE.json (one JSON array) or hf:NAME[:CONFIG][@SPLIT]; FILE[START:STOP] takes those rows."
-# Worded alike by `doplus evaluate` and the training commands' evaluation options (--eval-*).
-ANSWER_TOKENS_HELP = "Greedy tokens per answer."
-TOFU_FOLDER_HELP = "Folder of TOFU JSON-lines files [default: hf:locuslab/TOFU"
-NLI_DEFAULT = "[default: sileod/deberta-v3-base-tasksource-nli]"
-SAFETY_FILES_HELP = "with I-*.json, Q-Harm.json, xstest_prompts.csv [default: download the releases' files]"
-GUARD_DEFAULT = "[default: meta-llama/Meta-Llama-Guard-2-8B if it loads, else the offline refusal judge"
-SELECT_BY_HELP = ("Keep the evaluated step that is best by METRIC as OUT/best/ beside final/: {metrics} (higher is "
-                  "better); METRIC:max or METRIC:min sets the direction [default: keep none]")
-WARMUP_HELP = "Linear warmup, then linear decay to 0 [default: {warmup}]"
-
-OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) for option in (
+# The options no training field declares, and TrainConfig's fields' (which the benches and evaluate share by name).
+TABLE: tuple[Option, ...] = (
     # --- Every command -----------------------------------------------------------------------------------------
     Option("--recipe", str, "YAML recipe; flags given here override its values.",
-           words={"multitask": "YAML recipe (a tasks: list); flags override it.",
-                  "bench schemes": "An unlearn recipe (with eval_suite), a multitask recipe (a tasks: list with "
+           words={"bench schemes": "An unlearn recipe (with eval_suite), a multitask recipe (a tasks: list with "
                                    "held-out rows) or an align recipe (safety: ...).",
                   "tune": "The recipe every trial runs (an unlearn recipe with eval_suite, a multitask or an align "
                           "recipe), with the trial's values over it."},
            variant={"bench optimizer": {"panel": MEASURE}}, panel=MODEL_DATA),
-    Option("--model", str, "Hub id, local model folder or .gguf file [default: embedded SmolLM2-135M-Instruct]",
-           words={"evaluate": "Hub id, model folder (e.g. a run's final/) or .gguf [default: embedded SmolLM2]"},
-           panel=MODEL_DATA),
-    Option("--dtype", str, DTYPE_HELP + DEFAULT,
-           words={"evaluate": "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16.",
-                  "bench optimizer": "Parameter dtype: float32 or bfloat16."},
-           variant={"bench optimizer": {"panel": MEASURE, "choices": ("float32", "bfloat16")}}, panel=MODEL_DATA,
-           choices=DTYPES),
-    Option("--trust-remote-code/--no-trust-remote-code", bool, "Allow the model's own code to run." + DEFAULT,
-           words={"evaluate": "Allow the model's own code to run."},
-           variant={"evaluate": {"flags": "--trust-remote-code"}}, panel=MODEL_DATA),
-    Option("--prompt-template", str, TEMPLATE_HELP,
-           words={"evaluate": TEMPLATE_HELP.replace("[default: ", "[default: a run's own template; else ")},
-           panel=MODEL_DATA),
-    Option("--max-new-tokens", int, "Tokens generated per answer (targets, sample table)." + DEFAULT,
-           words={"multitask": "Greedy tokens per evaluated answer." + DEFAULT,
-                  "align": "Greedy tokens per held-out response." + DEFAULT, "evaluate": ANSWER_TOKENS_HELP},
-           variant={"evaluate": {"min": 1}}, panel=EVALUATION),
-    Option("--batch-size", int, "Examples per device per micro-step." + DEFAULT,
-           words={"evaluate": "Prompts per generation batch; NLL batches hold about 48 tokens per unit."},
-           variant={"evaluate": {"min": 1, "panel": EVALUATION}}, panel=TRAINING),
-    Option("--seed", int, "Seed for weights' RNG and data order." + DEFAULT,
-           words={"evaluate": "Seed (rejection answers drawn for TFE).",
-                  "tune": "Seed of the TPE sampler (each further worker on the study adds its number to it); the "
-                          "runs' own seed is the recipe's (--set seed=N).",
-                  "bench optimizer": ""},  # its row shows the default alone
-           variant={"evaluate": {"panel": EVALUATION}, "tune": {"panel": SEARCH},
-                    "bench optimizer": {"panel": MEASURE}}, panel=TRAINING),
-    Option("--out", str, "Output folder [default: runs/{command}-DATE-TIME]",
-           words={"evaluate": "Output folder [default: evals/DATE-TIME]",
-                  "bench precision": "Output folder (one run per mode, precision.json).",
-                  "bench schemes": "Output folder [default: bench/RECIPE-NAME]",
-                  "tune": "The study's folder (DIR): its settings, trials, best.yaml and report [default: "
-                          "tune/RECIPE-NAME]"}, panel=OUTPUT),
-    Option("--overwrite/--no-overwrite", bool, "Replace the run in a non-empty --out folder." + DEFAULT,
-           words={"evaluate": "Replace an evaluation already in --out."},
-           variant={"evaluate": {"flags": "--overwrite"}}, panel=CHECKPOINTS),
-    Option("--resume", str, "Continue the run in --out: `--resume` alone takes its latest checkpoint, `--resume "
-           "PATH` the checkpoint folder given.",
-           words={"evaluate": "Continue an interrupted evaluation in --out: the suites it finished are kept, the "
-                              "others run."},
-           variant={"evaluate": {"type": bool}}, panel=CHECKPOINTS),
-    Option("--forget", str, "Forget set: FILE.jsonl or hf:NAME[:CONFIG][@SPLIT].",
-           words={"evaluate": "real-world: forget-people JSON lines."}, panel=MODEL_DATA),
-    Option("--retain", str, "Retain set: FILE.jsonl, hf:NAME[:CONFIG][@SPLIT], or tofu-authors (the DualOptim+ "
-           "authors' retain set for --forget's file and task).",
-           words={"evaluate": "real-world: neighbour-people JSON lines."}, panel=MODEL_DATA),
-    Option("--task-id", int, "Forget files whose rows carry task_id (the authors' TOFU files): the task to unlearn "
-           "[default: 1]",
-           words={"evaluate": "TOFU files whose rows carry task_id (the DualOptim+ authors'): the forget task scored "
-                              "[default: 1]"}, panel=MODEL_DATA),
 
     # --- Every training command --------------------------------------------------------------------------------
-    Option("--precision", str, PRECISION_HELP + DEFAULT, panel=TRAINING, choices=PRECISIONS),
-    Option("--save-dtype", str, SAVE_DTYPE_HELP + DEFAULT, panel=CHECKPOINTS, choices=SAVE_DTYPES),
-    Option("--max-length", int, "Tokens per example." + DEFAULT, panel=MODEL_DATA),
-    Option("--optimizer", str, "adamw or muon (doplus)." + DEFAULT, panel=METHOD, choices=OPTIMIZERS),
-    Option("--state-bits", int, "32 or 8 (blockwise 8-bit states)." + DEFAULT, panel=METHOD, choices=STATE_BITS),
-    Option("--betas", str, "AdamW betas as B1,B2" + DEFAULT, panel=TRAINING),
-    Option("--lr", float, "Peak learning rate." + DEFAULT,
-           words={"bench precision": "Peak learning rate, decaying linearly to 0."},
-           variant={"bench precision": {"panel": MEASURE}}, panel=TRAINING),
-    Option("--grad-accum", int, "Micro-steps per optimizer step (averaged)." + DEFAULT, panel=TRAINING),
-    Option("--weight-decay", float, "AdamW weight decay." + DEFAULT, panel=TRAINING),
-    Option("--max-grad-norm", float, "Gradient clipping (0: off)." + DEFAULT, panel=TRAINING),
-    Option("--lora-alpha", float, "LoRA alpha." + DEFAULT, panel=METHOD),
-    Option("--lora-dropout", float, "LoRA dropout." + DEFAULT, panel=METHOD),
-    Option("--save-adapter-only/--save-merged", bool, "final/ holds the LoRA adapter only [default: merged model]",
-           panel=CHECKPOINTS),
-    Option("--fsdp/--no-fsdp", bool, "Shard weights, gradients and optimizer states across processes (FSDP2).",
-           words={"bench schemes": "Run every run with FSDP2 (with --num-processes)."},
-           variant={"bench schemes": {"flags": "--fsdp"}}, panel=DISTRIBUTED),
-    Option("--keep-last", int, "Keep the newest K checkpoints (K >= 1) [default: all]", min=1, panel=CHECKPOINTS),
-    Option("--log-update-similarity", bool, SIMILARITY_HELP,
-           words={"bench schemes": "Record update_cosine/grad_cosine in every run and compare them."}, panel=OUTPUT),
-    Option("--report-to", str, REPORT_TO_HELP, panel=OUTPUT, choices=TRACKERS, many=True),
-    Option("--base-update", str, "DualOptim+'s base state takes the gradient after-param (the rule), before-delta "
-           "or after-delta (the paper's ablation)." + DEFAULT, panel=METHOD, choices=BASE_UPDATES),
-    Option("--v-floor", float, "DualOptim+'s safeguarded rule: the floor rho on its denominator, as a fraction of "
-           "v_B + |v_k|, in [0, 1) (0: the clamp at 10 lr alone)." + DEFAULT,
-           words={"bench optimizer": "With --stability: the safeguarded rule's floors to run, comma-separated, each "
-                                     "in [0, 1) (0: the clamp alone), e.g. 0,0.01,0.02,0.05 [default: the default "
-                                     "floor]"},
-           variant={"bench optimizer": {"type": str, "panel": MEASURE}}, panel=METHOD),
-    Option("--base-source", str, "DualOptim+'s base state takes grad (the rule) or grad-minus-delta, g minus the "
-           "delta (the paper's ablation)." + DEFAULT, panel=METHOD, choices=BASE_SOURCES),
-    Option("--doplus-rule", str, "DualOptim+'s AdamW rule: safeguarded (floor on the denominator, steps at most 10 "
-           "lr) or paper (exactly as published)." + DEFAULT, panel=METHOD, choices=DOPLUS_RULES),
-    Option("--scheme", str, "joint, alternate, dualoptim, doplus, or the paper's federated-learning baselines "
-           "scaffold, fedcm, local-adam." + DEFAULT,
-           words={"align": "joint (batches from the mixture of both sets), alternate, dualoptim, doplus, scaffold, "
-                           "fedcm or local-adam." + DEFAULT}, panel=METHOD, choices=UPDATE_SCHEMES),
-    Option("--steps", int, "Optimizer steps." + DEFAULT,
-           words={"align": "Optimizer steps (or --epochs)." + DEFAULT,
-                  "bench optimizer": "Timed steps per optimizer (median is reported).",
-                  "bench precision": "Steps per run (IDK+GD, DualOptim+)."},
-           variant={"bench optimizer": {"min": 5, "panel": MEASURE}, "bench precision": {"min": 3, "panel": MEASURE}},
-           panel=TRAINING),
-    Option("--warmup-steps", int, WARMUP_HELP.format(warmup="a tenth of the steps"),
-           words={"unlearn": WARMUP_HELP.format(
-               warmup="one epoch of the F_f:F_r cycle as the DualOptim+ authors count it: ceil(forget rows / "
-                      "effective batch) x (F_f + F_r) / F_f steps (counted on the retain rows when the retain side "
-                      "runs out first; Joint: ceil(forget rows / effective batch)), at most --steps; none when that "
-                      "is 1"),
-                  "align": WARMUP_HELP.format(warmup="the first epoch with --epochs, else a tenth of the steps")},
-           panel=TRAINING),
-    Option("--lora-rank", int, "Train LoRA adapters of rank R (peft) [default: {default}, every weight]", panel=METHOD),
-    Option("--lora-targets", str, "Modules to adapt, comma-separated [default: peft's for the architecture]",
-           panel=METHOD),
-    Option("--gradient-checkpointing/--no-gradient-checkpointing", bool, "Recompute activations in backward (less "
-           "memory)." + DEFAULT, panel=TRAINING),
     Option("--num-processes", int, "Run on N processes through `accelerate launch` (N GPUs, or N CPU processes "
            "over gloo).", min=1, words={"bench schemes": "Processes per run."}, panel=DISTRIBUTED),
-    Option("--save-every", int, "Write checkpoints/step-N/ every N steps [default: never]", panel=CHECKPOINTS),
     Option("--dry-run", bool, "Make every check the run makes before its model loads (recipe, data files and the "
            "fields the loss needs, the model found, the output folder, a resumption's checkpoint) and print what it "
            "would do (data, steps, what happens to --out, the memory plan per process under DDP and FSDP for "
@@ -281,104 +121,17 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
                                      "exit, having trained and written nothing."}, panel=OUTPUT),
     Option("--gpu-memory", float, "With --dry-run: the GPU memory (GiB) the plan is checked against [default: the "
            "visible GPU's]", min=0, panel=DISTRIBUTED),
-    Option("--accept-changed", str, "With --resume: go on although these inputs changed since the run started: "
-           "data, model, software (comma-separated, or all). Without it such a resumption is refused, naming what "
-           "changed.", panel=CHECKPOINTS),
-    Option("--accept-unverified", bool, "With --resume: go on from a checkpoint that has no manifest.json (doplus "
-           "0.1 and 0.2 wrote none), whose files therefore cannot be checked. Without it such a checkpoint is "
-           "refused.", panel=CHECKPOINTS),
-    Option("--eval-every", int, "Evaluate every N steps (and at the end) into OUT/evals/step-N/ [default: never]",
-           words={"multitask": "Score every task every N steps (and at the end) [default: never]"}, panel=EVALUATION),
-    Option("--select-by", str, SELECT_BY_HELP.format(metrics="MU, UFE, TFE or OVR"),
-           words={"multitask": SELECT_BY_HELP.format(metrics="a task's name or average")}, panel=EVALUATION),
-    Option("--eval-batch-size", int, "Prompts per generation batch." + DEFAULT,
-           words={"unlearn": "Prompts per batch of the evaluation during training [default: the larger of "
-                             "--batch-size and 8]"}, panel=EVALUATION),
-    Option("--eval-max-new-tokens", int, ANSWER_TOKENS_HELP + DEFAULT, panel=EVALUATION),
-    Option("--eval-suite", str, "Suite run during training." + DEFAULT,
-           words={"align": "After training, `doplus evaluate` final/ into OUT/eval/: safety, xstest or "
-                           "safety,xstest [default: none]"}, panel=EVALUATION),
-    Option("--eval-max-samples", int, "Questions per set [default: all]",
-           words={"align": "The first N prompts of each set [default: all]"}, panel=EVALUATION),
-
-    # --- doplus unlearn --------------------------------------------------------------------------------------------
-    Option("--task-ids", str, "With --continual: the tasks, in order (1,2,3).",
-           words={"bench schemes": "unlearn recipes on files whose rows carry task_id: the forget tasks (1,2,3,4,5), "
-                                   "an axis beside the seeds; tables pool them."},
-           variant={"bench schemes": {"panel": COMPARE}}, panel=MODEL_DATA),
-    Option("--continual/--no-continual", bool, "Unlearn --task-ids one after another, each from the previous task's "
-           "final model." + DEFAULT, panel=MODEL_DATA),
-    Option("--question-key", str, "Question field." + DEFAULT, panel=MODEL_DATA),
-    Option("--answer-key", str, "Answer field." + DEFAULT, panel=MODEL_DATA),
-    Option("--answers-from-model/--no-answers-from-model", bool, "Use the starting model's own greedy answers as "
-           "targets (real-world setting)." + DEFAULT, panel=MODEL_DATA),
-    Option("--text-window", int, "Join the text rows of the forget and retain sets and cut them into windows of N "
-           "tokens, as MUSE trains (N=2048, with --max-length 2048) [default: each text row is one example]",
-           panel=MODEL_DATA),
-    Option("--loss", str, "FORGET[+RETAIN]: FORGET in GA, NPO, DPO, ME, IDK, SimNPO, RMU, UNDIAL, WGA, SatImp, CE-U; "
-           "RETAIN in GD, KL, AP, EMBED (RMU's activation term)." + DEFAULT, panel=METHOD),
-    Option("--beta", float, "Temperature of NPO, DPO and AP." + DEFAULT, panel=METHOD),
-    Option("--simnpo-beta", float, "SimNPO's beta." + DEFAULT, panel=METHOD),
-    Option("--simnpo-gamma", float, "SimNPO's reward margin gamma." + DEFAULT, panel=METHOD),
-    Option("--undial-beta", float, "UNDIAL's reduction of the true token's reference logit." + DEFAULT, panel=METHOD),
-    Option("--wga-beta", float, "WGA's exponent on p_t." + DEFAULT, panel=METHOD),
-    Option("--satimp-beta1", float, "SatImp's exponent on p_t." + DEFAULT, panel=METHOD),
-    Option("--satimp-beta2", float, "SatImp's exponent on 1 - p_t." + DEFAULT, panel=METHOD),
-    Option("--rmu-layer", int, "RMU/EMBED: the decoder layer whose output is steered or held [default: 7; 7/32 of "
-           "the depth of a model with 7 layers or fewer]", panel=METHOD),
-    Option("--rmu-coeff", float, "RMU's steering coefficient c." + DEFAULT, panel=METHOD),
-    Option("--rmu-update-layers", str, "RMU: layers whose modules train, e.g. 5,6,7 [default: the RMU layer and the "
-           "two before it]", panel=METHOD),
-    Option("--rmu-modules", str, "RMU: the modules of those layers that train, e.g. mlp.down_proj [default: the "
-           "MLP's output projection]", panel=METHOD),
-    Option("--forget-coeff", float, "Weight of the forget loss." + DEFAULT, panel=METHOD),
-    Option("--retain-coeff", float, "Weight of the retain loss." + DEFAULT, panel=METHOD),
-    Option("--forget-freq", int, "F_f: forget steps per cycle." + DEFAULT, panel=METHOD),
-    Option("--retain-freq", int, "F_r: retain steps per cycle." + DEFAULT, panel=METHOD),
-    Option("--forget-lr", float, "Learning rate of forget steps [default: --lr]", panel=TRAINING),
-    Option("--show-samples", int, "Questions per set shown before/after (0: none)." + DEFAULT, panel=EVALUATION),
-    Option("--ref-offload", str, "cpu: keep the reference model (NPO, DPO, KL) on the CPU; 8bit: load it with "
-           "LLM.int8 weights (bitsandbytes) on the device [default: a full copy on the device; its shards under "
-           "FSDP]", panel=TRAINING),
-    Option("--eval-split", str, "TOFU forget split." + DEFAULT, panel=EVALUATION),
-    Option("--eval-data-dir", str, TOFU_FOLDER_HELP + "]", panel=EVALUATION),
-    Option("--eval-nli-model", str, "NLI model " + NLI_DEFAULT, panel=EVALUATION),
-    Option("--eval-embedding-model", str, "Embedding model [default: the protocol's]", panel=EVALUATION),
-    Option("--eval-protocol", str, PROTOCOL_HELP + DEFAULT, panel=EVALUATION, choices=PROTOCOL_NAMES),
-    Option("--eval-attacks", str, "The last evaluation (--eval-every) also runs on attacked copies of the final "
-           "weights: relearn, relearn-lora, quant-8bit, quant-4bit, quant-fp4, probe, white-box (logit-lens, "
-           "linear-probe, embedding, orthogonalize, prune) or all, comma-separated (docs/attacks.md) [default: none]",
-           words={"align": "The safety suite on final/ (--eval-suite) also runs on attacked copies: quant-8bit, "
-                           "quant-4bit, quant-fp4, probe-prefix, comma-separated (docs/attacks.md) [default: none]"},
-           panel=EVALUATION),
 
     # --- doplus multitask ------------------------------------------------------------------------------------------
     Option("--task", list[str], "NAME=SOURCE[,metric=exact|choice|edit_sim|rouge_l][,freq=F][,weight=W][,eval=FILE]"
            "[,lr_multiplier=X], SOURCE a JSON-lines file or hf:NAME[:CONFIG][@SPLIT]; once per task (replaces the "
            "recipe's tasks)", panel=MODEL_DATA),
-    Option("--freq", str, "Each task's steps per cycle, in order: 1,2,1 [default: each task's freq, 1]",
-           words={"align": "F_s:F_g, safety steps then general steps per cycle." + DEFAULT}, panel=METHOD),
-    Option("--prompt-key", str, "Prompt field." + DEFAULT, panel=MODEL_DATA),
-    Option("--eval-rows", int, "Rows kept out of training for evaluation, per task without an eval file (0: none)."
-           + DEFAULT, panel=EVALUATION),
-
-    # --- doplus align ----------------------------------------------------------------------------------------------
-    Option("--safety", str, "Harmful instructions with the safe response to learn: " + SOURCE_HELP, panel=MODEL_DATA),
-    Option("--general", str, "Benign instructions with their responses (Alpaca): " + SOURCE_HELP, panel=MODEL_DATA),
-    Option("--instruction-key", str, "Instruction field." + DEFAULT, panel=MODEL_DATA),
-    Option("--input-key", str, "Optional input field, after the instruction and a blank line when not empty."
-           + DEFAULT, panel=MODEL_DATA),
-    Option("--output-key", str, "Response field." + DEFAULT, panel=MODEL_DATA),
-    Option("--epochs", float, "Passes over the general set, instead of --steps (warmup: the first epoch).",
-           panel=TRAINING),
-    Option("--held-out", int, "Each set's last N rows, kept out of training and answered before and after (0: none)."
-           + DEFAULT, panel=EVALUATION),
-    Option("--eval-guard-model", str, "A Llama Guard-protocol model, or none " + GUARD_DEFAULT + "]", panel=EVALUATION),
-    Option("--eval-refusal-model", str, "A chat model labelling refusals by XSTest's protocol [default: the offline "
-           "refusal judge]", panel=EVALUATION),
-    Option("--eval-safety-data-dir", str, "Folder " + SAFETY_FILES_HELP, panel=EVALUATION),
 
     # --- doplus evaluate -------------------------------------------------------------------------------------------
+    Option("--forget", str, "real-world: forget-people JSON lines.", panel=MODEL_DATA),
+    Option("--retain", str, "real-world: neighbour-people JSON lines.", panel=MODEL_DATA),
+    Option("--task-id", int, "TOFU files whose rows carry task_id (the DualOptim+ authors'): the forget task scored "
+           "[default: 1]", panel=MODEL_DATA),
     Option("folders", list[str], "With --compare: evaluation folders to compare.", argument=True, panel=COMPARE),
     Option("--compare", bool, "Print the given evaluation folders side by side.", panel=COMPARE),
     Option("--suite", str, "{suites}, or several comma-separated.", panel=EVALUATION),
@@ -460,6 +213,8 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
            "8-bit against 32-bit).", panel=MEASURE),
     Option("--modes", str, "Comma-separated: fp32, bf16-mixed, bf16, bf16-uncompensated (fp32 is the reference of "
            "the distances).", panel=MEASURE),
+    Option("--task-ids", str, "unlearn recipes on files whose rows carry task_id: the forget tasks (1,2,3,4,5), an "
+           "axis beside the seeds; tables pool them.", panel=COMPARE),
     Option("--schemes", str, "Comma-separated: " + SCHEMES.listing() + ".", panel=COMPARE),
     Option("--seeds", str, "Comma-separated seeds; each scheme runs once per seed.", panel=COMPARE),
     Option("--set", list[str], "KEY=VALUE: a recipe value for every run (repeatable).",
@@ -507,7 +262,9 @@ OPTIONS: Registry[Option] = Registry("option", Option, ((option.name, option) fo
     Option("--storage", str, "Where the study lives: a journal file's path (works on a shared file system, no "
            "server) or a database URL (sqlite:///study.db, postgresql://...) [default: DIR/study.journal]",
            panel=SEARCH),
-)))
+)
+OPTIONS: Registry[Option] = Registry("option", Option, [*((option.name, option) for option in TABLE),
+                                                        *field_options(TrainConfig).items()])
 
 
 # evaluate's options that name a file, a folder or a model: in a recipe, a relative one is looked up next to the
@@ -546,28 +303,34 @@ def training_options(config_class: type[TrainConfig], extra: tuple[str, ...] = (
     """A training command's options, from its config class: `--recipe`; `extra` (flags that read differently from
     their field, as multitask's repeated --task for `tasks`); the fields the class adds to TrainConfig's, in their
     order (what the command is about: its data, its loss); TrainConfig's fields, in their order; the launch options.
-    Only fields OPTIONS declares are options (the others are recipe keys), less `without` (fields every training
-    command has that this one has no flag for). --help keeps this order within each panel (`in_panels`), so a field
-    added to TrainConfig with its entry in OPTIONS is an option of every training command, shown where the field
-    sits."""
-    fields = [f.name for f in dataclasses.fields(config_class)]
+    Only fields declared with `option(...)` are options (the others are recipe keys), less `without` (fields every
+    training command has that this one has no flag for). --help keeps this order within each panel (`in_panels`),
+    so a field added to TrainConfig with `option(...)` is an option of every training command, shown where the
+    field sits."""
+    declared = field_options(config_class)
     shared = {f.name for f in dataclasses.fields(TrainConfig)}
-    ordered = [*extra, *(n for n in fields if n not in shared), *(n for n in fields if n in shared)]
-    names = [n for n in ordered if n in OPTIONS and n not in without]
+    ordered = [*extra, *(n for n in declared if n not in shared), *(n for n in declared if n in shared)]
+    names = [n for n in ordered if n not in without]
     return ("recipe", *dict.fromkeys(names), *LAUNCH_OPTIONS)
 
 
 def declare(command: str, config_class: type[TrainConfig] | None, names: tuple[str, ...]) -> None:
     """Add a command's options (by name, in the order of its help) and, for a training command, the config class
-    their shown defaults come from; a name the table lacks, or a command declared twice, is refused."""
+    they and their shown defaults come from (its fields' options, their help in the class's `option_words`); a name
+    neither declares, or a command declared twice, is refused."""
     if command in COMMAND_OPTIONS:
         raise ValueError(f"the options of '{command}' are declared already")
-    unknown = [name for name in names if name not in OPTIONS]
+    own = {} if config_class is None else field_options(config_class)
+    if config_class is not None:
+        words = getattr(config_class, "option_words", {})
+        own |= {name: dataclasses.replace(own.get(name) or OPTIONS[name], help=text) for name, text in words.items()}
+    unknown = [name for name in names if name not in own and name not in OPTIONS]
     if unknown:
-        raise ValueError(f"'{command}' takes options that OPTIONS does not declare: {', '.join(unknown)}")
+        raise ValueError(f"'{command}' takes options that no field or table declares: {', '.join(unknown)}")
     COMMAND_OPTIONS[command] = tuple(names)
     if config_class is not None:
         COMMAND_CONFIGS[command] = config_class
+        COMMAND_FIELDS[command] = own
 
 
 def option_type(name: str, command: str, names: Mapping[str, str] | None = None, show_default: bool = True) -> Any:
@@ -575,9 +338,9 @@ def option_type(name: str, command: str, names: Mapping[str, str] | None = None,
     that command's flags, help text (its default, name and `names` filled in), range and panel. `show_default`:
     typer shows the flag's default after the help text (off for a default of None, "not given", which the help
     text words itself)."""
-    option = OPTIONS[name]
+    option = option_of(name, command)
     settings = option.settings_for(command)
-    text = option.help_for(command, names)
+    text = help_for(option, command, names)
     finite = finite_number if settings["type"] is float else None
     metavar, text = choices_shown(settings["choices"], option.many, text)
     text = markup.escape(text)  # shown as written: [default: ...], hf:NAME[:CONFIG][@SPLIT] are no rich markup
@@ -619,7 +382,7 @@ def takes(command: str, defaults: dict[str, Any] | None = None, context: bool = 
     signature (click shows a default that is not None after the help text), and the function receives them by
     name, the names of the config fields they set. `context`: the function also receives typer's context as
     `context` (typer's documented way to reach it), which `with_recipe` asks where each value came from. `names`
-    fills each `{key}` of the help texts (`Option.help_for`)."""
+    fills each `{key}` of the help texts (`help_for`)."""
     defaults = defaults or {}
 
     def decorate(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -642,7 +405,7 @@ def in_panels(command: str) -> list[str]:
     """`command`'s options as its --help shows them: panel by panel in the order of PANELS, each panel's in the
     command's order (typer shows the panels in the order their first option comes)."""
     names = COMMAND_OPTIONS[command]
-    return sorted(names, key=lambda name: PANELS.index(OPTIONS[name].settings_for(command)["panel"]))
+    return sorted(names, key=lambda name: PANELS.index(option_of(name, command).settings_for(command)["panel"]))
 
 
 def with_recipe(context: typer.Context, recipe: str | None, values: dict[str, Any], path_keys: tuple[str, ...]
@@ -701,5 +464,5 @@ def split_flags(declaration: str) -> tuple[list[str], list[str]]:
 def command_flags(command: str) -> dict[str, tuple[list[str], list[str]]]:
     """A command's options by name, each with its flags (see `split_flags`), its arguments left out; {} for a
     command without a `COMMAND_OPTIONS` entry."""
-    return {name: split_flags(OPTIONS[name].settings_for(command)["flags"]) for name in COMMAND_OPTIONS.get(command, ())
-            if not OPTIONS[name].argument}
+    return {name: split_flags(option_of(name, command).settings_for(command)["flags"])
+            for name in COMMAND_OPTIONS.get(command, ()) if not option_of(name, command).argument}

@@ -6,6 +6,8 @@ the options its config lets a recipe set plus the few that are not config."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
 
 import pytest
@@ -26,6 +28,7 @@ from doplus_cli.config import (
 )
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.runner import EvalConfig
+from doplus_cli.option import field_options
 from tests.helpers import HELP_ENV, PAGES, documented_commands, help_flags_of, help_panels
 
 CONFIGS = {"unlearn": UnlearnConfig, "multitask": MultitaskConfig, "align": AlignConfig}
@@ -85,7 +88,26 @@ def test_each_flag_belongs_to_one_option_and_each_option_to_a_command():
             for flag in on + off:
                 assert owner.setdefault(flag, name) == name, f"{flag}: {owner[flag]} and {name}"
     taken = {name for names in options.COMMAND_OPTIONS.values() for name in names}
-    assert set(options.OPTIONS) == taken  # no entry that no command takes
+    declared = set(options.OPTIONS) | {name for own in options.COMMAND_FIELDS.values() for name in own}
+    assert declared == taken  # no declaration that no command takes
+
+
+def test_each_option_is_declared_once_on_its_field_or_in_the_table():
+    """A training command's option is its config field's declaration (`option(...)`), in the command's own words
+    where its class has them; only options that set no field of the command come from the table, and no table
+    entry repeats a field every training command shares."""
+    table = {option.name for option in options.TABLE}
+    assert not table & set(field_options(TrainConfig))
+    for command, config_class in CONFIGS.items():
+        fields = field_options(config_class)
+        words = getattr(config_class, "option_words", {})
+        for name in options.COMMAND_OPTIONS[command]:
+            option = options.option_of(name, command)
+            shared = fields[name] if name in fields else options.OPTIONS[name]
+            assert name in fields or name in table, (command, name)
+            assert option == dataclasses.replace(shared, help=words.get(name, shared.help)), (command, name)
+        for name, text in words.items():  # a command's own words differ from the shared ones
+            assert text != (fields[name] if name in fields else options.OPTIONS[name]).help, (command, name)
 
 
 def test_a_commands_own_words_are_data_on_the_one_entry_not_a_copy():
@@ -191,13 +213,14 @@ def test_a_benchs_options_are_the_tables_in_its_order_and_its_help_lists_them(co
     flags = options.command_flags(command)
     assert list(parsed.items()) == [(name, flags[name]) for name in options.in_panels(command)]
     for param in bench.params:  # rich markup escaped: a help text shows as written
-        assert (param.help or "") == escape(options.OPTIONS[param.name].help_for(command)), param.name
+        declared = options.option_of(param.name, command)
+        assert (param.help or "") == escape(options.help_for(declared, command)), param.name
     helps = [param.help for param in bench.params]
     assert len(helps) == len(set(helps))
     result = CliRunner().invoke(app, [*command.split(), "--help"], env=HELP_ENV)
     assert result.exit_code == 0, result.output
     assert help_flags_of(result.output) == ["--help"] + [
-        options.split_flags(options.OPTIONS[name].settings_for(command)["flags"])[0][0]
+        options.split_flags(options.option_of(name, command).settings_for(command)["flags"])[0][0]
         for name in options.in_panels(command)]
 
 
@@ -245,7 +268,7 @@ def test_a_commands_help_groups_its_options_in_titled_panels_in_a_users_order(co
     assert titles == sorted(titles, key=options.PANELS.index)
     shown = {flag: title for title, flags in panels for flag in flags}
     for name in options.COMMAND_OPTIONS[command]:
-        option = options.OPTIONS[name]
+        option = options.option_of(name, command)
         if not option.argument:
             flag = options.split_flags(option.settings_for(command)["flags"])[0][0]
             assert shown[flag] == option.settings_for(command)["panel"], (command, flag)
@@ -270,7 +293,7 @@ def test_the_closed_sets_are_listed_in_the_help():
     from doplus_cli.evaluation.runner import SUITE_REGISTRY
 
     def help_of(name, command):
-        return options.OPTIONS[name].help_for(command, {"suites": SUITE_REGISTRY.listing()})
+        return options.help_for(options.option_of(name, command), command, {"suites": SUITE_REGISTRY.listing()})
 
     for command in CONFIGS:
         assert all(scheme in help_of("scheme", command) for scheme in UPDATE_SCHEMES), command
@@ -290,7 +313,7 @@ def test_an_options_choices_are_its_type_column_or_end_its_help():
     seen = 0
     for command, names in options.COMMAND_OPTIONS.items():
         for name in names:
-            choices = options.OPTIONS[name].settings_for(command)["choices"]
+            choices = options.option_of(name, command).settings_for(command)["choices"]
             if not choices:
                 continue
             seen += 1
@@ -328,31 +351,70 @@ def test_the_help_takes_the_terminals_width():
         assert max(len(line) for line in lines) == columns
 
 
-def test_a_field_of_trainconfig_with_an_entry_is_an_option_of_every_training_command_and_nowhere_else(monkeypatch):
-    """A training command's options come from its config class (`options.training_options`): giving a TrainConfig
-    field (here the recipe key tracker_project) an entry in OPTIONS makes it an option of unlearn, multitask and
-    align, shown right after the field before it (report_to), and of no other command; each command's own fields
-    come before the shared ones, and a field a command has no flag for stays out."""
-    from doplus_cli.commands import COMMANDS
-    from doplus_cli.registry import Registry
+# Run on a copy of the package with one field added to TrainConfig: what each command then takes, where, with which
+# help and default, and what a recipe and a flag set.
+ADDED_FIELD_PROBE = """
+import json, typer.main
+from typer.testing import CliRunner
+from doplus_cli import options
+from doplus_cli.cli import app
+from doplus_cli.commands import COMMANDS
+from doplus_cli.config import resolve_config
+group = typer.main.get_command(app)
+unlearn = {param.name: param for param in group.commands["unlearn"].params}
+config = resolve_config(None, {"forget": "f.jsonl", "retain": "r.jsonl", "tracker_notes": "kept"},
+                        COMMANDS["unlearn"].config_class)
+shown = CliRunner().invoke(app, ["multitask", "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"}).output
+print(json.dumps({"options": {command: list(names) for command, names in options.COMMAND_OPTIONS.items()},
+                  "help": unlearn["tracker_notes"].help, "value": config.tracker_notes,
+                  "recorded": config.to_dict()["tracker_notes"], "shown": "--tracker-notes" in shown}))
+"""
 
-    entry = options.Option("--tracker-project", str, "The tracker's project name.", panel=options.OUTPUT)
-    table = Registry("option", options.Option, [*options.OPTIONS.items(), ("tracker_project", entry)])
-    before = {name: command.options for name, command in COMMANDS.items()}
-    monkeypatch.setattr(options, "OPTIONS", table)
+
+def test_one_field_added_to_trainconfig_is_an_option_of_every_training_command_and_nowhere_else(tmp_path):
+    """Adding an option every training command shares is one edit: a TrainConfig field declared with `option(...)`.
+    On a copy of the package with that one line added, the flag is an option of unlearn, multitask and align (after
+    the field before it, report_to), shows its help and the field's default, sets the config as a recipe key does,
+    and is an option of no other command."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import doplus_cli
+    from doplus_cli.commands import COMMANDS
+
+    copy = tmp_path / "doplus_cli"
+    shutil.copytree(Path(doplus_cli.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    config = copy / "config.py"
+    anchor = "    tracker_project: str | None = None"
+    assert config.read_text().count(anchor) == 1
+    config.write_text(config.read_text().replace(anchor, '    tracker_notes: str = option("none", "Notes the '
+                                                 'trackers keep." + DEFAULT, panel=OUTPUT)\n' + anchor))
+    result = subprocess.run([sys.executable, "-c", ADDED_FIELD_PROBE], capture_output=True, text=True, timeout=300,
+                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    probe = json.loads(result.stdout.splitlines()[-1])
+    for command, names in probe["options"].items():
+        before = list(options.COMMAND_OPTIONS[command])
+        if command in COMMANDS:
+            assert names.index("tracker_notes") == names.index("report_to") + 1, command
+            assert [name for name in names if name != "tracker_notes"] == before, command
+        else:
+            assert names == before, command
+    assert probe["help"] == escape("Notes the trackers keep. [default: none]") and probe["shown"]
+    assert probe["value"] == probe["recorded"] == "kept"
+
+
+def test_a_commands_own_fields_come_before_the_shared_ones_and_a_field_without_a_flag_stays_out():
+    from doplus_cli.commands import COMMANDS
+
+    shared = set(field_options(TrainConfig))
     for name, command in COMMANDS.items():
-        derived = options.training_options(command.config_class, command.extra_options, command.without_flags)
-        assert [n for n in derived if n != "tracker_project"] == list(before[name]), name
-        assert derived.index("tracker_project") == derived.index("report_to") + 1, name
-        own = [f.name for f in dataclasses.fields(command.config_class)
-               if f.name not in {g.name for g in dataclasses.fields(TrainConfig)} and f.name in table]
-        shared = [n for n in derived if n in {g.name for g in dataclasses.fields(TrainConfig)}]
-        assert max(derived.index(n) for n in own if n in derived) < min(derived.index(n) for n in shared), name
-        assert not set(command.without_flags) & set(derived)
-        option_type = options.option_type("tracker_project", name)  # typer can build it for the command
-        assert option_type.__metadata__[0].help == "The tracker's project name."
-    assert all("tracker_project" not in names for command, names in options.COMMAND_OPTIONS.items()
-               if command not in COMMANDS)
+        names = command.options
+        own = [n for n in field_options(command.config_class) if n not in shared and n in names]
+        assert own and max(names.index(n) for n in own) < min(names.index(n) for n in shared if n in names), name
+        assert not set(command.without_flags) & set(names)
 
 
 @pytest.mark.parametrize("command", HELP_COMMANDS)
