@@ -15,14 +15,14 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from doplus_cli.data.formatting import TEMPLATE_HELP, check_prompt_template
 from doplus_cli.data.sources import path_problem
 from doplus_cli.errors import UserError, shown
-from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossParams
+from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES
 from doplus_cli.option import (
     CHECKPOINTS,
     DEFAULT,
@@ -139,22 +139,20 @@ EXCLUSIVE_OPTIONS = (("steps", "epochs"),)
 @dataclass
 class TrainConfig:
     """The options every training command shares: model, update scheme, optimizer, training, outputs, LoRA,
-    processes, checkpoints. A command's config adds its own data and objectives (`UnlearnConfig`,
-    `MultitaskConfig`); field names are the recipe keys."""
+    processes, checkpoints. A command's config, in the command's own module, adds its own data and
+    objectives; field names are the recipe keys."""
 
     description: str = ""
     # Model
     model: str | None = option(
         None,
         "Hub id, local model folder or .gguf file [default: embedded SmolLM2-135M-Instruct]",
-        words={"evaluate": "Hub id, model folder (e.g. a run's final/) or .gguf [default: embedded SmolLM2]"},
         panel=MODEL_DATA)
     teach: str | None = None  # a multitask recipe taught first (cached); its final model is the starting model
     dtype: str = option(
         "auto",
         DTYPE_HELP + DEFAULT,
-        words={"evaluate": "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16.",
-               "bench optimizer": "Parameter dtype: float32 or bfloat16."},
+        words={"bench optimizer": "Parameter dtype: float32 or bfloat16."},
         variant={"bench optimizer": {"panel": MEASURE, "choices": ("float32", "bfloat16")}},
         panel=MODEL_DATA,
         choices=DTYPES)
@@ -166,8 +164,6 @@ class TrainConfig:
         False,
         "Allow the model's own code to run." + DEFAULT,
         flags="--trust-remote-code/--no-trust-remote-code",
-        words={"evaluate": "Allow the model's own code to run."},
-        variant={"evaluate": {"flags": "--trust-remote-code"}},
         panel=MODEL_DATA)
     max_length: int = option(256, "Tokens per example." + DEFAULT, panel=MODEL_DATA)
     # None: the tokenizer's chat template, `question-answer` without one; else a preset (chat, question-answer,
@@ -175,13 +171,10 @@ class TrainConfig:
     prompt_template: str | None = option(
         None,
         TEMPLATE_HELP,
-        words={"evaluate": TEMPLATE_HELP.replace("[default: ", "[default: a run's own template; else ")},
         panel=MODEL_DATA)
     max_new_tokens: int = option(
         48,
         "Tokens generated per answer (targets, sample table)." + DEFAULT,
-        words={"evaluate": ANSWER_TOKENS_HELP},
-        variant={"evaluate": {"min": 1}},
         panel=EVALUATION)
     # Update scheme and optimizer
     scheme: str = option(
@@ -240,8 +233,6 @@ class TrainConfig:
     batch_size: int = option(
         4,
         "Examples per device per micro-step." + DEFAULT,
-        words={"evaluate": "Prompts per generation batch; NLL batches hold about 48 tokens per unit."},
-        variant={"evaluate": {"min": 1, "panel": EVALUATION}},
         panel=TRAINING)
     grad_accum: int = option(1, "Micro-steps per optimizer step (averaged)." + DEFAULT, panel=TRAINING)
     # None: the command's default (unlearn: the DualOptim+ authors' one epoch)
@@ -251,20 +242,17 @@ class TrainConfig:
     seed: int = option(
         0,
         "Seed for weights' RNG and data order." + DEFAULT,
-        words={"evaluate": "Seed (rejection answers drawn for TFE).",
-               "tune": "Seed of the TPE sampler (each further worker on the study adds its number to it); the runs' "
+        words={"tune": "Seed of the TPE sampler (each further worker on the study adds its number to it); the runs' "
                        "own seed is the recipe's (--set seed=N).",
                "bench optimizer": ""},
-        variant={"evaluate": {"panel": EVALUATION},
-                 "tune": {"panel": SEARCH},
+        variant={"tune": {"panel": SEARCH},
                  "bench optimizer": {"panel": MEASURE}},
         panel=TRAINING)
     # Outputs
     out: str | None = option(
         None,
         "Output folder [default: runs/{command}-DATE-TIME]",
-        words={"evaluate": "Output folder [default: evals/DATE-TIME]",
-               "bench precision": "Output folder (one run per mode, precision.json).",
+        words={"bench precision": "Output folder (one run per mode, precision.json).",
                "bench schemes": "Output folder [default: bench/RECIPE-NAME]",
                "tune": "The study's folder (DIR): its settings, trials, best.yaml and report [default: "
                        "tune/RECIPE-NAME]"},
@@ -273,8 +261,6 @@ class TrainConfig:
         False,
         "Replace the run in a non-empty --out folder." + DEFAULT,
         flags="--overwrite/--no-overwrite",
-        words={"evaluate": "Replace an evaluation already in --out."},
-        variant={"evaluate": {"flags": "--overwrite"}},
         panel=CHECKPOINTS)
     # LoRA and memory
     lora_rank: int = option(0, "Train LoRA adapters of rank R (peft) [default: {default}, every weight]", panel=METHOD)
@@ -318,9 +304,6 @@ class TrainConfig:
         None,
         "Continue the run in --out: `--resume` alone takes its latest checkpoint, `--resume PATH` the checkpoint "
         "folder given.",
-        words={"evaluate": "Continue an interrupted evaluation in --out: the suites it finished are kept, the "
-                           "others run."},
-        variant={"evaluate": {"type": bool}},
         panel=CHECKPOINTS)
     accept_changed: tuple[str, ...] | None = option(
         None,
@@ -402,6 +385,11 @@ class TrainConfig:
         extends it with its own checks (which may still settle a value, e.g. unlearn's retain_freq)."""
         validate_training(self)
 
+    def selectable_metrics(self) -> dict[str, bool]:
+        """The metrics `--select-by` takes for a run of this config, each with whether higher is better (the
+        command's config says; none here)."""
+        return {}
+
     def replace(self, **changes: Any) -> Self:
         """A copy with `changes`, final when this config is. The changes are values doplus settles itself (the
         run's derived values, the taught model, a continual task's folder), not options: they are not checked
@@ -411,123 +399,6 @@ class TrainConfig:
         if self.final:
             object.__setattr__(new, "_final", True)
         return new
-
-
-@dataclass
-class UnlearnConfig(TrainConfig):
-    """Every option of `doplus unlearn`. Field names are the recipe keys; `--forget-lr` is `forget_lr`."""
-
-    # TrainConfig's options as unlearn words them
-    option_words: ClassVar[dict[str, str]] = {"warmup_steps": WARMUP_HELP.format(
-        warmup="one epoch of the F_f:F_r cycle as the DualOptim+ authors count it: ceil(forget rows / effective "
-               "batch) x (F_f + F_r) / F_f steps (counted on the retain rows when the retain side runs out first; "
-               "Joint: ceil(forget rows / effective batch)), at most --steps; none when that is 1")}
-
-    # Data
-    forget: str | None = option(None, "Forget set: FILE.jsonl or hf:NAME[:CONFIG][@SPLIT].", panel=MODEL_DATA)
-    retain: str | None = option(
-        None,
-        "Retain set: FILE.jsonl, hf:NAME[:CONFIG][@SPLIT], or tofu-authors (the DualOptim+ authors' retain set for "
-        "--forget's file and task).",
-        panel=MODEL_DATA)
-    # Files whose rows carry task_id (the DualOptim+ authors' TOFU files): the forget task to unlearn; None: task 1
-    task_id: int | None = option(
-        None,
-        "Forget files whose rows carry task_id (the authors' TOFU files): the task to unlearn [default: 1]",
-        panel=MODEL_DATA)
-    task_ids: tuple[int, ...] | None = option(None, "With --continual: the tasks, in order (1,2,3).", panel=MODEL_DATA)
-    continual: bool = option(
-        False,
-        "Unlearn --task-ids one after another, each from the previous task's final model." + DEFAULT,
-        flags="--continual/--no-continual",
-        panel=MODEL_DATA)
-    question_key: str = option("question", "Question field." + DEFAULT, panel=MODEL_DATA)
-    answer_key: str = option("answer", "Answer field." + DEFAULT, panel=MODEL_DATA)
-    answers_from_model: bool = option(
-        False,
-        "Use the starting model's own greedy answers as targets (real-world setting)." + DEFAULT,
-        flags="--answers-from-model/--no-answers-from-model",
-        panel=MODEL_DATA)
-    # Sets of text rows cut into windows of this many tokens, joined first (MUSE trains on 2048; data/muse.py);
-    # None: each text row is one example, cut at max_length
-    text_window: int | None = option(
-        None,
-        "Join the text rows of the forget and retain sets and cut them into windows of N tokens, as MUSE trains "
-        "(N=2048, with --max-length 2048) [default: each text row is one example]",
-        panel=MODEL_DATA)
-    # Losses
-    loss: str = option(
-        "NPO+GD",
-        "FORGET[+RETAIN]: FORGET in GA, NPO, DPO, ME, IDK, SimNPO, RMU, UNDIAL, WGA, SatImp, CE-U; RETAIN "
-        "in GD, KL, AP, EMBED (RMU's activation term)." + DEFAULT,
-        panel=METHOD)
-    beta: float = option(0.1, "Temperature of NPO, DPO and AP." + DEFAULT, panel=METHOD)
-    forget_coeff: float = option(1.0, "Weight of the forget loss." + DEFAULT, panel=METHOD)
-    retain_coeff: float = option(1.0, "Weight of the retain loss." + DEFAULT, panel=METHOD)
-    # The hyper-parameters of SimNPO, UNDIAL, WGA, SatImp and RMU/EMBED; defaults and sources: losses.LossParams
-    simnpo_beta: float = option(LossParams.simnpo_beta, "SimNPO's beta." + DEFAULT, panel=METHOD)
-    simnpo_gamma: float = option(LossParams.simnpo_gamma, "SimNPO's reward margin gamma." + DEFAULT, panel=METHOD)
-    undial_beta: float = option(
-        LossParams.undial_beta,
-        "UNDIAL's reduction of the true token's reference logit." + DEFAULT,
-        panel=METHOD)
-    wga_beta: float = option(LossParams.wga_beta, "WGA's exponent on p_t." + DEFAULT, panel=METHOD)
-    satimp_beta1: float = option(LossParams.satimp_beta1, "SatImp's exponent on p_t." + DEFAULT, panel=METHOD)
-    satimp_beta2: float = option(LossParams.satimp_beta2, "SatImp's exponent on 1 - p_t." + DEFAULT, panel=METHOD)
-    rmu_layer: int | None = option(
-        LossParams.rmu_layer,
-        "RMU/EMBED: the decoder layer whose output is steered or held [default: 7; 7/32 of the depth of a model with "
-        "7 layers or fewer]",
-        panel=METHOD)
-    rmu_coeff: float = option(LossParams.rmu_coeff, "RMU's steering coefficient c." + DEFAULT, panel=METHOD)
-    rmu_update_layers: tuple[int, ...] | None = option(
-        LossParams.rmu_update_layers,
-        "RMU: layers whose modules train, e.g. 5,6,7 [default: the RMU layer and the two before it]",
-        panel=METHOD)
-    rmu_modules: tuple[str, ...] | None = option(
-        LossParams.rmu_modules,
-        "RMU: the modules of those layers that train, e.g. mlp.down_proj [default: the MLP's output projection]",
-        panel=METHOD)
-    # The forget-first F_f:F_r cycle
-    forget_freq: int = option(1, "F_f: forget steps per cycle." + DEFAULT, panel=METHOD)
-    retain_freq: int = option(5, "F_r: retain steps per cycle." + DEFAULT, panel=METHOD)
-    forget_lr: float | None = option(None, "Learning rate of forget steps [default: --lr]", panel=TRAINING)
-    show_samples: int = option(3, "Questions per set shown before/after (0: none)." + DEFAULT, panel=EVALUATION)
-    # `doplus evaluate`'s suites during training (into OUT/evals/step-N/)
-    eval_suite: str = option("tofu", "Suite run during training." + DEFAULT, panel=EVALUATION)
-    eval_split: str = option("forget10", "TOFU forget split." + DEFAULT, panel=EVALUATION)
-    eval_data_dir: str | None = option(None, TOFU_FOLDER_HELP + "]", panel=EVALUATION)
-    eval_max_samples: int | None = option(None, "Questions per set [default: all]", panel=EVALUATION)
-    eval_max_new_tokens: int = option(64, ANSWER_TOKENS_HELP + DEFAULT, panel=EVALUATION)
-    eval_nli_model: str | None = option(None, "NLI model " + NLI_DEFAULT, panel=EVALUATION)
-    eval_embedding_model: str | None = option(None, "Embedding model [default: the protocol's]", panel=EVALUATION)
-    # or "paper": the DualOptim+ authors' judges and generation budget
-    eval_protocol: str = option("doplus", PROTOCOL_HELP + DEFAULT, panel=EVALUATION, choices=PROTOCOL_NAMES)
-    # prompts per batch of the evaluation during training; None: max(batch_size, 8)
-    eval_batch_size: int | None = option(
-        None,
-        "Prompts per batch of the evaluation during training [default: the larger of --batch-size and 8]",
-        panel=EVALUATION)
-    # `doplus evaluate --attacks` for the last evaluation
-    eval_attacks: tuple[str, ...] | None = option(
-        None,
-        "The last evaluation (--eval-every) also runs on attacked copies of the final weights: relearn, "
-        "relearn-lora, quant-8bit, quant-4bit, quant-fp4, probe, white-box (logit-lens, linear-probe, embedding, "
-        "orthogonalize, prune) or all, comma-separated (docs/attacks.md) [default: none]",
-        panel=EVALUATION)
-
-    @property
-    def forget_loss(self) -> str:
-        return self.loss.split("+")[0]
-
-    @property
-    def retain_loss(self) -> str | None:
-        parts = self.loss.split("+")
-        return parts[1] if len(parts) > 1 else None
-
-    def check(self) -> None:
-        super().check()
-        validate_unlearn(self)
 
 
 # The names of multitask's metrics, checked here before the evaluation is imported: the one list of them, over which
@@ -541,106 +412,7 @@ RESERVED_TASK_NAMES = ("joint", "total")  # a joint step's name and its summed l
 AVERAGE = "average"  # the mean of the tasks' scores, reported beside each task's (commands/multitask.py)
 
 
-@dataclass
-class MultitaskConfig(TrainConfig):
-    """Every option of `doplus multitask`: the options of every training command plus the tasks."""
 
-    # The options multitask shares with every training command, in its own words
-    option_words: ClassVar[dict[str, str]] = {
-        "recipe": "YAML recipe (a tasks: list); flags override it.",
-        "max_new_tokens": "Greedy tokens per evaluated answer." + DEFAULT,
-        "eval_every": "Score every task every N steps (and at the end) [default: never]",
-        "select_by": SELECT_BY_HELP.format(metrics="a task's name or average"),
-    }
-
-    tasks: list[dict[str, Any]] = field(default_factory=list)  # TASK_DEFAULTS keys, one dict per task
-    # F1,F2,...: each task's frequency in order (overrides the tasks' own)
-    freq: tuple[int, ...] | None = option(
-        None,
-        "Each task's steps per cycle, in order: 1,2,1 [default: each task's freq, 1]",
-        panel=METHOD)
-    prompt_key: str = option("prompt", "Prompt field." + DEFAULT, panel=MODEL_DATA)
-    answer_key: str = option("answer", "Answer field." + DEFAULT, panel=MODEL_DATA)
-    eval_rows: int = option(
-        200,
-        "Rows kept out of training for evaluation, per task without an eval file (0: none)." + DEFAULT,
-        panel=EVALUATION)
-    # prompts per greedy generation batch
-    eval_batch_size: int = option(16, "Prompts per generation batch." + DEFAULT, panel=EVALUATION)
-
-    def check(self) -> None:
-        super().check()
-        validate_multitask(self)
-
-
-ALIGN_EVAL_SUITES = ("safety", "xstest")  # `doplus evaluate`'s suites an align run can end with
-
-
-@dataclass
-class AlignConfig(TrainConfig):
-    """Every option of `doplus align`: the options of every training command plus the safety and general sets."""
-
-    # The options align shares with every training command, in its own words
-    option_words: ClassVar[dict[str, str]] = {
-        "max_new_tokens": "Greedy tokens per held-out response." + DEFAULT,
-        "scheme": "joint (batches from the mixture of both sets), alternate, dualoptim, doplus, scaffold, fedcm or "
-                  "local-adam." + DEFAULT,
-        "steps": "Optimizer steps (or --epochs)." + DEFAULT,
-        "warmup_steps": WARMUP_HELP.format(warmup="the first epoch with --epochs, else a tenth of the steps"),
-    }
-
-    safety: str | None = option(
-        None,
-        "Harmful instructions with the safe response to learn: " + SOURCE_HELP,
-        panel=MODEL_DATA)
-    general: str | None = option(
-        None,
-        "Benign instructions with their responses (Alpaca): " + SOURCE_HELP,
-        panel=MODEL_DATA)
-    instruction_key: str = option("instruction", "Instruction field." + DEFAULT, panel=MODEL_DATA)
-    input_key: str = option(
-        "input",
-        "Optional input field, after the instruction and a blank line when not empty." + DEFAULT,
-        panel=MODEL_DATA)
-    output_key: str = option("output", "Response field." + DEFAULT, panel=MODEL_DATA)
-    freq: str = option("1:10", "F_s:F_g, safety steps then general steps per cycle." + DEFAULT, panel=METHOD)
-    epochs: float | None = option(
-        None,
-        "Passes over the general set, instead of --steps (warmup: the first epoch).",
-        panel=TRAINING)
-    held_out: int = option(
-        4,
-        "Each set's last N rows, kept out of training and answered before and after (0: none)." + DEFAULT,
-        panel=EVALUATION)
-    # prompts per greedy generation batch (held-out rows, the evaluation suite)
-    eval_batch_size: int = option(16, "Prompts per generation batch." + DEFAULT, panel=EVALUATION)
-    # `doplus evaluate`'s safety suites on final/ after training, into OUT/eval/
-    eval_suite: tuple[str, ...] | None = option(
-        None,
-        "After training, `doplus evaluate` final/ into OUT/eval/: safety, xstest or safety,xstest [default: none]",
-        panel=EVALUATION)
-    eval_max_samples: int | None = option(None, "The first N prompts of each set [default: all]", panel=EVALUATION)
-    eval_max_new_tokens: int = option(64, ANSWER_TOKENS_HELP + DEFAULT, panel=EVALUATION)
-    # None: Llama-Guard-2-8B when it loads, else the refusal judge; "none"
-    eval_guard_model: str | None = option(
-        None,
-        "A Llama Guard-protocol model, or none " + GUARD_DEFAULT + "]",
-        panel=EVALUATION)
-    eval_refusal_model: str | None = option(
-        None,
-        "A chat model labelling refusals by XSTest's protocol [default: the offline refusal judge]",
-        panel=EVALUATION)
-    # None: the releases' files, downloaded once
-    eval_safety_data_dir: str | None = option(None, "Folder " + SAFETY_FILES_HELP, panel=EVALUATION)
-    eval_attacks: tuple[str, ...] | None = option(
-        None,
-        "The safety suite on final/ (--eval-suite) also runs on attacked copies: quant-8bit, quant-4bit, quant-fp4, "
-        "probe-prefix, comma-separated (docs/attacks.md) [default: none]",
-        panel=EVALUATION)
-
-    def check(self) -> None:
-        super().check()
-        validate_align(self)
 
 
 # The options that take a list: their fields are typed `tuple[str, ...]` or `tuple[int, ...]` (whole numbers >= 0).
@@ -766,11 +538,11 @@ def _checked_task(task: Any, where: str) -> dict[str, Any]:
     return task
 
 
-def field_names(cls: type[TrainConfig] = UnlearnConfig) -> list[str]:
+def field_names(cls: type[TrainConfig]) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if f.name not in NOT_OPTIONS]
 
 
-def default_of(name: str, cls: type[TrainConfig] = UnlearnConfig) -> Any:
+def default_of(name: str, cls: type[TrainConfig]) -> Any:
     """The default of one option, for help texts (so the CLI never repeats a default)."""
     return {f.name: f.default for f in dataclasses.fields(cls)}[name]
 
@@ -906,7 +678,7 @@ def recipe_options(path: str | os.PathLike, names: list[str],
     return values
 
 
-def load_recipe(path: str | os.PathLike, cls: type[TrainConfig] = UnlearnConfig) -> dict[str, Any]:
+def load_recipe(path: str | os.PathLike, cls: type[TrainConfig]) -> dict[str, Any]:
     """Read a YAML recipe into {field: value}, with relative data and model paths made usable."""
     values = recipe_options(path, field_names(cls))
     if "tasks" in values:
@@ -941,7 +713,7 @@ def _next_to_recipe(value: str, folder: Path) -> str:
     return value
 
 
-def resolve_config(recipe: str | None, overrides: dict[str, Any], cls: type[TrainConfig] = UnlearnConfig):
+def resolve_config(recipe: str | None, overrides: dict[str, Any], cls: type[TrainConfig]):
     """Defaults, then the recipe, then command-line overrides (None means "not given"); validated. A value the
     recipe set that validation refuses is said against the recipe's file and key (`said_against_recipe`)."""
     config, sources = _resolve(recipe, overrides, cls)
@@ -1002,7 +774,7 @@ def _resolve(recipe: str | None, overrides: dict[str, Any], cls: type[TrainConfi
     return config, sources
 
 
-def coerce_option(key: str, value: Any, source: str, cls: type[TrainConfig] = UnlearnConfig) -> Any:
+def coerce_option(key: str, value: Any, source: str, cls: type[TrainConfig]) -> Any:
     """Turn a recipe or flag value into the field's type, or say which option and where it came from."""
     kind = {f.name: f.type for f in dataclasses.fields(cls)}[key]
     where = f"--{key.replace('_', '-')}" if source == "command line" else f"{source}: option '{key}'"
@@ -1109,12 +881,7 @@ def chosen_trackers(given: tuple[str, ...]) -> list[str]:
     return names
 
 
-# The suites an unlearn run is evaluated by (its recipe's eval_suite; `bench schemes` compares runs by it). tofu: the
-# suite the eval_* keys describe, also during training (--eval-every). answers: the run's own before/after answers to
-# `show_samples` questions of each set (ROUGE-L recall of the answer after against the one before), for recipes
-# without reference answers (the real-world setting, where the targets are the model's own answers). muse, wmdp:
-# those suites on final/.
-UNLEARN_EVAL_SUITES = ("tofu", "answers", "muse", "wmdp")
+
 
 
 def validate_training(config: TrainConfig) -> None:
@@ -1221,37 +988,6 @@ def check_precision(config: TrainConfig) -> None:
                         "or --precision bf16-mixed")
 
 
-def validate_align(config: AlignConfig) -> None:
-    """The options of `doplus align` on top of `validate_training`."""
-    for name, flag in (("safety", "--safety"), ("general", "--general")):
-        if getattr(config, name) is None:
-            raise UserError(f"no {name} set: pass {flag} FILE (JSON lines, a JSON array, or hf:NAME[:CONFIG][@SPLIT]) "
-                            "or set it in the recipe")
-    parse_cycle(config.freq)
-    if config.epochs is not None and not (config.epochs > 0 and config.epochs < float("inf")):
-        raise UserError(f"--epochs must be a number > 0, got {config.epochs}")
-    for name in ("held_out",):
-        if getattr(config, name) < 0:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")
-    if config.eval_batch_size < 1:
-        raise UserError(f"--eval-batch-size must be at least 1, got {config.eval_batch_size}")
-    if config.eval_suite is not None:
-        if any(s not in ALIGN_EVAL_SUITES for s in config.eval_suite):
-            raise UserError(f"unknown --eval-suite {shown(recorded(config.eval_suite))} for align: choose safety, "
-                            "xstest or safety,xstest (other suites: run `doplus evaluate` on final/)")
-    if config.eval_max_samples is not None and config.eval_max_samples < 1:
-        raise UserError(f"--eval-max-samples must be at least 1, got {config.eval_max_samples}")
-    if config.eval_max_new_tokens < 1:
-        raise UserError(f"--eval-max-new-tokens must be at least 1, got {config.eval_max_new_tokens}")
-    check_no_reference(config, "align")
-    # Align answers its held-out rows and runs --eval-suite once training ends; nothing evaluates a step during it.
-    if config.eval_every:
-        raise UserError(f"eval_every {config.eval_every}: doplus align evaluates after training only (held_out, "
-                        "eval_suite), never during it; eval_every is for unlearn and multitask")
-    if config.select_by is not None:
-        raise UserError(f"select_by {shown(config.select_by, quoted=False)}: doplus align evaluates after training "
-                        "only (held_out, eval_suite), so no evaluated step can be kept as best/; select_by is for "
-                        "unlearn and multitask")
 
 
 def check_no_reference(config: TrainConfig, command: str) -> None:
@@ -1262,9 +998,8 @@ def check_no_reference(config: TrainConfig, command: str) -> None:
                         "model; ref_offload places the reference model of unlearn's NPO, DPO, KL and UNDIAL")
 
 
-# The values of an evaluation during training `--select-by` can keep the best of, and which way is better: unlearn's
-# TOFU aggregates (percent; commands/unlearn.py), multitask's task scores and their average (commands/multitask.py).
-UNLEARN_SELECTABLE = {"MU": True, "UFE": True, "TFE": True, "OVR": True}
+# `--select-by METRIC:max|min`. Which metrics a command's evaluation during training reports, and which way is better
+# for each, its config class says (`selectable_metrics`: unlearn's TOFU aggregates, multitask's task scores).
 DIRECTIONS = {"max": True, "min": False}
 
 
@@ -1281,125 +1016,20 @@ def parse_select_by(text: str, known: dict[str, bool]) -> tuple[str, bool]:
     return metric, DIRECTIONS[direction.strip()] if direction else known[metric]
 
 
-def selectable_metrics(config: TrainConfig) -> dict[str, bool]:
-    """The metrics `--select-by` takes for `config`'s command, each with whether higher is better."""
-    if isinstance(config, MultitaskConfig):
-        return {**{task["name"]: True for task in config.tasks}, AVERAGE: True}
-    return dict(UNLEARN_SELECTABLE)
 
 
 def check_select_by(config: TrainConfig) -> None:
     """`--select-by`: a metric the evaluation during training reports, and an evaluation during training."""
     if config.select_by is None:
         return
-    parse_select_by(config.select_by, selectable_metrics(config))
+    parse_select_by(config.select_by, config.selectable_metrics())
     if not config.eval_every:
         raise UserError(f"--select-by {shown(config.select_by, quoted=False)}: nothing is evaluated during training; "
                         "add --eval-every N")
 
 
-def validate_multitask(config: MultitaskConfig) -> None:
-    """The tasks of `doplus multitask`: at least one, distinct names, `--freq` with one number per task."""
-    if not config.tasks:
-        raise UserError("no tasks: pass --task NAME=FILE.jsonl (one per task) or a tasks: list in the recipe")
-    names = [task["name"] for task in config.tasks]
-    for name in names:
-        if names.count(name) > 1:
-            raise UserError(f"task '{name}' is given {names.count(name)} times: task names must be distinct")
-    if config.freq is not None:
-        if len(config.freq) != len(names):
-            raise UserError(f"--freq {recorded(config.freq)}: {len(config.freq)} frequencies for {len(names)} "
-                            f"tasks ({', '.join(names)}); give one per task, in order")
-        for task, freq in zip(config.tasks, config.freq):
-            task["freq"] = freq
-    if config.scheme != "joint" and not any(task["freq"] > 0 for task in config.tasks):
-        raise UserError(f"every task has frequency 0 ({', '.join(names)}): at least one needs steps of its own")
-    if config.scheme == "joint" and any(task["lr_multiplier"] != 1.0 for task in config.tasks):
-        raise UserError("a task's lr_multiplier needs a scheme with separate task steps (alternate, dualoptim, "
-                        "doplus)")
-    if any(task["lr_multiplier"] != 1.0 for task in config.tasks) and config.lr == 0:
-        raise UserError("a task's lr_multiplier needs --lr > 0 (it is applied as a multiple of it)")
-    for name in ("eval_rows",):
-        if getattr(config, name) < 0:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")
-    if config.eval_batch_size < 1:
-        raise UserError(f"--eval-batch-size must be at least 1, got {config.eval_batch_size}")
-    check_select_by(config)
-    check_no_reference(config, "multitask")
 
 
-def validate_loss_params(config: UnlearnConfig) -> None:
-    """The hyper-parameters of SimNPO, UNDIAL, WGA, SatImp and RMU (`losses.LossParams`): numbers >= 0, SimNPO's
-    beta > 0 (it divides by it), RMU's layers whole numbers >= 0 (their range is checked on the model)."""
-    for name in ("simnpo_beta", "undial_beta", "wga_beta", "satimp_beta1", "satimp_beta2", "rmu_coeff"):
-        value = getattr(config, name)
-        if not value >= 0 or value == float("inf"):
-            raise UserError(f"--{name.replace('_', '-')} must be a number >= 0, got {value}")
-    if config.simnpo_beta == 0 and config.forget_loss == "SimNPO":
-        raise UserError("--simnpo-beta must be > 0 for SimNPO (it divides by it)")
-    if config.simnpo_gamma != config.simnpo_gamma or abs(config.simnpo_gamma) == float("inf"):
-        raise UserError(f"--simnpo-gamma must be a finite number, got {config.simnpo_gamma}")
-    if config.rmu_layer is not None and config.rmu_layer < 0:
-        raise UserError(f"--rmu-layer must be a layer number >= 0, got {config.rmu_layer}")
 
 
-def eval_batch_size(config: UnlearnConfig) -> int:
-    """Prompts per batch of the TOFU evaluation during training (and of the bench's evaluation of final/)."""
-    return config.eval_batch_size or max(config.batch_size, 8)
 
-
-def validate_unlearn(config: UnlearnConfig) -> None:
-    """The options of `doplus unlearn` on top of `validate_training`."""
-    if config.eval_batch_size is not None and config.eval_batch_size < 1:
-        raise UserError(f"--eval-batch-size must be at least 1, got {config.eval_batch_size}")
-    parts = config.loss.split("+")
-    if len(parts) > 2 or parts[0] not in FORGET_LOSS_NAMES or (len(parts) == 2 and parts[1] not in RETAIN_LOSS_NAMES):
-        raise UserError(
-            f"unknown loss {shown(config.loss)}: write FORGET or FORGET+RETAIN with FORGET in "
-            f"{{{', '.join(FORGET_LOSS_NAMES)}}} and RETAIN in {{{', '.join(RETAIN_LOSS_NAMES)}}}, e.g. NPO+GD"
-        )
-    for name in ("forget_freq", "retain_freq", "show_samples"):
-        if getattr(config, name) < 0:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")
-    if config.forget_freq == 0:
-        raise UserError("--forget-freq must be at least 1: every cycle starts with forget steps")
-    for name in ("beta", "forget_coeff", "retain_coeff"):
-        value = getattr(config, name)
-        if not value >= 0 or value != value:
-            raise UserError(f"--{name.replace('_', '-')} must be a number >= 0, got {value}")
-    if config.beta == 0 and config.forget_loss in ("NPO", "DPO") or config.beta == 0 and config.retain_loss == "AP":
-        raise UserError("--beta must be > 0 for NPO, DPO and AP (they divide by it)")
-    validate_loss_params(config)
-    if config.forget_lr is not None and not config.forget_lr >= 0:
-        raise UserError(f"--forget-lr must be a number >= 0, got {config.forget_lr}")
-    check_protocol(config.eval_protocol)
-    if config.eval_suite not in UNLEARN_EVAL_SUITES:
-        raise UserError(f"unknown --eval-suite {shown(config.eval_suite)}: choose {', '.join(UNLEARN_EVAL_SUITES)}")
-    if config.eval_every and config.eval_suite != "tofu":
-        raise UserError(f"unknown --eval-suite {shown(config.eval_suite)} for evaluation during training: only tofu "
-                        "(run `doplus evaluate --suite ...` on final/ afterwards for the others)")
-    check_select_by(config)
-    if config.forget is None:
-        raise UserError("no forget set: pass --forget FILE.jsonl (or hf:NAME[:CONFIG][@SPLIT]) or set it in the recipe")
-    if config.text_window is not None and not 2 <= config.text_window <= config.max_length:
-        raise UserError(f"--text-window must be between 2 and --max-length ({config.max_length}), got "
-                        f"{config.text_window}")
-    if config.task_id is not None and config.task_id < 0:
-        raise UserError(f"--task-id must be a whole number >= 0, got {config.task_id}")
-    if config.continual and config.task_ids is None:
-        raise UserError("--continual needs --task-ids T1,T2,...: the forget tasks in the order they are unlearned")
-    if config.task_ids is not None:
-        check_distinct_tasks(config.task_ids, "--task-ids")
-        if not config.continual:
-            raise UserError("--task-ids unlearns tasks one after another: add --continual (for independent runs "
-                            "per task, from the same starting model, use doplus bench schemes --task-ids)")
-        if config.task_id is not None and config.task_id not in config.task_ids:
-            raise UserError(f"--task-id {config.task_id} is not in --task-ids {recorded(config.task_ids)}")
-    if config.retain_loss is not None and config.retain is None:
-        raise UserError(f"loss {config.loss} has a retain term: pass --retain FILE.jsonl or use a forget loss alone")
-    if config.scheme in ("joint",) and config.forget_lr is not None:
-        raise UserError("--forget-lr needs a scheme with separate forget steps (alternate, dualoptim, doplus)")
-    if config.forget_lr is not None and config.forget_lr != config.lr and config.lr == 0:
-        raise UserError("--forget-lr needs --lr > 0 (the forget rate is applied as a multiple of it)")
-    if config.retain_loss is None and config.scheme != "joint" and config.retain_freq > 0:
-        config.retain_freq = 0  # a forget loss alone: every step is a forget step

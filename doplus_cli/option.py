@@ -60,12 +60,12 @@ class Option:
                 "choices": self.choices, **self.variant.get(command, {})}
 
 
-def option(default: Any = dataclasses.MISSING, help: str = "", *, flags: str = "", type: Any = None,
-           **settings: Any) -> Any:
-    """A config field that is an option: `default` as `dataclasses.field` takes it, and the option's declaration
-    (`Option`'s help and settings; `flags` and `type` only where the field's name and annotation do not give
-    them) in the field's metadata, where `field_options` reads it."""
-    return field(default=default, metadata={"option": (flags, type, help, settings)})
+def option(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = dataclasses.MISSING,
+           flags: str = "", type: Any = None, **settings: Any) -> Any:
+    """A config field that is an option: `default` (or `factory`, a default_factory) as `dataclasses.field` takes
+    it, and the option's declaration (`Option`'s help and settings; `flags` and `type` only where the field's name
+    and annotation do not give them) in the field's metadata, where `field_options` reads it."""
+    return field(default=default, default_factory=factory, metadata={"option": (flags, type, help, settings)})
 
 
 def flag_type(annotation: Any) -> Any:
@@ -78,13 +78,14 @@ def flag_type(annotation: Any) -> Any:
 
 
 def field_options(cls: type) -> dict[str, Option]:
-    """The options a config class's fields declare (`option`), by field name, in the fields' order; a subclass's
-    redeclared field's own declaration."""
+    """The options a config class's fields declare (`option`), by option name (the field's, unless its flag names
+    it otherwise: evaluate's `suites` is `--suite`), in the fields' order."""
     found = {}
     for f in dataclasses.fields(cls):
         declared = f.metadata.get("option")
         if declared is None:
             continue
         flags, kind, text, settings = declared
-        found[f.name] = Option(flags or "--" + f.name.replace("_", "-"), kind or flag_type(f.type), text, **settings)
+        made = Option(flags or "--" + f.name.replace("_", "-"), kind or flag_type(f.type), text, **settings)
+        found[made.name] = made
     return found

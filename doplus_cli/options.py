@@ -32,13 +32,7 @@ from rich import markup
 
 from doplus_cli import errors
 from doplus_cli.config import (
-    GUARD_DEFAULT,
-    NLI_DEFAULT,
-    PROTOCOL_HELP,
-    PROTOCOL_NAMES,
-    SAFETY_FILES_HELP,
     SCHEMES,
-    TOFU_FOLDER_HELP,
     TrainConfig,
     default_of,
     recipe_options,
@@ -47,7 +41,6 @@ from doplus_cli.errors import UserError
 from doplus_cli.option import (
     COMPARE,
     DISTRIBUTED,
-    EVALUATION,
     MEASURE,
     MODEL_DATA,
     OUTPUT,
@@ -59,10 +52,10 @@ from doplus_cli.option import (
 )
 from doplus_cli.registry import Registry
 
-# The config class each training command reads its options' defaults from, and the options its fields declare
-# (their help in the command's own words), as the command declares them when it is registered (`declare`, called
-# by commands/base.py's `register`: the command modules are a layer above).
-COMMAND_CONFIGS: dict[str, type[TrainConfig]] = {}
+# The config class whose fields declare a command's options (a training command's, evaluate's EvalConfig) and
+# give its shown defaults, and those options (in the command's own words), as the command declares them (`declare`:
+# commands/base.py's `register`, evaluation/suite_api.py; both a layer above).
+COMMAND_CONFIGS: dict[str, type] = {}
 COMMAND_FIELDS: dict[str, dict[str, Option]] = {}
 
 
@@ -128,77 +121,8 @@ TABLE: tuple[Option, ...] = (
            "recipe's tasks)", panel=MODEL_DATA),
 
     # --- doplus evaluate -------------------------------------------------------------------------------------------
-    Option("--forget", str, "real-world: forget-people JSON lines.", panel=MODEL_DATA),
-    Option("--retain", str, "real-world: neighbour-people JSON lines.", panel=MODEL_DATA),
-    Option("--task-id", int, "TOFU files whose rows carry task_id (the DualOptim+ authors'): the forget task scored "
-           "[default: 1]", panel=MODEL_DATA),
     Option("folders", list[str], "With --compare: evaluation folders to compare.", argument=True, panel=COMPARE),
     Option("--compare", bool, "Print the given evaluation folders side by side.", panel=COMPARE),
-    Option("--suite", str, "{suites}, or several comma-separated.", panel=EVALUATION),
-    Option("--split", str, "TOFU forget split: forget01, forget05, forget10.", panel=MODEL_DATA),
-    Option("--data-dir", str, TOFU_FOLDER_HELP + " from the hub]", panel=MODEL_DATA),
-    Option("--max-samples", int, "At most N questions per set (quick looks).", panel=EVALUATION),
-    Option("--generation-batch-size", int, "Prompts per generation batch of the TOFU and real-world suites, apart "
-           "from the NLL batches' unit [default: twice --batch-size on the CPU, --batch-size on a GPU]", min=1,
-           panel=EVALUATION),
-    Option("--embedding-model", str, "Sentence-transformers model for Cosine Similarity [default: the protocol's: "
-           "doplus all-MiniLM-L6-v2, paper paraphrase-MiniLM-L6-v2]", panel=EVALUATION),
-    Option("--nli-model", str, "NLI model for the Entailment Score " + NLI_DEFAULT, panel=EVALUATION),
-    Option("--fluency-model", str, "tofu, real-world: a gibberish classifier (hub id or folder) whose probability of "
-           "clean text over the forget generations is forget_fluency [default: OpenUnlearning's "
-           "madhurjindal/autonlp-Gibberish-Detector-492513457; offline, not available, said in the report]",
-           panel=EVALUATION),
-    Option("--targeted/--untargeted", bool, "OVR formula (IDK/DPO are targeted) [default: from the run's loss, else "
-           "both]", panel=EVALUATION),
-    Option("--tasks", str, "lm-eval tasks, comma-separated [default: the protocol's: arc_challenge, mmlu, "
-           "truthfulqa_mc2, triviaqa, gsm8k; --protocol paper: truthfulqa_mc1 in place of mc2, as the DualOptim+ "
-           "code runs them]", panel=EVALUATION),
-    Option("--limit", float, "lm-eval: samples per task (or a fraction < 1).", panel=EVALUATION),
-    Option("--lm-eval-include", str, "Folder of extra lm-eval task YAMLs. lm-eval runs the Python a task names "
-           "(`!function file.fn`) from that folder: give only a folder whose code you trust.", panel=EVALUATION),
-    Option("--protocol", str, PROTOCOL_HELP, panel=EVALUATION, choices=PROTOCOL_NAMES),
-    Option("--retain-logs", str, "A retain model's TOFU_EVAL.json (doplus's or OpenUnlearning's): forget_quality "
-           "and privleak's reference AUC; muse: a retrained model's MUSE_EVAL.json.", panel=EVALUATION),
-    Option("--holdout", str, "Non-member rows (JSON lines with question, answer; TOFU's holdout10): the privacy "
-           "suite, and privacy metrics in the TOFU suite.", panel=MODEL_DATA),
-    Option("--mia-reference", str, "privacy: the reference model (hub id or folder, e.g. a retain model) of the "
-           "reference-based membership inference attack, mia_reference [default: none, the attack not run]",
-           panel=EVALUATION),
-    Option("--guard-model", str, "safety: a Llama Guard-protocol model (hub id or folder), or none " + GUARD_DEFAULT
-           + ", said in the report]", panel=EVALUATION),
-    Option("--refusal-model", str, "safety, xstest: a chat model (hub id or folder) that labels refusals by "
-           "XSTest's classification protocol instead of the offline refusal judge", panel=EVALUATION),
-    Option("--refusal-model-prompt", str, "Its prompt: a text file with {question} and {response} [default: "
-           "doplus's wording of XSTest's GPT-4 prompt]", panel=EVALUATION),
-    Option("--safety-data-dir", str, "safety, xstest: folder " + SAFETY_FILES_HELP, panel=MODEL_DATA),
-    Option("--responses", str, "safety, xstest: judge the (prompt, response) rows of FILE.jsonl|csv instead of "
-           "generating", panel=MODEL_DATA),
-    Option("--muse-corpus", str, "muse: news or books.", panel=MODEL_DATA, choices=("news", "books")),
-    Option("--muse-data", str, "muse: a folder in MUSE's layout (<config>/<split>.jsonl) or hf:NAME [default: "
-           "hf:muse-bench/MUSE-News or MUSE-Books]", panel=MODEL_DATA),
-    Option("--muse-retrained", str, "muse: a retrained model (hub id or folder) whose Min-40% AUC is privleak's "
-           "reference [default: --retain-logs, else MUSE's published retrained AUC]", panel=EVALUATION),
-    Option("--attacks", str, "Run the forget suites (tofu, real-world, muse, wmdp, safety) again on attacked copies "
-           "of the model and report the change: relearn, relearn-lora, quant-8bit, quant-4bit, quant-fp4, probe "
-           "(probe-prefix, probe-roleplay, probe-incontext, probe-paraphrase), white-box (logit-lens, linear-probe, "
-           "embedding, orthogonalize, prune) or all, comma-separated (docs/attacks.md). The model on disk is never "
-           "changed.", panel=EVALUATION),
-    Option("--relearn-data", str, "Relearning attacks: JSON lines with question, answer to fine-tune on [default: "
-           "the first half of the forget rows; the other half is reported apart]", panel=EVALUATION),
-    Option("--relearn-steps", str, "Relearning attacks: K optimizer steps, or several comma-separated (one "
-           "relearned copy each; the published presets are 50, 100, 150)", panel=EVALUATION),
-    Option("--base-model", str, "White-box attacks (orthogonalize, prune, the probe's reference): the model the "
-           "unlearning started from, a hub id or folder [default: the run's model when --model is a run's final/]",
-           panel=EVALUATION),
-    Option("--utility-budget", float, "The attacks' worst case keeps only attacked copies whose utility (the "
-           "suite's own: MU, OVR's utility, lm-eval's mean) dropped by at most this fraction of the unattacked "
-           "model's, e.g. 0.1; the report names the copies left out [default: every copy]", min=0, panel=EVALUATION),
-    Option("--prune-fraction", float, "The prune attack: the fraction of MLP neurons, those whose weights changed "
-           "most, reset to the starting model's.", min=0, panel=EVALUATION),
-    Option("--attack-option", list[str], "ATTACK.NAME=VALUE: a white-box attack's own setting (repeatable): "
-           "embedding.vectors, .steps, .lr, .max_seconds (a bound on its optimisation), .init (text or random), "
-           ".max_new_tokens; logit-lens.max_new_tokens; linear-probe.l2 [default: docs/attacks.md]",
-           panel=EVALUATION),
 
     # --- doplus bench optimizer, precision and schemes --------------------------------------------------------------
     Option("--json", bool, "Print the result as JSON on stdout instead of a table.",
@@ -314,10 +238,10 @@ def training_options(config_class: type[TrainConfig], extra: tuple[str, ...] = (
     return ("recipe", *dict.fromkeys(names), *LAUNCH_OPTIONS)
 
 
-def declare(command: str, config_class: type[TrainConfig] | None, names: tuple[str, ...]) -> None:
-    """Add a command's options (by name, in the order of its help) and, for a training command, the config class
-    they and their shown defaults come from (its fields' options, their help in the class's `option_words`); a name
-    neither declares, or a command declared twice, is refused."""
+def declare(command: str, config_class: type | None, names: tuple[str, ...]) -> None:
+    """Add a command's options (by name, in the order of its help) and the config class whose fields declare them
+    and give their shown defaults (the help in the class's `option_words` where it has its own); a name neither
+    the class nor the table declares, or a command declared twice, is refused."""
     if command in COMMAND_OPTIONS:
         raise ValueError(f"the options of '{command}' are declared already")
     own = {} if config_class is None else field_options(config_class)

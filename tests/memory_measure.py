@@ -67,7 +67,8 @@ def scheme_flags(name: str) -> list[str]:
 
 def planned(flags: list[str]) -> int:
     from doplus_cli.commands import command_for
-    from doplus_cli.config import UnlearnConfig, resolve_config
+    from doplus_cli.commands.unlearn import UnlearnConfig
+    from doplus_cli.config import resolve_config
     from doplus_cli.engine.memory_plan import build_plan, model_plan
 
     values = {}
@@ -109,7 +110,8 @@ def sizing() -> None:
     """GiB per process of `doplus unlearn` (NPO+GD, bf16-mixed on a GPU, batch 4 x 512 tokens, gradient
     checkpointing) for each model and scheme: 1 process, and 8 processes under DDP and under FSDP."""
     from doplus_cli.commands import command_for
-    from doplus_cli.config import UnlearnConfig, resolve_config
+    from doplus_cli.commands.unlearn import UnlearnConfig
+    from doplus_cli.config import resolve_config
     from doplus_cli.engine.memory_plan import build_plan, model_plan
 
     print("| model | scheme | trainable | 1 process | DDP x 8 | FSDP x 8 |")

@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 
 from doplus_cli.bench.adapters import adapter_of
 from doplus_cli.bench.adapters.align import AlignAdapter
-from doplus_cli.commands.align import alpaca_keys, epoch_steps
-from doplus_cli.config import AlignConfig, resolve_config
+from doplus_cli.commands.align import AlignConfig, alpaca_keys, epoch_steps
+from doplus_cli.config import resolve_config
 from doplus_cli.data.batches import build_batch
 from doplus_cli.data.formatting import IGNORE_INDEX, PromptFormatter
 from doplus_cli.data.sources import MixtureSource, RowRange, open_source

@@ -16,7 +16,9 @@ import torch
 from rich.console import Console
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from doplus_cli.config import TASK_DEFAULTS, MultitaskConfig, UnlearnConfig
+from doplus_cli.commands.multitask import MultitaskConfig
+from doplus_cli.commands.unlearn import UnlearnConfig
+from doplus_cli.config import TASK_DEFAULTS
 from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.engine.attacks import relearned_copy
 from doplus_cli.evaluation import attacks

@@ -23,15 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from doplus_cli import config as config_module
-from doplus_cli.config import (
-    MAX_RECIPE_DEPTH,
-    MultitaskConfig,
-    UnlearnConfig,
-    field_names,
-    load_recipe,
-    read_recipe,
-    resolve_config,
-)
+from doplus_cli.commands.multitask import MultitaskConfig
+from doplus_cli.commands.unlearn import UnlearnConfig
+from doplus_cli.config import MAX_RECIPE_DEPTH, field_names, load_recipe, read_recipe, resolve_config
 from doplus_cli.data import sources
 from doplus_cli.data.muse import muse_rows
 from doplus_cli.data.sources import Keys, available_tasks, open_source, task_rows
@@ -85,7 +79,7 @@ BILLION_LAUGHS = "\n".join(['a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "l
 @pytest.mark.parametrize("text", [BOMB, BILLION_LAUGHS], ids=["alias-bomb", "billion-laughs"])
 def test_an_alias_bomb_is_refused_at_its_first_anchor(tmp_path, text):
     recipe = write(tmp_path / "bomb.yaml", text)
-    line = refused(load_recipe, recipe)
+    line = refused(load_recipe, recipe, UnlearnConfig)
     assert line.startswith(f"{recipe}:1: an anchor (&a): recipes take no YAML anchors or aliases")
 
 
@@ -115,8 +109,9 @@ def test_deep_nesting_in_a_recipe_is_one_line(tmp_path, kind):
 
 def test_a_duplicate_key_is_refused_with_its_line_and_key(tmp_path):
     recipe = write(tmp_path / "dup.yaml", "forget: f.jsonl\nlr: 1.0e-5\nsteps: 3\nlr: 1.0\n")
-    assert refused(load_recipe, recipe) == (f"{recipe}:4: key 'lr' is given twice in the same mapping (YAML would "
-                                            "keep the last one without a word); give it once")
+    assert refused(load_recipe, recipe, UnlearnConfig) == (
+        f"{recipe}:4: key 'lr' is given twice in the same mapping (YAML would keep the last one without a word); "
+        "give it once")
     tasks = "tasks:\n  - name: a\n    data: a.jsonl\n    weight: 1\n    weight: 2\n"
     recipe = write(tmp_path / "tasks.yaml", tasks)
     assert refused(load_recipe, recipe, MultitaskConfig).startswith(f"{recipe}:5: key 'weight' is given twice")
@@ -137,12 +132,12 @@ def test_a_recipe_larger_than_the_limit_is_refused_before_it_is_parsed(tmp_path)
 ])
 def test_a_recipe_value_validation_refuses_is_said_against_the_recipe_and_key(tmp_path, text, message):
     recipe = write(tmp_path / "r.yaml", "forget: f.jsonl\n" + text)
-    assert refused(resolve_config, recipe, {}).startswith(f"{recipe}: {message}")
+    assert refused(resolve_config, recipe, {}, UnlearnConfig).startswith(f"{recipe}: {message}")
 
 
 def test_the_same_value_from_a_flag_is_said_against_the_flag(tmp_path):
     recipe = write(tmp_path / "r.yaml", "forget: f.jsonl\nlr: 1.0e-5\n")
-    assert refused(resolve_config, recipe, {"lr": -1.0}) == "--lr must be a number >= 0, got -1.0"
+    assert refused(resolve_config, recipe, {"lr": -1.0}, UnlearnConfig) == "--lr must be a number >= 0, got -1.0"
 
 
 @pytest.mark.parametrize("text,message", [
@@ -170,7 +165,7 @@ def test_no_message_echoes_a_long_value(tmp_path, text, message):
 ])
 def test_values_yaml_cannot_make_are_one_line(tmp_path, content, message):
     recipe = write(tmp_path / "r.yaml", content)
-    assert refused(resolve_config, recipe, {}).startswith(f"{recipe}{message}")
+    assert refused(resolve_config, recipe, {}, UnlearnConfig).startswith(f"{recipe}{message}")
 
 
 def test_a_fifo_given_as_a_recipe_is_named_as_one(tmp_path):
@@ -207,7 +202,7 @@ def test_a_non_finite_flag_of_evaluate_and_bench_is_one_line(capsys):
 ])
 def test_a_non_finite_recipe_value_is_one_line(tmp_path, text, message):
     recipe = write(tmp_path / "r.yaml", "forget: f.jsonl\n" + text)
-    assert refused(resolve_config, recipe, {}) == f"{recipe}: {message}"
+    assert refused(resolve_config, recipe, {}, UnlearnConfig) == f"{recipe}: {message}"
 
 
 def test_a_non_finite_task_weight_and_evaluate_recipe_value_are_one_line(tmp_path, capsys):

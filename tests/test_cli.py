@@ -58,7 +58,7 @@ def test_a_registered_command_is_a_cli_command_from_its_module_alone(monkeypatch
 
     from doplus_cli import cli, options
     from doplus_cli.commands.base import Command
-    from doplus_cli.config import UnlearnConfig
+    from doplus_cli.commands.unlearn import UnlearnConfig
 
     class Toy(Command):
         command, marker, config_class = "toy", "toy_marker", UnlearnConfig
@@ -70,6 +70,7 @@ def test_a_registered_command_is_a_cli_command_from_its_module_alone(monkeypatch
 
     monkeypatch.setattr(options, "COMMAND_OPTIONS", dict(options.COMMAND_OPTIONS))
     monkeypatch.setattr(options, "COMMAND_CONFIGS", dict(options.COMMAND_CONFIGS))
+    monkeypatch.setattr(options, "COMMAND_FIELDS", dict(options.COMMAND_FIELDS))
     options.declare("toy", Toy.config_class, Toy.options)
     with pytest.raises(ValueError, match="declared already"):
         options.declare("toy", Toy.config_class, Toy.options)

@@ -5,14 +5,10 @@ import dataclasses
 
 import pytest
 
-from doplus_cli.config import (
-    AlignConfig,
-    MultitaskConfig,
-    UnlearnConfig,
-    field_names,
-    load_recipe,
-    resolve_config,
-)
+from doplus_cli.commands.align import AlignConfig
+from doplus_cli.commands.multitask import MultitaskConfig
+from doplus_cli.commands.unlearn import UnlearnConfig
+from doplus_cli.config import field_names, load_recipe, resolve_config
 from doplus_cli.errors import UserError
 
 SET_BY_DOPLUS = {"taught", "compensation"}
@@ -34,7 +30,7 @@ def test_fields_set_by_doplus_are_neither_options_nor_recorded(cls):
 
 
 def test_defaults_teach_nothing_and_compensate():
-    config = resolve_config(None, {"forget": "f.jsonl", "retain": "r.jsonl", "steps": 2})
+    config = resolve_config(None, {"forget": "f.jsonl", "retain": "r.jsonl", "steps": 2}, UnlearnConfig)
     assert config.taught is None and config.compensation is True
 
 
@@ -43,4 +39,4 @@ def test_a_recipe_cannot_set_them(tmp_path, key):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"steps: 2\n{key}: false\n")
     with pytest.raises(UserError, match=rf"recipe\.yaml: unknown option '{key}'"):
-        load_recipe(recipe)
+        load_recipe(recipe, UnlearnConfig)

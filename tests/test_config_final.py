@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from doplus_cli.commands.unlearn import run_unlearn
-from doplus_cli.config import AlignConfig, MultitaskConfig, UnlearnConfig, resolve_config
+from doplus_cli.commands.align import AlignConfig
+from doplus_cli.commands.multitask import MultitaskConfig
+from doplus_cli.commands.unlearn import UnlearnConfig, run_unlearn
+from doplus_cli.config import resolve_config
 from doplus_cli.engine.loop import Opened
 from tests.helpers import write_sets
 
@@ -39,12 +41,12 @@ def test_a_config_is_open_until_validated_then_refuses_assignment(cls):
 
 def test_validation_settles_values_before_the_config_is_final():
     # a forget loss alone: unlearn's validation turns the retain steps off, which is part of validating
-    config = resolve_config(None, {"forget": "f.jsonl", "loss": "GA", "retain_freq": 5})
+    config = resolve_config(None, {"forget": "f.jsonl", "loss": "GA", "retain_freq": 5}, UnlearnConfig)
     assert config.final and config.retain_freq == 0
 
 
 def test_replace_leaves_the_config_as_it_was_and_gives_a_final_one():
-    config = resolve_config(None, {"forget": "f.jsonl", "retain": "r.jsonl", "steps": 2})
+    config = resolve_config(None, {"forget": "f.jsonl", "retain": "r.jsonl", "steps": 2}, UnlearnConfig)
     before = config.to_dict()
     changed = config.replace(out="runs/x", steps=5, taught={"recipe": "t.yaml"})
     assert config.to_dict() == before and config.taught is None
@@ -58,7 +60,7 @@ def test_replace_leaves_the_config_as_it_was_and_gives_a_final_one():
 
 
 def test_opened_is_frozen_and_applies_as_a_new_config():
-    config = resolve_config(None, {"forget": "f.jsonl", "retain": "r.jsonl", "steps": 4})
+    config = resolve_config(None, {"forget": "f.jsonl", "retain": "r.jsonl", "steps": 4}, UnlearnConfig)
     opened = Opened(fsdp=False, precision="fp32", save_dtype="float32", steps=4, warmup_steps=1, out="runs/y")
     with pytest.raises(dataclasses.FrozenInstanceError):
         opened.steps = 5
@@ -75,7 +77,7 @@ def test_a_run_leaves_its_config_as_given_and_records_the_derived_values(tiny_ll
     monkeypatch.chdir(tmp_path)  # the default folder, runs/unlearn-DATE-TIME, lands here
     config = resolve_config(None, {"model": tiny_llama, "forget": str(sets / "forget.jsonl"),
                                    "retain": str(sets / "retain.jsonl"), "steps": 2, "batch_size": 2,
-                                   "max_length": 32, "show_samples": 0, "loss": "GA+GD"})
+                                   "max_length": 32, "show_samples": 0, "loss": "GA+GD"}, UnlearnConfig)
     given = copy.deepcopy(config)
     report = run_unlearn(config)
     assert config == given and config.to_dict() == given.to_dict()  # nothing written into the caller's config

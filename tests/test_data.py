@@ -7,6 +7,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
+from doplus_cli.commands.unlearn import UnlearnConfig
 from doplus_cli.data.batches import IndexStream, build_batch
 from doplus_cli.data.formatting import IGNORE_INDEX, PromptFormatter, collate
 from doplus_cli.data.rejections import REJECTIONS, rejection_for
@@ -90,7 +91,7 @@ def test_a_recipe_path_with_a_row_range_is_found_next_to_the_recipe(tmp_path):
 
     write_lines(tmp_path / "f.jsonl", [json.dumps({"question": "q", "answer": "a"})])
     (tmp_path / "r.yaml").write_text("forget: f.jsonl[:1]\n")
-    assert load_recipe(tmp_path / "r.yaml")["forget"] == str(tmp_path / "f.jsonl") + "[:1]"
+    assert load_recipe(tmp_path / "r.yaml", UnlearnConfig)["forget"] == str(tmp_path / "f.jsonl") + "[:1]"
 
 
 def test_hub_spec_parsing():

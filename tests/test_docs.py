@@ -37,6 +37,7 @@ def test_the_readmes_own_data_section_shows_layouts_doplus_reads(tmp_path):
     and its recipe sets answers_from_model."""
     import json
 
+    from doplus_cli.commands.unlearn import UnlearnConfig
     from doplus_cli.config import resolve_config
     from doplus_cli.data.sources import JsonlSource, Keys
 
@@ -51,7 +52,7 @@ def test_the_readmes_own_data_section_shows_layouts_doplus_reads(tmp_path):
         path.write_text(json.dumps(row) + "\n")
         read = JsonlSource(str(path), Keys(need_answer=layout != "question only"))[0]
         assert (read.question, read.answer, read.text) == (row.get("question"), row.get("answer"), row.get("text"))
-    config = resolve_config(str(ROOT / "recipes" / "quickstart.yaml"), {})
+    config = resolve_config(str(ROOT / "recipes" / "quickstart.yaml"), {}, UnlearnConfig)
     assert config.answers_from_model and "quickstart_*.jsonl" in section
     for path in (config.forget, config.retain):
         assert {key for line in open(path) for key in json.loads(line)} == {"name", "question"}

@@ -15,9 +15,8 @@ import doplus_cli.commands.unlearn as engine_unlearn
 import doplus_cli.evaluation.runner as runner
 import doplus_cli.evaluation.summary as summary
 from doplus_cli.bench.adapters import adapter_named
-from doplus_cli.commands.align import align_evaluation, evaluate_final
-from doplus_cli.commands.unlearn import unlearn_evaluation
-from doplus_cli.config import AlignConfig, UnlearnConfig
+from doplus_cli.commands.align import AlignConfig, align_evaluation, evaluate_final
+from doplus_cli.commands.unlearn import UnlearnConfig, unlearn_evaluation
 from doplus_cli.evaluation.suite_api import EvalConfig
 from tests.helpers import run_cli
 

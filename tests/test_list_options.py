@@ -8,16 +8,10 @@ import dataclasses
 import pytest
 import yaml
 
-from doplus_cli.config import (
-    AlignConfig,
-    MultitaskConfig,
-    UnlearnConfig,
-    coerce_option,
-    list_fields,
-    recipe_form,
-    resolve_config,
-    task_from_option,
-)
+from doplus_cli.commands.align import AlignConfig
+from doplus_cli.commands.multitask import MultitaskConfig
+from doplus_cli.commands.unlearn import UnlearnConfig
+from doplus_cli.config import coerce_option, list_fields, recipe_form, resolve_config, task_from_option
 from doplus_cli.errors import UserError
 
 CONFIGS = (UnlearnConfig, MultitaskConfig, AlignConfig)
@@ -60,7 +54,7 @@ def test_the_engine_gets_tuples_and_config_yaml_keeps_the_flag_form(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("forget: f.jsonl\nretain: r.jsonl\ntask_ids: [2, 1]\ncontinual: true\n"
                       "rmu_update_layers: 5,6,7\nrmu_modules: [mlp.down_proj]\n")
-    config = resolve_config(str(recipe), {"lora_targets": "q_proj,v_proj", "report_to": "none"})
+    config = resolve_config(str(recipe), {"lora_targets": "q_proj,v_proj", "report_to": "none"}, UnlearnConfig)
     assert (config.task_ids, config.rmu_update_layers, config.rmu_modules, config.lora_targets, config.report_to) == (
         (2, 1), (5, 6, 7), ("mlp.down_proj",), ("q_proj", "v_proj"), ("none",))
     recorded = config.to_dict()
@@ -68,12 +62,12 @@ def test_the_engine_gets_tuples_and_config_yaml_keeps_the_flag_form(tmp_path):
             recorded["report_to"]) == ("2,1", "5,6,7", "mlp.down_proj", "q_proj,v_proj", "none")
     again = tmp_path / "again.yaml"  # what a run records reads back to the same config
     again.write_text(yaml.safe_dump({k: v for k, v in recorded.items() if v is not None}))
-    assert resolve_config(str(again), {}) == config
+    assert resolve_config(str(again), {}, UnlearnConfig) == config
 
 
 def test_repeated_task_ids_and_a_freq_per_task_are_checked_on_the_tuple(tmp_path):
     with pytest.raises(UserError, match=r"^--task-ids 1,2,1: task 1 is given twice$"):
-        resolve_config(None, {"forget": "f.jsonl", "task_ids": "1,2,1", "continual": True})
+        resolve_config(None, {"forget": "f.jsonl", "task_ids": "1,2,1", "continual": True}, UnlearnConfig)
     with pytest.raises(UserError, match=r"^--freq 1,2: 2 frequencies for 1 tasks \(a\)"):
         resolve_config(None, {"tasks": [task_from_option("a=a.jsonl")], "freq": "1,2"}, MultitaskConfig)
     config = resolve_config(None, {"tasks": [task_from_option("a=a.jsonl"), task_from_option("b=b.jsonl")],

@@ -196,13 +196,16 @@ def test_target_defaults(tiny_llama):
 def test_lora_targets_are_parsed_once_at_the_boundary(tmp_path):
     """A flag's text and a recipe's YAML list give the engine the same tuple; no item, peft's default (None); the run
     records the flag's form."""
-    from doplus_cli.config import UnlearnConfig, resolve_config
+    from doplus_cli.commands.unlearn import UnlearnConfig
+    from doplus_cli.config import resolve_config
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text("forget: f.jsonl\nloss: GA\nlora_targets: [q_proj, v_proj]\n")
-    assert resolve_config(str(recipe), {}).lora_targets == ("q_proj", "v_proj")
-    flagged = resolve_config(None, {"forget": "f.jsonl", "loss": "GA", "lora_targets": "q_proj, v_proj,"})
+    assert resolve_config(str(recipe), {}, UnlearnConfig).lora_targets == ("q_proj", "v_proj")
+    flagged = resolve_config(None, {"forget": "f.jsonl", "loss": "GA", "lora_targets": "q_proj, v_proj,"},
+                             UnlearnConfig)
     assert flagged.lora_targets == ("q_proj", "v_proj") and flagged.to_dict()["lora_targets"] == "q_proj,v_proj"
     for empty in ("", " , "):
-        assert resolve_config(None, {"forget": "f.jsonl", "loss": "GA", "lora_targets": empty}).lora_targets is None
+        config = resolve_config(None, {"forget": "f.jsonl", "loss": "GA", "lora_targets": empty}, UnlearnConfig)
+        assert config.lora_targets is None
     assert UnlearnConfig(lora_targets="down_proj").lora_targets == ("down_proj",)  # made in code: parsed alike

@@ -359,7 +359,7 @@ def test_bad_input_is_one_line_with_exit_code_2(tiny_llama, data, tmp_path, caps
 def test_a_checkpoint_from_before_these_options_resumes_at_their_defaults_and_refuses_other_values():
     import dataclasses
 
-    from doplus_cli.config import UnlearnConfig
+    from doplus_cli.commands.unlearn import UnlearnConfig
     from doplus_cli.engine.checkpoint import differing_keys
 
     now = UnlearnConfig().to_dict()
@@ -399,10 +399,11 @@ def test_tofu_recipes_of_the_2026_losses(model, name):
     """Each loss has a TOFU recipe per paper model: the paper's lr, steps and 1:5 cycle, the method's values."""
     from pathlib import Path
 
+    from doplus_cli.commands.unlearn import UnlearnConfig
     from doplus_cli.config import resolve_config
 
     path = Path(__file__).resolve().parents[1] / "recipes" / "tofu" / model / f"{name}.yaml"
-    config = resolve_config(str(path), {})
+    config = resolve_config(str(path), {}, UnlearnConfig)
     loss, values = RECIPE_PARAMS[name]
     assert config.loss == loss and config.model == f"locuslab/tofu_ft_{model}"
     assert (config.lr, config.steps, config.forget_freq, config.retain_freq, config.scheme) == (

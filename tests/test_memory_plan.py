@@ -39,7 +39,8 @@ def config_only_model(tmp_path_factory):
 
 def plan_of(model, tofu_dir, cuda=False, **values):
     from doplus_cli.commands import command_for
-    from doplus_cli.config import UnlearnConfig, resolve_config
+    from doplus_cli.commands.unlearn import UnlearnConfig
+    from doplus_cli.config import resolve_config
     from doplus_cli.engine.memory_plan import build_plan, model_plan
 
     values = {"model": str(model), "forget": str(tofu_dir / "forget01.json"),

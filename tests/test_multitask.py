@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from doplus_cli.commands.multitask import run_multitask
-from doplus_cli.config import MultitaskConfig, resolve_config, task_from_option
+from doplus_cli.commands.multitask import MultitaskConfig, run_multitask
+from doplus_cli.config import resolve_config, task_from_option
 from doplus_cli.data import sources
 from doplus_cli.engine.schedule import objective_at, steps_per_objective
 from doplus_cli.evaluation.task_metrics import (

@@ -403,3 +403,43 @@ def test_multitask_and_align_train_under_each_bf16_precision(tiny_llama, tmp_pat
     report = json.loads((out / "report.json").read_text())
     assert report["precision"]["mode"] == "bf16" and report["environment"]["dtype"] == "bfloat16"
     assert "precision: bf16" in (out / "config.yaml").read_text()
+
+
+# Run in a process of its own: accelerate's state is one per process, and other tests' accelerators set it to "no".
+PREPARED_FORWARD = """
+import json, torch
+from accelerate import Accelerator
+from transformers import LlamaConfig, LlamaForCausalLM
+from doplus_cli.engine.training_precision import autocast
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
+model = LlamaForCausalLM(config)
+ids = torch.randint(0, config.vocab_size, (4, 64))
+with torch.no_grad(), autocast("bf16-mixed", torch.device("cpu")):
+    own = model(ids).logits
+prepared = Accelerator(cpu=True, mixed_precision="bf16").prepare(model)
+with torch.no_grad():
+    theirs = prepared(ids).logits
+print(json.dumps({"own": [str(own.dtype), own.nbytes], "theirs": [str(theirs.dtype), theirs.nbytes],
+                  "equal": bool(torch.equal(theirs, own.float()))}))
+"""
+
+
+def test_accelerates_bf16_mixed_precision_returns_a_float32_copy_of_the_logits_that_doplus_autocast_does_not():
+    """Why bf16-mixed runs under doplus's own autocast (engine/training_precision.autocast) and not accelerate's
+    `mixed_precision="bf16"` (docs/architecture.md, "Hand-written where a library has it"): the model accelerate
+    prepares converts its outputs to float32, so every forward holds a float32 copy of the logits (twice the bf16
+    bytes: 525 MB for a batch of 4 x 256 tokens over Llama 3's 128,256-token vocabulary) whose values are the
+    bf16 ones, upcast. If accelerate stops doing so, this test fails and the piece can be replaced."""
+    import os
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", PREPARED_FORWARD], capture_output=True, text=True, timeout=300,
+                            env=os.environ.copy())
+    assert result.returncode == 0, result.stderr[-2000:]
+    found = json.loads(result.stdout.splitlines()[-1])
+    assert found["own"] == ["torch.bfloat16", 4 * 64 * 4096 * 2]
+    assert found["theirs"] == ["torch.float32", 4 * 64 * 4096 * 4]
+    assert found["equal"]  # the same values: the copy buys no precision

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from doplus_cli.commands.unlearn import UnlearnConfig
 from doplus_cli.data.formatting import IGNORE_INDEX, PromptFormatter
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation import suites
@@ -189,13 +190,13 @@ def test_unlearn_config_takes_a_template_and_a_protocol():
     from doplus_cli.config import resolve_config
 
     config = resolve_config(None, {"forget": "f.jsonl", "loss": "GA", "prompt_template": "phi-tofu",
-                                   "eval_protocol": "paper"})
+                                   "eval_protocol": "paper"}, UnlearnConfig)
     assert (config.prompt_template, config.eval_protocol) == ("phi-tofu", "paper")
     assert config.to_dict()["prompt_template"] == "phi-tofu"  # what config.yaml records for the evaluation
     with pytest.raises(UserError, match="unknown --prompt-template 'Q:'"):
-        resolve_config(None, {"forget": "f.jsonl", "loss": "GA", "prompt_template": "Q:"})
+        resolve_config(None, {"forget": "f.jsonl", "loss": "GA", "prompt_template": "Q:"}, UnlearnConfig)
     with pytest.raises(UserError, match="unknown --protocol 'tofu'"):
-        resolve_config(None, {"forget": "f.jsonl", "loss": "GA", "eval_protocol": "tofu"})
+        resolve_config(None, {"forget": "f.jsonl", "loss": "GA", "eval_protocol": "tofu"}, UnlearnConfig)
 
 
 def test_config_validates_the_protocols_the_evaluation_defines():

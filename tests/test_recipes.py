@@ -6,7 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from doplus_cli.config import AlignConfig, MultitaskConfig, read_recipe, resolve_config
+from doplus_cli.commands.align import AlignConfig
+from doplus_cli.commands.multitask import MultitaskConfig
+from doplus_cli.commands.unlearn import UnlearnConfig
+from doplus_cli.config import read_recipe, resolve_config
 from tests.helpers import recipe_beside_shared_data
 
 ROOT = Path(__file__).resolve().parents[1] / "recipes"
@@ -66,7 +69,7 @@ def test_recipe_resolves(shipped, tmp_path):
             assert config.state_bits == 8 and config.betas == (0.9, 0.95) and config.weight_decay == 0.01
             assert [t["name"] for t in config.tasks] == ["py150", "scienceqa", "numglue_cm"]
         return
-    config = resolve_config(str(path), {})
+    config = resolve_config(str(path), {}, UnlearnConfig)
     assert config.description
     if "tofu" in shipped.parts:
         # the authors' files, task 1, their retain set (the hub's locuslab/TOFU has no forget tasks)
@@ -135,7 +138,7 @@ def test_the_tofu_protocol_bench_keeps_the_paper_protocol(tmp_path):
     """The GD set holds every retain row that MU scores; the teaching stage taught the forget tasks 1-3 and those
     retain rows; 1:5, the authors' warm-up rule, the paper protocol, 40 or more questions per set."""
     root = recipe_beside_shared_data("bench/tofu_protocol", tmp_path).parent
-    config = resolve_config(str(root / "tofu_protocol.yaml"), {})
+    config = resolve_config(str(root / "tofu_protocol.yaml"), {}, UnlearnConfig)
     teach = resolve_config(str(root / "tofu_protocol_teach.yaml"), {}, MultitaskConfig)
     assert (config.forget_freq, config.retain_freq, config.warmup_steps, config.loss) == (1, 5, None, "IDK+GD")
     assert config.eval_protocol == "paper" and config.eval_max_samples >= 40 and config.eval_every < config.steps

@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from doplus_cli.config import MultitaskConfig, load_recipe, resolve_config
+from doplus_cli.commands.multitask import MultitaskConfig
+from doplus_cli.commands.unlearn import UnlearnConfig
+from doplus_cli.config import load_recipe, resolve_config
 from doplus_cli.recipes import list_recipes, recipes_root
 from tests.helpers import REPO, run_cli
 
@@ -47,9 +49,9 @@ def test_copy_quickstart_brings_its_data_and_the_copy_resolves(tmp_path, capsys)
     for name in ("quickstart_forget.jsonl", "quickstart_retain.jsonl"):
         assert (tmp_path / "data" / name).read_bytes() == (recipes_root() / "data" / name).read_bytes()
     assert "not shipped" not in out
-    values = load_recipe(copied)
+    values = load_recipe(copied, UnlearnConfig)
     assert Path(values["forget"]) == tmp_path / "data" / "quickstart_forget.jsonl"
-    config = resolve_config(str(copied), {})
+    config = resolve_config(str(copied), {}, UnlearnConfig)
     assert Path(config.retain) == tmp_path / "data" / "quickstart_retain.jsonl"
 
 
@@ -86,7 +88,7 @@ def test_copy_into_a_folder_that_does_not_exist_yet(tmp_path, monkeypatch, capsy
         assert folder.is_dir() and (folder / "quickstart.yaml").is_file()
         assert (folder / "data" / "quickstart_forget.jsonl").is_file()
         assert f"run it with: doplus unlearn --recipe {Path(dest) / 'quickstart.yaml'}" in capsys.readouterr().out
-        config = resolve_config(str(Path(dest) / "quickstart.yaml"), {})
+        config = resolve_config(str(Path(dest) / "quickstart.yaml"), {}, UnlearnConfig)
         assert Path(config.forget).resolve() == folder / "data" / "quickstart_forget.jsonl"
 
 

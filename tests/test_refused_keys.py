@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from doplus_cli.config import AlignConfig, MultitaskConfig, UnlearnConfig, resolve_config
+from doplus_cli.commands.align import AlignConfig
+from doplus_cli.commands.multitask import MultitaskConfig
+from doplus_cli.commands.unlearn import UnlearnConfig
+from doplus_cli.config import resolve_config
 from doplus_cli.errors import UserError
 from tests.helpers import run_cli
 

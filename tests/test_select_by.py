@@ -86,7 +86,8 @@ def test_a_metric_not_evaluated_is_one_line_and_exit_2(tiny_llama, tofu_dir, tmp
 
 def test_multitask_selects_by_a_task_name_or_the_average(tiny_llama, tofu_dir, tmp_path, capsys):
     """multitask's metrics are its task names and average: another name is one line, exit 2."""
-    from doplus_cli.config import MultitaskConfig, resolve_config, selectable_metrics, task_from_option
+    from doplus_cli.commands.multitask import MultitaskConfig
+    from doplus_cli.config import resolve_config, task_from_option
 
     task = f"facts={tofu_dir / 'forget01.json'}"
     args = ["multitask", "--model", tiny_llama, "--task", task, "--prompt-key", "question", "--eval-every", 1,
@@ -96,7 +97,7 @@ def test_multitask_selects_by_a_task_name_or_the_average(tiny_llama, tofu_dir, t
     assert "unknown metric 'MU': choose one of facts, average" in err and len(err.splitlines()) == 1
     config = resolve_config(None, {"tasks": [task_from_option(task)], "eval_every": 1, "select_by": "facts:min"},
                             MultitaskConfig)
-    assert selectable_metrics(config) == {"facts": True, "average": True}
+    assert config.selectable_metrics() == {"facts": True, "average": True}
 
 
 def test_bench_scores_each_run_at_its_best_step(tiny_llama, tofu_dir, tmp_path):

@@ -11,7 +11,8 @@ import pytest
 from doplus_cli.bench.adapters.align import ALIGN_ADAPTER
 from doplus_cli.bench.adapters.base import Metric
 from doplus_cli.bench.adapters.unlearn import EVALUATED_SUITES, UNLEARN_ADAPTER
-from doplus_cli.config import AlignConfig, UnlearnConfig
+from doplus_cli.commands.align import AlignConfig
+from doplus_cli.commands.unlearn import UnlearnConfig
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.attacks import ATTACKS, forget_suites, parse_attacks
 from doplus_cli.evaluation.suite_api import BenchColumn, Suite, SuiteResult

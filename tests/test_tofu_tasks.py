@@ -9,8 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from doplus_cli.commands.unlearn import UnlearnCommand
-from doplus_cli.config import UnlearnConfig
+from doplus_cli.commands.unlearn import UnlearnCommand, UnlearnConfig
 from doplus_cli.engine.schedule import authors_epoch_steps, authors_warmup
 from doplus_cli.evaluation.suites import load_tofu_sets
 from tests.helpers import run_cli
@@ -394,7 +393,8 @@ def test_the_paper_recipe_takes_task_1_the_authors_retain_set_and_a_60_step_warm
     from tests.tiny_model import TOFU
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "tofu" / "phi-1.5" / "idk_gd.yaml"
-    config = resolve_config(str(recipe), {"forget": str(TOFU / "forget10.json"), "eval_data_dir": str(TOFU)})
+    config = resolve_config(str(recipe), {"forget": str(TOFU / "forget10.json"), "eval_data_dir": str(TOFU)},
+                            UnlearnConfig)
     plan = UnlearnCommand(config)
     plan.open()
     assert (len(plan.forget_source), len(plan.retain_source)) == (400, 3600)

@@ -1,7 +1,8 @@
 """A command is its own module: a toy command declared in this file alone gets its model card (its title, its
-method's words, the command line that reproduces it) and its memory plan (how many optimizer states, whether a
-reference model is kept) from its own hooks, with nothing below commands/ edited (docs/architecture.md). Its help
-comes from its option names alone (tests/test_cli.py, the toy there)."""
+method's words, the command line that reproduces it), its memory plan (how many optimizer states, whether a
+reference model is kept) and its report from its own hooks, with nothing below commands/ edited
+(docs/architecture.md); one trains through the one loop. Its help comes from its option names alone
+(tests/test_cli.py, the toy there)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ class Toy(Command):
 def toy(monkeypatch):
     monkeypatch.setattr(options, "COMMAND_OPTIONS", dict(options.COMMAND_OPTIONS))
     monkeypatch.setattr(options, "COMMAND_CONFIGS", dict(options.COMMAND_CONFIGS))
+    monkeypatch.setattr(options, "COMMAND_FIELDS", dict(options.COMMAND_FIELDS))
     options.declare(Toy.command, Toy.config_class, Toy.options)
     return Toy()
 
@@ -79,9 +81,62 @@ def test_a_toy_commands_memory_plan_comes_from_its_own_hooks(toy):
 
 
 def test_the_registered_commands_are_found_by_their_config():
-    from doplus_cli.config import AlignConfig, MultitaskConfig, UnlearnConfig
+    from doplus_cli.commands.align import AlignConfig
+    from doplus_cli.commands.multitask import MultitaskConfig
+    from doplus_cli.commands.unlearn import UnlearnConfig
 
     for cls, name in ((UnlearnConfig, "unlearn"), (MultitaskConfig, "multitask"), (AlignConfig, "align")):
         assert command_for(cls()).command == name
     with pytest.raises(KeyError, match="ToyConfig"):
         command_for(ToyConfig())
+
+
+@dataclass
+class ToyTrainingConfig(TrainConfig):
+    rows: str | None = None  # (question, answer) rows the toy learns; a recipe key of its own
+
+
+class ToyTraining(Command):
+    """A command that learns its rows with CE through the one loop, everything it reports its own."""
+
+    command, marker, config_class = "toy-training", "rows", ToyTrainingConfig
+    help = "A toy command that learns its rows."
+    options = ("recipe", "model", "lr", "steps", "out")
+    card_title = "toy-trained"
+
+    def open(self) -> None:
+        from doplus_cli.data.sources import open_source
+
+        self.source = open_source(self.config.rows, "rows")
+
+    def objectives(self, model, formatter, out, progress, accelerator, resumed):
+        from doplus_cli.engine.objectives import Objective
+        from doplus_cli.losses import TASK_LOSSES
+
+        return [Objective("rows", self.source, TASK_LOSSES["CE"])]
+
+    def data_report(self):
+        return {"rows": len(self.source)}
+
+    def render_report(self, report):
+        return f"# toy report\n\n{report['data']['rows']} rows, {report['steps']} steps\n"
+
+
+def test_a_toy_command_trains_through_the_one_loop_and_writes_its_own_report_and_card(tiny_llama, tofu_dir, tmp_path,
+                                                                                       monkeypatch):
+    from tests.helpers import write_sets
+
+    monkeypatch.setattr(options, "COMMAND_OPTIONS", dict(options.COMMAND_OPTIONS))
+    monkeypatch.setattr(options, "COMMAND_CONFIGS", dict(options.COMMAND_CONFIGS))
+    monkeypatch.setattr(options, "COMMAND_FIELDS", dict(options.COMMAND_FIELDS))
+    options.declare(ToyTraining.command, ToyTraining.config_class, ToyTraining.options)
+    data = write_sets(tofu_dir, tmp_path, 4, 0)
+    out = tmp_path / "run"
+    config = resolve_config(None, {"model": str(tiny_llama), "rows": str(data / "forget.jsonl"), "steps": 2,
+                                   "batch_size": 2, "out": str(out), "lr": 1e-4}, ToyTrainingConfig)
+    report = ToyTraining().run(config)
+    assert report["data"] == {"rows": 4} and report["steps"] == 2
+    assert (out / "report.md").read_text() == "# toy report\n\n4 rows, 2 steps\n"
+    card = (out / "final" / "README.md").read_text()
+    assert "toy-trained with doplus toy-training" in card and "doplus toy-training" in card
+    assert "--steps 2" in card and "rows: " in card  # its flags, and its own recipe key

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import doplus_cli.tune as tune_module
-from doplus_cli.config import UnlearnConfig
+from doplus_cli.commands.unlearn import UnlearnConfig
 from doplus_cli.errors import UserError
 from doplus_cli.tune import plan, run_tune
 from doplus_cli.tune.goal import Constraint, parse_constraints, parse_objective

@@ -11,7 +11,7 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from doplus_cli.cli import main
-from doplus_cli.commands.unlearn import run_unlearn
+from doplus_cli.commands.unlearn import UnlearnConfig, run_unlearn
 from doplus_cli.config import resolve_config
 from doplus_cli.data import sources
 from doplus_cli.engine import optimizers
@@ -114,7 +114,7 @@ def test_each_step_hands_the_optimizer_the_objective_of_the_set_its_batch_came_f
             "model": tiny_llama, "forget": str(data["forget"]), "retain": str(data["retain"]), "scheme": scheme,
             "forget_freq": freqs[0], "retain_freq": freqs[1], "steps": 11, "batch_size": 2, "grad_accum": 2,
             "max_length": 32, "show_samples": 0, "out": str(tmp_path / scheme), "loss": "GA+GD",
-        })
+        }, UnlearnConfig)
         run_unlearn(config)
         steps, reads = [], set()
         for kind, value in events:
@@ -135,7 +135,7 @@ def test_shared_optimizer_joint_step_sees_both_sets(tiny_llama, data, tmp_path, 
     config = resolve_config(None, {
         "model": tiny_llama, "forget": str(data["forget"]), "retain": str(data["retain"]), "scheme": "joint",
         "steps": 1, "batch_size": 3, "show_samples": 0, "out": str(tmp_path / "j"), "loss": "GA+GD",
-    })
+    }, UnlearnConfig)
     run_unlearn(config)
     assert seen.count(str(data["forget"])) == 3 and seen.count(str(data["retain"])) == 3
 
@@ -228,7 +228,7 @@ def test_recipe_values_and_command_line_overrides(tiny_llama, data, tmp_path):
         "model": str(tiny_llama), "forget": str(data["forget"]), "retain": str(data["retain"]),
         "lr": "2e-4", "steps": 5, "scheme": "alternate", "forget-freq": 2, "beta": 0.3,
     }))
-    config = resolve_config(str(recipe), {"steps": 3, "scheme": None, "seed": 9})
+    config = resolve_config(str(recipe), {"steps": 3, "scheme": None, "seed": 9}, UnlearnConfig)
     assert config.lr == 2e-4 and config.forget_freq == 2 and config.beta == 0.3  # from the recipe
     assert config.steps == 3 and config.seed == 9  # the command line wins
     assert config.scheme == "alternate"  # a flag not given leaves the recipe's value
@@ -245,7 +245,7 @@ def test_recipe_paths_are_found_next_to_the_recipe(tiny_llama, data, tmp_path, m
     (folder / "d" / "f.jsonl").write_text(data["forget"].read_text())
     (folder / "x.yaml").write_text("forget: d/f.jsonl\nloss: GA\n")
     monkeypatch.chdir(tmp_path)
-    assert resolve_config(str(folder / "x.yaml"), {}).forget == str(folder / "d" / "f.jsonl")
+    assert resolve_config(str(folder / "x.yaml"), {}, UnlearnConfig).forget == str(folder / "d" / "f.jsonl")
 
 
 def test_failed_run_leaves_no_final_model_or_report(tiny_llama, data, tmp_path):
@@ -262,7 +262,7 @@ def test_failed_run_leaves_no_final_model_or_report(tiny_llama, data, tmp_path):
 
     out = tmp_path / "crash"
     config = resolve_config(None, {"model": tiny_llama, "forget": str(data["forget"]), "retain": str(data["retain"]),
-                                   "loss": "GA+GD", "steps": 6, "out": str(out), "show_samples": 0})
+                                   "loss": "GA+GD", "steps": 6, "out": str(out), "show_samples": 0}, UnlearnConfig)
     with losses.RETAIN_LOSSES.replaced("GD", losses.LossSpec("GD", failing)), \
             pytest.raises(RuntimeError, match="simulated crash"):
         run_unlearn(config)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from doplus_cli.bench.stability import doplus_builder, parse_floors
-from doplus_cli.config import TrainConfig, UnlearnConfig, resolve_config
+from doplus_cli.commands.unlearn import UnlearnConfig
+from doplus_cli.config import TrainConfig, resolve_config
 from doplus_cli.engine.loop import optimizer_settings
 from doplus_cli.engine.optimizers import build_optimizer
 from doplus_cli.errors import UserError

@@ -140,6 +140,9 @@ ROWS: tuple[Row, ...] = (
         _dual("DualOptimPlus", state_bits=32, rule="paper"), True),
     Row("doplus-8bit", "DualOptim+ (AdamW rule, safeguarded), 8-bit states", _dual("DualOptimPlus", state_bits=8),
         True),
+    Row("doplus-8bit-reference", "DualOptim+ as `doplus-8bit` on the eager reference path: bitsandbytes' own "
+        "dequantise and quantise around the update (the fused kernel's rounding is checked against it)",
+        _dual("DualOptimPlus", state_bits=8, fused=False), True),
     Row("doplus-muon", "DualOptim+, Muon on 2-D weights, AdamW on 1-D", _dual("DualOptimPlus", inner="muon"), True),
     Row("bnb-adamw8bit", "bitsandbytes.optim.AdamW8bit (8-bit anchor)", _bnb_adamw8bit, False),
 )

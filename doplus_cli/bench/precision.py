@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from doplus_cli import ownership
+from doplus_cli.commands.unlearn import UnlearnConfig
 from doplus_cli.config import resolve_config
 from doplus_cli.files import atomic_write_text, write_json
 from doplus_cli.models import load_model_and_tokenizer
@@ -63,7 +64,7 @@ def _config(model: str | None, forget: Path, retain: Path, out: Path, mode: str,
                      forget_freq=1, retain_freq=1, steps=steps, lr=lr, warmup_steps=0, batch_size=4, max_length=64,
                      show_samples=0, out=str(out), overwrite=True, seed=0, save_dtype="float32",
                      precision="bf16" if mode == "bf16-uncompensated" else mode)
-    config = resolve_config(None, overrides)
+    config = resolve_config(None, overrides, UnlearnConfig)
     if mode == "bf16-uncompensated":  # engine/optimizers.py: bf16 weights updated in place, no compensation buffers
         return config.replace(compensation=False)
     return config

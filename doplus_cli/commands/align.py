@@ -17,27 +17,145 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from doplus_cli.commands.base import Command
-from doplus_cli.config import AlignConfig, parse_cycle, recorded
+from doplus_cli.config import (
+    ANSWER_TOKENS_HELP,
+    GUARD_DEFAULT,
+    SAFETY_FILES_HELP,
+    SOURCE_HELP,
+    WARMUP_HELP,
+    TrainConfig,
+    check_no_reference,
+    parse_cycle,
+    recorded,
+)
 from doplus_cli.data.sources import Keys, MixtureSource, RowRange, Source, open_source
 from doplus_cli.engine import outputs
 from doplus_cli.engine.evaluations import Evaluation
 from doplus_cli.engine.loop import run_training
 from doplus_cli.engine.objectives import Objective
 from doplus_cli.engine.schedule import JOINT
-from doplus_cli.errors import UserError
+from doplus_cli.errors import UserError, shown
 from doplus_cli.evaluation.attacks import ATTACKS, parse_attacks
 from doplus_cli.evaluation.refusal import RefusalJudge, is_refusal
 from doplus_cli.evaluation.runner import parse_suites
 from doplus_cli.evaluation.safety import prompt_sets
 from doplus_cli.generation import greedy_generate
 from doplus_cli.losses import TASK_LOSSES
+from doplus_cli.option import DEFAULT, EVALUATION, METHOD, MODEL_DATA, TRAINING, option
+
+# ---- the options of doplus align: its config class, declared field by field, and its checks ----
+
+ALIGN_EVAL_SUITES = ("safety", "xstest")  # `doplus evaluate`'s suites an align run can end with
+
+
+@dataclass
+class AlignConfig(TrainConfig):
+    """Every option of `doplus align`: the options of every training command plus the safety and general sets."""
+
+    # The options align shares with every training command, in its own words
+    option_words: ClassVar[dict[str, str]] = {
+        "max_new_tokens": "Greedy tokens per held-out response." + DEFAULT,
+        "scheme": "joint (batches from the mixture of both sets), alternate, dualoptim, doplus, scaffold, fedcm or "
+                  "local-adam." + DEFAULT,
+        "steps": "Optimizer steps (or --epochs)." + DEFAULT,
+        "warmup_steps": WARMUP_HELP.format(warmup="the first epoch with --epochs, else a tenth of the steps"),
+    }
+
+    safety: str | None = option(
+        None,
+        "Harmful instructions with the safe response to learn: " + SOURCE_HELP,
+        panel=MODEL_DATA)
+    general: str | None = option(
+        None,
+        "Benign instructions with their responses (Alpaca): " + SOURCE_HELP,
+        panel=MODEL_DATA)
+    instruction_key: str = option("instruction", "Instruction field." + DEFAULT, panel=MODEL_DATA)
+    input_key: str = option(
+        "input",
+        "Optional input field, after the instruction and a blank line when not empty." + DEFAULT,
+        panel=MODEL_DATA)
+    output_key: str = option("output", "Response field." + DEFAULT, panel=MODEL_DATA)
+    freq: str = option("1:10", "F_s:F_g, safety steps then general steps per cycle." + DEFAULT, panel=METHOD)
+    epochs: float | None = option(
+        None,
+        "Passes over the general set, instead of --steps (warmup: the first epoch).",
+        panel=TRAINING)
+    held_out: int = option(
+        4,
+        "Each set's last N rows, kept out of training and answered before and after (0: none)." + DEFAULT,
+        panel=EVALUATION)
+    # prompts per greedy generation batch (held-out rows, the evaluation suite)
+    eval_batch_size: int = option(16, "Prompts per generation batch." + DEFAULT, panel=EVALUATION)
+    # `doplus evaluate`'s safety suites on final/ after training, into OUT/eval/
+    eval_suite: tuple[str, ...] | None = option(
+        None,
+        "After training, `doplus evaluate` final/ into OUT/eval/: safety, xstest or safety,xstest [default: none]",
+        panel=EVALUATION)
+    eval_max_samples: int | None = option(None, "The first N prompts of each set [default: all]", panel=EVALUATION)
+    eval_max_new_tokens: int = option(64, ANSWER_TOKENS_HELP + DEFAULT, panel=EVALUATION)
+    # None: Llama-Guard-2-8B when it loads, else the refusal judge; "none"
+    eval_guard_model: str | None = option(
+        None,
+        "A Llama Guard-protocol model, or none " + GUARD_DEFAULT + "]",
+        panel=EVALUATION)
+    eval_refusal_model: str | None = option(
+        None,
+        "A chat model labelling refusals by XSTest's protocol [default: the offline refusal judge]",
+        panel=EVALUATION)
+    # None: the releases' files, downloaded once
+    eval_safety_data_dir: str | None = option(None, "Folder " + SAFETY_FILES_HELP, panel=EVALUATION)
+    eval_attacks: tuple[str, ...] | None = option(
+        None,
+        "The safety suite on final/ (--eval-suite) also runs on attacked copies: quant-8bit, quant-4bit, quant-fp4, "
+        "probe-prefix, comma-separated (docs/attacks.md) [default: none]",
+        panel=EVALUATION)
+
+    def check(self) -> None:
+        super().check()
+        validate_align(self)
+
+
+def validate_align(config: AlignConfig) -> None:
+    """The options of `doplus align` on top of `validate_training`."""
+    for name, flag in (("safety", "--safety"), ("general", "--general")):
+        if getattr(config, name) is None:
+            raise UserError(f"no {name} set: pass {flag} FILE (JSON lines, a JSON array, or hf:NAME[:CONFIG][@SPLIT]) "
+                            "or set it in the recipe")
+    parse_cycle(config.freq)
+    if config.epochs is not None and not (config.epochs > 0 and config.epochs < float("inf")):
+        raise UserError(f"--epochs must be a number > 0, got {config.epochs}")
+    for name in ("held_out",):
+        if getattr(config, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")
+    if config.eval_batch_size < 1:
+        raise UserError(f"--eval-batch-size must be at least 1, got {config.eval_batch_size}")
+    if config.eval_suite is not None:
+        if any(s not in ALIGN_EVAL_SUITES for s in config.eval_suite):
+            raise UserError(f"unknown --eval-suite {shown(recorded(config.eval_suite))} for align: choose safety, "
+                            "xstest or safety,xstest (other suites: run `doplus evaluate` on final/)")
+    if config.eval_max_samples is not None and config.eval_max_samples < 1:
+        raise UserError(f"--eval-max-samples must be at least 1, got {config.eval_max_samples}")
+    if config.eval_max_new_tokens < 1:
+        raise UserError(f"--eval-max-new-tokens must be at least 1, got {config.eval_max_new_tokens}")
+    check_no_reference(config, "align")
+    # Align answers its held-out rows and runs --eval-suite once training ends; nothing evaluates a step during it.
+    if config.eval_every:
+        raise UserError(f"eval_every {config.eval_every}: doplus align evaluates after training only (held_out, "
+                        "eval_suite), never during it; eval_every is for unlearn and multitask")
+    if config.select_by is not None:
+        raise UserError(f"select_by {shown(config.select_by, quoted=False)}: doplus align evaluates after training "
+                        "only (held_out, eval_suite), so no evaluated step can be kept as best/; select_by is for "
+                        "unlearn and multitask")
+
+
+# ---- the command ----
 
 SETS = ("safety", "general")
 MIXTURE = "mixture"  # the joint scheme's one objective over both sets

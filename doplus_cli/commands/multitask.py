@@ -9,14 +9,22 @@ one shared base state and one delta state per task. One task alone is plain supe
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from rich.console import Console
 from rich.table import Table
 
 from doplus_cli.commands.base import Command
-from doplus_cli.config import AVERAGE, MultitaskConfig, task_from_option
+from doplus_cli.config import (
+    AVERAGE,
+    SELECT_BY_HELP,
+    TrainConfig,
+    check_no_reference,
+    check_select_by,
+    recorded,
+    task_from_option,
+)
 from doplus_cli.data.sources import Keys, RowRange, Source, open_source
 from doplus_cli.engine import outputs
 from doplus_cli.engine.loop import run_training
@@ -26,6 +34,76 @@ from doplus_cli.errors import UserError
 from doplus_cli.evaluation.task_metrics import TASK_METRICS, task_score
 from doplus_cli.generation import greedy_generate
 from doplus_cli.losses import TASK_LOSSES
+from doplus_cli.option import DEFAULT, EVALUATION, METHOD, MODEL_DATA, option
+
+# ---- the options of doplus multitask: its config class, declared field by field, and its checks ----
+
+@dataclass
+class MultitaskConfig(TrainConfig):
+    """Every option of `doplus multitask`: the options of every training command plus the tasks."""
+
+    # The options multitask shares with every training command, in its own words
+    option_words: ClassVar[dict[str, str]] = {
+        "recipe": "YAML recipe (a tasks: list); flags override it.",
+        "max_new_tokens": "Greedy tokens per evaluated answer." + DEFAULT,
+        "eval_every": "Score every task every N steps (and at the end) [default: never]",
+        "select_by": SELECT_BY_HELP.format(metrics="a task's name or average"),
+    }
+
+    tasks: list[dict[str, Any]] = field(default_factory=list)  # TASK_DEFAULTS keys, one dict per task
+    # F1,F2,...: each task's frequency in order (overrides the tasks' own)
+    freq: tuple[int, ...] | None = option(
+        None,
+        "Each task's steps per cycle, in order: 1,2,1 [default: each task's freq, 1]",
+        panel=METHOD)
+    prompt_key: str = option("prompt", "Prompt field." + DEFAULT, panel=MODEL_DATA)
+    answer_key: str = option("answer", "Answer field." + DEFAULT, panel=MODEL_DATA)
+    eval_rows: int = option(
+        200,
+        "Rows kept out of training for evaluation, per task without an eval file (0: none)." + DEFAULT,
+        panel=EVALUATION)
+    # prompts per greedy generation batch
+    eval_batch_size: int = option(16, "Prompts per generation batch." + DEFAULT, panel=EVALUATION)
+
+    def check(self) -> None:
+        super().check()
+        validate_multitask(self)
+
+    def selectable_metrics(self) -> dict[str, bool]:
+        return {**{task["name"]: True for task in self.tasks}, AVERAGE: True}
+
+
+def validate_multitask(config: MultitaskConfig) -> None:
+    """The tasks of `doplus multitask`: at least one, distinct names, `--freq` with one number per task."""
+    if not config.tasks:
+        raise UserError("no tasks: pass --task NAME=FILE.jsonl (one per task) or a tasks: list in the recipe")
+    names = [task["name"] for task in config.tasks]
+    for name in names:
+        if names.count(name) > 1:
+            raise UserError(f"task '{name}' is given {names.count(name)} times: task names must be distinct")
+    if config.freq is not None:
+        if len(config.freq) != len(names):
+            raise UserError(f"--freq {recorded(config.freq)}: {len(config.freq)} frequencies for {len(names)} "
+                            f"tasks ({', '.join(names)}); give one per task, in order")
+        for task, freq in zip(config.tasks, config.freq):
+            task["freq"] = freq
+    if config.scheme != "joint" and not any(task["freq"] > 0 for task in config.tasks):
+        raise UserError(f"every task has frequency 0 ({', '.join(names)}): at least one needs steps of its own")
+    if config.scheme == "joint" and any(task["lr_multiplier"] != 1.0 for task in config.tasks):
+        raise UserError("a task's lr_multiplier needs a scheme with separate task steps (alternate, dualoptim, "
+                        "doplus)")
+    if any(task["lr_multiplier"] != 1.0 for task in config.tasks) and config.lr == 0:
+        raise UserError("a task's lr_multiplier needs --lr > 0 (it is applied as a multiple of it)")
+    for name in ("eval_rows",):
+        if getattr(config, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")
+    if config.eval_batch_size < 1:
+        raise UserError(f"--eval-batch-size must be at least 1, got {config.eval_batch_size}")
+    check_select_by(config)
+    check_no_reference(config, "multitask")
+
+
+# ---- the command ----
 
 SHOWN_PREDICTIONS = 3  # held-out rows per task whose answers the report shows before and after
 

@@ -16,15 +16,31 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from rich.console import Console
 from rich.table import Table
 
 from doplus_cli import ownership
 from doplus_cli.commands.base import Command
-from doplus_cli.config import UnlearnConfig, chosen_trackers, eval_batch_size
+from doplus_cli.config import (
+    ANSWER_TOKENS_HELP,
+    FORGET_LOSS_NAMES,
+    NLI_DEFAULT,
+    PROTOCOL_HELP,
+    PROTOCOL_NAMES,
+    RETAIN_LOSS_NAMES,
+    TOFU_FOLDER_HELP,
+    WARMUP_HELP,
+    TrainConfig,
+    check_distinct_tasks,
+    check_protocol,
+    check_select_by,
+    chosen_trackers,
+    recorded,
+)
 from doplus_cli.data.muse import TextWindows
 from doplus_cli.data.sources import Keys, Source, available_tasks, open_source, task_rows
 from doplus_cli.data.tofu import AUTHORS_RETAIN, authors_retain, describe_retain
@@ -35,7 +51,7 @@ from doplus_cli.engine.loop import default_out_dir, run_training, wants_fsdp
 from doplus_cli.engine.objectives import Objective
 from doplus_cli.engine.schedule import authors_epoch_steps, authors_warmup
 from doplus_cli.engine.selection import best_lines
-from doplus_cli.errors import UserError
+from doplus_cli.errors import UserError, shown
 from doplus_cli.evaluation.attacks import parse_attacks
 from doplus_cli.evaluation.metrics import rouge_l_recall
 from doplus_cli.evaluation.protocol import get_protocol
@@ -45,6 +61,218 @@ from doplus_cli.files import atomic_write_text
 from doplus_cli.generation import greedy_generate, write_self_answered
 from doplus_cli.losses import FORGET_LOSSES, RETAIN_LOSSES, LossParams, LossSpec, checked_rmu_layer, prepare_rmu
 from doplus_cli.models import embedded_gguf_path
+from doplus_cli.option import DEFAULT, EVALUATION, METHOD, MODEL_DATA, TRAINING, option
+
+# ---- the options of doplus unlearn: its config class, declared field by field, and its checks ----
+
+# The suites an unlearn run is evaluated by (its recipe's eval_suite; `bench schemes` compares runs by it). tofu: the
+# suite the eval_* keys describe, also during training (--eval-every). answers: the run's own before/after answers to
+# `show_samples` questions of each set (ROUGE-L recall of the answer after against the one before), for recipes
+# without reference answers (the real-world setting, where the targets are the model's own answers). muse, wmdp:
+# those suites on final/.
+UNLEARN_EVAL_SUITES = ("tofu", "answers", "muse", "wmdp")
+# The TOFU aggregates (percent) `--select-by` can keep the best evaluated step by; higher is better for each.
+UNLEARN_SELECTABLE = {"MU": True, "UFE": True, "TFE": True, "OVR": True}
+
+
+@dataclass
+class UnlearnConfig(TrainConfig):
+    """Every option of `doplus unlearn`. Field names are the recipe keys; `--forget-lr` is `forget_lr`."""
+
+    # TrainConfig's options as unlearn words them
+    option_words: ClassVar[dict[str, str]] = {"warmup_steps": WARMUP_HELP.format(
+        warmup="one epoch of the F_f:F_r cycle as the DualOptim+ authors count it: ceil(forget rows / effective "
+               "batch) x (F_f + F_r) / F_f steps (counted on the retain rows when the retain side runs out first; "
+               "Joint: ceil(forget rows / effective batch)), at most --steps; none when that is 1")}
+
+    # Data
+    forget: str | None = option(None, "Forget set: FILE.jsonl or hf:NAME[:CONFIG][@SPLIT].", panel=MODEL_DATA)
+    retain: str | None = option(
+        None,
+        "Retain set: FILE.jsonl, hf:NAME[:CONFIG][@SPLIT], or tofu-authors (the DualOptim+ authors' retain set for "
+        "--forget's file and task).",
+        panel=MODEL_DATA)
+    # Files whose rows carry task_id (the DualOptim+ authors' TOFU files): the forget task to unlearn; None: task 1
+    task_id: int | None = option(
+        None,
+        "Forget files whose rows carry task_id (the authors' TOFU files): the task to unlearn [default: 1]",
+        panel=MODEL_DATA)
+    task_ids: tuple[int, ...] | None = option(None, "With --continual: the tasks, in order (1,2,3).", panel=MODEL_DATA)
+    continual: bool = option(
+        False,
+        "Unlearn --task-ids one after another, each from the previous task's final model." + DEFAULT,
+        flags="--continual/--no-continual",
+        panel=MODEL_DATA)
+    question_key: str = option("question", "Question field." + DEFAULT, panel=MODEL_DATA)
+    answer_key: str = option("answer", "Answer field." + DEFAULT, panel=MODEL_DATA)
+    answers_from_model: bool = option(
+        False,
+        "Use the starting model's own greedy answers as targets (real-world setting)." + DEFAULT,
+        flags="--answers-from-model/--no-answers-from-model",
+        panel=MODEL_DATA)
+    # Sets of text rows cut into windows of this many tokens, joined first (MUSE trains on 2048; data/muse.py);
+    # None: each text row is one example, cut at max_length
+    text_window: int | None = option(
+        None,
+        "Join the text rows of the forget and retain sets and cut them into windows of N tokens, as MUSE trains "
+        "(N=2048, with --max-length 2048) [default: each text row is one example]",
+        panel=MODEL_DATA)
+    # Losses
+    loss: str = option(
+        "NPO+GD",
+        "FORGET[+RETAIN]: FORGET in GA, NPO, DPO, ME, IDK, SimNPO, RMU, UNDIAL, WGA, SatImp, CE-U; RETAIN "
+        "in GD, KL, AP, EMBED (RMU's activation term)." + DEFAULT,
+        panel=METHOD)
+    beta: float = option(0.1, "Temperature of NPO, DPO and AP." + DEFAULT, panel=METHOD)
+    forget_coeff: float = option(1.0, "Weight of the forget loss." + DEFAULT, panel=METHOD)
+    retain_coeff: float = option(1.0, "Weight of the retain loss." + DEFAULT, panel=METHOD)
+    # The hyper-parameters of SimNPO, UNDIAL, WGA, SatImp and RMU/EMBED; defaults and sources: losses.LossParams
+    simnpo_beta: float = option(LossParams.simnpo_beta, "SimNPO's beta." + DEFAULT, panel=METHOD)
+    simnpo_gamma: float = option(LossParams.simnpo_gamma, "SimNPO's reward margin gamma." + DEFAULT, panel=METHOD)
+    undial_beta: float = option(
+        LossParams.undial_beta,
+        "UNDIAL's reduction of the true token's reference logit." + DEFAULT,
+        panel=METHOD)
+    wga_beta: float = option(LossParams.wga_beta, "WGA's exponent on p_t." + DEFAULT, panel=METHOD)
+    satimp_beta1: float = option(LossParams.satimp_beta1, "SatImp's exponent on p_t." + DEFAULT, panel=METHOD)
+    satimp_beta2: float = option(LossParams.satimp_beta2, "SatImp's exponent on 1 - p_t." + DEFAULT, panel=METHOD)
+    rmu_layer: int | None = option(
+        LossParams.rmu_layer,
+        "RMU/EMBED: the decoder layer whose output is steered or held [default: 7; 7/32 of the depth of a model with "
+        "7 layers or fewer]",
+        panel=METHOD)
+    rmu_coeff: float = option(LossParams.rmu_coeff, "RMU's steering coefficient c." + DEFAULT, panel=METHOD)
+    rmu_update_layers: tuple[int, ...] | None = option(
+        LossParams.rmu_update_layers,
+        "RMU: layers whose modules train, e.g. 5,6,7 [default: the RMU layer and the two before it]",
+        panel=METHOD)
+    rmu_modules: tuple[str, ...] | None = option(
+        LossParams.rmu_modules,
+        "RMU: the modules of those layers that train, e.g. mlp.down_proj [default: the MLP's output projection]",
+        panel=METHOD)
+    # The forget-first F_f:F_r cycle
+    forget_freq: int = option(1, "F_f: forget steps per cycle." + DEFAULT, panel=METHOD)
+    retain_freq: int = option(5, "F_r: retain steps per cycle." + DEFAULT, panel=METHOD)
+    forget_lr: float | None = option(None, "Learning rate of forget steps [default: --lr]", panel=TRAINING)
+    show_samples: int = option(3, "Questions per set shown before/after (0: none)." + DEFAULT, panel=EVALUATION)
+    # `doplus evaluate`'s suites during training (into OUT/evals/step-N/)
+    eval_suite: str = option("tofu", "Suite run during training." + DEFAULT, panel=EVALUATION)
+    eval_split: str = option("forget10", "TOFU forget split." + DEFAULT, panel=EVALUATION)
+    eval_data_dir: str | None = option(None, TOFU_FOLDER_HELP + "]", panel=EVALUATION)
+    eval_max_samples: int | None = option(None, "Questions per set [default: all]", panel=EVALUATION)
+    eval_max_new_tokens: int = option(64, ANSWER_TOKENS_HELP + DEFAULT, panel=EVALUATION)
+    eval_nli_model: str | None = option(None, "NLI model " + NLI_DEFAULT, panel=EVALUATION)
+    eval_embedding_model: str | None = option(None, "Embedding model [default: the protocol's]", panel=EVALUATION)
+    # or "paper": the DualOptim+ authors' judges and generation budget
+    eval_protocol: str = option("doplus", PROTOCOL_HELP + DEFAULT, panel=EVALUATION, choices=PROTOCOL_NAMES)
+    # prompts per batch of the evaluation during training; None: max(batch_size, 8)
+    eval_batch_size: int | None = option(
+        None,
+        "Prompts per batch of the evaluation during training [default: the larger of --batch-size and 8]",
+        panel=EVALUATION)
+    # `doplus evaluate --attacks` for the last evaluation
+    eval_attacks: tuple[str, ...] | None = option(
+        None,
+        "The last evaluation (--eval-every) also runs on attacked copies of the final weights: relearn, "
+        "relearn-lora, quant-8bit, quant-4bit, quant-fp4, probe, white-box (logit-lens, linear-probe, embedding, "
+        "orthogonalize, prune) or all, comma-separated (docs/attacks.md) [default: none]",
+        panel=EVALUATION)
+
+    @property
+    def forget_loss(self) -> str:
+        return self.loss.split("+")[0]
+
+    @property
+    def retain_loss(self) -> str | None:
+        parts = self.loss.split("+")
+        return parts[1] if len(parts) > 1 else None
+
+    def check(self) -> None:
+        super().check()
+        validate_unlearn(self)
+
+    def selectable_metrics(self) -> dict[str, bool]:
+        return dict(UNLEARN_SELECTABLE)
+
+
+def validate_loss_params(config: UnlearnConfig) -> None:
+    """The hyper-parameters of SimNPO, UNDIAL, WGA, SatImp and RMU (`losses.LossParams`): numbers >= 0, SimNPO's
+    beta > 0 (it divides by it), RMU's layers whole numbers >= 0 (their range is checked on the model)."""
+    for name in ("simnpo_beta", "undial_beta", "wga_beta", "satimp_beta1", "satimp_beta2", "rmu_coeff"):
+        value = getattr(config, name)
+        if not value >= 0 or value == float("inf"):
+            raise UserError(f"--{name.replace('_', '-')} must be a number >= 0, got {value}")
+    if config.simnpo_beta == 0 and config.forget_loss == "SimNPO":
+        raise UserError("--simnpo-beta must be > 0 for SimNPO (it divides by it)")
+    if config.simnpo_gamma != config.simnpo_gamma or abs(config.simnpo_gamma) == float("inf"):
+        raise UserError(f"--simnpo-gamma must be a finite number, got {config.simnpo_gamma}")
+    if config.rmu_layer is not None and config.rmu_layer < 0:
+        raise UserError(f"--rmu-layer must be a layer number >= 0, got {config.rmu_layer}")
+
+
+def eval_batch_size(config: UnlearnConfig) -> int:
+    """Prompts per batch of the TOFU evaluation during training (and of the bench's evaluation of final/)."""
+    return config.eval_batch_size or max(config.batch_size, 8)
+
+
+def validate_unlearn(config: UnlearnConfig) -> None:
+    """The options of `doplus unlearn` on top of `validate_training`."""
+    if config.eval_batch_size is not None and config.eval_batch_size < 1:
+        raise UserError(f"--eval-batch-size must be at least 1, got {config.eval_batch_size}")
+    parts = config.loss.split("+")
+    if len(parts) > 2 or parts[0] not in FORGET_LOSS_NAMES or (len(parts) == 2 and parts[1] not in RETAIN_LOSS_NAMES):
+        raise UserError(
+            f"unknown loss {shown(config.loss)}: write FORGET or FORGET+RETAIN with FORGET in "
+            f"{{{', '.join(FORGET_LOSS_NAMES)}}} and RETAIN in {{{', '.join(RETAIN_LOSS_NAMES)}}}, e.g. NPO+GD"
+        )
+    for name in ("forget_freq", "retain_freq", "show_samples"):
+        if getattr(config, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")
+    if config.forget_freq == 0:
+        raise UserError("--forget-freq must be at least 1: every cycle starts with forget steps")
+    for name in ("beta", "forget_coeff", "retain_coeff"):
+        value = getattr(config, name)
+        if not value >= 0 or value != value:
+            raise UserError(f"--{name.replace('_', '-')} must be a number >= 0, got {value}")
+    if config.beta == 0 and config.forget_loss in ("NPO", "DPO") or config.beta == 0 and config.retain_loss == "AP":
+        raise UserError("--beta must be > 0 for NPO, DPO and AP (they divide by it)")
+    validate_loss_params(config)
+    if config.forget_lr is not None and not config.forget_lr >= 0:
+        raise UserError(f"--forget-lr must be a number >= 0, got {config.forget_lr}")
+    check_protocol(config.eval_protocol)
+    if config.eval_suite not in UNLEARN_EVAL_SUITES:
+        raise UserError(f"unknown --eval-suite {shown(config.eval_suite)}: choose {', '.join(UNLEARN_EVAL_SUITES)}")
+    if config.eval_every and config.eval_suite != "tofu":
+        raise UserError(f"unknown --eval-suite {shown(config.eval_suite)} for evaluation during training: only tofu "
+                        "(run `doplus evaluate --suite ...` on final/ afterwards for the others)")
+    check_select_by(config)
+    if config.forget is None:
+        raise UserError("no forget set: pass --forget FILE.jsonl (or hf:NAME[:CONFIG][@SPLIT]) or set it in the recipe")
+    if config.text_window is not None and not 2 <= config.text_window <= config.max_length:
+        raise UserError(f"--text-window must be between 2 and --max-length ({config.max_length}), got "
+                        f"{config.text_window}")
+    if config.task_id is not None and config.task_id < 0:
+        raise UserError(f"--task-id must be a whole number >= 0, got {config.task_id}")
+    if config.continual and config.task_ids is None:
+        raise UserError("--continual needs --task-ids T1,T2,...: the forget tasks in the order they are unlearned")
+    if config.task_ids is not None:
+        check_distinct_tasks(config.task_ids, "--task-ids")
+        if not config.continual:
+            raise UserError("--task-ids unlearns tasks one after another: add --continual (for independent runs "
+                            "per task, from the same starting model, use doplus bench schemes --task-ids)")
+        if config.task_id is not None and config.task_id not in config.task_ids:
+            raise UserError(f"--task-id {config.task_id} is not in --task-ids {recorded(config.task_ids)}")
+    if config.retain_loss is not None and config.retain is None:
+        raise UserError(f"loss {config.loss} has a retain term: pass --retain FILE.jsonl or use a forget loss alone")
+    if config.scheme in ("joint",) and config.forget_lr is not None:
+        raise UserError("--forget-lr needs a scheme with separate forget steps (alternate, dualoptim, doplus)")
+    if config.forget_lr is not None and config.forget_lr != config.lr and config.lr == 0:
+        raise UserError("--forget-lr needs --lr > 0 (the forget rate is applied as a multiple of it)")
+    if config.retain_loss is None and config.scheme != "joint" and config.retain_freq > 0:
+        config.retain_freq = 0  # a forget loss alone: every step is a forget step
+
+
+# ---- the command ----
 
 # OUT/answers/: the starting model's own answers to the forget and retain questions (--answers-from-model)
 ANSWERS = "answers"

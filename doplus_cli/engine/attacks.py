@@ -22,7 +22,8 @@ from typing import Any
 
 from rich.console import Console
 
-from doplus_cli.config import TASK_DEFAULTS, MultitaskConfig
+from doplus_cli.commands.multitask import MultitaskConfig
+from doplus_cli.config import TASK_DEFAULTS
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation import attacks as registry
 from doplus_cli.evaluation.attack_api import AttackInput, Reading

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from doplus_cli.config import TrainConfig, parse_select_by, selectable_metrics
+from doplus_cli.config import TrainConfig, parse_select_by
 
 BEST = "best"
 
@@ -54,7 +54,7 @@ def selection_for(config: TrainConfig, evals: list[dict[str, Any]]) -> Selection
     without --select-by."""
     if not config.select_by:
         return None
-    metric, higher = parse_select_by(config.select_by, selectable_metrics(config))
+    metric, higher = parse_select_by(config.select_by, config.selectable_metrics())
     selection = Selection(metric, higher)
     for row in evals:
         selection.offer(row)

@@ -24,7 +24,8 @@ from typing import Any
 from rich.console import Console
 
 from doplus_cli import __version__
-from doplus_cli.config import TASK_PATH_KEYS, MultitaskConfig, resolve_config
+from doplus_cli.commands.multitask import MultitaskConfig
+from doplus_cli.config import TASK_PATH_KEYS, resolve_config
 from doplus_cli.errors import UserError
 from doplus_cli.models import cache_root, embedded_gguf_path
 

@@ -48,8 +48,9 @@ MASTER_PORT=${MASTER_PORT:-29500}
 PROCESSES=$((SLURM_NNODES * GPUS_PER_NODE))
 
 # --grad-accum that keeps the recipe's effective batch on $PROCESSES processes
-RECIPE_BATCH=$(python -c "import sys; from doplus_cli.config import resolve_config; \
-c = resolve_config(sys.argv[1], {}); print(c.batch_size, c.grad_accum)" "$RECIPE")
+RECIPE_BATCH=$(python -c "import sys; from doplus_cli.commands.unlearn import UnlearnConfig; \
+from doplus_cli.config import resolve_config; c = resolve_config(sys.argv[1], {}, UnlearnConfig); \
+print(c.batch_size, c.grad_accum)" "$RECIPE")
 read -r BATCH ACCUM <<< "$RECIPE_BATCH"
 EFFECTIVE_BATCH=${EFFECTIVE_BATCH:-$((BATCH * ACCUM))}
 if [ $((EFFECTIVE_BATCH % (BATCH * PROCESSES))) -ne 0 ]; then

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from doplus_cli.bench.adapters.base import BenchAdapter, Metric, TradeoffAxes, doplus_evaluate, read_json
-from doplus_cli.commands.align import ALIGN, AlignCommand
-from doplus_cli.config import AlignConfig, list_value, recorded
+from doplus_cli.commands.align import ALIGN, AlignCommand, AlignConfig
+from doplus_cli.config import list_value, recorded
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.suite_registry import SUITE_REGISTRY
 

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from doplus_cli.bench.adapters.base import BenchAdapter, Metric
-from doplus_cli.commands.multitask import MULTITASK
-from doplus_cli.config import AVERAGE, MultitaskConfig
+from doplus_cli.commands.multitask import MULTITASK, MultitaskConfig
+from doplus_cli.config import AVERAGE
 from doplus_cli.errors import UserError
 
 

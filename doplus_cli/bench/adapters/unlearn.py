@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from doplus_cli.bench.adapters.base import BenchAdapter, Metric, TradeoffAxes, doplus_evaluate, read_json
-from doplus_cli.commands.unlearn import UNLEARN
-from doplus_cli.config import UNLEARN_EVAL_SUITES, UnlearnConfig
+from doplus_cli.commands.unlearn import UNLEARN, UNLEARN_EVAL_SUITES, UnlearnConfig
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.suite_registry import SUITE_REGISTRY
 
