@@ -400,3 +400,18 @@ def test_reproducing_runs_the_papers_baselines_and_ablations_from_the_scheme_tab
     assert len(ablations) == 3
     assert [name for name in (*FL_SCHEMES, *ablations) if name not in page] == []
     assert "not implemented" not in page
+
+
+def test_the_options_page_is_what_the_declarations_give():
+    """docs/options.md lists every option of every command from the same declarations --help is built from: an
+    option added to a config field shows up there by running `python docs/options_reference.py`, and a page left
+    behind fails here."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("options_reference", ROOT / "docs" / "options_reference.py")
+    reference = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reference)
+    page = (ROOT / "docs" / "options.md").read_text()
+    assert page == reference.render(), "run python docs/options_reference.py"
+    for flag in ("--forget", "--scheme", "--loss", "--eval-attacks", "--suite", "--schemes", "--space"):
+        assert f"| `{flag}`" in page, flag

@@ -361,9 +361,15 @@ unlearn = {param.name: param for param in group.commands["unlearn"].params}
 config = resolve_config(None, {"forget": "f.jsonl", "retain": "r.jsonl", "tracker_notes": "kept"},
                         COMMANDS["unlearn"].config_class)
 shown = CliRunner().invoke(app, ["multitask", "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"}).output
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("options_reference", sys.argv[1])
+reference = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(reference)
+page = [line for line in reference.render().splitlines() if line.startswith("| `--tracker-notes`")]
 print(json.dumps({"options": {command: list(names) for command, names in options.COMMAND_OPTIONS.items()},
                   "help": unlearn["tracker_notes"].help, "value": config.tracker_notes,
-                  "recorded": config.to_dict()["tracker_notes"], "shown": "--tracker-notes" in shown}))
+                  "recorded": config.to_dict()["tracker_notes"], "shown": "--tracker-notes" in shown,
+                  "page": page}))
 """
 
 
@@ -371,7 +377,7 @@ def test_one_field_added_to_trainconfig_is_an_option_of_every_training_command_a
     """Adding an option every training command shares is one edit: a TrainConfig field declared with `option(...)`.
     On a copy of the package with that one line added, the flag is an option of unlearn, multitask and align (after
     the field before it, report_to), shows its help and the field's default, sets the config as a recipe key does,
-    and is an option of no other command."""
+    is an option of no other command, and docs/options.md, regenerated, lists it for the three."""
     import shutil
     import subprocess
     import sys
@@ -387,7 +393,9 @@ def test_one_field_added_to_trainconfig_is_an_option_of_every_training_command_a
     assert config.read_text().count(anchor) == 1
     config.write_text(config.read_text().replace(anchor, '    tracker_notes: str = option("none", "Notes the '
                                                  'trackers keep." + DEFAULT, panel=OUTPUT)\n' + anchor))
-    result = subprocess.run([sys.executable, "-c", ADDED_FIELD_PROBE], capture_output=True, text=True, timeout=300,
+    reference = Path(doplus_cli.__file__).parents[1] / "docs" / "options_reference.py"
+    result = subprocess.run([sys.executable, "-c", ADDED_FIELD_PROBE, str(reference)], capture_output=True, text=True,
+                            timeout=300,
                             cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert result.returncode == 0, result.stderr[-2000:]
     probe = json.loads(result.stdout.splitlines()[-1])
@@ -400,6 +408,8 @@ def test_one_field_added_to_trainconfig_is_an_option_of_every_training_command_a
             assert names == before, command
     assert probe["help"] == escape("Notes the trackers keep. [default: none]") and probe["shown"]
     assert probe["value"] == probe["recorded"] == "kept"
+    # the docs' options page, regenerated: one row in each training command's logging panel
+    assert probe["page"] == ["| `--tracker-notes` | TEXT | Notes the trackers keep. [default: none] |"] * 3
 
 
 def test_a_commands_own_fields_come_before_the_shared_ones_and_a_field_without_a_flag_stays_out():
