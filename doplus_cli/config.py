@@ -168,14 +168,8 @@ class TrainConfig:
     max_length: int = option(256, "Tokens per example." + DEFAULT, panel=MODEL_DATA)
     # None: the tokenizer's chat template, `question-answer` without one; else a preset (chat, question-answer,
     # phi-tofu, llama2) or a string with {question} (doplus_cli.data.formatting.PROMPT_TEMPLATES)
-    prompt_template: str | None = option(
-        None,
-        TEMPLATE_HELP,
-        panel=MODEL_DATA)
-    max_new_tokens: int = option(
-        48,
-        "Tokens generated per answer (targets, sample table)." + DEFAULT,
-        panel=EVALUATION)
+    prompt_template: str | None = option(None, TEMPLATE_HELP, panel=MODEL_DATA)
+    max_new_tokens: int = option(48, "Tokens generated per answer (targets, sample table)." + DEFAULT, panel=EVALUATION)
     # Update scheme and optimizer
     scheme: str = option(
         "doplus",
@@ -230,10 +224,7 @@ class TrainConfig:
         words={"bench precision": "Peak learning rate, decaying linearly to 0."},
         variant={"bench precision": {"panel": MEASURE}},
         panel=TRAINING)
-    batch_size: int = option(
-        4,
-        "Examples per device per micro-step." + DEFAULT,
-        panel=TRAINING)
+    batch_size: int = option(4, "Examples per device per micro-step." + DEFAULT, panel=TRAINING)
     grad_accum: int = option(1, "Micro-steps per optimizer step (averaged)." + DEFAULT, panel=TRAINING)
     # None: the command's default (unlearn: the DualOptim+ authors' one epoch)
     warmup_steps: int | None = option(None, WARMUP_HELP.format(warmup="a tenth of the steps"), panel=TRAINING)

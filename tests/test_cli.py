@@ -52,7 +52,7 @@ def test_each_training_command_takes_the_options_its_table_lists():
 
 def test_a_registered_command_is_a_cli_command_from_its_module_alone(monkeypatch):
     """A new training command is its module's `Command` and its registration: the CLI command, its help and its
-    options come from the command object (its `options` names, declared once in options.py's table)."""
+    options come from the command object (its `options` names, each declared once on its config field)."""
     import typer
     from typer.testing import CliRunner
 

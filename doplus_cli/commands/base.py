@@ -7,10 +7,10 @@ prints and the evaluation it runs. The object in the registry carries no config;
 run (`bound`), which is what the loop is handed. What only `doplus bench schemes` asks of a command lives with the
 bench, in its adapter (bench/adapters/).
 
-Adding a command is one module with its `Command` subclass and one `register` line in commands/__init__.py: its
-options are the fields of its config class that options.py's table declares (`options.training_options`), it
-names its help, and cli.py makes `doplus NAME` of every registered command. A command module imports no other
-command module.
+Adding a command is one module with its config class, its `Command` subclass and one `register` line in
+commands/__init__.py: its options are the fields of its config class declared with `option(...)`
+(`options.training_options`), it names its help, and cli.py makes `doplus NAME` of every registered command. A
+command module imports no other command module.
 
 A command module imports the engine at its top: the engine's own imports of the heavy packages (transformers,
 accelerate, peft, matplotlib, ...) sit inside its functions, so looking a command up (for a recipe's command, a help
@@ -43,9 +43,10 @@ class Command(Plan):
     marker = ""  # a recipe (or --set) key that only this command has
     config_class: type[TrainConfig] = TrainConfig
     help = ""  # the command's line in `doplus --help`, and the first line of its own --help
-    # Its options by name, in the order of its --help (options.py declares each): by default those of its config
-    # class (`options.training_options`), with `extra_options` (flags that are no field of their own name) and less
-    # `without_flags` (TrainConfig fields the command has no flag for: its validation refuses a value for them).
+    # Its options by name, in the order of its --help (each declared on its config field, or in options.py's table
+    # for those that set no field): by default those of its config class (`options.training_options`), with
+    # `extra_options` (flags that are no field of their own name) and less `without_flags` (TrainConfig fields the
+    # command has no flag for: its validation refuses a value for them).
     options: tuple[str, ...] = ()
     extra_options: tuple[str, ...] = ()
     without_flags: tuple[str, ...] = ()
@@ -97,8 +98,8 @@ COMMANDS: Registry[Command] = Registry("command", Command)  # by name, in the or
 
 
 def register(command: Command) -> Command:
-    """The command under its name, and its options in options.py's table (the CLI builds `doplus NAME` from
-    both)."""
+    """The command under its name, and its options declared to options.py from its config class (the CLI builds
+    `doplus NAME` from both)."""
     COMMANDS.register(command.command, command)
     options.declare(command.command, command.config_class, command.options)
     return command

@@ -112,14 +112,8 @@ class EvalConfig:
         "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16.",
         panel=MODEL_DATA,
         choices=DTYPES)
-    trust_remote_code: bool = option(
-        False,
-        "Allow the model's own code to run.",
-        panel=MODEL_DATA)
-    overwrite: bool = option(
-        False,
-        "Replace an evaluation already in --out.",
-        panel=CHECKPOINTS)
+    trust_remote_code: bool = option(False, "Allow the model's own code to run.", panel=MODEL_DATA)
+    overwrite: bool = option(False, "Replace an evaluation already in --out.", panel=CHECKPOINTS)
     # keep the suites an interrupted evaluation in `out` finished
     resume: bool = option(
         False,
