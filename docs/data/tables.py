@@ -211,8 +211,8 @@ def metric_at(record: dict[str, Any], step: int, metric: str) -> Any:
 # ---- conversion of the bench and tune outputs ------------------------------------------------------------------
 
 # runs file -> its sources in docs/data: ("schemes", a SCHEMES.json), ("tune", a TUNE.json), ("stability", the
-# output of `doplus bench optimizer --stability --json`) or ("precision", `doplus bench precision`'s precision.json),
-# the last two with their provenance
+# output of `doplus bench optimizer --stability --json`), ("speed", that of `doplus bench optimizer --json`) or
+# ("precision", `doplus bench precision`'s precision.json), the last three with their provenance
 SOURCES: dict[str, list[tuple[str, str]]] = {
     "tofu_protocol": [("schemes", "tofu_protocol_task3_SCHEMES.json")],
     "muse_mini": [("schemes", "muse_mini_SCHEMES.json")],
@@ -220,6 +220,7 @@ SOURCES: dict[str, list[tuple[str, str]]] = {
                              ("tune", "tune_real_world_mini_alternate.json")],
     "mini_tofu_pruner": [("tune", "tune_mini_tofu_pruner_none.json"), ("tune", "tune_mini_tofu_pruner_median.json")],
     "optimizer_stability": [("stability", "optimizer_stability.json")],
+    "optimizer_speed_cpu": [("speed", "optimizer_speed_cpu.json")],
     "precision": [("precision", "precision.json")],
 }
 RESOURCE_KEYS = ("train_time_s", "peak_memory_gb", "optimizer_state_bytes")
@@ -370,9 +371,29 @@ def records_from_precision(output: dict[str, Any], source: str) -> list[dict[str
     return records
 
 
+SPEED_SETTINGS = ("params", "dtype", "device", "device_name", "threads", "steps", "warmup", "copy_gbps")
+SPEED_RESOURCES = ("median_step_s", "first_step_s", "ratio_to_adamw", "state_bytes_per_param", "gbps",
+                   "fraction_of_copy_bandwidth", "multi_tensor_launches")
+
+
+def records_from_speed(output: dict[str, Any], source: str) -> list[dict[str, Any]]:
+    """One record per row of `doplus bench optimizer --json` (the speed bench), kept under `output` beside the
+    command that printed it and its provenance (PROVENANCE). The row's name is the scheme; the bench's size,
+    device and copy bandwidth are the settings; its median and first step, ratio to torch's AdamW, state bytes and
+    bandwidth the resources (each timed step stays in the source file, which the record's `source` points to)."""
+    result = kept_output(output, source)
+    settings = {key: result[key] for key in SPEED_SETTINGS}
+    records = []
+    for number, values in enumerate(result["rows"]):
+        resources = {key: values.get(key) for key in SPEED_RESOURCES}
+        records.append(_bench_record(output, source, f"rows/{number}", values["name"], values["name"], settings,
+                                     resources, {}))
+    return records
+
+
 CONVERTERS: dict[str, Callable[[dict[str, Any], str], list[dict[str, Any]]]] = {
     "schemes": records_from_schemes, "tune": records_from_tune, "stability": records_from_stability,
-    "precision": records_from_precision}
+    "speed": records_from_speed, "precision": records_from_precision}
 
 
 def convert(data: Path = DATA, out: Path | None = None) -> list[Path]:
@@ -653,6 +674,29 @@ def stability_table(records: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+SPEED_LABELS = {"adamw": "adamw (torch default)"}
+SPEED_BOLD = ("doplus", "doplus-8bit")  # DualOptim+'s rows, the page's subject
+
+
+def seconds_cell(value: float) -> str:
+    """A step time as the page prints it: milliseconds below a second, else seconds."""
+    return f"{1000 * value:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def speed_table(records: Sequence[dict[str, Any]]) -> list[str]:
+    """One row per optimizer of `doplus bench optimizer`, in the bench's order: median and first step, the ratio to
+    torch's default AdamW in the same run, optimizer-state bytes per parameter and the bandwidth reached."""
+    lines = [row(("optimizer", "median step", "× AdamW", "first step", "state B/param", "GB/s")),
+             row(("---",) + ("---:",) * 5)]
+    for record in records:
+        values = record["resources"]
+        lines.append(row((bold(SPEED_LABELS.get(record["run"], record["run"]), record["run"] in SPEED_BOLD),
+                          seconds_cell(values["median_step_s"]), f"{values['ratio_to_adamw']:.2f}×",
+                          seconds_cell(values["first_step_s"]), f"{values['state_bytes_per_param']:.2f}",
+                          f"{values['gbps']:.1f}")))
+    return lines
+
+
 MODE_LABELS = {"fp32": "`fp32`", "bf16-mixed": "`bf16-mixed`", "bf16": "`bf16` (compensated)",
                "bf16-uncompensated": "bf16 without compensation"}
 
@@ -740,6 +784,7 @@ TABLES: dict[str, Table] = {
     "mini_tofu_pruner": Table("mini_tofu_pruner", lambda records: pruner_table(records, "lr", ("none", "median"))),
     "muse_mini": Table("muse_mini", lambda records: mean_std_table(records, MUSE_COLUMNS)),
     "optimizer_stability": Table("optimizer_stability", stability_table),
+    "optimizer_speed_cpu": Table("optimizer_speed_cpu", speed_table),
     "precision": Table("precision", precision_table),
 }
 
