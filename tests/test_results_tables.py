@@ -409,6 +409,42 @@ def test_the_stability_bench_output_converts_to_one_record_per_rule_and_scale():
     assert second["resources"] == {"seconds": None, "machine": "2 cores"}
 
 
+def test_the_speed_bench_output_converts_to_one_record_per_optimizer_and_its_table_by_hand():
+    """`doplus bench optimizer --json` kept with its provenance: each row becomes a run named by the optimizer, the
+    bench's size and machine its settings, its times, ratio, state bytes and bandwidth its resources; the table
+    prints times in ms below a second and in s above, ratios and bytes to two decimals, DualOptim+'s rows bold."""
+    def bench_row(name, median, first, ratio, state, gbps):
+        return {"name": name, "median_step_s": median, "first_step_s": first, "ratio_to_adamw": ratio,
+                "state_bytes_per_param": state, "gbps": gbps, "fraction_of_copy_bandwidth": gbps / 40,
+                "multi_tensor_launches": 0, "step_times_s": [median] * 3, "description": name}
+
+    output = {"command": "doplus bench optimizer --params 50M --json", "seed": 0, "version": "0.2.0",
+              "commit": "abc1234", "machine": "2 cores",
+              "output": {"device": "cpu", "device_name": "AMD EPYC", "torch": "2.13.0+cpu", "threads": 2,
+                         "params": 50_000_000, "dtype": "float32", "steps": 7, "warmup": 2, "seed": 0,
+                         "synthetic": {}, "copy_gbps": 40.0,
+                         "rows": [bench_row("adamw", 0.0987, 0.1624, 1.0, 8.00000648, 14.18),
+                                  bench_row("doplus", 0.1383, 3.6512, 1.4003, 24.0000194, 15.93),
+                                  bench_row("doplus-muon", 1.19984, 1.2109, 12.1509, 12.0, 1.16)]}}
+    records = tables.records_from_speed(output, "speed.json")
+    for converted in records:
+        tables.check_record(converted)
+    adamw = records[0]
+    assert [r["run"] for r in records] == [r["scheme"] for r in records] == ["adamw", "doplus", "doplus-muon"]
+    assert adamw["source"] == "speed.json#/output/rows/0" and adamw["task"] is None
+    assert adamw["settings"]["params"] == 50_000_000 and adamw["settings"]["copy_gbps"] == 40.0
+    assert adamw["settings"]["command"] == "doplus bench optimizer --params 50M --json"
+    assert adamw["resources"]["median_step_s"] == 0.0987 and adamw["resources"]["machine"] == "2 cores"
+    assert "step_times_s" not in adamw["resources"]  # the source keeps every timed step
+    assert tables.speed_table(records) == [
+        "| optimizer | median step | × AdamW | first step | state B/param | GB/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| adamw (torch default) | 98.7 ms | 1.00× | 162.4 ms | 8.00 | 14.2 |",
+        "| **doplus** | 138.3 ms | 1.40× | 3.65 s | 24.00 | 15.9 |",
+        "| doplus-muon | 1.20 s | 12.15× | 1.21 s | 12.00 | 1.2 |",
+    ]
+
+
 def test_a_stability_table_by_hand():
     """Steps in learning rates (two decimals under 10, thousands separated, millions as M), counts with
     separators, distances to three digits (0 as is, 2e-7 below a thousandth, whole numbers above a thousand)."""
