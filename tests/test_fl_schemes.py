@@ -354,10 +354,10 @@ def test_switches_on_the_fast_paths_are_refused_and_by_size_takes_the_reference(
         DualOptimPlus([p], base_source="delta")
     p.grad = torch.randn(300, 300)
     opt = DualOptimPlus([p], base_source="grad-minus-delta")  # fused=None: the reference, for every size
-    kernel = next(k for k in kernels.KERNELS if k.name == "DualOptim+ AdamW")
-    before = kernel.compiled_calls
+    doplus_kernels = [k for k in kernels.KERNELS if k.name.startswith("DualOptim+ AdamW")]
+    before = [k.compiled_calls for k in doplus_kernels]
     opt.step(objective="forget")
-    assert kernel.compiled_calls == before
+    assert [k.compiled_calls for k in doplus_kernels] == before
     state = opt.state[p]
     report = dualoptim_plus([p], [p.grad], [state], [state["delta"]["forget"]], lr=LR, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=0.0, base_source="grad-minus-delta")

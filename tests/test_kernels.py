@@ -48,6 +48,16 @@ def _step_doplus(bits: int) -> None:
                    for name in ("exp_avg", "exp_avg_sq")), "the 8-bit run created no 8-bit state"
 
 
+def _step_doplus_unpacked() -> None:
+    """The kernel a CUDA tensor's step takes (its four counts reduced apart), called on CPU tensors here."""
+    torch.manual_seed(0)
+    tensors = [torch.randn(SIZE) for _ in range(6)]
+    tensors[3] = tensors[3].abs()
+    s = kernels.AdamWPlusScalars(lr=1e-2, weight_decay=0.0, beta1=0.9, beta2=0.95, base_beta1=0.9,
+                                 base_beta2=0.95, eps=1e-8, base_step=2, delta_step=1)
+    kernels._adamw_plus_compiled(*tensors, s.packed(torch.device("cpu")), None)
+
+
 def _step_diagnostics() -> None:
     n = 1 << 16  # the size from which the diagnostics use their compiled kernel
     torch.manual_seed(0)
@@ -85,7 +95,8 @@ def _decode_attention() -> None:
 
 DRIVERS = {
     "decode attention": _decode_attention,
-    "DualOptim+ AdamW": lambda: _step_doplus(32),
+    "DualOptim+ AdamW": _step_doplus_unpacked,
+    "DualOptim+ AdamW (CPU)": lambda: _step_doplus(32),
     "DualOptim+ AdamW 8-bit": lambda: _step_doplus(8),
     "AdamW step diagnostics": _step_diagnostics,
     "AdamW": _step_adamw,
@@ -94,7 +105,8 @@ DRIVERS = {
 
 def test_every_compiled_kernel_has_a_test_here():
     assert NAMES and set(NAMES) <= set(DRIVERS), set(NAMES) - set(DRIVERS)
-    assert {"DualOptim+ AdamW", "DualOptim+ AdamW 8-bit", "AdamW step diagnostics", "decode attention"} <= set(NAMES)
+    assert {"DualOptim+ AdamW", "DualOptim+ AdamW (CPU)", "DualOptim+ AdamW 8-bit", "AdamW step diagnostics",
+            "decode attention"} <= set(NAMES)
 
 
 @pytest.mark.parametrize("name", NAMES)

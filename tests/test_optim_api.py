@@ -486,7 +486,9 @@ def test_step_hands_every_group_to_the_functional_form(monkeypatch):
 
 # -- the compiled path: bf16 and non-contiguous parameters -----------------------------------------------
 
-KERNEL_OF = {"DualOptimPlus": "DualOptim+ AdamW", "DualOptim": "AdamW", "AdamW": "AdamW"}
+# the kernels these CPU tensors take: DualOptim+'s CPU kernel packs its counts (kernels.py; on CUDA the unpacked
+# "DualOptim+ AdamW", tests/test_cuda.py)
+KERNEL_OF = {"DualOptimPlus": "DualOptim+ AdamW (CPU)", "DualOptim": "AdamW", "AdamW": "AdamW"}
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
@@ -701,7 +703,7 @@ def test_the_functional_form_names_its_implementation_and_follows_the_float64_lo
 
     states = [zeros(w) for w in params]
     deltas = {name: [zeros(w) for w in params] for name in ("forget", "retain")}
-    kernel = compiled_kernel("DualOptim+ AdamW")
+    kernel = compiled_kernel(KERNEL_OF["DualOptimPlus"])
     generator = torch.Generator().manual_seed(1)
     objectives = ("forget", "retain", "retain", "forget", "retain", "retain")
     for index, objective in enumerate(objectives):

@@ -273,3 +273,37 @@ def test_misuse_raises_clear_value_errors():
     for opt in (DualOptimPlus(embedding.parameters()), DualOptim(embedding.parameters())):
         with pytest.raises(ValueError, match="sparse gradients"):
             opt.step(objective="forget")
+
+
+def test_a_cpu_tensor_longer_than_a_chunk_steps_in_chunks_with_the_counts_of_the_unpacked_kernel():
+    """On the CPU the compiled AdamW kernel packs its three counts into one sum and runs over chunks of
+    `CPU_CHUNK` elements (kernels.py says why). A tensor of two chunks, with elements the safeguard's floor and
+    clamp act on: the packed kernel ran once per chunk, and the weights, states and every count are those of the
+    unpacked kernel (the CUDA path's, here compiled for the CPU) and, within rounding, of the eager reference."""
+    from doplus_cli.optim import kernels
+
+    n = kernels.CPU_CHUNK + 4099
+    generator = torch.Generator().manual_seed(0)
+    param = torch.randn(n, generator=generator) * 0.02
+    grad = torch.randn(n, generator=generator) * 1e-3
+    mb, md = torch.randn(n, generator=generator) * 1e-4, torch.randn(n, generator=generator) * 1e-4
+    vb, vd = torch.rand(n, generator=generator) * 1e-6, torch.randn(n, generator=generator) * 1e-8
+    vd[::7] = -0.97 * vb[::7]  # v̂_B + v̂_k near 0: the floor acts
+    md[::13] = 1.0  # a first moment far above sqrt(v): the clamp acts
+    s = kernels.AdamWPlusScalars(lr=1e-3, weight_decay=0.01, beta1=0.9, beta2=0.95, base_beta1=0.9,
+                                 base_beta2=0.95, eps=1e-8, base_step=5, delta_step=3, v_floor=0.02, max_update=10.0)
+    hp = s.packed(torch.device("cpu"))
+    tensors = (param, grad, mb, vb, md, vd)
+    unpacked, reference = [t.clone() for t in tensors], [t.clone() for t in tensors]
+    calls = kernels._adamw_plus_compiled_packed.compiled_calls
+    chunked = kernels.adamw_plus_fused(*tensors, hp)
+    assert kernels._adamw_plus_compiled_packed.compiled_calls - calls == 2
+    whole = kernels._adamw_plus_compiled(*unpacked, hp, None)
+    eager = kernels.adamw_plus_reference(*reference, s)
+    counts = [int(value) for value in chunked[1:]]
+    assert counts == [int(value) for value in whole[1:]] == [int(value) for value in eager[1:]]
+    assert min(counts[1:]) > 1000  # the floor and the clamp both acted
+    assert torch.equal(chunked[0], whole[0])
+    for mine, theirs, near in zip(tensors, unpacked, reference):
+        assert torch.equal(mine, theirs)
+        torch.testing.assert_close(mine, near, rtol=1e-6, atol=1e-9)
