@@ -317,9 +317,9 @@ def _adamw_plus_inplace(
 
 # On the CPU the compiled kernel reduces each call twice: the largest step, and one int64 sum that packs the three
 # counts (steps above BIG_UPDATE, floored, clamped) in fields of COUNT_BITS bits. Inductor's CPU code fuses two
-# reductions into the elementwise pass but not four: with four separate counts a 4M-element tensor took 11.1 ms
-# against 4.4 ms packed (2 cores of an AMD EPYC), and `doplus bench optimizer --params 50M`'s DualOptim+ step
-# 138 ms, 1.40x torch's AdamW. A tensor is updated in chunks of CPU_CHUNK elements, so that no field can overflow.
+# reductions into the elementwise pass but not four: with the four apart, `doplus bench optimizer --params 50M`'s
+# DualOptim+ step took 138.3 ms (1.40x torch's AdamW) on 2 cores of an AMD EPYC, packed 57.8 ms (0.89x;
+# docs/results.md). A tensor is updated in chunks of CPU_CHUNK elements, so that no field can overflow.
 COUNT_BITS = 21
 CPU_CHUNK = 2**20  # < 2**COUNT_BITS; a multiple of 16 bytes, so every chunk starts aligned
 
