@@ -15,7 +15,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import yaml
 
@@ -141,6 +141,9 @@ class TrainConfig:
     """The options every training command shares: model, update scheme, optimizer, training, outputs, LoRA,
     processes, checkpoints. A command's config, in the command's own module, adds its own data and
     objectives; field names are the recipe keys."""
+
+    # A command's own help for an option it shares with the others (align's --steps), by option name
+    option_words: ClassVar[dict[str, str]] = {}
 
     description: str = ""
     # Model

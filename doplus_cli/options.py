@@ -246,7 +246,7 @@ def declare(command: str, config_class: type | None, names: tuple[str, ...]) -> 
         raise ValueError(f"the options of '{command}' are declared already")
     own = {} if config_class is None else field_options(config_class)
     if config_class is not None:
-        words = getattr(config_class, "option_words", {})
+        words = getattr(config_class, "option_words", {})  # EvalConfig has none
         own |= {name: dataclasses.replace(own.get(name) or OPTIONS[name], help=text) for name, text in words.items()}
     unknown = [name for name in names if name not in own and name not in OPTIONS]
     if unknown:

@@ -300,10 +300,12 @@ def _adamw_plus_math(
     return theta, mb, vb, md, vd, ratio, floored, clamped
 
 
-def _adamw_plus_inplace(
+def _adamw_plus_apply(
     param: Tensor, grad: Tensor, mb: Tensor, vb: Tensor, md: Tensor, vd: Tensor, hp: Tensor,
-    compensation: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    compensation: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The rule applied in place to θ (and its compensation) and the four 32-bit states; returns the per-element
+    step |Δθ|/η and where the floor and the clamp acted, for the caller's reductions."""
     theta, mb_new, vb_new, md_new, vd_new, ratio, floored, clamped = _adamw_plus_math(
         read_master(param, compensation, mb.dtype), grad.to(mb.dtype), mb, vb, md, vd, hp
     )
@@ -312,6 +314,14 @@ def _adamw_plus_inplace(
     vb.copy_(vb_new)
     md.copy_(md_new)
     vd.copy_(vd_new)
+    return ratio, floored, clamped
+
+
+def _adamw_plus_inplace(
+    param: Tensor, grad: Tensor, mb: Tensor, vb: Tensor, md: Tensor, vd: Tensor, hp: Tensor,
+    compensation: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    ratio, floored, clamped = _adamw_plus_apply(param, grad, mb, vb, md, vd, hp, compensation)
     return ratio.amax(), (ratio > BIG_UPDATE).sum(), floored.sum(), clamped.sum()
 
 
@@ -329,14 +339,7 @@ def _adamw_plus_inplace_packed(
     compensation: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`_adamw_plus_inplace` with its three counts packed into one sum (`unpack_counts` reads them)."""
-    theta, mb_new, vb_new, md_new, vd_new, ratio, floored, clamped = _adamw_plus_math(
-        read_master(param, compensation, mb.dtype), grad.to(mb.dtype), mb, vb, md, vd, hp
-    )
-    write_master(param, compensation, theta)
-    mb.copy_(mb_new)
-    vb.copy_(vb_new)
-    md.copy_(md_new)
-    vd.copy_(vd_new)
+    ratio, floored, clamped = _adamw_plus_apply(param, grad, mb, vb, md, vd, hp, compensation)
     flags = ((ratio > BIG_UPDATE).to(torch.int64) + floored.to(torch.int64) * 2**COUNT_BITS
              + clamped.to(torch.int64) * 2**(2 * COUNT_BITS))
     return ratio.amax(), flags.sum()
