@@ -13,6 +13,7 @@ import importlib.util
 import math
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -122,6 +123,9 @@ SAFETY_FILES_HELP = "with I-*.json, Q-Harm.json, xstest_prompts.csv [default: do
 GUARD_DEFAULT = "[default: meta-llama/Meta-Llama-Guard-2-8B if it loads, else the offline refusal judge"
 SELECT_BY_HELP = ("Keep the evaluated step that is best by METRIC as OUT/best/ beside final/: {metrics} (higher is "
                   "better); METRIC:max or METRIC:min sets the direction [default: keep none]")
+STOP_WHEN_HELP = ("End the run at the first evaluation during training where METRIC<=VALUE or METRIC>=VALUE holds "
+                  "(METRIC: {metrics}); final/ is the model after that step, and the learning-rate schedule stays "
+                  "the one of --steps [default: run every step]")
 WARMUP_HELP = "Linear warmup, then linear decay to 0 [default: {warmup}]"
 
 
@@ -317,6 +321,9 @@ class TrainConfig:
     # Keep the evaluated step that is best by this metric as OUT/best/ (unlearn: MU, UFE, TFE, OVR; multitask: a
     # task's name or average); METRIC:max or METRIC:min names the direction, else the metric's own
     select_by: str | None = option(None, SELECT_BY_HELP.format(metrics="MU, UFE, TFE or OVR"), panel=EVALUATION)
+    # End the run early once an evaluation during training meets a bound (a matched-forgetting comparison trains each
+    # scheme until its forget metric reaches the same value); the schedule is the one of --steps
+    stop_when: str | None = option(None, STOP_WHEN_HELP.format(metrics="MU, UFE, TFE or OVR"), panel=EVALUATION)
     # The paper's Figure 2 diagnostic: cosine of the objectives' latest updates and gradients, in metrics.jsonl
     log_update_similarity: bool = option(
         False,
@@ -383,6 +390,11 @@ class TrainConfig:
         """The metrics `--select-by` takes for a run of this config, each with whether higher is better (the
         command's config says; none here)."""
         return {}
+
+    def stoppable_metrics(self) -> tuple[str, ...]:
+        """The metrics `--stop-when` takes: what the evaluation during training reports (the command's config
+        says; by default the `--select-by` metrics)."""
+        return tuple(self.selectable_metrics())
 
     def replace(self, **changes: Any) -> Self:
         """A copy with `changes`, final when this config is. The changes are values doplus settles itself (the
@@ -1010,6 +1022,59 @@ def parse_select_by(text: str, known: dict[str, bool]) -> tuple[str, bool]:
     return metric, DIRECTIONS[direction.strip()] if direction else known[metric]
 
 
+
+
+# `--stop-when METRIC<=VALUE` / `METRIC>=VALUE`: the bound that ends a run at an evaluation during training.
+_STOP_WHEN = re.compile(r"^\s*([A-Za-z_][\w/.\-]*)\s*(<=|>=)\s*(\S+)\s*$")
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """`--stop-when`: the run ends at the first evaluation whose `metric` is `op` `bound`."""
+
+    metric: str
+    op: str  # <= or >=
+    bound: float
+
+    def text(self) -> str:
+        return f"{self.metric}{self.op}{self.bound:g}"
+
+    def holds(self, row: dict[str, Any]) -> bool:
+        """Whether an evaluation's row meets the bound; a missing or non-finite value does not."""
+        value = row.get(self.metric)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            return False
+        return value <= self.bound if self.op == "<=" else value >= self.bound
+
+
+def parse_stop_when(text: str, known: Sequence[str]) -> StopRule:
+    """`METRIC<=VALUE` or `METRIC>=VALUE`, METRIC among `known`; one line naming what is wrong otherwise."""
+    match = _STOP_WHEN.match(str(text))
+    if not match:
+        raise UserError(f"--stop-when {shown(text, quoted=False)}: write METRIC<=VALUE or METRIC>=VALUE, e.g. "
+                        "forget_Q_A_ROUGE<=0.05")
+    metric, op, number = match.groups()
+    if metric not in known:
+        raise UserError(f"--stop-when {shown(text, quoted=False)}: unknown metric {shown(metric)}: choose one of "
+                        f"{', '.join(known)} (the values the evaluation during training reports)")
+    try:
+        bound = float(number)
+    except ValueError:
+        raise UserError(f"--stop-when {shown(text, quoted=False)}: {shown(number)} is not a number") from None
+    if not math.isfinite(bound):
+        raise UserError(f"--stop-when {shown(text, quoted=False)}: the bound is a finite number")
+    return StopRule(metric, op, bound)
+
+
+def check_stop_when(config: TrainConfig) -> None:
+    """`--stop-when`: a bound on a metric the evaluation during training reports, and an evaluation during
+    training to read it from."""
+    if config.stop_when is None:
+        return
+    parse_stop_when(config.stop_when, config.stoppable_metrics())
+    if not config.eval_every:
+        raise UserError(f"--stop-when {shown(config.stop_when, quoted=False)}: nothing is evaluated during "
+                        "training; add --eval-every N")
 
 
 def check_select_by(config: TrainConfig) -> None:

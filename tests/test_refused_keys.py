@@ -1,6 +1,6 @@
 """Recipe keys every training command's config holds but a command has no use for are refused when that command's
 config is validated, one line naming the key and why, rather than taken and ignored: `ref_offload` in multitask and
-align (their one loss, CE, builds no reference model), `eval_every` and `select_by` in align (it evaluates after
+align (their one loss, CE, builds no reference model), `eval_every`, `select_by` and `stop_when` in align (it evaluates after
 training only). Given in a recipe, as a value on the command line's path (`resolve_config`'s overrides) or with
 `doplus bench schemes --set`, the same line, exit code 2, before anything is loaded or written."""
 
@@ -27,6 +27,8 @@ REFUSED = [
                                "multitask"),
     ("align", "select_by", "MU", f"select_by MU: {AFTER_TRAINING}, so no evaluated step can be kept as best/; "
                                  "select_by is for unlearn and multitask"),
+    ("align", "stop_when", "MU>=1", f"stop_when MU>=1: {AFTER_TRAINING}, so no evaluation can end the run early; "
+                                    "stop_when is for unlearn and multitask"),
 ]
 CLASSES = {"unlearn": UnlearnConfig, "multitask": MultitaskConfig, "align": AlignConfig}
 

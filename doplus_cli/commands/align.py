@@ -153,6 +153,10 @@ def validate_align(config: AlignConfig) -> None:
         raise UserError(f"select_by {shown(config.select_by, quoted=False)}: doplus align evaluates after training "
                         "only (held_out, eval_suite), so no evaluated step can be kept as best/; select_by is for "
                         "unlearn and multitask")
+    if config.stop_when is not None:
+        raise UserError(f"stop_when {shown(config.stop_when, quoted=False)}: doplus align evaluates after training "
+                        "only (held_out, eval_suite), so no evaluation can end the run early; stop_when is for "
+                        "unlearn and multitask")
 
 
 # ---- the command ----
@@ -229,7 +233,7 @@ class AlignCommand(Command):
     help = "Safety alignment as targeted unlearning: learn the safe responses, keep the general ones."
     examples = ("doplus align --recipe recipes/align/demo.yaml --out runs/align-demo",
                 "doplus align --recipe recipes/align/safety_llama3.yaml")
-    without_flags = ("ref_offload", "eval_every", "select_by")
+    without_flags = ("ref_offload", "eval_every", "select_by", "stop_when")
     activity = "aligning"
     card_title = "aligned"
 

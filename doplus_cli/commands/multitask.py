@@ -19,9 +19,11 @@ from doplus_cli.commands.base import Command
 from doplus_cli.config import (
     AVERAGE,
     SELECT_BY_HELP,
+    STOP_WHEN_HELP,
     TrainConfig,
     check_no_reference,
     check_select_by,
+    check_stop_when,
     recorded,
     task_from_option,
 )
@@ -29,7 +31,7 @@ from doplus_cli.data.sources import Keys, RowRange, Source, open_source
 from doplus_cli.engine import outputs
 from doplus_cli.engine.loop import run_training
 from doplus_cli.engine.objectives import Objective
-from doplus_cli.engine.selection import best_lines
+from doplus_cli.engine.selection import best_lines, stop_lines
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation.task_metrics import TASK_METRICS, task_score
 from doplus_cli.generation import greedy_generate
@@ -48,6 +50,7 @@ class MultitaskConfig(TrainConfig):
         "max_new_tokens": "Greedy tokens per evaluated answer." + DEFAULT,
         "eval_every": "Score every task every N steps (and at the end) [default: never]",
         "select_by": SELECT_BY_HELP.format(metrics="a task's name or average"),
+        "stop_when": STOP_WHEN_HELP.format(metrics="a task's name or average"),
     }
 
     tasks: list[dict[str, Any]] = field(default_factory=list)  # TASK_DEFAULTS keys, one dict per task
@@ -100,6 +103,7 @@ def validate_multitask(config: MultitaskConfig) -> None:
     if config.eval_batch_size < 1:
         raise UserError(f"--eval-batch-size must be at least 1, got {config.eval_batch_size}")
     check_select_by(config)
+    check_stop_when(config)
     check_no_reference(config, "multitask")
 
 
@@ -315,6 +319,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         if report.get("eval_curves"):
             lines += ["", "![curves](evals/curves.png)"]
     lines += best_lines(report)
+    lines += stop_lines(report)
     samples = [(t["name"], s) for t in report["tasks"] for s in t["samples"]]
     if samples:
         lines += ["", "## Held-out answers before and after", "", "| task | prompt | reference | before | after |",

@@ -32,13 +32,16 @@ from doplus_cli.config import (
     PROTOCOL_HELP,
     PROTOCOL_NAMES,
     RETAIN_LOSS_NAMES,
+    STOP_WHEN_HELP,
     TOFU_FOLDER_HELP,
     WARMUP_HELP,
     TrainConfig,
     check_distinct_tasks,
     check_protocol,
     check_select_by,
+    check_stop_when,
     chosen_trackers,
+    parse_stop_when,
     recorded,
 )
 from doplus_cli.data.muse import TextWindows
@@ -50,7 +53,7 @@ from doplus_cli.engine.evaluations import Evaluation
 from doplus_cli.engine.loop import default_out_dir, run_training, wants_fsdp
 from doplus_cli.engine.objectives import Objective
 from doplus_cli.engine.schedule import authors_epoch_steps, authors_warmup
-from doplus_cli.engine.selection import best_lines
+from doplus_cli.engine.selection import best_lines, stop_lines
 from doplus_cli.errors import UserError, shown
 from doplus_cli.evaluation.attacks import parse_attacks
 from doplus_cli.evaluation.metrics import rouge_l_recall
@@ -73,6 +76,9 @@ from doplus_cli.option import DEFAULT, EVALUATION, METHOD, MODEL_DATA, TRAINING,
 UNLEARN_EVAL_SUITES = ("tofu", "answers", "muse", "wmdp")
 # The TOFU aggregates (percent) `--select-by` can keep the best evaluated step by; higher is better for each.
 UNLEARN_SELECTABLE = {"MU": True, "UFE": True, "TFE": True, "OVR": True}
+# What `--stop-when` can bound: the TOFU aggregates (percent) and the other values the bench compares runs by
+# (the TOFU suite's bench columns: model_utility, forget_quality and the forget and retain ROUGE-L, as fractions).
+UNLEARN_STOPPABLE = (*UNLEARN_SELECTABLE, "model_utility", "forget_quality", "forget_Q_A_ROUGE", "retain_Q_A_ROUGE")
 
 
 @dataclass
@@ -83,7 +89,9 @@ class UnlearnConfig(TrainConfig):
     option_words: ClassVar[dict[str, str]] = {"warmup_steps": WARMUP_HELP.format(
         warmup="one epoch of the F_f:F_r cycle as the DualOptim+ authors count it: ceil(forget rows / effective "
                "batch) x (F_f + F_r) / F_f steps (counted on the retain rows when the retain side runs out first; "
-               "Joint: ceil(forget rows / effective batch)), at most --steps; none when that is 1")}
+               "Joint: ceil(forget rows / effective batch)), at most --steps; none when that is 1"),
+        "stop_when": STOP_WHEN_HELP.format(metrics=", ".join(UNLEARN_STOPPABLE[:-1]) + " or "
+                                           + UNLEARN_STOPPABLE[-1])}
 
     # Data
     forget: str | None = option(None, "Forget set: FILE.jsonl or hf:NAME[:CONFIG][@SPLIT].", panel=MODEL_DATA)
@@ -194,6 +202,9 @@ class UnlearnConfig(TrainConfig):
     def selectable_metrics(self) -> dict[str, bool]:
         return dict(UNLEARN_SELECTABLE)
 
+    def stoppable_metrics(self) -> tuple[str, ...]:
+        return UNLEARN_STOPPABLE
+
 
 def validate_loss_params(config: UnlearnConfig) -> None:
     """The hyper-parameters of SimNPO, UNDIAL, WGA, SatImp and RMU (`losses.LossParams`): numbers >= 0, SimNPO's
@@ -246,6 +257,7 @@ def validate_unlearn(config: UnlearnConfig) -> None:
         raise UserError(f"unknown --eval-suite {shown(config.eval_suite)} for evaluation during training: only tofu "
                         "(run `doplus evaluate --suite ...` on final/ afterwards for the others)")
     check_select_by(config)
+    check_stop_when(config)
     if config.forget is None:
         raise UserError("no forget set: pass --forget FILE.jsonl (or hf:NAME[:CONFIG][@SPLIT]) or set it in the recipe")
     if config.text_window is not None and not 2 <= config.text_window <= config.max_length:
@@ -504,8 +516,10 @@ def _evaluate_tofu(step, accelerator, model, tokenizer, config, out, progress, s
         # What `doplus evaluate` of these weights would run, the run's dtype and trust_remote_code included: the
         # relearning attack (--eval-attacks) trains and loads its copy with them, as on final/.
         eval_config = unlearn_evaluation(config, state.get("task_id")).config(config.model)
-        attacks = None
-        if config.eval_attacks and step == config.steps:  # the last evaluation, also under attack
+        attacks = attack_when = None
+        stop = parse_stop_when(config.stop_when, UNLEARN_STOPPABLE) if config.stop_when else None
+        # the last evaluation runs also under attack: the one at --steps, or the one --stop-when ends the run at
+        if config.eval_attacks and (step == config.steps or stop is not None):
             from doplus_cli.engine.attacks import attack_runner
 
             # the white-box attacks' starting model: the one this run began from
@@ -513,6 +527,8 @@ def _evaluate_tofu(step, accelerator, model, tokenizer, config, out, progress, s
                                                                                  eval_config.suites),
                                               base_model=config.model or str(embedded_gguf_path()))
             attacks = attack_runner(progress.console if progress is not None else None)
+            if step != config.steps:
+                attack_when = stop.holds
         unwrapped = accelerator.unwrap_model(model)
         if "judges" not in state:
             device = "cuda" if accelerator.device.type == "cuda" else "cpu"
@@ -524,8 +540,10 @@ def _evaluate_tofu(step, accelerator, model, tokenizer, config, out, progress, s
             folder = Path(tempfile.mkdtemp(prefix="doplus-eval-"))
         targeted = FORGET_LOSSES[config.forget_loss].targeted
         record = evaluate_model(unwrapped, tokenizer, eval_config, folder, f"step {step}", progress, targeted,
-                                state["judges"], attacks=attacks)
+                                state["judges"], attacks=attacks, attack_when=attack_when)
         unwrapped.train()
+        if stop is not None and stop.metric not in UNLEARN_SELECTABLE:  # what --stop-when reads, as SUMMARY.json has it
+            row[stop.metric] = json.loads((folder / "SUMMARY.json").read_text(encoding="utf-8")).get(stop.metric)
         if not accelerator.is_main_process:
             shutil.rmtree(folder, ignore_errors=True)
         for section in record["sections"]:
@@ -721,6 +739,7 @@ def render_unlearn_report(report: dict[str, Any]) -> str:
         if report.get("eval_curves"):
             lines += ["", "![curves](evals/curves.png)"]
     lines += best_lines(report)
+    lines += stop_lines(report)
     lines += outputs.environment_lines(env)
     return "\n".join(lines) + "\n"
 

@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from doplus_cli import lifecycle, ownership
-from doplus_cli.config import TrainConfig, chosen_trackers, recorded
+from doplus_cli.config import StopRule, TrainConfig, chosen_trackers, recorded
 from doplus_cli.data.batches import IndexStream
 from doplus_cli.data.formatting import PromptFormatter
 from doplus_cli.data.sources import MixtureSource
@@ -37,7 +37,7 @@ from doplus_cli.engine import checkpoint, inputs, model_card, outputs, sharding,
 from doplus_cli.engine.objectives import Objective, Plan, frequencies, lr_multipliers
 from doplus_cli.engine.optimizers import OptimizerSettings, build_optimizer, safeguard_fractions
 from doplus_cli.engine.schedule import JOINT, linear_warmup_schedule, objective_at, steps_per_objective
-from doplus_cli.engine.selection import BEST, Selection, selection_for
+from doplus_cli.engine.selection import BEST, Selection, selection_for, stop_rule_for
 from doplus_cli.engine.similarity import UpdateSimilarity
 from doplus_cli.errors import RunError, UserError, worker_exit_code
 from doplus_cli.files import save_figure
@@ -138,6 +138,12 @@ class Run:
     effective_batch: int  # rows per optimizer step over every process
     start_step: int = 0  # a resumed run's checkpoint step
     evals: list[dict[str, Any]] = field(default_factory=list)  # the evaluations during training so far
+    stopped: dict[str, Any] | None = None  # --stop-when: the rule and the step whose evaluation met it
+
+    @property
+    def steps_done(self) -> int:
+        """The steps the run trains: --steps, or the step whose evaluation met --stop-when."""
+        return self.stopped["step"] if self.stopped and self.stopped["step"] else self.config.steps
 
     def save_checkpoint(self, step: int) -> Path:
         """checkpoints/step-{step}: every process takes part."""
@@ -161,7 +167,7 @@ def run_training(config: TrainConfig, plan: Plan, console: Console | None = None
             lifecycle.stage("evaluating after training")
             measured_after = plan.after(unwrapped, run.formatter, run.progress, run.accelerator, run.before)
             # a signal during that evaluation: the last step's checkpoint, and a resume redoes only what follows
-            _stop_with_checkpoint(run, stop, config.steps)
+            _stop_with_checkpoint(run, stop, run.steps_done)
             full_weights = sharding.full_state_dict(run.model) if run.sharded else None  # every process takes part
         with stop.deferred():
             run.accelerator.wait_for_everyone()
@@ -386,6 +392,9 @@ def train(run: Run, config: TrainConfig, plan: Plan, console: Console, stop: Sto
     log = StepLog(run, plan.activity, config.steps, console)
     weights = [p for _, p in checkpoint.trainable_weights(run.accelerator.unwrap_model(run.model))]
     selection = selection_for(config, run.evals)  # a resumed run's best so far, from its recorded evaluations
+    rule = stop_rule_for(config)
+    run.stopped = None if rule is None else {"rule": rule.text(), "metric": rule.metric, "step": None,
+                                             "value": None, "planned_steps": config.steps}
     try:
         stop.install()
         for step in range(run.start_step, config.steps):
@@ -412,11 +421,18 @@ def train(run: Run, config: TrainConfig, plan: Plan, console: Console, stop: Sto
                 run.tracker.evaluation(run.evals[-1])
                 if selection is not None and _new_best(run, selection):
                     _save_best(run, config)
+                if rule is not None and _met(run, rule):
+                    run.stopped.update(step=step + 1, value=run.evals[-1].get(rule.metric))
             log.line(record)
+            if run.stopped and run.stopped["step"]:
+                if step + 1 < config.steps:
+                    console.print(f"step {step + 1}: {rule.metric} {run.stopped['value']:.4g} meets --stop-when "
+                                  f"{rule.text()}; the run ends here ({config.steps} steps planned)")
+                break
             if config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
                 run.save_checkpoint(step + 1)
             _stop_with_checkpoint(run, stop, step + 1)
-        _stop_if_states_not_finite(run, config.steps)
+        _stop_if_states_not_finite(run, run.steps_done)
     except BaseException:
         run.tracker.close()  # flushed; the checkpoint keeps the tracker run ids for --resume
         raise
@@ -435,6 +451,18 @@ def _new_best(run: Run, selection: Selection) -> bool:
         decision = broadcast_object_list([improved, selection.step, selection.value])
         improved, selection.step, selection.value = decision
     return bool(improved)
+
+
+def _met(run: Run, rule: StopRule) -> bool:
+    """Whether the latest evaluation meets --stop-when, as the main process finds it (it alone holds every
+    evaluation's values); every process takes its decision."""
+    met = rule.holds(run.evals[-1])
+    if run.accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        met, value = broadcast_object_list([met, run.evals[-1].get(rule.metric)])
+        run.evals[-1][rule.metric] = value
+    return bool(met)
 
 
 def _save_best(run: Run, config: TrainConfig) -> None:
@@ -477,9 +505,9 @@ def finish(run: Run, config: TrainConfig, plan: Plan, measured_after: dict[str, 
         "final": str(final),
         "config": {**config.to_dict(), "out": str(run.out)},
         "data": plan.data_report(),
-        "steps": config.steps,
+        "steps": run.steps_done,
         "warmup_steps": config.warmup_steps,
-        "steps_per_objective": steps_per_objective(config.steps, config.scheme, cycle),
+        "steps_per_objective": steps_per_objective(run.steps_done, config.scheme, cycle),
         "losses": outputs.loss_summary(records),
         "update_sizes": outputs.update_summary(records),
         "wall_time_s": time.perf_counter() - started,
@@ -501,10 +529,12 @@ def finish(run: Run, config: TrainConfig, plan: Plan, measured_after: dict[str, 
         report["eval_curves"] = _plot_curves(run.evals, run.out, plan.curve_names(config))
     if config.select_by:
         report["best"] = selection_for(config, run.evals).report(run.out)
+    if run.stopped is not None:
+        report["stopped"] = run.stopped
     outputs.complete_environment(report)
     model_card.write_model_card(final, report, run.objectives, plan)  # before report.json, the last file
     outputs.write_report(run.out, report, plan.render_report)
-    run.tracker.finish(report, config.steps)
+    run.tracker.finish(report, run.steps_done)
     return report
 
 

@@ -21,7 +21,7 @@ import yaml
 from doplus_cli import __version__
 from doplus_cli.config import default_of, recipe_form
 from doplus_cli.engine.outputs import cell
-from doplus_cli.engine.selection import best_lines
+from doplus_cli.engine.selection import best_lines, stop_lines
 from doplus_cli.engine.tracking import numbers
 from doplus_cli.files import atomic_write_text
 from doplus_cli.options import command_flags
@@ -182,6 +182,7 @@ def render_model_card(report: dict[str, Any], objectives: Sequence[Any], plan: P
     lines += ["", "## Training", "", *_training_lines(plan, cfg, report)]
     lines += _results_lines(report)
     lines += best_lines(report)
+    lines += stop_lines(report)
     lines += ["", "## Reproduce", "", f"doplus {__version__}; {env.get('device')}, world size "
               f"{env.get('world_size')}, seed {env.get('seed')}."]
     if line:

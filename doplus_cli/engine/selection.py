@@ -1,9 +1,15 @@
-"""`--select-by METRIC`: the evaluated step that is best by one metric, kept as OUT/best/ beside final/.
+"""`--select-by METRIC`: the evaluated step that is best by one metric, kept as OUT/best/ beside final/; and
+`--stop-when METRIC<=VALUE`, the evaluated step that ends the run.
 
 Each evaluation during training (`--eval-every`) offers its value; a value strictly better than the best so far
 (by the metric's direction) makes its step the best, and the model as it is after that step is written to
 OUT/best/ (written to best.tmp and renamed, in --save-dtype; the LoRA adapter alone with LoRA). Ties keep the
 earlier step.
+
+`--stop-when`: the first evaluation during training whose metric meets the bound ends the run after that step;
+final/ is the model then, report.json's `steps` the steps trained and its `stopped` entry the rule, the step and
+the value (step null: no evaluation met it, and the run trained every step). The learning-rate schedule is the
+one of --steps throughout, so the model at that step is the one a run without the rule has at the same step.
 
 Resume: the best so far is not stored apart, it is read again from the evaluations the checkpoint recorded. The
 folder best/ on disk is left as it is: it holds either that step, or a later one written after the checkpoint,
@@ -16,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from doplus_cli.config import TrainConfig, parse_select_by
+from doplus_cli.config import StopRule, TrainConfig, parse_select_by, parse_stop_when
 
 BEST = "best"
 
@@ -59,6 +65,23 @@ def selection_for(config: TrainConfig, evals: list[dict[str, Any]]) -> Selection
     for row in evals:
         selection.offer(row)
     return selection
+
+
+def stop_rule_for(config: TrainConfig) -> StopRule | None:
+    """The run's --stop-when rule; None without it."""
+    return parse_stop_when(config.stop_when, config.stoppable_metrics()) if config.stop_when else None
+
+
+def stop_lines(report: dict[str, Any]) -> list[str]:
+    """report.md's and the model card's line on --stop-when."""
+    stopped = report.get("stopped")
+    if not stopped:
+        return []
+    if stopped["step"] is None:
+        return ["", f"Stop rule {stopped['rule']}: no evaluation met it; the run trained all "
+                f"{stopped['planned_steps']} steps."]
+    return ["", f"Stop rule {stopped['rule']}: met at step {stopped['step']} of {stopped['planned_steps']} "
+            f"({stopped['metric']} {stopped['value']:.4g}); final/ is the model after that step."]
 
 
 def best_lines(report: dict[str, Any]) -> list[str]:

@@ -181,7 +181,8 @@ def _finished_suites(out: Path, settings: dict[str, Any]) -> dict[str, dict[str,
 
 def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: str, progress=None,
                    targeted: bool | None = None, judges: Judges | None = None,
-                   command: dict[str, Any] | None = None, attacks: AttackRunner | None = None) -> dict[str, Any]:
+                   command: dict[str, Any] | None = None, attacks: AttackRunner | None = None,
+                   attack_when: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
     """Run the suites on a loaded model and write the outputs into `out`; return the eval record.
 
     `judges` (the embedding and NLI models) can be passed in, so evaluations during training load them once.
@@ -190,6 +191,9 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
     kernel's faster rate of the command's start and the suites' end.
     `attacks` (`engine.attacks.attack_runner`, for `config.attacks`): once the suites are done, and outside their
     timing, it runs them again on attacked copies of the model and gives eval.json's "attacks" section.
+    `attack_when(summary)`: with it, the attacks run only when it holds for the suites' SUMMARY.json values (an
+    evaluation during training that may turn out to be the run's last, `--stop-when`); the record then names no
+    attacks when they did not run.
     """
     started = time.perf_counter()
     decode_calls = decoding.KERNEL.compiled_calls
@@ -208,7 +212,10 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
                                           command["dtype"], packed, decoding.KERNEL.compiled_calls - decode_calls,
                                           kernels.fallbacks(), linear_kernel(model))
         record["compute"]["kernel_gflops_measured"] = measured
-    if config.attacks:
+    if config.attacks and attack_when is not None and not attack_when(
+            json.loads((out / "SUMMARY.json").read_text(encoding="utf-8"))):
+        record["config"]["attacks"] = None
+    elif config.attacks:
         if attacks is None:
             raise RuntimeError("config.attacks needs an attack runner (engine.attacks.attack_runner)")
         lifecycle.stage("running the attacks")
