@@ -53,3 +53,26 @@ def test_teach_and_model_together_is_refused(tiny_llama, tofu_dir, tmp_path, cap
     assert run_cli("unlearn", "--recipe", unlearn, "--model", tiny_llama, "--out", tmp_path / "x") == 2
     err = capsys.readouterr().err
     assert "option 'teach' gives the starting model" in err and "Traceback" not in err
+
+
+def test_an_option_added_at_its_default_leaves_the_key_a_cached_model_was_found_by(tmp_path, monkeypatch):
+    """An option added to the configs since the key's form was fixed (`_ADDED_SINCE`) changes nothing while at its
+    default, so the key is the one computed from the settings without it; set, it changes the key."""
+    from doplus_cli.commands.multitask import MultitaskConfig
+    from doplus_cli.config import resolve_config, task_from_option
+    from doplus_cli.engine import teach
+
+    data = tmp_path / "a.jsonl"
+    data.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
+    config = resolve_config(None, {"tasks": [task_from_option(f"a={data}")]}, MultitaskConfig)
+    key = teach.teaching_key(config)
+    assert set(teach._ADDED_SINCE) <= set(config.to_dict())
+    as_before = config.to_dict()
+    for name in teach._ADDED_SINCE:
+        del as_before[name]
+    monkeypatch.setattr(MultitaskConfig, "to_dict", lambda self: dict(as_before))
+    assert teach.teaching_key(config) == key
+    monkeypatch.undo()
+    stopping = resolve_config(None, {"tasks": [task_from_option(f"a={data}")], "eval_every": 1,
+                                     "stop_when": "average>=50"}, MultitaskConfig)
+    assert teach.teaching_key(stopping) != key
