@@ -39,7 +39,8 @@ NOT_CONFIG = {"--recipe", "--num-processes", "--dry-run", "--gpu-memory", "--hel
 # training in align, which evaluates after training only. The fields stay in the command's config (the loop reads
 # them on every config), so a recipe key names them, but that command's validation refuses a value for them
 # (checked below; tests/test_refused_keys.py has the messages).
-WITHOUT_FLAG = {"unlearn": set(), "multitask": {"ref_offload"}, "align": {"ref_offload", "eval_every", "select_by", "stop_when"}}
+WITHOUT_FLAG = {"unlearn": set(), "multitask": {"ref_offload"},
+                "align": {"ref_offload", "eval_every", "select_by", "stop_when"}}
 # A value for each that the commands that use the field take.
 SET_VALUES = {"ref_offload": "cpu", "eval_every": 2, "select_by": "MU", "stop_when": "MU>=1"}
 REQUIRED = {"unlearn": {"forget": "f.jsonl", "retain": "r.jsonl"}, "align": {"safety": "s.jsonl", "general": "g.jsonl"},

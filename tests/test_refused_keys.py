@@ -1,8 +1,8 @@
 """Recipe keys every training command's config holds but a command has no use for are refused when that command's
 config is validated, one line naming the key and why, rather than taken and ignored: `ref_offload` in multitask and
-align (their one loss, CE, builds no reference model), `eval_every`, `select_by` and `stop_when` in align (it evaluates after
-training only). Given in a recipe, as a value on the command line's path (`resolve_config`'s overrides) or with
-`doplus bench schemes --set`, the same line, exit code 2, before anything is loaded or written."""
+align (their one loss, CE, builds no reference model), `eval_every`, `select_by` and `stop_when` in align (it
+evaluates after training only). Given in a recipe, as a value on the command line's path (`resolve_config`'s
+overrides) or with `doplus bench schemes --set`, the same line, exit code 2, before anything is loaded or written."""
 
 from __future__ import annotations
 

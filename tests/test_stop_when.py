@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import run_cli, write_sets
-from tests.test_select_by import CURVE, known_curve, unlearn_args  # noqa: F401  (the fixture)
+from tests.test_select_by import CURVE, known_curve, unlearn_args  # noqa: F401  (known_curve: the fixture)
 
 
 def final_weights(out):
@@ -24,7 +24,8 @@ def lrs(out):
             if "lr" in json.loads(line)]
 
 
-def test_the_first_evaluation_that_meets_the_bound_ends_the_run(tiny_llama, tofu_dir, tmp_path, known_curve):
+def test_the_first_evaluation_that_meets_the_bound_ends_the_run(tiny_llama, tofu_dir, tmp_path,
+                                                                 known_curve):  # noqa: F811
     data = write_sets(tofu_dir, tmp_path, 4, 8)
     full = tmp_path / "full"
     assert run_cli(*unlearn_args(tiny_llama, data, full)) == 0
