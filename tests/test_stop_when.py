@@ -81,6 +81,14 @@ def test_multitask_bounds_a_task_or_the_average(tiny_llama, tofu_dir, tmp_path, 
             "--stop-when", "MU>=1", "--out", tmp_path / "run"]
     assert run_cli(*args) == 2
     assert "unknown metric 'MU': choose one of facts, average" in capsys.readouterr().err
+    out = tmp_path / "ran"  # a score is at least 0: met at the first evaluation, step 2 of 4
+    args = ["multitask", "--model", tiny_llama, "--task", task, "--prompt-key", "question", "--eval-every", 2,
+            "--steps", 4, "--batch-size", 2, "--max-length", 32, "--eval-rows", 2, "--stop-when", "average>=0",
+            "--out", out]
+    assert run_cli(*args) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["steps"] == 2 and report["stopped"]["step"] == 2 and len(report["evals"]) == 1
+    assert "Stop rule average>=0: met at step 2 of 4" in (out / "report.md").read_text()
 
 
 def test_the_suite_value_ends_the_run_and_its_evaluation_runs_the_attacks(tiny_llama, tofu_dir, tmp_path):
