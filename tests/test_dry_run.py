@@ -115,3 +115,20 @@ def test_evaluate_and_bench_precision_dry_runs(tiny_llama, tofu_dir, tmp_path, c
     assert code == 0 and "fp32, bf16-mixed, bf16, bf16-uncompensated" in out, err
     assert snapshot(tmp_path) == before
     assert not os.path.exists(tmp_path / "eval") and not os.path.exists(tmp_path / "precision")
+
+
+def test_a_bench_whose_schemes_take_different_steps_says_each(tiny_llama, tmp_path, capsys):
+    """align's --epochs: the alternating schemes step through the general rows with a safety step every F_g of
+    them, Joint through both sets at once, so their step counts differ and the dry run names each."""
+    from tests.helpers import GENERAL, SAFETY
+
+    recipe = tmp_path / "align.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": str(tiny_llama), "safety": f"{SAFETY}[0:14]", "general": f"{GENERAL}[0:26]", "held_out": 2,
+        "epochs": 1, "batch_size": 2, "max_length": 48, "max_new_tokens": 4}))
+    code, out, err = dry(capsys, "bench", "schemes", "--recipe", recipe, "--schemes", "joint,doplus", "--seeds", "0",
+                         "--out", tmp_path / "bench")
+    assert code == 0, err
+    # 12 safety and 24 general rows left to train on, 2 a batch: DualOptim+ 12 general steps and 2 safety steps
+    # (1:10), Joint 18 steps of a batch from both sets
+    assert "data: checked (steps a run: joint 18, doplus 14)" in out

@@ -160,6 +160,19 @@ def tune_folder(out: str | None, recipe: str, scheme: str) -> Path:
     return Path(out or default_out(recipe)).expanduser().resolve() / TUNE_FOLDER / scheme
 
 
+def planned_steps_words(bench: Bench, task: int | None) -> str:
+    """The steps each run of forget task `task` will take, as the adapter tells them before the runs (align's
+    --epochs count the steps from the data, and Joint steps on both sets at once): one number when they agree."""
+    steps = {}
+    for run in bench.runs:
+        if run.task_id == task:
+            label = run.scheme if run.sweep_value is None else f"{run.scheme} at {bench.sweep_key}={run.sweep_value}"
+            steps.setdefault(label, bench.adapter.planned_steps(run.config))
+    if len(set(steps.values())) == 1:
+        return f"{next(iter(steps.values()))} steps a run"
+    return "steps a run: " + ", ".join(f"{label} {count}" for label, count in steps.items())
+
+
 def schemes_dry_run(bench: Bench, num_processes: int | None, fsdp: bool) -> str:
     """`bench schemes --dry-run`: the bench's own checks (made by `plan`), its folder's, and what its runs would
     check before their model loads, once per forget task (the data, the fields the loss and the evaluation need)
@@ -190,7 +203,7 @@ def schemes_dry_run(bench: Bench, num_processes: int | None, fsdp: bool) -> str:
         plan = command.bound(run.config)
         plan.open()
         label = "data" if task is None else f"data of forget task {task}"
-        lines.append(f"{label}: checked ({run.config.steps} steps a run)")
+        lines.append(f"{label}: checked ({planned_steps_words(bench, task)})")
     return "\n".join(lines)
 
 
