@@ -216,7 +216,15 @@ def test_multitask_recipe_per_task_scores(tiny_llama, tmp_path):
         for task in ("math", "sci", "average"):
             assert row["metrics"][task]["mean"] == pytest.approx(report["scores"]["after"][task])
             assert row["metrics"][task]["std"] is None
+        # the scores before training, as the run measured them, kept beside the run's own
+        assert summary["runs"][f"{row['scheme']}-s0"]["before"] == report["scores"]["before"]
+        # and the run's step diagnostics over every objective (the largest step, the steps above 10 lr)
+        sizes = summary["runs"][f"{row['scheme']}-s0"]["update_sizes"]
+        assert sizes == report["update_sizes"]["all"] and sizes["steps"] == 4 and sizes["max_update"] > 0
     assert "| Method | math ↑ | sci ↑ | average ↑ |" in (out / "SCHEMES.md").read_text()
+    before = report["scores"]["before"]
+    assert (f"Before training (the same rows and model for every run): math {before['math']:.2f}, sci "
+            f"{before['sci']:.2f}, average {before['average']:.2f}.") in (out / "SCHEMES.md").read_text()
     assert (out / "tradeoff.png").read_bytes()[:4] == PNG
 
 

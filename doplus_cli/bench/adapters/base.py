@@ -109,6 +109,11 @@ class BenchAdapter:
         """({metric key: value}, {metric key: what it covers, when partial}) of a run and its evaluation."""
         raise NotImplementedError
 
+    def scores_before(self, report: dict[str, Any]) -> dict[str, Any] | None:
+        """The score columns' values before training, where the run measures them itself (SCHEMES.json's
+        `before`); None where it does not."""
+        return None
+
     def curve_names(self, config: TrainConfig) -> tuple[str, ...]:
         """The values each run's curve plots: those its own evaluations during training plot (the command's)."""
         return self.training.curve_names(config)

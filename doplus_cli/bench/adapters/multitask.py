@@ -30,7 +30,12 @@ class MultitaskAdapter(BenchAdapter):
         return "tasks " + ", ".join(f"{t['name']} ({t['metric']})" for t in config.tasks)
 
     def score_definitions(self, config: MultitaskConfig, facts: list[dict[str, Any]]) -> list[str]:
-        return ["Task scores: % on each task's held-out rows after training (its metric); average: their mean."]
+        lines = ["Task scores: % on each task's held-out rows after training (its metric); average: their mean."]
+        befores = [fact["before"] for fact in facts if fact.get("before")]
+        if befores and all(before == befores[0] for before in befores):
+            scores = ", ".join(f"{name} {value:.2f}" for name, value in befores[0].items() if value is not None)
+            lines.append(f"Before training (the same rows and model for every run): {scores}.")
+        return lines
 
     keeps_best = True
 
@@ -46,6 +51,10 @@ class MultitaskAdapter(BenchAdapter):
     def scores(self, report: dict[str, Any], evaluation: Path) -> tuple[dict[str, Any], dict[str, str]]:
         """The held-out scores after training (report.json, like the paper's Table 4)."""
         return dict(report["scores"]["after"]), {}
+
+    def scores_before(self, report: dict[str, Any]) -> dict[str, Any] | None:
+        """The same held-out rows scored before training (the same for every run of the same model and data)."""
+        return dict(report["scores"]["before"])
 
 
 MULTITASK_ADAPTER = MultitaskAdapter()

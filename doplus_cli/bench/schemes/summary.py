@@ -97,6 +97,12 @@ def collect(bench: Bench, index: dict[str, Any]) -> tuple[list[Result], list[str
                  "world_size": env.get("world_size", 1), "peak_memory_kind": report.get("peak_memory_kind"),
                  "evaluation": str(evaluation.relative_to(bench.out)), "wall_time_s": report.get("wall_time_s"),
                  "evaluated_during_training": evaluation.parent.name == "evals"}
+        sizes = (report.get("update_sizes") or {}).get("all")
+        if sizes:  # the step diagnostics over every objective (engine/outputs.update_summary)
+            facts["update_sizes"] = sizes
+        before = bench.adapter.scores_before(report)
+        if before is not None:
+            facts["before"] = before
         results.append(Result(name, entry["scheme"], entry["seed"], entry["sweep_value"], values, notes,
                               report.get("evals") or [], cosines, facts, entry.get("task_id"),
                               start_point(bench, entry.get("task_id"))))
