@@ -519,3 +519,85 @@ def test_a_bench_output_without_its_provenance_is_refused_by_name():
     del rowless["output"]  # refused too, not read as a bench with no rows
     with pytest.raises(UserError, match=r"precision.json: no 'output'"):
         tables.records_from_precision(rowless, "precision.json")
+
+
+PROVENANCE = {"command": "doplus bench schemes --recipe r.yaml --seeds 0", "seed": 0, "version": "0.2.0",
+              "commit": "abc1234", "machine": "2 cores"}
+
+
+def _multitask_summary() -> dict[str, Any]:
+    def run(scheme: str, steps: int, scores: dict[str, float], state_bytes: int) -> dict[str, Any]:
+        return {"scheme": scheme, "seed": 0, "sweep_value": None, "task_id": None, "model": "m", "steps": steps,
+                "device": "CPU", "world_size": 1, "peak_memory_kind": "process_peak_rss", "evaluation": "e",
+                "wall_time_s": 9.0, "evaluated_during_training": False,
+                "before": {"math": 0.0, "code": 27.875, "average": 13.9375},
+                "update_sizes": {"steps": steps, "max_update": 5.5, "steps_over_10lr": 0},
+                "values": {**scores, "train_time_s": 3.0, "peak_memory_gb": 2.0,
+                           "optimizer_state_bytes": state_bytes, "update_cosine": None}, "notes": {}}
+
+    return {"kind": "multitask", "recipe": "demo.yaml", "set": {"steps": 180},
+            "columns": [{"key": "math", "role": "score"}, {"key": "code", "role": "score"},
+                        {"key": "average", "role": "score"}],
+            "runs": {"joint-s0": run("joint", 60, {"math": 62.5, "code": 44.0, "average": 53.25}, 1_080_000_000),
+                     "doplus-s0": run("doplus", 180, {"math": 58.0, "code": -1.0, "average": 28.5},
+                                      4_300_000_000)}}
+
+
+def test_a_kept_schemes_file_converts_with_its_provenance_and_the_scores_before_training():
+    output = {**PROVENANCE, "output": _multitask_summary()}
+    joint, doplus = tables.records_from_kept_schemes(output, "M.json")
+    for run in (joint, doplus):
+        tables.check_record(run)
+        assert (run["version"], run["commit"], run["resources"]["machine"]) == ("0.2.0", "abc1234", "2 cores")
+        assert run["settings"]["command"] == PROVENANCE["command"]
+        assert run["evaluations"][0] == {"step": 0, "metrics": {"math": 0.0, "code": 27.875, "average": 13.9375}}
+    assert joint["source"] == "M.json#/output/runs/joint-s0"
+    assert joint["diagnostics"] == {"update_cosine": None, "steps": 60, "max_update": 5.5, "steps_over_10lr": 0}
+    assert doplus["evaluations"][1] == {"step": 180, "metrics": {"math": 58.0, "code": -1.0, "average": 28.5}}
+    with pytest.raises(UserError, match=r"M.json: no 'machine'"):
+        tables.records_from_kept_schemes({k: v for k, v in output.items() if k != "machine"}, "M.json")
+
+
+def test_a_per_run_table_by_hand():
+    columns = (tables.Column("math", "math", ".2f"), tables.Column("code", "code", ".2f"),
+               tables.Column("optimizer_state_bytes", "states (GB)", ".2f", resource=True, scale=1e9))
+    records = tables.records_from_kept_schemes({**PROVENANCE, "output": _multitask_summary()}, "M.json")
+    assert tables.per_run_table(records, columns) == [
+        "| scheme | math | code | states (GB) |",
+        "| --- | ---: | ---: | ---: |",
+        "| before training | 0.00 | 27.88 | |",
+        "| Joint, 60 steps | 62.50 | 44.00 | 1.08 |",
+        "| DO+, 180 steps | 58.00 | −1.00 | 4.30 |",
+    ]
+    records[1]["evaluations"][0]["metrics"]["math"] = 1.0  # runs that started from other scores: no shared row
+    assert "| before training |" not in "\n".join(tables.per_run_table(records, columns))
+
+
+def test_an_evaluation_converts_to_the_starting_models_row_with_rates_in_percent():
+    summary = {"safety_rate_avg": 0.07, "xstest_over_refusal": 0.028, "xstest_unsafe_refusal": 0.095,
+               "safety_judge": "offline refusal judge", "n": 16, "missing": None}
+    (start,) = tables.records_from_evaluation({**PROVENANCE, "output": summary}, "E.json")
+    tables.check_record(start)
+    assert start["scheme"] == "before training" and start["source"] == "E.json#/output"
+    # the rates in percent, every other number as it is, text and nulls left out
+    assert start["evaluations"] == [{"step": 0, "metrics": {"safety_rate_avg": 100 * 0.07,
+                                                            "xstest_over_refusal": 100 * 0.028,
+                                                            "xstest_unsafe_refusal": 100 * 0.095, "n": 16}}]
+
+    def run(name: str, scheme: str, steps: int, avg: float, seconds: float) -> dict[str, Any]:
+        done = record(name, scheme, 0, {"safety_rate_avg": avg, "xstest_over_refusal": 80.0,
+                                        "xstest_unsafe_refusal": 98.0}, step=steps,
+                      resources={"train_time_s": seconds, "optimizer_state_bytes": 1_080_000_000,
+                                 "peak_memory_gb": 3.5})
+        return done
+
+    runs = [start, run("joint-s0", "joint", 80, 93.0, 250.0), run("joint-s1", "joint", 80, 95.0, 260.0),
+            run("doplus-s0", "doplus", 60, 85.0, 190.0)]
+    assert tables.safety_demo_table(runs) == [
+        "| scheme (steps) | safety AVG (%) ↑ | XSTest over-refusal (%) ↓ | XSTest unsafe refused (%) ↑ | train time "
+        "(s) | optimizer states (GB) | peak memory (GB) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| before training | 7.00 | 2.80 | 9.50 | | | |",
+        "| Joint (80) | 94.00 ± 1.41 | 80.00 ± 0.00 | 98.00 ± 0.00 | 255.0 ± 7.1 | 1.08 | 3.50 ± 0.00 |",
+        "| DO+ (60) | 85.00 | 80.00 | 98.00 | 190.0 | 1.08 | 3.50 |",
+    ]

@@ -255,6 +255,8 @@ def records_from_schemes(summary: dict[str, Any], source: str) -> list[dict[str,
                                 "end at its final scores; the conversion cannot place its evaluations")
             evaluations.append({"step": 0, "metrics": {"UFE": curve[0][0], "MU": curve[0][1]}})
             evaluations += [{"step": None, "metrics": {"UFE": ufe, "MU": mu}} for ufe, mu in curve[1:-1]]
+        if run.get("before") and not curve:  # the scores the run measured itself before training (multitask)
+            evaluations.append({"step": 0, "metrics": dict(run["before"])})
         evaluations.append({"step": run["steps"], "metrics": scores})
         resources = {k: values.get(k) for k in RESOURCE_KEYS}
         resources["peak_memory_kind"] = run.get("peak_memory_kind")
@@ -265,7 +267,8 @@ def records_from_schemes(summary: dict[str, Any], source: str) -> list[dict[str,
             "run": name, "source": f"{source}#/runs/{name}", "scheme": run["scheme"], "task": run.get("task_id"),
             "seed": run.get("seed"), "settings": settings, "version": None, "commit": None, "state": "complete",
             "error": None, "evaluations": evaluations, "resources": resources,
-            "diagnostics": {"update_cosine": values.get("update_cosine")}, "notes": dict(run.get("notes") or {}),
+            "diagnostics": {"update_cosine": values.get("update_cosine"), **(run.get("update_sizes") or {})},
+            "notes": dict(run.get("notes") or {}),
             "attacks": attacks or None, "study": None,
         })
     return records
@@ -337,6 +340,32 @@ def _bench_record(output: dict[str, Any], source: str, pointer: str, run: str, s
             "diagnostics": diagnostics, "notes": {}, "attacks": None, "study": None}
 
 
+def records_from_kept_schemes(output: dict[str, Any], source: str) -> list[dict[str, Any]]:
+    """The records of a SCHEMES.json kept under `output` beside the bench command that wrote it and its provenance
+    (PROVENANCE; `seed` is the command's --seeds): `records_from_schemes`'s, with the version, commit, command and
+    machine filled in."""
+    records = records_from_schemes(kept_output(output, source), f"{source}#/output")
+    for record in records:
+        record["source"] = record["source"].replace("#/output#", "#/output")
+        record.update(version=output["version"], commit=output["commit"])
+        record["settings"] = {"command": output["command"], **record["settings"]}
+        record["resources"]["machine"] = output["machine"]
+    return records
+
+
+def records_from_evaluation(output: dict[str, Any], source: str) -> list[dict[str, Any]]:
+    """One record of a `doplus evaluate` of a starting model: its SUMMARY.json kept under `output` beside the
+    command and its provenance (PROVENANCE). Its scheme is "before training", its one evaluation (step 0) every
+    number of the summary; the bench tables take their rates in percent, so a rate of the safety suites (a
+    fraction in SUMMARY.json) becomes a percentage, as `bench schemes` shows it."""
+    summary = kept_output(output, source)
+    metrics = {key: 100 * value if key in PERCENT_RATES else value for key, value in summary.items()
+               if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)}
+    record = _bench_record(output, source, "", "starting-model", "before training", {}, {}, {})
+    record.update(source=f"{source}#/output", evaluations=[{"step": 0, "metrics": metrics}])
+    return [record]
+
+
 def records_from_stability(output: dict[str, Any], source: str) -> list[dict[str, Any]]:
     """One record per row of `doplus bench optimizer --stability --json`, whose output is kept under `output` beside
     the command that printed it and its provenance (PROVENANCE). A row's figures are its diagnostics; its rule is
@@ -392,8 +421,9 @@ def records_from_speed(output: dict[str, Any], source: str) -> list[dict[str, An
 
 
 CONVERTERS: dict[str, Callable[[dict[str, Any], str], list[dict[str, Any]]]] = {
-    "schemes": records_from_schemes, "tune": records_from_tune, "stability": records_from_stability,
-    "speed": records_from_speed, "precision": records_from_precision}
+    "schemes": records_from_schemes, "kept-schemes": records_from_kept_schemes, "tune": records_from_tune,
+    "stability": records_from_stability, "speed": records_from_speed, "precision": records_from_precision,
+    "evaluation": records_from_evaluation}
 
 
 def convert(data: Path = DATA, out: Path | None = None) -> list[Path]:
@@ -719,6 +749,57 @@ def precision_table(records: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+MULTITASK_DEMO = (Column("math", "math (exact)", ".2f"), Column("choice", "choice", ".2f"),
+                  Column("code", "code (edit_sim)", ".2f"), Column("average", "average", ".2f"),
+                  Column("optimizer_state_bytes", "optimizer states (GB)", ".2f", resource=True, scale=1e9))
+
+
+def per_run_table(records: Sequence[dict[str, Any]], columns: Sequence[Column]) -> list[str]:
+    """One row per run, in the records' order, labelled by scheme and steps, after a row of the scores before
+    training where every run measured the same ones (its step-0 evaluation); a run's own values, no spread."""
+    lines = [row(["scheme", *(c.label for c in columns)]), row(["---", *("---:" for _ in columns)])]
+    befores = [r["evaluations"][0]["metrics"] for r in records if r["evaluations"][0]["step"] == 0]
+    if befores and len(befores) == len(records) and all(b == befores[0] for b in befores):
+        lines.append(row(["before training", *("" if c.resource or befores[0].get(c.key) is None
+                                                else minus(format(befores[0][c.key], c.spec)) for c in columns)]))
+    for record in records:
+        cells = [f"{scheme_label(record['scheme'])}, {record['settings']['steps']} steps"]
+        for column in columns:
+            value = column.value(record)
+            cells.append("n/a" if value is None else minus(format(value / column.scale, column.spec)))
+        lines.append(row(cells))
+    return lines
+
+
+# The safety suites' rates, fractions in SUMMARY.json, in percent in the bench's tables (bench/adapters/align.py)
+PERCENT_RATES = ("safety_rate_avg", "xstest_over_refusal", "xstest_unsafe_refusal")
+SAFETY_DEMO = (Column("safety_rate_avg", "safety AVG (%) ↑", ".2f"),
+               Column("xstest_over_refusal", "XSTest over-refusal (%) ↓", ".2f"),
+               Column("xstest_unsafe_refusal", "XSTest unsafe refused (%) ↑", ".2f"),
+               Column("train_time_s", "train time (s)", ".1f", resource=True),
+               Column("optimizer_state_bytes", "optimizer states (GB)", ".2f", resource=True, scale=1e9,
+                      spread=False),
+               Column("peak_memory_gb", "peak memory (GB)", ".2f", resource=True))
+
+
+def safety_demo_table(records: Sequence[dict[str, Any]]) -> list[str]:
+    """The starting model's row (its own evaluation, scores only), then each scheme's mean ± std over its runs,
+    labelled with its steps."""
+    start = [r for r in records if r["scheme"] == "before training"]
+    runs = [r for r in records if r["scheme"] != "before training"]
+    lines = mean_std_table(runs, SAFETY_DEMO)
+    for number, (scheme, members) in enumerate(by_scheme(runs).items(), start=2):
+        steps = sorted({r["settings"]["steps"] for r in members})
+        label = f"{scheme_label(scheme)} ({', '.join(map(str, steps))})"
+        lines[number] = lines[number].replace(f"| {scheme_label(scheme)} |", f"| {label} |", 1)
+    lines[0] = lines[0].replace("| Method |", "| scheme (steps) |", 1)
+    for record in start:
+        values = final_metrics(record)
+        lines.insert(2, row(["before training", *("" if c.resource or values.get(c.key) is None
+                                                  else format(values[c.key], c.spec) for c in SAFETY_DEMO)]))
+    return lines
+
+
 ROUGES = (("forget_rouge", "forget ROUGE-L ↓"), ("retain_rouge", "retain ROUGE-L ↑"))
 MUSE_COLUMNS = (
     Column("forget_verbmem_ROUGE", "VerbMem forget ↓", ".3f"),
@@ -786,6 +867,8 @@ TABLES: dict[str, Table] = {
     "optimizer_stability": Table("optimizer_stability", stability_table),
     "optimizer_speed_cpu": Table("optimizer_speed_cpu", speed_table),
     "precision": Table("precision", precision_table),
+    "multitask_demo": Table("multitask_demo", lambda records: per_run_table(records, MULTITASK_DEMO)),
+    "safety_demo": Table("safety_demo", safety_demo_table),
 }
 
 START = re.compile(r"^<!-- table: (?P<name>\S+) \(generated by [^\n]*\) -->$", re.M)

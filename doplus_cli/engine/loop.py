@@ -425,7 +425,7 @@ def train(run: Run, config: TrainConfig, plan: Plan, console: Console, stop: Sto
                     run.stopped.update(step=step + 1, value=run.evals[-1].get(rule.metric))
             log.line(record)
             if run.stopped and run.stopped["step"]:
-                if step + 1 < config.steps:
+                if step + 1 < config.steps and run.accelerator.is_main_process:
                     console.print(f"step {step + 1}: {rule.metric} {run.stopped['value']:.4g} meets --stop-when "
                                   f"{rule.text()}; the run ends here ({config.steps} steps planned)")
                 break
