@@ -545,23 +545,23 @@ def _multitask_summary() -> dict[str, Any]:
 
 def test_a_kept_schemes_file_converts_with_its_provenance_and_the_scores_before_training():
     output = {**PROVENANCE, "output": _multitask_summary()}
-    joint, doplus = tables.records_from_kept_schemes(output, "M.json")
+    joint, doplus = tables.records_from_kept_schemes(output, "M_SCHEMES.json")
     for run in (joint, doplus):
         tables.check_record(run)
         assert (run["version"], run["commit"], run["resources"]["machine"]) == ("0.2.0", "abc1234", "2 cores")
         assert run["settings"]["command"] == PROVENANCE["command"]
         assert run["evaluations"][0] == {"step": 0, "metrics": {"math": 0.0, "code": 27.875, "average": 13.9375}}
-    assert joint["source"] == "M.json#/output/runs/joint-s0"
+    assert joint["source"] == "M_SCHEMES.json#/output/runs/joint-s0" and joint["run"] == "M/joint-s0"
     assert joint["diagnostics"] == {"update_cosine": None, "steps": 60, "max_update": 5.5, "steps_over_10lr": 0}
     assert doplus["evaluations"][1] == {"step": 180, "metrics": {"math": 58.0, "code": -1.0, "average": 28.5}}
-    with pytest.raises(UserError, match=r"M.json: no 'machine'"):
-        tables.records_from_kept_schemes({k: v for k, v in output.items() if k != "machine"}, "M.json")
+    with pytest.raises(UserError, match=r"M_SCHEMES.json: no 'machine'"):
+        tables.records_from_kept_schemes({k: v for k, v in output.items() if k != "machine"}, "M_SCHEMES.json")
 
 
 def test_a_per_run_table_by_hand():
     columns = (tables.Column("math", "math", ".2f"), tables.Column("code", "code", ".2f"),
                tables.Column("optimizer_state_bytes", "states (GB)", ".2f", resource=True, scale=1e9))
-    records = tables.records_from_kept_schemes({**PROVENANCE, "output": _multitask_summary()}, "M.json")
+    records = tables.records_from_kept_schemes({**PROVENANCE, "output": _multitask_summary()}, "M_SCHEMES.json")
     assert tables.per_run_table(records, columns) == [
         "| scheme | math | code | states (GB) |",
         "| --- | ---: | ---: | ---: |",
