@@ -594,10 +594,26 @@ def test_an_evaluation_converts_to_the_starting_models_row_with_rates_in_percent
     runs = [start, run("joint-s0", "joint", 80, 93.0, 250.0), run("joint-s1", "joint", 80, 95.0, 260.0),
             run("doplus-s0", "doplus", 60, 85.0, 190.0)]
     assert tables.safety_demo_table(runs) == [
-        "| scheme (steps) | safety AVG (%) ↑ | XSTest over-refusal (%) ↓ | XSTest unsafe refused (%) ↑ | train time "
-        "(s) | optimizer states (GB) | peak memory (GB) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-        "| before training | 7.00 | 2.80 | 9.50 | | | |",
-        "| Joint (80) | 94.00 ± 1.41 | 80.00 ± 0.00 | 98.00 ± 0.00 | 255.0 ± 7.1 | 1.08 | 3.50 ± 0.00 |",
-        "| DO+ (60) | 85.00 | 80.00 | 98.00 | 190.0 | 1.08 | 3.50 |",
+        "| scheme (steps) | safety AVG (%) ↑ | XSTest over-refusal (%) ↓ | XSTest unsafe refused (%) ↑ | optimizer "
+        "states (GB) | peak memory (GB) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| before training | 7.00 | 2.80 | 9.50 | | |",
+        "| Joint (80) | 94.00 ± 1.41 | 80.00 ± 0.00 | 98.00 ± 0.00 | 1.08 | 3.50 ± 0.00 |",
+        "| DO+ (60) | 85.00 | 80.00 | 98.00 | 1.08 | 3.50 |",
+    ]
+
+
+def test_a_rules_table_by_hand():
+    def run(name: str, scheme: str, forget: float, largest: float, steps: int, elements: int) -> dict[str, Any]:
+        done = record(name, scheme, 0, {"forget_rouge": forget, "retain_rouge": 1.0}, step=72)
+        done["diagnostics"] = {"update_cosine": None, "steps": 72, "max_update": largest, "steps_over_10lr": steps,
+                               "updates_over_10lr": elements}
+        return done
+
+    runs = [run("paper-s0", "doplus-paper", 0.016, 5688.2, 70, 2082131),
+            run("paper-s1", "doplus-paper", 0.018, 4000.0, 69, 2137805),
+            run("safe-s0", "doplus", 0.02, 5.8, 0, 0), run("safe-s1", "doplus", 0.02, 5.7, 0, 0)]
+    assert tables.rules_table(runs)[2:] == [
+        "| paper | 0.017 ± 0.001 | 1.000 ± 0.000 | 5,688 lr | 70 and 69 of 72 | 2,082,131 and 2,137,805 |",
+        "| safeguarded | 0.020 ± 0.000 | 1.000 ± 0.000 | 5.8 lr | 0 and 0 of 72 | 0 and 0 |",
     ]

@@ -49,15 +49,12 @@ def test_the_first_evaluation_that_meets_the_bound_ends_the_run(tiny_llama, tofu
     line = "Stop rule UFE>=25: met at step 2 of 6 (UFE 50)"
     assert line in (out / "report.md").read_text() and line in (out / "final" / "README.md").read_text()
 
-    # <=: the lowest value, 5, is met at the last step only; a bound never met trains every step
-    low = tmp_path / "low"
-    assert run_cli(*unlearn_args(tiny_llama, data, low, "--stop-when", "UFE<=5")) == 0
-    assert json.loads((low / "report.json").read_text())["stopped"]["step"] == 6
+    # <=, below the lowest value (5): a bound never met trains every step
     never = tmp_path / "never"
-    assert run_cli(*unlearn_args(tiny_llama, data, never, "--stop-when", "MU>=51")) == 0
+    assert run_cli(*unlearn_args(tiny_llama, data, never, "--stop-when", "UFE<=4.9")) == 0
     report = json.loads((never / "report.json").read_text())
     assert report["steps"] == 6 and report["stopped"]["step"] is None
-    assert "Stop rule MU>=51: no evaluation met it; the run trained all 6 steps." in (never / "report.md").read_text()
+    assert "Stop rule UFE<=4.9: no evaluation met it; the run trained all 6 steps." in (never / "report.md").read_text()
 
 
 @pytest.mark.parametrize(("extra", "says"), [
@@ -96,7 +93,7 @@ def test_the_suite_value_ends_the_run_and_its_evaluation_runs_the_attacks(tiny_l
     carries SUMMARY.json's value; the evaluations before the one that ends the run ran no attack, that one did."""
     forget = tmp_path / "f.jsonl"
     forget.write_text("".join(list(open(tofu_dir / "forget01.json"))[:6]))
-    base = ["unlearn", "--model", tiny_llama, "--forget", forget, "--loss", "GA", "--steps", 6, "--eval-data-dir",
+    base = ["unlearn", "--model", tiny_llama, "--forget", forget, "--loss", "GA", "--steps", 4, "--eval-data-dir",
             tofu_dir, "--eval-max-samples", 2, "--eval-max-new-tokens", 2, "--eval-nli-model", tmp_path / "no-nli",
             "--eval-embedding-model", tmp_path / "no-embedder", "--show-samples", 0, "--eval-every", 2,
             "--eval-attacks", "quant-4bit"]
@@ -107,7 +104,7 @@ def test_the_suite_value_ends_the_run_and_its_evaluation_runs_the_attacks(tiny_l
     report = json.loads((never / "report.json").read_text())
     summary = json.loads((never / "evals" / "step-2" / "SUMMARY.json").read_text())
     assert report["evals"][0]["forget_Q_A_ROUGE"] == summary["forget_Q_A_ROUGE"] is not None
-    last = json.loads((never / "evals" / "step-6" / "eval.json").read_text())
+    last = json.loads((never / "evals" / "step-4" / "eval.json").read_text())
     assert [run["id"] for run in last["attacks"]["runs"]] == ["quant-4bit"]
 
     met = tmp_path / "met"  # ROUGE-L is at most 1: met at the first evaluation, which runs the attacks

@@ -780,7 +780,6 @@ PERCENT_RATES = ("safety_rate_avg", "xstest_over_refusal", "xstest_unsafe_refusa
 SAFETY_DEMO = (Column("safety_rate_avg", "safety AVG (%) ↑", ".2f"),
                Column("xstest_over_refusal", "XSTest over-refusal (%) ↓", ".2f"),
                Column("xstest_unsafe_refusal", "XSTest unsafe refused (%) ↑", ".2f"),
-               Column("train_time_s", "train time (s)", ".1f", resource=True),
                Column("optimizer_state_bytes", "optimizer states (GB)", ".2f", resource=True, scale=1e9,
                       spread=False),
                Column("peak_memory_gb", "peak memory (GB)", ".2f", resource=True))
@@ -801,6 +800,26 @@ def safety_demo_table(records: Sequence[dict[str, Any]]) -> list[str]:
         values = final_metrics(record)
         lines.insert(2, row(["before training", *("" if c.resource or values.get(c.key) is None
                                                   else format(values[c.key], c.spec) for c in SAFETY_DEMO)]))
+    return lines
+
+
+def rules_table(records: Sequence[dict[str, Any]]) -> list[str]:
+    """DualOptim+'s two rules on one recipe (the quickstart): each rule's ROUGE-L mean ± std over its seeds, then
+    its step diagnostics seed by seed (the run's update sizes over every objective): the largest single-element
+    step in learning rates, the steps with an element above 10 lr, and how many element-steps that was."""
+    lines = [row(("rule", "forget ROUGE-L (after vs before; lower = forgotten)", "retain ROUGE-L (1 = kept)",
+                  "largest step", "steps with any element > 10 lr", "element-steps > 10 lr")),
+             row(("---",) + ("---:",) * 5)]
+    for scheme, runs in by_scheme(records).items():
+        sizes = [r["diagnostics"] for r in runs]
+        largest = max(size["max_update"] for size in sizes)
+        lines.append(row((
+            "paper" if scheme == "doplus-paper" else "safeguarded" if scheme == "doplus" else scheme,
+            mean_std_cell(runs, Column("forget_rouge", "", ".3f")),
+            mean_std_cell(runs, Column("retain_rouge", "", ".3f")),
+            f"{largest:,.1f} lr" if largest < 100 else f"{largest:,.0f} lr",
+            " and ".join(f"{size['steps_over_10lr']}" for size in sizes) + f" of {sizes[0]['steps']}",
+            " and ".join(f"{size['updates_over_10lr']:,}" for size in sizes))))
     return lines
 
 
