@@ -64,9 +64,11 @@ on_time_limit() {
 }
 trap on_time_limit USR1
 
+trap ':' TERM  # on preemption: wait for the run to checkpoint instead of dying before it
+# (set before the worker starts: a signal that came between the two would end this shell first; the
+# worker itself starts with the default action, as a trap's handler is not inherited)
 doplus bench schemes "${ARGS[@]}" --run-index "$SLURM_ARRAY_TASK_ID" &
 BENCH_PID=$!
-trap ':' TERM  # on preemption: wait for the run to checkpoint instead of dying before it
 
 set +e
 wait "$BENCH_PID"

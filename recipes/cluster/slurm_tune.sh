@@ -68,9 +68,11 @@ on_time_limit() {
 }
 trap on_time_limit USR1
 
+trap ':' TERM  # on preemption: wait for the trial to checkpoint instead of dying before it
+# (set before the worker starts: a signal that came between the two would end this shell first; the
+# worker itself starts with the default action, as a trap's handler is not inherited)
 doplus tune "${ARGS[@]}" &
 TUNE_PID=$!
-trap ':' TERM  # on preemption: wait for the trial to checkpoint instead of dying before it
 
 set +e
 wait "$TUNE_PID"

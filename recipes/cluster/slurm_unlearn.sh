@@ -80,6 +80,9 @@ on_time_limit() {
 }
 trap on_time_limit USR1
 
+trap ':' TERM  # on preemption: wait for the steps to checkpoint instead of dying before them
+# (set before the launch: a signal that came between the two would end this shell first; the launched
+# processes start with the default action, as a trap's handler is not inherited)
 # Each node's machine rank is SLURM_NODEID in that node's own environment, so it is expanded by the step's shell,
 # whose command is the fixed string below; every other value reaches it as a positional argument ("$@").
 # shellcheck disable=SC2016  # single quotes on purpose: $SLURM_NODEID and $@ expand on each node, not here
@@ -88,7 +91,6 @@ srun --kill-on-bad-exit=1 bash -c 'exec accelerate launch --machine_rank "$SLURM
     --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT" \
     -m doplus_cli unlearn --recipe "$RECIPE" --out "$OUT" "${EXTRA[@]}" &
 SRUN=$!
-trap ':' TERM  # on preemption: wait for the steps to checkpoint instead of dying before them
 
 set +e
 wait "$SRUN"
