@@ -1066,25 +1066,17 @@ def parse_stop_when(text: str, known: Sequence[str]) -> StopRule:
     return StopRule(metric, op, bound)
 
 
-def check_stop_when(config: TrainConfig) -> None:
-    """`--stop-when`: a bound on a metric the evaluation during training reports, and an evaluation during
-    training to read it from."""
-    if config.stop_when is None:
-        return
-    parse_stop_when(config.stop_when, config.stoppable_metrics())
-    if not config.eval_every:
-        raise UserError(f"--stop-when {shown(config.stop_when, quoted=False)}: nothing is evaluated during "
-                        "training; add --eval-every N")
-
-
-def check_select_by(config: TrainConfig) -> None:
-    """`--select-by`: a metric the evaluation during training reports, and an evaluation during training."""
-    if config.select_by is None:
-        return
-    parse_select_by(config.select_by, config.selectable_metrics())
-    if not config.eval_every:
-        raise UserError(f"--select-by {shown(config.select_by, quoted=False)}: nothing is evaluated during training; "
-                        "add --eval-every N")
+def check_evaluated_steps(config: TrainConfig) -> None:
+    """`--select-by` and `--stop-when`: each names a metric the evaluation during training reports, and needs an
+    evaluation during training to read it from."""
+    for flag, value, parse, known in (("--select-by", config.select_by, parse_select_by, config.selectable_metrics()),
+                                      ("--stop-when", config.stop_when, parse_stop_when, config.stoppable_metrics())):
+        if value is None:
+            continue
+        parse(value, known)
+        if not config.eval_every:
+            raise UserError(f"{flag} {shown(value, quoted=False)}: nothing is evaluated during training; add "
+                            "--eval-every N")
 
 
 

@@ -524,12 +524,14 @@ def by_scheme(records: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any
     return found
 
 
-def mean_std_table(records: Sequence[dict[str, Any]], columns: Sequence[Column | Arrow]) -> list[str]:
-    """One row per scheme, in the order the schemes first appear: each column's mean ± sample standard deviation
-    over the scheme's runs (an Arrow column: its two, before → after)."""
-    lines = [row(["Method", *(c.label for c in columns)]), row(["---", *("---:" for _ in columns)])]
+def mean_std_table(records: Sequence[dict[str, Any]], columns: Sequence[Column | Arrow], first: str = "Method",
+                   label: Callable[[str, list[dict[str, Any]]], str] = lambda scheme, _: scheme_label(scheme)
+                   ) -> list[str]:
+    """One row per scheme, in the order the schemes first appear, named by `label(scheme, its runs)`: each
+    column's mean ± sample standard deviation over the scheme's runs (an Arrow column: its two, before → after)."""
+    lines = [row([first, *(c.label for c in columns)]), row(["---", *("---:" for _ in columns)])]
     for scheme, runs in by_scheme(records).items():
-        cells = [scheme_label(scheme)]
+        cells = [label(scheme, runs)]
         for column in columns:
             if isinstance(column, Arrow):
                 cells.append(f"{mean_std_cell(runs, column.before)} → {mean_std_cell(runs, column.after)}")
@@ -792,12 +794,8 @@ def safety_demo_table(records: Sequence[dict[str, Any]]) -> list[str]:
     labelled with its steps."""
     start = [r for r in records if r["scheme"] == "before training"]
     runs = [r for r in records if r["scheme"] != "before training"]
-    lines = mean_std_table(runs, SAFETY_DEMO)
-    for number, (scheme, members) in enumerate(by_scheme(runs).items(), start=2):
-        steps = sorted({r["settings"]["steps"] for r in members})
-        label = f"{scheme_label(scheme)} ({', '.join(map(str, steps))})"
-        lines[number] = lines[number].replace(f"| {scheme_label(scheme)} |", f"| {label} |", 1)
-    lines[0] = lines[0].replace("| Method |", "| scheme (steps) |", 1)
+    lines = mean_std_table(runs, SAFETY_DEMO, "scheme (steps)", lambda scheme, members: (
+        f"{scheme_label(scheme)} ({', '.join(map(str, sorted({r['settings']['steps'] for r in members})))})"))
     for record in start:
         values = final_metrics(record)
         lines.insert(2, row(["before training", *("" if c.resource or values.get(c.key) is None

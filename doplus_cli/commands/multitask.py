@@ -21,9 +21,8 @@ from doplus_cli.config import (
     SELECT_BY_HELP,
     STOP_WHEN_HELP,
     TrainConfig,
+    check_evaluated_steps,
     check_no_reference,
-    check_select_by,
-    check_stop_when,
     recorded,
     task_from_option,
 )
@@ -102,8 +101,7 @@ def validate_multitask(config: MultitaskConfig) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")
     if config.eval_batch_size < 1:
         raise UserError(f"--eval-batch-size must be at least 1, got {config.eval_batch_size}")
-    check_select_by(config)
-    check_stop_when(config)
+    check_evaluated_steps(config)
     check_no_reference(config, "multitask")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -35,13 +36,12 @@ from doplus_cli.config import (
     STOP_WHEN_HELP,
     TOFU_FOLDER_HELP,
     WARMUP_HELP,
+    StopRule,
     TrainConfig,
     check_distinct_tasks,
+    check_evaluated_steps,
     check_protocol,
-    check_select_by,
-    check_stop_when,
     chosen_trackers,
-    parse_stop_when,
     recorded,
 )
 from doplus_cli.data.muse import TextWindows
@@ -53,7 +53,7 @@ from doplus_cli.engine.evaluations import Evaluation
 from doplus_cli.engine.loop import default_out_dir, run_training, wants_fsdp
 from doplus_cli.engine.objectives import Objective
 from doplus_cli.engine.schedule import authors_epoch_steps, authors_warmup
-from doplus_cli.engine.selection import best_lines, stop_lines
+from doplus_cli.engine.selection import best_lines, stop_lines, stop_rule_for
 from doplus_cli.errors import UserError, shown
 from doplus_cli.evaluation.attacks import parse_attacks
 from doplus_cli.evaluation.metrics import rouge_l_recall
@@ -256,8 +256,7 @@ def validate_unlearn(config: UnlearnConfig) -> None:
     if config.eval_every and config.eval_suite != "tofu":
         raise UserError(f"unknown --eval-suite {shown(config.eval_suite)} for evaluation during training: only tofu "
                         "(run `doplus evaluate --suite ...` on final/ afterwards for the others)")
-    check_select_by(config)
-    check_stop_when(config)
+    check_evaluated_steps(config)
     if config.forget is None:
         raise UserError("no forget set: pass --forget FILE.jsonl (or hf:NAME[:CONFIG][@SPLIT]) or set it in the recipe")
     if config.text_window is not None and not 2 <= config.text_window <= config.max_length:
@@ -517,7 +516,7 @@ def _evaluate_tofu(step, accelerator, model, tokenizer, config, out, progress, s
         # relearning attack (--eval-attacks) trains and loads its copy with them, as on final/.
         eval_config = unlearn_evaluation(config, state.get("task_id")).config(config.model)
         attacks = attack_when = None
-        stop = parse_stop_when(config.stop_when, UNLEARN_STOPPABLE) if config.stop_when else None
+        stop = stop_rule_for(config)
         # the last evaluation runs also under attack: the one at --steps, or the one --stop-when ends the run at
         if config.eval_attacks and (step == config.steps or stop is not None):
             from doplus_cli.engine.attacks import attack_runner
@@ -528,7 +527,7 @@ def _evaluate_tofu(step, accelerator, model, tokenizer, config, out, progress, s
                                               base_model=config.model or str(embedded_gguf_path()))
             attacks = attack_runner(progress.console if progress is not None else None)
             if step != config.steps:
-                attack_when = stop.holds
+                attack_when = functools.partial(_meets, stop)
         unwrapped = accelerator.unwrap_model(model)
         if "judges" not in state:
             device = "cuda" if accelerator.device.type == "cuda" else "cpu"
@@ -543,7 +542,7 @@ def _evaluate_tofu(step, accelerator, model, tokenizer, config, out, progress, s
                                 state["judges"], attacks=attacks, attack_when=attack_when)
         unwrapped.train()
         if stop is not None and stop.metric not in UNLEARN_SELECTABLE:  # what --stop-when reads, as SUMMARY.json has it
-            row[stop.metric] = json.loads((folder / "SUMMARY.json").read_text(encoding="utf-8")).get(stop.metric)
+            row[stop.metric] = _summary(record).get(stop.metric)
         if not accelerator.is_main_process:
             shutil.rmtree(folder, ignore_errors=True)
         for section in record["sections"]:
@@ -554,6 +553,16 @@ def _evaluate_tofu(step, accelerator, model, tokenizer, config, out, progress, s
         row["folder"] = str(folder)
     accelerator.wait_for_everyone()
     return row
+
+
+def _summary(record: dict[str, Any]) -> dict[str, Any]:
+    """An evaluation record's SUMMARY.json values: its suites' summaries (the TOFU suite's during training)."""
+    return {key: value for section in record["sections"] for key, value in (section.get("summary") or {}).items()}
+
+
+def _meets(stop: StopRule, record: dict[str, Any]) -> bool:
+    """Whether an evaluation record meets --stop-when (its last evaluation then runs the attacks)."""
+    return stop.holds(_summary(record))
 
 
 def _check_eval_attacks(config: UnlearnConfig) -> None:

@@ -191,9 +191,9 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
     kernel's faster rate of the command's start and the suites' end.
     `attacks` (`engine.attacks.attack_runner`, for `config.attacks`): once the suites are done, and outside their
     timing, it runs them again on attacked copies of the model and gives eval.json's "attacks" section.
-    `attack_when(summary)`: with it, the attacks run only when it holds for the suites' SUMMARY.json values (an
-    evaluation during training that may turn out to be the run's last, `--stop-when`); the record then names no
-    attacks when they did not run.
+    `attack_when(record)`: with it, the attacks run only when it holds for the suites' record (an evaluation
+    during training that may turn out to be the run's last, `--stop-when`); the record then names no attacks when
+    they did not run.
     """
     started = time.perf_counter()
     decode_calls = decoding.KERNEL.compiled_calls
@@ -212,8 +212,7 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
                                           command["dtype"], packed, decoding.KERNEL.compiled_calls - decode_calls,
                                           kernels.fallbacks(), linear_kernel(model))
         record["compute"]["kernel_gflops_measured"] = measured
-    if config.attacks and attack_when is not None and not attack_when(
-            json.loads((out / "SUMMARY.json").read_text(encoding="utf-8"))):
+    if config.attacks and attack_when is not None and not attack_when(record):
         record["config"]["attacks"] = None
     elif config.attacks:
         if attacks is None:

@@ -163,11 +163,11 @@ def tune_folder(out: str | None, recipe: str, scheme: str) -> Path:
 def planned_steps_words(bench: Bench, task: int | None) -> str:
     """The steps each run of forget task `task` will take, as the adapter tells them before the runs (align's
     --epochs count the steps from the data, and Joint steps on both sets at once): one number when they agree."""
-    steps = {}
+    steps: dict[str, int] = {}
     for run in bench.runs:
-        if run.task_id == task:
-            label = run.scheme if run.sweep_value is None else f"{run.scheme} at {bench.sweep_key}={run.sweep_value}"
-            steps.setdefault(label, bench.adapter.planned_steps(run.config))
+        label = run.scheme if run.sweep_value is None else f"{run.scheme} at {bench.sweep_key}={run.sweep_value}"
+        if run.task_id == task and label not in steps:  # once a scheme (align opens the data to count them)
+            steps[label] = bench.adapter.planned_steps(run.config)
     if len(set(steps.values())) == 1:
         return f"{next(iter(steps.values()))} steps a run"
     return "steps a run: " + ", ".join(f"{label} {count}" for label, count in steps.items())
