@@ -52,6 +52,7 @@ from torch import Tensor
 
 from doplus_cli import optim
 from doplus_cli.config import list_value
+from doplus_cli.engine.memory_plan import bytes_text
 from doplus_cli.errors import UserError
 from doplus_cli.optim import multi_tensor, quant
 
@@ -511,13 +512,6 @@ def _format_seconds(seconds: float | None) -> str:
     return f"{seconds * 1e6:.0f} µs"
 
 
-def _format_bytes(count: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if count >= size:
-            return f"{count / size:.2f} {unit}"
-    return f"{count:.0f} B"
-
-
 def _format_count(count: int) -> str:
     for unit, size in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
         if count >= size:
@@ -559,7 +553,7 @@ def print_table(result: dict[str, Any], console=None) -> None:
             "–" if ratio is None else f"{ratio:.{'2f' if ratio >= 0.1 else '2g'}}×",
             _format_seconds(row["first_step_s"]),
             f"{row['state_bytes_per_param']:.2f}",
-            _format_bytes(row["state_bytes"]),
+            bytes_text(row["state_bytes"]),
             f"{row['gbps']:.1f}",
             "–" if fraction is None else f"{fraction:.{0 if fraction >= 0.1 else 1}%}",
         )

@@ -46,7 +46,7 @@ def training_plan(command: Plan, config: TrainConfig, processes: int | None, gpu
         from doplus_cli.engine.memory_plan import dry_run as memory_plan
 
         lines.append(memory_plan(config if model == config.model else config.replace(model=model), plan, processes,
-                                 gpu_memory))
+                                 gpu_memory, steps=opened.steps, out=Path(opened.out)))
     else:
         lines.append("memory plan: not worked out (it needs the model's config.json, which is not here)")
     return "\n".join(lines)

@@ -32,7 +32,9 @@ verdict), temporaries of the optimizer step, the evaluation during training, and
 from __future__ import annotations
 
 import math
+import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from doplus_cli.config import TrainConfig
@@ -300,6 +302,78 @@ def _reference_bytes(config: TrainConfig, model: ModelPlan, mode: str, dtype: st
     return sum(p.numel * size for p in base)
 
 
+# --- the disk plan ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DiskPlan:
+    """What a run writes under its output folder that counts: final/, and its checkpoints (`engine/checkpoint.py`):
+    each holds the trained weights as they train and the optimizer's state (the memory plan's gradients, optimizer
+    states and compensation parts: the same tensors, the same bytes); metrics, reports and evaluations are small."""
+
+    final: int  # bytes of final/ (the model in --save-dtype; with --save-adapter-only the adapters)
+    checkpoint: int  # bytes of one checkpoint
+    every: int  # --save-every (0: no checkpoints)
+    held: int  # the most checkpoints on disk at once
+    kept: int  # the checkpoints left when the run ends (its newest --keep-last; every one without it)
+
+    @property
+    def peak(self) -> int:
+        """The most the run holds on disk at once, an upper bound: its checkpoints and final/."""
+        return self.held * self.checkpoint + self.final
+
+
+def checkpoints_held(steps: int, save_every: int, keep_last: int | None) -> tuple[int, int]:
+    """(the most checkpoints on disk at once, those left when the run ends). A run saves after every
+    `save_every`-th step before its last (`engine/loop.py`); `--keep-last K` with K >= 2 removes the oldest before
+    writing the next (K at most), K = 1 writes the next before removing the old one (2 for a moment), and without
+    it every checkpoint stays."""
+    saves = (steps - 1) // save_every if save_every > 0 and steps > 0 else 0
+    if not keep_last:
+        return saves, saves
+    return min(saves, 2 if keep_last == 1 else keep_last), min(saves, keep_last)
+
+
+def disk_plan(config: TrainConfig, plan: MemoryPlan, steps: int) -> DiskPlan:
+    """The disk plan of `config`'s run of `steps` steps, from its memory plan `plan` (which resolved the dtype and
+    the precision)."""
+    _, save_dtype = precisions.resolve(plan.settings["precision"], plan.settings["dtype"], config.save_dtype)
+    lora = config.lora_rank > 0
+    saved = [p for p in plan.model.params if p.adapter == (lora and config.save_adapter_only)]
+    final = sum(p.numel for p in saved) * DTYPE_BYTES[save_dtype]
+    checkpoint = plan.parts["gradients"] + plan.parts["optimizer states"] + plan.parts["compensation"]
+    held, kept = checkpoints_held(steps, config.save_every, config.keep_last)
+    return DiskPlan(final=final, checkpoint=checkpoint, every=config.save_every, held=held, kept=kept)
+
+
+def bytes_text(count: float) -> str:
+    """A byte count in the largest binary unit it reaches, two decimals."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size:
+            return f"{count / size:.2f} {unit}"
+    return f"{count:.0f} B"
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the filesystem that holds `path`, or would hold it (its nearest existing parent)."""
+    path = Path(path).expanduser().absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def render_disk(disk: DiskPlan, out: Path) -> str:
+    """The disk plan as one line, with the free space where `out` is (or would be)."""
+    if disk.held:
+        saving = (f"a checkpoint every {disk.every} steps, {bytes_text(disk.checkpoint)} each (the trained weights "
+                  f"and the optimizer states), up to {disk.held} on disk at once")
+    else:
+        saving = "no checkpoint" + (" (--save-every 0)" if not disk.every else " (the run ends first)")
+    free = free_bytes(out)
+    word = "fits" if disk.peak <= free else "does not fit"
+    return (f"disk plan (an estimate): final/ {bytes_text(disk.final)}; {saving}; the run's most: "
+            f"{bytes_text(disk.peak)}; {bytes_text(free)} free where {out} is: {word}")
+
+
 # --- the printed plan ---------------------------------------------------------------------------------------------
 
 def visible_gpu_gib() -> float | None:
@@ -347,10 +421,15 @@ def render(plan: MemoryPlan, processes: int, memory_gib: float | None, fsdp: boo
     return "\n".join(lines)
 
 
-def dry_run(config: TrainConfig, run: Plan, processes: int | None, gpu_memory: float | None) -> str:
-    """`--dry-run`: the plan of `config`'s run (`run`: its command bound to it) as text. A GPU is assumed when one
-    is visible or --gpu-memory is given (`auto` dtype and precision resolve as there)."""
+def dry_run(config: TrainConfig, run: Plan, processes: int | None, gpu_memory: float | None,
+            steps: int | None = None, out: Path | None = None) -> str:
+    """`--dry-run`: the plan of `config`'s run (`run`: its command bound to it) as text; with `steps` and `out`, its
+    disk plan too. A GPU is assumed when one is visible or --gpu-memory is given (`auto` dtype and precision
+    resolve as there)."""
     visible = visible_gpu_gib()
     memory = gpu_memory if gpu_memory is not None else visible
     plan = build_plan(config, model_plan(config, run), run, cuda=memory is not None)
-    return render(plan, processes or 1, memory, config.fsdp)
+    text = render(plan, processes or 1, memory, config.fsdp)
+    if steps is not None and out is not None:
+        text += "\n" + render_disk(disk_plan(config, plan, steps), out)
+    return text

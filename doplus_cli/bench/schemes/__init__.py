@@ -173,7 +173,7 @@ def planned_steps_words(bench: Bench, task: int | None) -> str:
     return "steps a run: " + ", ".join(f"{label} {count}" for label, count in steps.items())
 
 
-def schemes_dry_run(bench: Bench, num_processes: int | None, fsdp: bool) -> str:
+def schemes_dry_run(bench: Bench, num_processes: int | None, fsdp: bool, keep_checkpoints: bool = False) -> str:
     """`bench schemes --dry-run`: the bench's own checks (made by `plan`), its folder's, and what its runs would
     check before their model loads, once per forget task (the data, the fields the loss and the evaluation need)
     and once for the model; then the grid, as text. Nothing run or written."""
@@ -198,13 +198,58 @@ def schemes_dry_run(bench: Bench, num_processes: int | None, fsdp: bool) -> str:
     if config.teach:
         teaching, model = teaching_plan(config, lambda teach: command_named("multitask").bound(teach).open())
         lines.append(f"teaching stage: {teaching}")
-    lines.append(f"model: {check_model(model)[0]}")
+    model_line, readable = check_model(model)
+    lines.append(f"model: {model_line}")
     for task, run in first.items():
         plan = command.bound(run.config)
         plan.open()
         label = "data" if task is None else f"data of forget task {task}"
         lines.append(f"{label}: checked ({planned_steps_words(bench, task)})")
+    if readable:
+        lines.append(disk_words(bench, states, model, keep_checkpoints))
+    else:
+        lines.append("disk plan: not worked out (it needs the model's config.json, which is not here)")
     return "\n".join(lines)
+
+
+def disk_words(bench: Bench, states: list[RunState], model: str | None, keep_checkpoints: bool) -> str:
+    """The grid's disk plan: what one run of each scheme holds at most while it trains (its checkpoints, which it
+    removes when it ends unless --keep-checkpoints), the final models of the runs not done yet, and how many runs
+    at once (--run-index workers) the free space where OUT is takes beside them."""
+    from doplus_cli.commands import command_named
+    from doplus_cli.engine.memory_plan import build_plan, bytes_text, disk_plan, free_bytes, model_plan, visible_gpu_gib
+
+    cuda = visible_gpu_gib() is not None
+    disks, label_of = {}, {}
+    for run in bench.runs:
+        label = run.scheme if run.sweep_value is None else f"{run.scheme} at {bench.sweep_key}={run.sweep_value}"
+        label_of[run.name] = label
+        if label not in disks:
+            config = run.config if model == run.config.model else run.config.replace(model=model)
+            plan = command_named(bench.adapter.command).bound(config)
+            disks[label] = disk_plan(config, build_plan(config, model_plan(config, plan), plan, cuda),
+                                     bench.adapter.planned_steps(run.config))
+    left = [s for s in states if s.state != "done"]
+    finals = sum(disks[label_of[s.run.name]].final for s in left)
+    training = max(d.held * d.checkpoint for d in disks.values())
+    if keep_checkpoints:  # each run leaves its newest --keep-last checkpoints (every one without it)
+        finals += sum(disks[label_of[s.run.name]].checkpoint * disks[label_of[s.run.name]].kept for s in left)
+    free = free_bytes(bench.out)
+
+    holds = ", ".join(f"{label} {bytes_text(d.held * d.checkpoint)}" for label, d in disks.items())
+    kept = "keeps its final/ and its checkpoints (--keep-checkpoints)" if keep_checkpoints else \
+        "keeps its final/ and removes its checkpoints when it ends"
+    if training == 0:
+        fit = "fits" if finals <= free else "does not fit"
+        at_once = f"{fit}, with any number of runs at once"
+    else:
+        workers = int((free - finals) // training) if free > finals else 0
+        at_once = (f"{workers} run{'s' if workers != 1 else ''} at once fit (--run-index workers)" if workers
+                   else "not even one run at a time fits")
+    return (f"disk plan (an estimate): a run {kept}; while it trains its checkpoints take at most: {holds}; "
+            f"the {len(left)} runs not done keep {bytes_text(finals)}; {bytes_text(free)} free where {bench.out} "
+            f"is: {at_once}")
+
 
 
 def list_grid(bench: Bench) -> list[RunState]:
