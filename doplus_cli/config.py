@@ -293,6 +293,10 @@ class TrainConfig:
         panel=DISTRIBUTED)
     # Checkpoints and resume
     save_every: int = option(0, "Write checkpoints/step-N/ every N steps [default: never]", panel=CHECKPOINTS)
+    save_minutes: float = option(
+        0.0,
+        "Also write a checkpoint once M minutes have passed since the last one (or the start) [default: never]",
+        panel=CHECKPOINTS)
     keep_last: int | None = option(
         None,
         "Keep the newest K checkpoints (K >= 1) [default: all]",
@@ -919,7 +923,7 @@ def validate_training(config: TrainConfig) -> None:
     if config.ref_offload not in REF_OFFLOADS:
         raise UserError(f"unknown --ref-offload {shown(config.ref_offload)}: choose cpu (keep the reference model on "
                         "the CPU) or 8bit (LLM.int8 weights through bitsandbytes)")
-    for name in ("save_every", "eval_every"):
+    for name in ("save_every", "eval_every", "save_minutes"):
         if getattr(config, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")
     if config.keep_last is not None and config.keep_last < 1:

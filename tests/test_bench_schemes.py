@@ -69,7 +69,7 @@ def test_killed_bench_resumes_and_reports_mean_and_std_over_seeds(tiny_llama, da
     then the same command skips the finished run, resumes the interrupted one and finishes the rest."""
     recipe = write_recipe(tmp_path / "recipe", tiny_llama, data, tofu_dir, eval_every=12)
     out = tmp_path / "bench"
-    arguments = bench_args(recipe, out, "--schemes", "alternate,doplus", "--seeds", "0,1")
+    arguments = bench_args(recipe, out, "--schemes", "alternate,doplus", "--seeds", "0,1", "--set", "save_every=2")
     first, second = out / "runs" / "alternate-s0", out / "runs" / "alternate-s1"
     with open(tmp_path / "killed.log", "w") as log:
         process = subprocess.Popen([sys.executable, "-m", "doplus_cli", *map(str, arguments)], stdout=log,
@@ -104,7 +104,7 @@ def test_killed_bench_resumes_and_reports_mean_and_std_over_seeds(tiny_llama, da
     run_recipe = yaml.safe_load((out / "recipes" / "doplus-s1.yaml").read_text())
     assert run_recipe["forget"] == str(recipe.parent / "forget.jsonl")
     assert (run_recipe["scheme"], run_recipe["seed"], run_recipe["state_bits"]) == ("doplus", 1, 32)
-    assert (run_recipe["save_every"], run_recipe["keep_last"]) == (2, 1)
+    assert (run_recipe["save_every"], run_recipe["keep_last"], run_recipe.get("save_minutes")) == (2, 1, None)
 
     # Mean and sample std per scheme, by hand from each run's own evaluation at its last step.
     summary = json.loads((out / "SCHEMES.json").read_text())
@@ -206,7 +206,8 @@ def test_multitask_recipe_per_task_scores(tiny_llama, tmp_path):
         "eval_rows": 3, "tasks": [{"name": "math", "data": "math.jsonl"},
                                   {"name": "sci", "data": "sci.jsonl", "metric": "choice"}]}))
     out = tmp_path / "mt-bench"
-    assert run_cli(*bench_args(recipe, out, "--schemes", "doplus-8bit", "--seeds", "0", "--keep-checkpoints")) == 0
+    assert run_cli(*bench_args(recipe, out, "--schemes", "doplus-8bit", "--seeds", "0", "--keep-checkpoints",
+                           "--set", "save_every=2")) == 0
     assert list_checkpoints(out / "runs" / "doplus-8bit-s0" / "checkpoints")  # kept, as asked
     summary = json.loads((out / "SCHEMES.json").read_text())
     assert [row["label"] for row in summary["rows"]] == ["DO+ 8bit"]

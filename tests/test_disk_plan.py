@@ -36,7 +36,9 @@ def test_checkpoints_held_follow_the_save_schedule():
         for every in (0, 1, 3, 9, 10):
             for keep in (None, 1, 2, 3):
                 assert checkpoints_held(steps, every, keep) == simulate(steps, every, keep), (steps, every, keep)
-    assert checkpoints_held(96, 9, 1) == (2, 1)  # the bench's default for 96 steps: 10 saves, 2 at once
+            # --save-minutes: a checkpoint may follow any step before the last, however fast the run
+            assert checkpoints_held(steps, 0, keep, save_minutes=10) == simulate(steps, 1, keep), (steps, keep)
+    assert checkpoints_held(96, 9, 1) == (2, 1)  # 10 saves, 2 at once for a moment
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +152,56 @@ def test_the_bench_dry_run_says_how_many_runs_fit_at_once(tiny_llama, tofu_dir, 
         assert code == 0
         assert (f"alternate {size(2 * 12 * n)}, doplus {size(training)}" in printed
                 and f"the 4 runs not done keep {size(finals)}" in printed and words in printed), printed
+
+
+@pytest.mark.parametrize(("minutes_a_call", "saved"), [(61, ["step-1", "step-2", "step-3"]), (1, [])])
+def test_save_minutes_checkpoints_by_the_clock(tiny_llama, data, tmp_path, monkeypatch, minutes_a_call, saved):
+    """--save-minutes 1 with a clock that moves 61 s (or 1 s) at each reading: a checkpoint after every step before
+    the last (or none), whatever the steps; a run resumed from one continues to the same final weights."""
+    import itertools
+
+    import doplus_cli.engine.loop as loop
+
+    ticks = itertools.count(step=minutes_a_call)
+    monkeypatch.setattr(loop, "_clock", lambda: float(next(ticks)))
+    out = tmp_path / "run"
+    arguments = ["unlearn", "--model", tiny_llama, "--forget", data / "forget.jsonl", "--retain",
+                 data / "retain.jsonl", "--loss", "GA+GD", "--steps", 4, "--save-minutes", 1, "--max-length", 32,
+                 "--batch-size", 2, "--show-samples", 0]
+    assert run_cli(*arguments, "--out", out) == 0
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == saved
+    if saved:
+        assert run_cli(*arguments, "--out", tmp_path / "resumed", "--resume", out / "checkpoints" / "step-2") == 0
+        with safe_open(str(out / "final" / "model.safetensors"), "pt") as a, \
+                safe_open(str(tmp_path / "resumed" / "final" / "model.safetensors"), "pt") as b:
+            assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())
+
+
+def test_a_bench_checkpoints_by_time_and_continues_runs_made_with_a_step_cadence(tiny_llama, data, tofu_dir,
+                                                                                tmp_path):
+    """Without save_every in the recipe or --set, a bench's run saves every 10 minutes, the newest kept. A run
+    recipe written with another cadence (an older doplus saved every tenth of the run) is the same experiment; one
+    with another learning rate is not."""
+    from doplus_cli.bench.schemes.planning import check_out, plan_bench, record_runs
+    from doplus_cli.errors import UserError
+
+    recipe = tmp_path / "bench.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": str(tiny_llama), "forget": str(data / "forget.jsonl"), "retain": str(data / "retain.jsonl"),
+        "loss": "GA+GD", "steps": 20, "eval_every": 10, "eval_suite": "tofu", "eval_data_dir": str(tofu_dir),
+        "eval_split": "forget01"}))
+    out = tmp_path / "bench"
+    bench = plan_bench(str(recipe), "doplus", "0", str(out), [], None, False)
+    (run,) = bench.runs
+    assert (run.recipe.get("save_every"), run.recipe["save_minutes"], run.recipe["keep_last"]) == (None, 10, 1)
+    given = plan_bench(str(recipe), "doplus", "0", str(tmp_path / "other"), ["save_every=2"], None, False)
+    assert (given.runs[0].recipe["save_every"], given.runs[0].recipe.get("save_minutes")) == (2, None)
+
+    out.mkdir()
+    record_runs(bench, check_out(bench))
+    older = {k: v for k, v in run.recipe.items() if k != "save_minutes"} | {"save_every": 2}
+    run.recipe_path.write_text(yaml.safe_dump(older, sort_keys=False))
+    check_out(bench)  # no refusal
+    run.recipe_path.write_text(yaml.safe_dump(older | {"lr": 0.5}, sort_keys=False))
+    with pytest.raises(UserError, match="made from another recipe"):
+        check_out(bench)

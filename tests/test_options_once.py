@@ -46,7 +46,8 @@ SET_VALUES = {"ref_offload": "cpu", "eval_every": 2, "select_by": "MU", "stop_wh
 REQUIRED = {"unlearn": {"forget": "f.jsonl", "retain": "r.jsonl"}, "align": {"safety": "s.jsonl", "general": "g.jsonl"},
             "multitask": {"tasks": [{**TASK_DEFAULTS, "name": "a", "data": "a.jsonl"}]}}
 # Defaults the help says in words, for what the value means.
-DEFAULTS_IN_WORDS = {"keep_last": (0, "all"), "save_every": (0, "never"), "eval_every": (0, "never"),
+DEFAULTS_IN_WORDS = {"keep_last": (0, "all"), "save_every": (0, "never"), "save_minutes": (0, "never"),
+                     "eval_every": (0, "never"),
                      "save_adapter_only": (False, "merged model")}
 SHOWN = re.compile(r"\[default: ([^\]]*)\]$")
 

@@ -42,8 +42,8 @@ from doplus_cli.losses import LossParams
 from doplus_cli.optim.distributed import local_shard
 
 # Options that may change between a run and its resumption: they do not change what is computed.
-RESUMABLE_CHANGES = {"resume", "overwrite", "save_every", "keep_last", "show_samples", "description", "out",
-                     "log_update_similarity", "save_dtype", "report_to", "tracker_project", "tracker_run_name",
+RESUMABLE_CHANGES = {"resume", "overwrite", "save_every", "save_minutes", "keep_last", "show_samples", "description",
+                     "out", "log_update_similarity", "save_dtype", "report_to", "tracker_project", "tracker_run_name",
                      "tracker_group", "tracker_dir", "accept_changed", "accept_unverified"}
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"

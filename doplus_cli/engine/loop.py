@@ -395,6 +395,7 @@ def train(run: Run, config: TrainConfig, plan: Plan, console: Console, stop: Sto
     rule = stop_rule_for(config)
     run.stopped = None if rule is None else {"rule": rule.text(), "metric": rule.metric, "step": None,
                                              "value": None, "planned_steps": config.steps}
+    saved_at = _clock()  # --save-minutes counts from the start (or the resumption) and from each checkpoint
     try:
         stop.install()
         for step in range(run.start_step, config.steps):
@@ -429,8 +430,9 @@ def train(run: Run, config: TrainConfig, plan: Plan, console: Console, stop: Sto
                     console.print(f"step {step + 1}: {rule.metric} {run.stopped['value']:.4g} meets --stop-when "
                                   f"{rule.text()}; the run ends here ({config.steps} steps planned)")
                 break
-            if config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
+            if step + 1 < config.steps and _save_due(run, config, step + 1, saved_at):
                 run.save_checkpoint(step + 1)
+                saved_at = _clock()
             _stop_with_checkpoint(run, stop, step + 1)
         _stop_if_states_not_finite(run, run.steps_done)
     except BaseException:
@@ -439,6 +441,24 @@ def train(run: Run, config: TrainConfig, plan: Plan, console: Console, stop: Sto
     finally:
         if run.metrics is not None:
             run.metrics.close()
+
+
+_clock = time.monotonic  # --save-minutes' clock (a test drives its own)
+
+
+def _save_due(run: Run, config: TrainConfig, step: int, saved_at: float) -> bool:
+    """Whether a checkpoint is due after `step`: every --save-every steps, or once --save-minutes have passed since
+    the last checkpoint (or the start), by the main process's clock; every process takes its decision."""
+    if config.save_every and step % config.save_every == 0:
+        return True
+    if not config.save_minutes:
+        return False
+    due = _clock() - saved_at >= 60 * config.save_minutes
+    if run.accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        (due,) = broadcast_object_list([due])
+    return bool(due)
 
 
 def _new_best(run: Run, selection: Selection) -> bool:

@@ -312,7 +312,8 @@ class DiskPlan:
 
     final: int  # bytes of final/ (the model in --save-dtype; with --save-adapter-only the adapters)
     checkpoint: int  # bytes of one checkpoint
-    every: int  # --save-every (0: no checkpoints)
+    every: int  # --save-every (0: none by steps)
+    minutes: float  # --save-minutes (0: none by time)
     held: int  # the most checkpoints on disk at once
     kept: int  # the checkpoints left when the run ends (its newest --keep-last; every one without it)
 
@@ -322,12 +323,18 @@ class DiskPlan:
         return self.held * self.checkpoint + self.final
 
 
-def checkpoints_held(steps: int, save_every: int, keep_last: int | None) -> tuple[int, int]:
+def checkpoints_held(steps: int, save_every: int, keep_last: int | None, save_minutes: float = 0) -> tuple[int, int]:
     """(the most checkpoints on disk at once, those left when the run ends). A run saves after every
-    `save_every`-th step before its last (`engine/loop.py`); `--keep-last K` with K >= 2 removes the oldest before
+    `save_every`-th step before its last (`engine/loop.py`), and with `save_minutes` after any step before its last
+    (an upper bound: how many depends on the run's speed); `--keep-last K` with K >= 2 removes the oldest before
     writing the next (K at most), K = 1 writes the next before removing the old one (2 for a moment), and without
     it every checkpoint stays."""
-    saves = (steps - 1) // save_every if save_every > 0 and steps > 0 else 0
+    if steps < 1:
+        saves = 0
+    elif save_minutes > 0:
+        saves = steps - 1
+    else:
+        saves = (steps - 1) // save_every if save_every > 0 else 0
     if not keep_last:
         return saves, saves
     return min(saves, 2 if keep_last == 1 else keep_last), min(saves, keep_last)
@@ -341,8 +348,9 @@ def disk_plan(config: TrainConfig, plan: MemoryPlan, steps: int) -> DiskPlan:
     saved = [p for p in plan.model.params if p.adapter == (lora and config.save_adapter_only)]
     final = sum(p.numel for p in saved) * DTYPE_BYTES[save_dtype]
     checkpoint = plan.parts["gradients"] + plan.parts["optimizer states"] + plan.parts["compensation"]
-    held, kept = checkpoints_held(steps, config.save_every, config.keep_last)
-    return DiskPlan(final=final, checkpoint=checkpoint, every=config.save_every, held=held, kept=kept)
+    held, kept = checkpoints_held(steps, config.save_every, config.keep_last, config.save_minutes)
+    return DiskPlan(final=final, checkpoint=checkpoint, every=config.save_every, minutes=config.save_minutes,
+                    held=held, kept=kept)
 
 
 def bytes_text(count: float) -> str:
@@ -363,11 +371,13 @@ def free_bytes(path: Path) -> int:
 
 def render_disk(disk: DiskPlan, out: Path) -> str:
     """The disk plan as one line, with the free space where `out` is (or would be)."""
+    cadence = " and ".join([f"every {disk.every} steps"] * bool(disk.every)
+                           + [f"every {disk.minutes:g} minutes"] * bool(disk.minutes))
     if disk.held:
-        saving = (f"a checkpoint every {disk.every} steps, {bytes_text(disk.checkpoint)} each (the trained weights "
-                  f"and the optimizer states), up to {disk.held} on disk at once")
+        saving = (f"a checkpoint {cadence}, {bytes_text(disk.checkpoint)} each (the trained weights and the "
+                  f"optimizer states), up to {disk.held} on disk at once")
     else:
-        saving = "no checkpoint" + (" (--save-every 0)" if not disk.every else " (the run ends first)")
+        saving = "no checkpoint" + (" (the run ends first)" if cadence else "")
     free = free_bytes(out)
     word = "fits" if disk.peak <= free else "does not fit"
     return (f"disk plan (an estimate): final/ {bytes_text(disk.final)}; {saving}; the run's most: "

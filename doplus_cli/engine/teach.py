@@ -30,9 +30,9 @@ from doplus_cli.errors import UserError
 from doplus_cli.models import cache_root, embedded_gguf_path
 
 # Options of the teaching recipe that do not change the taught weights.
-_NOT_IN_KEY = ("out", "overwrite", "resume", "description", "save_every", "keep_last", "log_update_similarity",
-               "eval_rows", "eval_batch_size", "report_to", "tracker_project", "tracker_run_name", "tracker_group",
-               "tracker_dir")
+_NOT_IN_KEY = ("out", "overwrite", "resume", "description", "save_every", "save_minutes", "keep_last",
+               "log_update_similarity", "eval_rows", "eval_batch_size", "report_to", "tracker_project",
+               "tracker_run_name", "tracker_group", "tracker_dir")
 
 
 def _file_digest(path: str) -> str:

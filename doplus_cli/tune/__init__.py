@@ -111,16 +111,17 @@ class Tune:
 
     def trial_values(self, params: dict[str, Any]) -> dict[str, Any]:
         """A trial's recipe: the recipe < --set < the trial's values, with no checkpoints along the way unless --set
-        or the space gives `save_every`: a trial never resumes (an interrupted one runs again from its start), and
-        a DualOptim+ checkpoint holds the weights and five optimizer states."""
+        or the space gives `save_every` or `save_minutes`: a trial never resumes (an interrupted one runs again from
+        its start), and a DualOptim+ checkpoint holds the weights and five optimizer states."""
         chosen = {**self.set_values, **params}
         values = {**copy.deepcopy(self.base), **chosen}
         for first, second in EXCLUSIVE_OPTIONS:  # steps or epochs: the one given over the recipe's stands
             for given, other in ((first, second), (second, first)):
                 if given in chosen and other in values and other not in chosen:
                     del values[other]
-        if "save_every" not in chosen:
-            values["save_every"] = 0  # the recipe's checkpoints are for resuming its run, which a trial never does
+        for key in ("save_every", "save_minutes"):  # the recipe's checkpoints are for resuming its run, which a
+            if key not in chosen:                # trial never does
+                values[key] = 0
         return plain(values)
 
     def trial_config(self, values: dict[str, Any], checked: bool = True) -> TrainConfig:

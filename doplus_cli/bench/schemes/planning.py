@@ -36,6 +36,8 @@ from doplus_cli.files import atomic_write_text
 from doplus_cli.lifecycle import folder_entries
 
 BENCH_KEYS = ("seed", "out", "overwrite", "resume")  # the bench sets these for every run
+BENCH_SAVE_MINUTES = 10  # a run's checkpoint cadence unless the recipe or --set gives save_every or save_minutes
+CADENCE = ("save_every", "save_minutes", "keep_last")
 TUNE_FOLDER = "tune"  # --tune: OUT/tune/SCHEME/ holds each scheme's study (doplus tune)
 DEFAULT_SCHEMES = "joint,alternate,dualoptim,doplus"
 DEFAULT_SEEDS = "0,1,2"
@@ -230,9 +232,12 @@ def _plan_run(bench: Bench, scheme: str, sweep_value: Any, seed: int, task: int 
         name += f"-t{task}"
     name += f"-s{seed}"
     _keep_one_of_exclusive(values, sources, [str(bench.recipe), "--set", "--sweep"])
-    steps = bench.adapter.planned_steps(config_of(bench.adapter, values, sources))
-    # So that every run can resume after a kill: checkpoints about every tenth of the run, the newest kept.
-    values.setdefault("save_every", max(1, steps // 10))
+    # So that a run can resume after a kill: a checkpoint every 10 minutes, the newest kept (a preemption's SIGTERM
+    # writes one anyway). By time, not by steps: with DualOptim+'s states a checkpoint of the embedded model is
+    # 3.8 GB and took 12 s to write on 2 CPU cores, so one every tenth of a 96-step run cost 2 minutes of it, and
+    # more than the run's training on a GPU.
+    if "save_every" not in values:
+        values.setdefault("save_minutes", BENCH_SAVE_MINUTES)
     values.setdefault("keep_last", 1)
     if bench.log_update_similarity:
         values["log_update_similarity"] = True
@@ -320,6 +325,12 @@ def differences(saved: Any, current: Any, prefix: str = "") -> list[str]:
     return []
 
 
+def _without_cadence(recipe: Any) -> Any:
+    """A run's recipe without its checkpoint cadence, which changes no result (a run resumes under another one):
+    a bench continues the runs of a doplus whose default cadence differed."""
+    return {k: v for k, v in recipe.items() if k not in CADENCE} if isinstance(recipe, dict) else recipe
+
+
 def check_out(bench: Bench) -> dict[str, Any]:
     """OUT's bench.json, refusing an OUT that holds another experiment, or a run whose recipe differs."""
     index_path = bench.out / "bench.json"
@@ -337,7 +348,7 @@ def check_out(bench: Bench) -> dict[str, Any]:
         raise UserError(f"{bench.out}: not empty and not a bench schemes folder (no bench.json); use another --out")
     for run in bench.runs:
         if run.recipe_path.is_file():
-            changed = differences(_read_yaml(run.recipe_path), run.recipe)
+            changed = differences(_without_cadence(_read_yaml(run.recipe_path)), _without_cadence(run.recipe))
             if changed:
                 raise UserError(f"{run.recipe_path}: the run {run.name} was made from another recipe "
                                 f"({'; '.join(changed[:3])}); use another --out")
