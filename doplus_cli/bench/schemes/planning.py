@@ -235,7 +235,7 @@ def _plan_run(bench: Bench, scheme: str, sweep_value: Any, seed: int, task: int 
     # So that a run can resume after a kill: a checkpoint every 10 minutes, the newest kept (a preemption's SIGTERM
     # writes one anyway). By time, not by steps: with DualOptim+'s states a checkpoint of the embedded model is
     # 3.8 GB and took 12 s to write on 2 CPU cores, so one every tenth of a 96-step run cost 2 minutes of it, and
-    # more than the run's training on a GPU.
+    # 38 GB of writes against steps of about 0.13 s on a GPU.
     if "save_every" not in values:
         values.setdefault("save_minutes", BENCH_SAVE_MINUTES)
     values.setdefault("keep_last", 1)
