@@ -205,3 +205,30 @@ def test_a_bench_checkpoints_by_time_and_continues_runs_made_with_a_step_cadence
     run.recipe_path.write_text(yaml.safe_dump(older | {"lr": 0.5}, sort_keys=False))
     with pytest.raises(UserError, match="made from another recipe"):
         check_out(bench)
+
+
+def test_on_several_processes_the_main_processs_clock_decides(monkeypatch):
+    """Each process reads its own clock; the decision is the main process's (broadcast), so that every process
+    enters the checkpoint's collective writes at the same step. Here this process's clock says not yet, the main
+    process's says due."""
+    from types import SimpleNamespace
+
+    import accelerate.utils
+
+    import doplus_cli.engine.loop as loop
+
+    sent = []
+
+    def broadcast(values):  # what the main process sent, as accelerate hands it to every process
+        sent.append(list(values))
+        return [True]
+
+    monkeypatch.setattr(accelerate.utils, "broadcast_object_list", broadcast)
+    monkeypatch.setattr(loop, "_clock", lambda: 100.0)
+    config = SimpleNamespace(save_every=0, save_minutes=1)
+    two = SimpleNamespace(accelerator=SimpleNamespace(num_processes=2))
+    one = SimpleNamespace(accelerator=SimpleNamespace(num_processes=1))
+    assert loop._save_due(one, config, 5, saved_at=90.0) is False  # 10 s of the 60 on this process's clock
+    assert loop._save_due(two, config, 5, saved_at=90.0) is True and sent == [[False]]
+    assert loop._save_due(two, SimpleNamespace(save_every=5, save_minutes=1), 5, saved_at=90.0) is True
+    assert len(sent) == 1  # a step cadence needs no clock, and no broadcast
