@@ -222,12 +222,13 @@ def test_the_hyperband_pruner_keeps_the_top_third_at_each_rung(recipe, tmp_path,
 
 
 def test_a_trial_writes_no_checkpoints_along_the_way_unless_asked(recipe, tmp_path):
-    """A trial never resumes, so its recipe drops the recipe's own save_every (a DualOptim+ checkpoint of the
-    embedded model is 3.8 GB); --set save_every=N is kept."""
+    """A trial never resumes, so its recipe drops the recipe's own save_every and save_minutes (a DualOptim+
+    checkpoint of the embedded model is 3.8 GB); --set save_every=N is kept."""
     with_checkpoints = recipe.parent / "with-checkpoints.yaml"  # its data paths read beside it
-    with_checkpoints.write_text(recipe.read_text() + "save_every: 2\nkeep_last: 1\n")
+    with_checkpoints.write_text(recipe.read_text() + "save_every: 2\nsave_minutes: 5\nkeep_last: 1\n")
     values = stub_study(with_checkpoints, tmp_path / "study", 2).trial_values({"lr": 1e-3})
-    assert values["save_every"] == 0 and values["lr"] == 1e-3 and values["steps"] == 6
+    assert values["save_every"] == 0 and values["save_minutes"] == 0
+    assert values["lr"] == 1e-3 and values["steps"] == 6
     asked = plan(str(with_checkpoints), ["lr=log:1e-6:1e-1"], "OVR", [], 2, str(tmp_path / "asked"),
                  ["save_every=3"], "none", None, 0)
     assert asked.trial_values({"lr": 1e-3})["save_every"] == 3
