@@ -244,12 +244,11 @@ def disk_words(bench: Bench, states: list[RunState], model: str | None, keep_che
         at_once = f"{fit}, with any number of runs at once"
     else:
         workers = int((free - finals) // training) if free > finals else 0
-        at_once = (f"{workers} run{'s' if workers != 1 else ''} at once fit (--run-index workers)" if workers
-                   else "not even one run at a time fits")
+        at_once = (f"{workers} runs at once fit (--run-index workers)" if workers > 1 else
+                   "1 run at a time fits" if workers == 1 else "not even one run at a time fits")
     return (f"disk plan (an estimate): a run {kept}; while it trains its checkpoints take at most: {holds}; "
             f"the {len(left)} runs not done keep {bytes_text(finals)}; {bytes_text(free)} free where {bench.out} "
             f"is: {at_once}")
-
 
 
 def list_grid(bench: Bench) -> list[RunState]:
