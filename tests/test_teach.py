@@ -76,3 +76,33 @@ def test_an_option_added_at_its_default_leaves_the_key_a_cached_model_was_found_
     stopping = resolve_config(None, {"tasks": [task_from_option(f"a={data}")], "eval_every": 1,
                                      "stop_when": "average>=50"}, MultitaskConfig)
     assert teach.teaching_key(stopping) != key
+
+
+def test_the_key_follows_the_precision_the_machine_resolves(tmp_path, monkeypatch):
+    """`auto` teaches in float32 on a CPU and in bf16-mixed, saved in bfloat16, on a GPU: two models, two keys, so
+    that a cache shared by both never hands one the other's model. float32 said outright is the CPU's `auto`: one
+    key on either machine, the one keys had before the precision entered them."""
+    import torch
+
+    from doplus_cli.commands.multitask import MultitaskConfig
+    from doplus_cli.config import resolve_config, task_from_option
+    from doplus_cli.engine import teach
+
+    data = tmp_path / "a.jsonl"
+    data.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
+
+    def key(**values):
+        return teach.teaching_key(resolve_config(None, {"tasks": [task_from_option(f"a={data}")], **values},
+                                                 MultitaskConfig))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu = key()
+    assert key(precision="fp32", dtype="float32") == cpu
+    assert key(precision="bf16-mixed", dtype="bfloat16") != cpu
+    with monkeypatch.context() as before:  # the key as computed before the precision entered it
+        before.setattr(teach, "_resolved_precision", lambda config: {})
+        assert key() == cpu
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert key() != cpu  # bf16-mixed here
+    assert key(precision="fp32", dtype="float32") == cpu
+    assert key(precision="fp32", dtype="float32", save_dtype="bfloat16") != cpu

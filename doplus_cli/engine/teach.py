@@ -26,8 +26,9 @@ from rich.console import Console
 from doplus_cli import __version__
 from doplus_cli.commands.multitask import MultitaskConfig
 from doplus_cli.config import TASK_PATH_KEYS, resolve_config
+from doplus_cli.engine import training_precision
 from doplus_cli.errors import UserError
-from doplus_cli.models import cache_root, embedded_gguf_path
+from doplus_cli.models import cache_root, embedded_gguf_path, resolve_dtype
 
 # Options of the teaching recipe that do not change the taught weights.
 _NOT_IN_KEY = ("out", "overwrite", "resume", "description", "save_every", "save_minutes", "keep_last",
@@ -70,6 +71,20 @@ def _model_identity(model: str | None) -> str:
 _ADDED_SINCE = {"stop_when": None}
 
 
+_FLOAT32 = {"precision": "fp32", "dtype": "float32", "save_dtype": "float32"}
+
+
+def _resolved_precision(config) -> dict[str, str]:
+    """The teaching run's precision, load dtype and saved dtype as this machine resolves `auto`: bfloat16 on a GPU,
+    float32 on a CPU, so that a cache shared by both (a cluster's home folder) never hands a run the model the other
+    taught. float32 throughout is written `auto`, as the keys made before this rule held it, so that the models
+    taught on a CPU are found again (and a recipe that says float32 finds them too)."""
+    precision, save_dtype = training_precision.resolve(config.precision, config.dtype, config.save_dtype)
+    dtype = str(resolve_dtype(config.dtype)).removeprefix("torch.")
+    resolved = {"precision": precision, "dtype": dtype, "save_dtype": save_dtype}
+    return {key: "auto" for key in resolved} if resolved == _FLOAT32 else resolved
+
+
 def teaching_key(config) -> str:
     settings = {k: v for k, v in config.to_dict().items()
                 if k not in _NOT_IN_KEY and not (k in _ADDED_SINCE and v == _ADDED_SINCE[k])}
@@ -78,6 +93,7 @@ def teaching_key(config) -> str:
                          for task in config.tasks]
     settings["model"] = _model_identity(config.model)
     settings["doplus"] = __version__
+    settings.update(_resolved_precision(config))
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
