@@ -169,7 +169,7 @@ BENCH_DEFAULTS: dict[str, dict[str, Any]] = {
                         "modes": "fp32,bf16-mixed,bf16,bf16-uncompensated", "json": False},
     "bench schemes": {"recipe": ..., "schemes": DEFAULT_SCHEMES, "seeds": DEFAULT_SEEDS, "log_update_similarity": False,
                       "fsdp": False, "keep_checkpoints": False, "summarize_from": "final", "list_runs": False,
-                      "json": False, "summarize": False, "tune_trials": 12},
+                      "json": False, "summarize": False, "parallel": 1, "tune_trials": 12},
     "tune": {"recipe": ..., "space": ..., "objective": ..., "trials": 20, "pruner": "median", "seed": 0},
 }
 
@@ -260,8 +260,8 @@ def bench_schemes(**values: Any) -> None:
     )
 
     (recipe, schemes, seeds, task_ids, out, set_options, sweep, log_update_similarity, num_processes, fsdp,
-     keep_checkpoints, summarize_from, list_runs, as_json, indexes, run_index, summarize, tune_space, tune_trials,
-     tune_objective, tune_constraint, tune_task, dry_run) = (
+     keep_checkpoints, summarize_from, list_runs, as_json, indexes, run_index, summarize, parallel, tune_space,
+     tune_trials, tune_objective, tune_constraint, tune_task, dry_run) = (
         values[name] for name in options.COMMAND_OPTIONS["bench schemes"])
     tuned = None
     if tune_space:
@@ -289,6 +289,13 @@ def bench_schemes(**values: Any) -> None:
         raise UserError(f"{' and '.join(modes)}: give one of them")
     if (as_json or indexes is not None) and not list_runs:
         raise UserError(f"{'--json' if as_json else '--indexes'} goes with --list-runs")
+    if parallel > 1:
+        alone = [flag for flag, given in (("--list-runs", list_runs), ("--run-index", run_index is not None),
+                                          ("--summarize", summarize),
+                                          ("--num-processes", (num_processes or 1) > 1)) if given]
+        if alone:
+            raise UserError(f"--parallel {parallel} runs several of the grid's runs at once, each in one process; "
+                            f"{alone[0]} does not go with it")
     # Without a terminal (a batch job's log) rich would fold the tables into 80 columns.
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
     if dry_run:
@@ -323,7 +330,7 @@ def bench_schemes(**values: Any) -> None:
                                     log_update_similarity, num_processes, fsdp,
                                     say=lambda line: err_console.print(Text(line)), task_ids=task_ids,
                                     keep_checkpoints=keep_checkpoints, summarize_from=summarize_from,
-                                    run_index=run_index, summarize=summarize, tuned=tuned)
+                                    run_index=run_index, summarize=summarize, tuned=tuned, parallel=parallel)
     if summary is not None:
         print_summary(summary, console)
 

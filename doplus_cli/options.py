@@ -158,6 +158,10 @@ TABLE: tuple[Option, ...] = (
            "one task of a job array. Many may run at once; the one that ends the grid writes the tables.", panel=RUNS),
     Option("--summarize", bool, "Write the tables and figures from the runs that are done, and run nothing else.",
            panel=RUNS),
+    Option("--parallel", int, "Run up to N runs at once on this machine, each in its own processes, in the grid's "
+           "order: a GPU that one small run leaves idle takes several. They split the CPU cores between them, and "
+           "with several GPUs visible each run gets one in turn. --dry-run says how many runs at once the disk "
+           "takes.", min=1, panel=RUNS),
 
     Option("--tune", list[str], "KEY=SPEC: before the bench, tune this option for each scheme with doplus tune "
            "(repeatable, as tune's --space), every scheme at the same budget (--tune-trials) on --tune-task; the "
@@ -211,7 +215,7 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "bench schemes": (
         "recipe", "schemes", "seeds", "task_ids", "out", "set", "sweep", "log_update_similarity", "num_processes",
         "fsdp", "keep_checkpoints", "summarize_from", "list_runs", "json", "indexes", "run_index", "summarize",
-        "tune", "tune_trials", "tune_objective", "tune_constraint", "tune_task", "dry_run",
+        "parallel", "tune", "tune_trials", "tune_objective", "tune_constraint", "tune_task", "dry_run",
     ),
     "tune": ("recipe", "space", "objective", "constraint", "trials", "out", "set", "pruner", "storage", "seed",
              "dry_run"),

@@ -102,11 +102,11 @@ def run_schemes_bench(recipe: str, schemes: str, seeds: str, out: str | None, se
                       sweep: str | None, log_update_similarity: bool, num_processes: int | None, fsdp: bool,
                       say: Callable[[str], None], task_ids: str | None = None,
                       keep_checkpoints: bool = False, summarize_from: str = "final", run_index: int | None = None,
-                      summarize: bool = False, tuned: tuple[dict[str, dict[str, Any]], str] | None = None
-                      ) -> dict[str, Any] | None:
-    """Plan and check everything, run what is missing (every run, or run `run_index` alone), then write the tables
-    and figures when every run is done (or `summarize`: from those that are); return SCHEMES.json, or None when
-    the tables wait for runs still to be done."""
+                      summarize: bool = False, tuned: tuple[dict[str, dict[str, Any]], str] | None = None,
+                      parallel: int = 1) -> dict[str, Any] | None:
+    """Plan and check everything, run what is missing (every run, `parallel` at a time, or run `run_index` alone),
+    then write the tables and figures when every run is done (or `summarize`: from those that are); return
+    SCHEMES.json, or None when the tables wait for runs still to be done."""
     bench = plan(recipe, schemes, seeds, out, set_options, sweep, log_update_similarity, task_ids, summarize_from,
                  tuned)
     if run_index is not None:
@@ -126,8 +126,9 @@ def run_schemes_bench(recipe: str, schemes: str, seeds: str, out: str | None, se
             tasks = f" x {len(bench.task_ids)} forget tasks" if task_ids is not None else ""
             say(f"{len(bench.runs)} runs ({len(bench.schemes)} schemes{tasks} x {len(bench.seeds)} seeds"
                 + (f" x {len(bench.sweep_values)} values of {bench.sweep_key}" if bench.sweep_key else "")
-                + f") of doplus {bench.adapter.command} into {bench.out}")
-            runner.run_all()
+                + f") of doplus {bench.adapter.command} into {bench.out}"
+                + (f", {parallel} at a time" if parallel > 1 else ""))
+            runner.run_all(parallel)
         left = [s for s in grid_states(bench) if s.state != "done"]
         if left:
             say(f"the tables wait for {len(left)} run{'s' if len(left) > 1 else ''} not done ("

@@ -1,6 +1,6 @@
-"""Running the runs: each an ordinary `doplus COMMAND` subprocess, its output appended to its log, one at a time,
-its folder held meanwhile (a run another process holds is left to it); then the starting model's evaluation;
-SIGTERM and Ctrl-C checkpoint the current run and stop the bench."""
+"""Running the runs: each an ordinary `doplus COMMAND` subprocess, its output appended to its log, one at a time
+or `--parallel N` at once, its folder held meanwhile (a run another process holds is left to it); then the
+starting model's evaluation; SIGTERM and Ctrl-C checkpoint the current runs and stop the bench."""
 
 from __future__ import annotations
 
@@ -36,11 +36,11 @@ class Stopped(UserError):
 
 
 class Signals:
-    """While the bench runs, SIGTERM and SIGINT go to the current run (which finishes its step, writes a
+    """While the bench runs, SIGTERM and SIGINT go to the current runs (each finishes its step, writes a
     checkpoint and exits); the bench then stops instead of starting the next run."""
 
     def __init__(self) -> None:
-        self.process: subprocess.Popen | None = None
+        self.processes: set[subprocess.Popen] = set()
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
 
@@ -56,8 +56,9 @@ class Signals:
 
     def _handle(self, number: int, frame) -> None:
         self.received = number
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(number)
+        for process in list(self.processes):
+            if process.poll() is None:
+                process.send_signal(number)
 
 
 def remove_checkpoints(run_folder: Path) -> int | None:
@@ -81,19 +82,66 @@ class Runner:
 
     def __init__(self, bench: Bench, say: Callable[[str], None], num_processes: int | None, fsdp: bool,
                  keep_checkpoints: bool = False) -> None:
-        self.bench, self.say, self.num_processes, self.fsdp = bench, say, num_processes, fsdp
+        self.bench, self._print, self.num_processes, self.fsdp = bench, say, num_processes, fsdp
         self.keep_checkpoints = keep_checkpoints
         self.signals = Signals()
+        self._worker = threading.local()  # a --parallel worker's additions to its runs' environment
+        self._lock = threading.Lock()
 
-    def run_all(self) -> list[str]:
-        """Every run in order; the names of those left to another process that holds them (a job array's
-        worker)."""
+    def say(self, line: str) -> None:
+        with self._lock:  # one line at a time from the --parallel workers
+            self._print(line)
+
+    def run_all(self, parallel: int = 1) -> list[str]:
+        """Every run in order, `parallel` at a time; the names of those left to another process that holds them
+        (a job array's worker)."""
+        if parallel > 1:
+            return self._run_parallel(parallel)
         elsewhere = []
         with self.signals:
             total = len(self.bench.runs)
             for number, run in enumerate(self.bench.runs, start=1):
                 if not self.run_held(run, f"[{number}/{total}] {run.name}"):
                     elsewhere.append(run.name)
+        return elsewhere
+
+    def _run_parallel(self, parallel: int) -> list[str]:
+        """`run_all` with `parallel` workers (threads), each running one run at a time, in the grid's order, with
+        its share of the machine (`worker_environments`). A run that fails or a signal stops the start of new runs;
+        the runs under way finish (or, on a signal, checkpoint), then the first failure is raised."""
+        total = len(self.bench.runs)
+        queue = list(enumerate(self.bench.runs, start=1))
+        elsewhere: list[str] = []
+        failures: list[BaseException] = []
+
+        def work(environment: dict[str, str]) -> None:
+            self._worker.environment = environment
+            while True:
+                with self._lock:
+                    if not queue or failures or self.signals.received:
+                        return
+                    number, run = queue.pop(0)
+                try:
+                    if not self.run_held(run, f"[{number}/{total}] {run.name}"):
+                        with self._lock:
+                            elsewhere.append(run.name)
+                except BaseException as error:  # noqa: BLE001 -- raised again by the main thread below
+                    with self._lock:
+                        failures.append(error)
+                    return
+
+        with self.signals:
+            workers = [threading.Thread(target=work, args=(environment,), daemon=True)
+                       for environment in worker_environments(parallel)]
+            for worker in workers:
+                worker.start()
+            while any(worker.is_alive() for worker in workers):  # a timed join: signals reach the main thread
+                for worker in workers:
+                    worker.join(timeout=0.2)
+        if self.signals.received:
+            raise Stopped(self.signals.received, None)
+        if failures:
+            raise failures[0]
         return elsewhere
 
     def run_index(self, index: int) -> None:
@@ -218,13 +266,16 @@ class Runner:
             offset = log.tell()  # where this attempt's output starts
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {what}: {shlex.join(command)}\n")
             log.flush()
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
-            self.signals.process = process
+            environment = getattr(self._worker, "environment", {})
+            with self._lock:
+                process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                           env={**os.environ, **environment, "PYTHONUNBUFFERED": "1"})
+                self.signals.processes.add(process)
             try:
                 code = process.wait()
             finally:
-                self.signals.process = None
+                with self._lock:
+                    self.signals.processes.discard(process)
         if self.signals.received:
             raise Stopped(self.signals.received, what)
         if code != 0:
@@ -233,6 +284,36 @@ class Runner:
             raise RunError(f"{what} failed ({how}){': ' + last if last else ''}; see its log {log_path} (finished "
                            "runs are kept: the same command goes on from here)")
         return time.perf_counter() - started
+
+
+def cpu_cores() -> int:
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs a run would see, as CUDA_VISIBLE_DEVICES names them (its own list where it is set)."""
+    given = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if given is not None:
+        return [name.strip() for name in given.split(",") if name.strip()]
+    import torch
+
+    return [str(k) for k in range(torch.cuda.device_count())]
+
+
+def worker_environments(parallel: int) -> list[dict[str, str]]:
+    """What each of `parallel` workers adds to its runs' environment: its share of the CPU cores as torch's
+    threads (OMP_NUM_THREADS and MKL_NUM_THREADS, unless the user set them), and where several GPUs are visible
+    one of them in turn (CUDA_VISIBLE_DEVICES); with one GPU every run shares it."""
+    threads = str(max(1, cpu_cores() // parallel))
+    gpus = visible_gpus()
+    environments = []
+    for k in range(parallel):
+        environment = {name: threads for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if name not in os.environ}
+        if len(gpus) > 1:
+            environment["CUDA_VISIBLE_DEVICES"] = gpus[k % len(gpus)]
+        environments.append(environment)
+    return environments
 
 
 def last_error(log: Path, offset: int) -> str:
