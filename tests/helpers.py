@@ -6,8 +6,10 @@ import contextlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -511,3 +513,25 @@ def documented_commands(page: Path) -> list[tuple[int, str]]:
                     found.append((start + 1, part))
             index += 1
     return found
+
+
+def training(run: Path) -> bool:
+    """Whether the run in `run` has logged a step."""
+    metrics = run / "metrics.jsonl"
+    return metrics.is_file() and metrics.read_text().count("\n") >= 1
+
+
+def sigterm_when(ready, seconds: float = 240) -> threading.Thread:
+    """A started thread that sends SIGTERM to this process once `ready()` holds, as a scheduler would signal a
+    command that runs in it; join it after the command returns."""
+    def watch() -> None:
+        deadline = time.time() + seconds
+        while time.time() < deadline:
+            if ready():
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    return watcher

@@ -10,7 +10,7 @@ import re
 import pytest
 
 import doplus_cli.bench.schemes.running as running
-from tests.helpers import run_cli, write_sets
+from tests.helpers import run_cli, sigterm_when, training, write_sets
 from tests.test_bench_schemes import bench_args, write_recipe
 
 pytestmark = pytest.mark.processes  # the runs are doplus processes
@@ -104,10 +104,7 @@ def test_sigterm_stops_every_run_under_way_with_a_checkpoint_and_the_same_comman
         tiny_llama, tofu_dir, tmp_path, capsys, monkeypatch):
     """The bench hands SIGTERM to both runs it is running; each checkpoints and exits, the bench exits 143, and the
     same command resumes both from their checkpoints."""
-    import os
     import signal
-    import threading
-    import time
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     data = write_sets(tofu_dir, tmp_path, 4, 4)
@@ -117,17 +114,7 @@ def test_sigterm_stops_every_run_under_way_with_a_checkpoint_and_the_same_comman
     arguments = bench_args(recipe, out, "--schemes", "joint,doplus", "--seeds", "0", "--parallel", 2)
     runs = [out / "runs" / name for name in ("joint-s0", "doplus-s0")]
 
-    def signal_once_both_train():  # as a scheduler would: to the bench process
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            if all((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 1
-                   for run in runs):
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-            time.sleep(0.01)
-
-    watcher = threading.Thread(target=signal_once_both_train, daemon=True)
-    watcher.start()
+    watcher = sigterm_when(lambda: all(training(run) for run in runs))  # to the bench, once both runs train
     capsys.readouterr()
     assert run_cli(*arguments) == 128 + signal.SIGTERM
     watcher.join(timeout=60)

@@ -24,7 +24,7 @@ from doplus_cli.commands import align, multitask, unlearn
 from doplus_cli.engine import loop
 from doplus_cli.errors import UserError
 from doplus_cli.evaluation import runner
-from tests.helpers import align_args, run_cli, write_jsonl, write_sets
+from tests.helpers import align_args, run_cli, sigterm_when, training, write_jsonl, write_sets
 
 HOLD = """
 import sys, time
@@ -208,8 +208,6 @@ def test_sigterm_to_a_bench_stops_its_run_with_a_checkpoint_and_the_same_command
                                                                                              tmp_path, capsys):
     """The bench hands the signal to the run it is running, which checkpoints and exits; the bench exits 143 and the
     same command resumes that run from its checkpoint."""
-    import threading
-
     recipe, out = tmp_path / "bench.yaml", tmp_path / "bench"
     recipe.write_text(f"model: {tiny_llama}\nforget: {data / 'forget.jsonl'}\nretain: {data / 'retain.jsonl'}\n"
                       "steps: 40\nbatch_size: 2\nmax_length: 48\nlr: 0.001\nshow_samples: 1\nmax_new_tokens: 4\n"
@@ -217,16 +215,7 @@ def test_sigterm_to_a_bench_stops_its_run_with_a_checkpoint_and_the_same_command
     arguments = ("bench", "schemes", "--recipe", recipe, "--schemes", "doplus", "--seeds", "0", "--out", out)
     run = out / "runs" / "doplus-s0"
 
-    def signal_once_training():  # as a scheduler would: to the bench process, once its run trains
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            if (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 1:
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-            time.sleep(0.01)
-
-    watcher = threading.Thread(target=signal_once_training, daemon=True)
-    watcher.start()
+    watcher = sigterm_when(lambda: training(run))  # to the bench process, once its run trains
     capsys.readouterr()
     assert run_cli(*arguments) == 128 + signal.SIGTERM
     watcher.join(timeout=60)
