@@ -337,6 +337,35 @@ def _remove_if_unused(path: Path) -> None:
         pass  # a file appeared meanwhile: the folder is in use, leave it
 
 
+_HELD_LOCK = threading.Lock()  # a bench's --parallel workers take and let go of run folders from several threads
+
+
+def _held_entries() -> list[str]:
+    return [entry for entry in os.environ.get(HELD_VARIABLE, "").split(os.pathsep) if entry]
+
+
+def _mark_held(entry: str, held: bool) -> None:
+    """Add `entry` (FOLDER=PID) to the folders this process holds, as the processes it starts inherit them, or take
+    it out again, leaving those another thread holds meanwhile."""
+    with _HELD_LOCK:
+        entries = _held_entries()
+        if held:
+            entries.append(entry)
+        elif entry in entries:
+            entries.remove(entry)
+        if entries:
+            os.environ[HELD_VARIABLE] = os.pathsep.join(entries)
+        else:
+            os.environ.pop(HELD_VARIABLE, None)
+
+
+def environment() -> dict[str, str]:
+    """A copy of this process's environment for a process it starts, taken while no other thread changes the
+    folders it holds."""
+    with _HELD_LOCK:
+        return dict(os.environ)
+
+
 def _held_by_launcher(key: str) -> bool:
     entries = dict(entry.rsplit("=", 1) for entry in os.environ.get(HELD_VARIABLE, "").split(os.pathsep)
                    if "=" in entry)
@@ -355,18 +384,18 @@ def _folder_lock(path: Path, key: str, command: str, created: bool) -> Iterator[
     if not acquired:
         raise FolderInUse(f"{path}: another doplus run holds this folder ({holder(path)}); wait for it to end, "
                           "or choose another --out")
-    previous = os.environ.get(HELD_VARIABLE)
+    entry = f"{key}={os.getpid()}"
+    marked = False
     try:
         atomic_write_text(path / HOLDER_NAME, json.dumps(
             {"host": socket.gethostname(), "pid": os.getpid(), "command": command,
              "since": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime())}) + "\n")
-        os.environ[HELD_VARIABLE] = os.pathsep.join(filter(None, (previous, f"{key}={os.getpid()}")))
+        _mark_held(entry, True)
+        marked = True
         yield
     finally:
-        if previous is None:
-            os.environ.pop(HELD_VARIABLE, None)
-        else:
-            os.environ[HELD_VARIABLE] = previous
+        if marked:
+            _mark_held(entry, False)
         (path / HOLDER_NAME).unlink(missing_ok=True)  # still locked: no other run has written its own yet
         if created:
             _remove_if_unused(path)

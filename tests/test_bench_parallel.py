@@ -126,3 +126,39 @@ def test_sigterm_stops_every_run_under_way_with_a_checkpoint_and_the_same_comman
     assert sorted(name for name, what in said if what == "finished") == ["doplus-s0", "joint-s0"]
     for run in runs:
         assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == list(range(1, 41))
+
+
+def test_folders_held_from_two_threads_stay_in_what_their_processes_inherit(tmp_path, monkeypatch):
+    """A --parallel worker holds its run's folder while it starts the run and then its evaluation; the process it
+    starts inherits the hold. Worker A takes folder a, worker B folder b, and A lets go first: b is still in the
+    environment B's next process gets, and once both let go nothing is left."""
+    import os
+    import threading
+
+    from doplus_cli import lifecycle
+
+    monkeypatch.delenv(lifecycle.HELD_VARIABLE, raising=False)
+    a_holds, b_holds, a_done = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def worker_a():
+        with lifecycle.holding(tmp_path / "a", "worker a"):
+            a_holds.set()
+            b_holds.wait(30)
+        a_done.set()
+
+    def worker_b():
+        a_holds.wait(30)
+        with lifecycle.holding(tmp_path / "b", "worker b"):
+            b_holds.set()
+            a_done.wait(30)
+            seen["b"] = os.environ.get(lifecycle.HELD_VARIABLE, "")
+
+    with lifecycle.run_guard():
+        workers = [threading.Thread(target=worker_a), threading.Thread(target=worker_b)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(60)
+    assert seen["b"].split(os.pathsep) == [f"{os.path.realpath(tmp_path / 'b')}={os.getpid()}"]
+    assert lifecycle.HELD_VARIABLE not in os.environ

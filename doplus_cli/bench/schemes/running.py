@@ -22,6 +22,7 @@ from doplus_cli.bench.schemes.planning import Bench, Run, completed_report, star
 from doplus_cli.engine.checkpoint import list_checkpoints
 from doplus_cli.errors import RunError, UserError, writing
 from doplus_cli.lifecycle import FolderInUse, holding, in_use
+from doplus_cli.lifecycle import environment as lifecycle_environment
 from doplus_cli.ownership import RECORD_NAME
 
 
@@ -269,7 +270,7 @@ class Runner:
             environment = getattr(self._worker, "environment", {})
             with self._lock:
                 process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                           env={**os.environ, **environment, "PYTHONUNBUFFERED": "1"})
+                                           env={**lifecycle_environment(), **environment, "PYTHONUNBUFFERED": "1"})
                 self.signals.processes.add(process)
             try:
                 code = process.wait()
