@@ -307,7 +307,7 @@ def bench_schemes(**values: Any) -> None:
             from doplus_cli.bench.schemes.grid import check_run_index
 
             check_run_index(bench, run_index)
-        print(schemes_dry_run(bench, num_processes, fsdp, keep_checkpoints))
+        print(schemes_dry_run(bench, num_processes, fsdp, keep_checkpoints, parallel))
         return
     if list_runs:
         states_wanted = parse_states(indexes) if indexes is not None else None

@@ -10,6 +10,7 @@ import re
 import pytest
 
 import doplus_cli.bench.schemes.running as running
+import doplus_cli.engine.memory_plan as memory_plan
 from tests.helpers import run_cli, sigterm_when, training, write_sets
 from tests.test_bench_schemes import bench_args, write_recipe
 
@@ -31,15 +32,18 @@ def events(err: str) -> list[tuple[str, str]]:
 
 def test_two_runs_at_once_share_the_cores_and_the_tables_follow(recipe, tmp_path, capsys, monkeypatch):
     """2 cores for 2 workers: each run's torch has 1 thread (its report says so; torch alone takes a thread a
-    core); both runs start before either finishes; the tables are written once every run is done."""
+    core); both runs start before either finishes; the tables are written once every run is done. The bench says
+    so when the disk plan takes fewer runs at once than asked for (here no free space at all), and runs them."""
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(running, "cpu_cores", lambda: 2)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(memory_plan, "free_bytes", lambda path: 0)  # the disk plan then takes no run at once
     out = tmp_path / "bench"
     capsys.readouterr()
     assert run_cli(*bench_args(recipe, out, "--schemes", "joint,doplus", "--seeds", "0", "--parallel", 2)) == 0
     err = capsys.readouterr().err
+    assert "warning: --parallel 2 asks for more runs at once than the disk plan takes (0)" in err  # and they ran
     assert "2 runs (2 schemes x 1 seeds) of doplus unlearn into" in err and ", 2 at a time" in err
     said = events(err)
     starts = [said.index((name, "started")) for name in ("joint-s0", "doplus-s0")]

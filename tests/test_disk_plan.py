@@ -132,7 +132,7 @@ def test_the_bench_dry_run_says_how_many_runs_fit_at_once(tiny_llama, tofu_dir, 
     """4 steps: the bench saves every step with --keep-last 1, so a DualOptim+ run holds 2 checkpoints of 28 bytes
     a parameter at once (weights 4, states 24) and an Alternate run 2 of 12; each keeps final/ (4 bytes a
     parameter). The free space is set: the final models of the 4 runs and room for 2.5 DualOptim+ runs' checkpoints
-    give 2 runs at once; less than the final models give none."""
+    give 2 runs at once, fewer than --parallel 3 asks for; less than the final models give none."""
     import doplus_cli.engine.memory_plan as memory_plan
 
     recipe = tmp_path / "bench.yaml"
@@ -142,12 +142,14 @@ def test_the_bench_dry_run_says_how_many_runs_fit_at_once(tiny_llama, tofu_dir, 
         "eval_split": "forget01", "precision": "fp32", "dtype": "float32"}))
     n = parameters(tiny_llama)
     finals, training = 4 * 4 * n, 2 * 28 * n
-    for free, words in ((finals + 2.5 * training, "2 runs at once fit (--run-index workers)"),
+    for free, words in ((finals + 2.5 * training, "2 runs at once fit (--parallel, --run-index workers)\n"
+                                                  "--parallel 3 asks for more runs at once than the disk plan takes "
+                                                  "(2)"),
                         (finals - 1, "not even one run at a time fits")):
         monkeypatch.setattr(memory_plan, "free_bytes", lambda path, free=free: int(free))
         capsys.readouterr()
         code = run_cli("bench", "schemes", "--recipe", recipe, "--schemes", "alternate,doplus", "--task-ids", "1,2",
-                       "--seeds", "0", "--out", tmp_path / "bench", "--dry-run")
+                       "--seeds", "0", "--out", tmp_path / "bench", "--dry-run", "--parallel", 3)
         printed = capsys.readouterr().out
         assert code == 0
         assert (f"alternate {size(2 * 12 * n)}, doplus {size(training)}" in printed

@@ -123,6 +123,8 @@ def run_schemes_bench(recipe: str, schemes: str, seeds: str, out: str | None, se
         if run_index is not None:
             runner.run_index(run_index)
         else:
+            if parallel > 1 and (warning := parallel_words(parallel, planned_disk(bench, keep_checkpoints)[1])):
+                say(f"warning: {warning}")
             tasks = f" x {len(bench.task_ids)} forget tasks" if task_ids is not None else ""
             say(f"{len(bench.runs)} runs ({len(bench.schemes)} schemes{tasks} x {len(bench.seeds)} seeds"
                 + (f" x {len(bench.sweep_values)} values of {bench.sweep_key}" if bench.sweep_key else "")
@@ -174,7 +176,8 @@ def planned_steps_words(bench: Bench, task: int | None) -> str:
     return "steps a run: " + ", ".join(f"{label} {count}" for label, count in steps.items())
 
 
-def schemes_dry_run(bench: Bench, num_processes: int | None, fsdp: bool, keep_checkpoints: bool = False) -> str:
+def schemes_dry_run(bench: Bench, num_processes: int | None, fsdp: bool, keep_checkpoints: bool = False,
+                    parallel: int = 1) -> str:
     """`bench schemes --dry-run`: the bench's own checks (made by `plan`), its folder's, and what its runs would
     check before their model loads, once per forget task (the data, the fields the loss and the evaluation need)
     and once for the model; then the grid, as text. Nothing run or written."""
@@ -207,16 +210,18 @@ def schemes_dry_run(bench: Bench, num_processes: int | None, fsdp: bool, keep_ch
         label = "data" if task is None else f"data of forget task {task}"
         lines.append(f"{label}: checked ({planned_steps_words(bench, task)})")
     if readable:
-        lines.append(disk_words(bench, states, model, keep_checkpoints))
+        words, workers = disk_words(bench, states, model, keep_checkpoints)
+        lines += [words] + [line for line in [parallel_words(parallel, workers)] if line]
     else:
         lines.append("disk plan: not worked out (it needs the model's config.json, which is not here)")
     return "\n".join(lines)
 
 
-def disk_words(bench: Bench, states: list[RunState], model: str | None, keep_checkpoints: bool) -> str:
-    """The grid's disk plan: what one run of each scheme holds at most while it trains (its checkpoints, which it
-    removes when it ends unless --keep-checkpoints), the final models of the runs not done yet, and how many runs
-    at once (--run-index workers) the free space where OUT is takes beside them."""
+def disk_words(bench: Bench, states: list[RunState], model: str | None, keep_checkpoints: bool
+               ) -> tuple[str, int | None]:
+    """The grid's disk plan, in words, and how many runs at once the free space where OUT is takes (None: any
+    number): what one run of each scheme holds at most while it trains (its checkpoints, which it removes when it
+    ends unless --keep-checkpoints), beside the final models of the runs not done yet."""
     from doplus_cli.commands import command_named
     from doplus_cli.engine.memory_plan import build_plan, bytes_text, disk_plan, free_bytes, model_plan, visible_gpu_gib
 
@@ -240,16 +245,39 @@ def disk_words(bench: Bench, states: list[RunState], model: str | None, keep_che
     holds = ", ".join(f"{label} {bytes_text(d.held * d.checkpoint)}" for label, d in disks.items())
     kept = "keeps its final/ and its checkpoints (--keep-checkpoints)" if keep_checkpoints else \
         "keeps its final/ and removes its checkpoints when it ends"
+    workers = None
     if training == 0:
-        fit = "fits" if finals <= free else "does not fit"
-        at_once = f"{fit}, with any number of runs at once"
+        at_once = f"{'fits' if finals <= free else 'does not fit'}, with any number of runs at once"
+        workers = None if finals <= free else 0
     else:
         workers = int((free - finals) // training) if free > finals else 0
-        at_once = (f"{workers} runs at once fit (--run-index workers)" if workers > 1 else
+        at_once = (f"{workers} runs at once fit (--parallel, --run-index workers)" if workers > 1 else
                    "1 run at a time fits" if workers == 1 else "not even one run at a time fits")
     return (f"disk plan (an estimate): a run {kept}; while it trains its checkpoints take at most: {holds}; "
             f"the {len(left)} runs not done keep {bytes_text(finals)}; {bytes_text(free)} free where {bench.out} "
-            f"is: {at_once}")
+            f"is: {at_once}"), workers
+
+
+def parallel_words(parallel: int, workers: int | None) -> str | None:
+    """What the disk plan says of --parallel N, when it takes fewer runs at once (None when N fits)."""
+    if parallel <= 1 or workers is None or workers >= parallel:
+        return None
+    return (f"--parallel {parallel} asks for more runs at once than the disk plan takes ({workers}): a run that "
+            "finds the disk full stops, is listed as failed, and the same command continues it; --set save_every=0 "
+            "or fewer at once leaves room")
+
+
+def planned_disk(bench: Bench, keep_checkpoints: bool) -> tuple[str, int | None]:
+    """`disk_words` for the bench's model (a teaching stage's base model: the same architecture), or a line
+    saying it cannot be worked out (a hub id offline)."""
+    from doplus_cli.engine.teach import teaching_plan
+    from doplus_cli.models import check_model
+
+    config = bench.runs[0].config
+    model = teaching_plan(config, lambda teach: None)[1] if config.teach else config.model
+    if not check_model(model)[1]:
+        return "disk plan: not worked out (it needs the model's config.json, which is not here)", None
+    return disk_words(bench, list_grid(bench), model, keep_checkpoints)
 
 
 def list_grid(bench: Bench) -> list[RunState]:
