@@ -367,8 +367,7 @@ def environment() -> dict[str, str]:
 
 
 def _held_by_launcher(key: str) -> bool:
-    entries = dict(entry.rsplit("=", 1) for entry in os.environ.get(HELD_VARIABLE, "").split(os.pathsep)
-                   if "=" in entry)
+    entries = dict(entry.rsplit("=", 1) for entry in _held_entries() if "=" in entry)
     return key in entries and entries[key] != str(os.getpid())
 
 

@@ -234,3 +234,25 @@ def test_on_several_processes_the_main_processs_clock_decides(monkeypatch):
     assert loop._save_due(two, config, 5, saved_at=90.0) is True and sent == [[False]]
     assert loop._save_due(two, SimpleNamespace(save_every=5, save_minutes=1), 5, saved_at=90.0) is True
     assert len(sent) == 1  # a step cadence needs no clock, and no broadcast
+
+
+def test_the_grid_disk_plan_works_out_the_embedded_model(tofu_dir, tmp_path, capsys):
+    """A recipe without `model` trains the embedded SmolLM2-135M-Instruct (no model name: None): its architecture
+    is read from the GGUF's metadata, so the disk plan is worked out, at the bench's start as in its dry run. Its
+    134,515,008 parameters (the tied table once) in float32 make a final/ of 538,060,032 bytes."""
+    from doplus_cli.bench.schemes import list_grid, plan, planned_disk, starting_architecture
+
+    recipe = tmp_path / "bench.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "forget": str(tofu_dir / "forget01.json"), "retain": "tofu-authors", "loss": "NPO+GD", "steps": 4,
+        "eval_every": 2, "eval_suite": "tofu", "eval_data_dir": str(tofu_dir), "eval_split": "forget01",
+        "precision": "fp32", "dtype": "float32"}))
+    capsys.readouterr()
+    assert run_cli("bench", "schemes", "--recipe", recipe, "--schemes", "joint", "--task-ids", "1", "--seeds", "0",
+                   "--out", tmp_path / "bench", "--dry-run") == 0
+    assert f"the 1 runs not done keep {538_060_032 / 2 ** 20:.2f} MiB" in capsys.readouterr().out
+    bench = plan(str(recipe), "joint", "0", str(tmp_path / "bench"), [], None, False, "1")
+    model, readable = starting_architecture(bench)
+    assert (model, readable) == (None, True)
+    words, workers = planned_disk(bench, list_grid(bench), model, readable, False)
+    assert "not worked out" not in words and workers is not None and workers >= 0

@@ -50,6 +50,7 @@ from doplus_cli.bench.schemes.planning import (
     DEFAULT_SEEDS,
     TUNE_FOLDER,
     Bench,
+    Run,
     check_out,
     plain,
     plan_bench,
@@ -123,8 +124,10 @@ def run_schemes_bench(recipe: str, schemes: str, seeds: str, out: str | None, se
         if run_index is not None:
             runner.run_index(run_index)
         else:
-            if parallel > 1 and (warning := parallel_words(parallel, planned_disk(bench, keep_checkpoints)[1])):
-                say(f"warning: {warning}")
+            if parallel > 1:
+                _, workers = planned_disk(bench, grid_states(bench), *starting_architecture(bench), keep_checkpoints)
+                if warning := parallel_words(parallel, workers):
+                    say(f"warning: {warning}")
             tasks = f" x {len(bench.task_ids)} forget tasks" if task_ids is not None else ""
             say(f"{len(bench.runs)} runs ({len(bench.schemes)} schemes{tasks} x {len(bench.seeds)} seeds"
                 + (f" x {len(bench.sweep_values)} values of {bench.sweep_key}" if bench.sweep_key else "")
@@ -163,12 +166,17 @@ def tune_folder(out: str | None, recipe: str, scheme: str) -> Path:
     return Path(out or default_out(recipe)).expanduser().resolve() / TUNE_FOLDER / scheme
 
 
+def scheme_label(bench: Bench, run: Run) -> str:
+    """The scheme a run stands for in the dry run's lines: its scheme, with its sweep value under --sweep."""
+    return run.scheme if run.sweep_value is None else f"{run.scheme} at {bench.sweep_key}={run.sweep_value}"
+
+
 def planned_steps_words(bench: Bench, task: int | None) -> str:
     """The steps each run of forget task `task` will take, as the adapter tells them before the runs (align's
     --epochs count the steps from the data, and Joint steps on both sets at once): one number when they agree."""
     steps: dict[str, int] = {}
     for run in bench.runs:
-        label = run.scheme if run.sweep_value is None else f"{run.scheme} at {bench.sweep_key}={run.sweep_value}"
+        label = scheme_label(bench, run)
         if run.task_id == task and label not in steps:  # once a scheme (align opens the data to count them)
             steps[label] = bench.adapter.planned_steps(run.config)
     if len(set(steps.values())) == 1:
@@ -209,11 +217,8 @@ def schemes_dry_run(bench: Bench, num_processes: int | None, fsdp: bool, keep_ch
         plan.open()
         label = "data" if task is None else f"data of forget task {task}"
         lines.append(f"{label}: checked ({planned_steps_words(bench, task)})")
-    if readable:
-        words, workers = disk_words(bench, states, model, keep_checkpoints)
-        lines += [words] + [line for line in [parallel_words(parallel, workers)] if line]
-    else:
-        lines.append("disk plan: not worked out (it needs the model's config.json, which is not here)")
+    words, workers = planned_disk(bench, states, model, readable, keep_checkpoints)
+    lines += [words] + [line for line in [parallel_words(parallel, workers)] if line]
     return "\n".join(lines)
 
 
@@ -228,8 +233,7 @@ def disk_words(bench: Bench, states: list[RunState], model: str | None, keep_che
     cuda = visible_gpu_gib() is not None
     disks, label_of = {}, {}
     for run in bench.runs:
-        label = run.scheme if run.sweep_value is None else f"{run.scheme} at {bench.sweep_key}={run.sweep_value}"
-        label_of[run.name] = label
+        label = label_of[run.name] = scheme_label(bench, run)
         if label not in disks:
             config = run.config if model == run.config.model else run.config.replace(model=model)
             plan = command_named(bench.adapter.command).bound(config)
@@ -245,7 +249,6 @@ def disk_words(bench: Bench, states: list[RunState], model: str | None, keep_che
     holds = ", ".join(f"{label} {bytes_text(d.held * d.checkpoint)}" for label, d in disks.items())
     kept = "keeps its final/ and its checkpoints (--keep-checkpoints)" if keep_checkpoints else \
         "keeps its final/ and removes its checkpoints when it ends"
-    workers = None
     if training == 0:
         at_once = f"{'fits' if finals <= free else 'does not fit'}, with any number of runs at once"
         workers = None if finals <= free else 0
@@ -267,17 +270,23 @@ def parallel_words(parallel: int, workers: int | None) -> str | None:
             "or fewer at once leaves room")
 
 
-def planned_disk(bench: Bench, keep_checkpoints: bool) -> tuple[str, int | None]:
-    """`disk_words` for the bench's model (a teaching stage's base model: the same architecture), or a line
-    saying it cannot be worked out (a hub id offline)."""
+def starting_architecture(bench: Bench) -> tuple[str | None, bool]:
+    """(the model whose architecture the runs train: a teaching stage's base model, None for the embedded one;
+    whether its config.json is at hand, which a hub id offline is not)."""
     from doplus_cli.engine.teach import teaching_plan
     from doplus_cli.models import check_model
 
     config = bench.runs[0].config
     model = teaching_plan(config, lambda teach: None)[1] if config.teach else config.model
-    if not check_model(model)[1]:
+    return model, check_model(model)[1]
+
+
+def planned_disk(bench: Bench, states: list[RunState], model: str | None, readable: bool, keep_checkpoints: bool
+                 ) -> tuple[str, int | None]:
+    """`disk_words` for `model` (`starting_architecture`), or a line saying it cannot be worked out."""
+    if not readable:
         return "disk plan: not worked out (it needs the model's config.json, which is not here)", None
-    return disk_words(bench, list_grid(bench), model, keep_checkpoints)
+    return disk_words(bench, states, model, keep_checkpoints)
 
 
 def list_grid(bench: Bench) -> list[RunState]:
