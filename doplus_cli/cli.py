@@ -168,8 +168,8 @@ BENCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "bench precision": {"out": "bench/precision", "steps": 20, "lr": 1e-5,
                         "modes": "fp32,bf16-mixed,bf16,bf16-uncompensated", "json": False},
     "bench schemes": {"recipe": ..., "schemes": DEFAULT_SCHEMES, "seeds": DEFAULT_SEEDS, "log_update_similarity": False,
-                      "fsdp": False, "keep_checkpoints": False, "summarize_from": "final", "list_runs": False,
-                      "json": False, "summarize": False, "parallel": 1, "tune_trials": 12},
+                      "fsdp": False, "keep_checkpoints": False, "remove_final": False, "summarize_from": "final",
+                      "list_runs": False, "json": False, "summarize": False, "parallel": 1, "tune_trials": 12},
     "tune": {"recipe": ..., "space": ..., "objective": ..., "trials": 20, "pruner": "median", "seed": 0},
 }
 
@@ -260,8 +260,8 @@ def bench_schemes(**values: Any) -> None:
     )
 
     (recipe, schemes, seeds, task_ids, out, set_options, sweep, log_update_similarity, num_processes, fsdp,
-     keep_checkpoints, summarize_from, list_runs, as_json, indexes, run_index, summarize, parallel, tune_space,
-     tune_trials, tune_objective, tune_constraint, tune_task, dry_run) = (
+     keep_checkpoints, remove_final, summarize_from, list_runs, as_json, indexes, run_index, summarize, parallel,
+     tune_space, tune_trials, tune_objective, tune_constraint, tune_task, dry_run) = (
         values[name] for name in options.COMMAND_OPTIONS["bench schemes"])
     tuned = None
     if tune_space:
@@ -307,7 +307,7 @@ def bench_schemes(**values: Any) -> None:
             from doplus_cli.bench.schemes.grid import check_run_index
 
             check_run_index(bench, run_index)
-        print(schemes_dry_run(bench, num_processes, fsdp, keep_checkpoints, parallel))
+        print(schemes_dry_run(bench, num_processes, fsdp, keep_checkpoints, parallel, remove_final))
         return
     if list_runs:
         states_wanted = parse_states(indexes) if indexes is not None else None
@@ -330,7 +330,8 @@ def bench_schemes(**values: Any) -> None:
                                     log_update_similarity, num_processes, fsdp,
                                     say=lambda line: err_console.print(Text(line)), task_ids=task_ids,
                                     keep_checkpoints=keep_checkpoints, summarize_from=summarize_from,
-                                    run_index=run_index, summarize=summarize, tuned=tuned, parallel=parallel)
+                                    run_index=run_index, summarize=summarize, tuned=tuned, parallel=parallel,
+                                    remove_final=remove_final)
     if summary is not None:
         print_summary(summary, console)
 

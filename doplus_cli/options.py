@@ -147,6 +147,9 @@ TABLE: tuple[Option, ...] = (
     Option("--sweep", str, "KEY=V1,V2,...: run every scheme and seed at each value.", panel=COMPARE),
     Option("--keep-checkpoints", bool, "Keep each run's checkpoints once it is evaluated (by default they are "
            "removed, so the bench needs the disk of one run's checkpoints plus every run's final/).", panel=RUNS),
+    Option("--remove-final", bool, "Remove each run's final/ once it is evaluated (the tables read its evaluation), "
+           "so that a sweep whose models would not fit together runs in the disk of one run's checkpoints.",
+           panel=RUNS),
     Option("--summarize-from", str, "Score each run by its final model, or by its best step (best: the runs "
            "evaluate during training and keep their best step, --set select_by=METRIC --set eval_every=N).",
            panel=RUNS, choices=("final", "best")),
@@ -214,8 +217,8 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "bench precision": ("recipe", "model", "out", "steps", "lr", "modes", "json", "dry_run"),
     "bench schemes": (
         "recipe", "schemes", "seeds", "task_ids", "out", "set", "sweep", "log_update_similarity", "num_processes",
-        "fsdp", "keep_checkpoints", "summarize_from", "list_runs", "json", "indexes", "run_index", "summarize",
-        "parallel", "tune", "tune_trials", "tune_objective", "tune_constraint", "tune_task", "dry_run",
+        "fsdp", "keep_checkpoints", "remove_final", "summarize_from", "list_runs", "json", "indexes", "run_index",
+        "summarize", "parallel", "tune", "tune_trials", "tune_objective", "tune_constraint", "tune_task", "dry_run",
     ),
     "tune": ("recipe", "space", "objective", "constraint", "trials", "out", "set", "pruner", "storage", "seed",
              "dry_run"),

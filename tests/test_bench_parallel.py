@@ -51,13 +51,19 @@ def test_two_runs_at_once_share_the_cores_and_the_tables_follow(recipe, tmp_path
     assert max(starts) < min(finishes), said
     for name in ("joint-s0", "doplus-s0"):
         report = json.loads((out / "runs" / name / "report.json").read_text())
-        assert report["status"] == "completed" and report["environment"]["device"].endswith(", 1 threads)")
+        assert report["status"] == "completed" and report["environment"]["device"].endswith(", 1 thread)")
     summary = json.loads((out / "SCHEMES.json").read_text())
     assert [row["scheme"] for row in summary["rows"]] == ["joint", "doplus"]
 
-    # the same command again: every run is done and skipped
-    assert run_cli(*bench_args(recipe, out, "--schemes", "joint,doplus", "--seeds", "0", "--parallel", 2)) == 0
-    assert sorted(events(capsys.readouterr().err)) == [("doplus-s0", "skipped"), ("joint-s0", "skipped")]
+    # the same command again: every run is done and skipped; with --remove-final the skipped runs' final/ go
+    assert all((out / "runs" / name / "final").is_dir() for name in ("joint-s0", "doplus-s0"))
+    assert run_cli(*bench_args(recipe, out, "--schemes", "joint,doplus", "--seeds", "0", "--parallel", 2,
+                               "--remove-final")) == 0
+    err = capsys.readouterr().err
+    assert sorted(events(err)) == [("doplus-s0", "skipped"), ("joint-s0", "skipped")]
+    assert err.count("removed its final model (") == 2
+    assert not any((out / "runs" / name / "final").exists() for name in ("joint-s0", "doplus-s0"))
+    assert json.loads((out / "SCHEMES.json").read_text())["rows"] == summary["rows"]  # the tables read no model
 
 
 def test_a_failed_run_stops_new_ones_and_the_others_finish(recipe, tmp_path, capsys, monkeypatch):

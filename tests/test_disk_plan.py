@@ -4,6 +4,8 @@ runs that fit at once (against byte counts worked out here from the model's para
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import yaml
@@ -156,6 +158,51 @@ def test_the_bench_dry_run_says_how_many_runs_fit_at_once(tiny_llama, tofu_dir, 
                 and f"the 4 runs not done keep {size(finals)}" in printed and words in printed), printed
 
 
+def test_remove_final_frees_the_final_models_and_the_plan_counts_none(tiny_llama, data, tofu_dir, tmp_path, capsys,
+                                                                       monkeypatch):
+    """Where the final models of a sweep do not fit, the dry run says how many runs at once --remove-final lets
+    through, and with it counts no final model. A run of the bench with it removes its final/ once evaluated, says
+    how many bytes went, and the same command skips it (done: its evaluation is what the tables read). Only what
+    a run's record lists is removed: a final/ that no record names stays."""
+    import doplus_cli.engine.memory_plan as memory_plan
+    from doplus_cli.bench.schemes.running import remove_output
+    from tests.test_bench_schemes import bench_args, write_recipe
+
+    recipe = write_recipe(tmp_path / "recipe", tiny_llama, data, tofu_dir, steps=4, eval_suite="answers",
+                          show_samples=2, eval_data_dir=None, eval_max_samples=None, eval_max_new_tokens=None,
+                          save_every=2, precision="fp32", dtype="float32")
+    n = parameters(tiny_llama)
+    finals, training = 3 * 4 * n, 12 * n  # 3 Joint runs of the lr sweep; one checkpoint (step 2) of weights and AdamW
+    monkeypatch.setattr(memory_plan, "free_bytes", lambda path: finals - 1 + training)
+    out = tmp_path / "bench"
+    arguments = bench_args(recipe, out, "--schemes", "joint", "--seeds", "0", "--sweep", "lr=1e-3,2e-3,4e-3")
+    for flag, words in (([], "not even one run at a time fits while every final/ is kept; with --remove-final (each "
+                               "run's final/ goes once it is evaluated) 1 at once"),
+                        (["--remove-final"], "a run removes its final/ once it is evaluated (--remove-final) and "
+                                             "removes its checkpoints when it ends")):
+        capsys.readouterr()
+        assert run_cli(*arguments, *flag, "--dry-run") == 0
+        printed = capsys.readouterr().out
+        assert words in printed and f"checkpoints take at most: joint {size(training)};" in printed, printed
+    assert "the 3 runs not done keep no model once evaluated" in printed and "1 run at a time fits" in printed
+
+    arguments = bench_args(recipe, out, "--schemes", "joint", "--seeds", "0")
+    capsys.readouterr()
+    assert run_cli(*arguments, "--remove-final") == 0
+    err = capsys.readouterr().err
+    run = out / "runs" / "joint-s0"
+    assert "joint-s0: removed its final model (" in err and not (run / "final").exists()
+    assert "final" in json.loads((run / ".doplus-run.json").read_text())["entries"]
+    assert run_cli(*arguments) == 0
+    assert "joint-s0: skipped: finished and evaluated" in capsys.readouterr().err
+    assert json.loads((out / "SCHEMES.json").read_text())["rows"][0]["scheme"] == "joint"
+
+    stranger = tmp_path / "not-a-run"
+    (stranger / "final").mkdir(parents=True)
+    (stranger / "final" / "weights.bin").write_bytes(b"mine")
+    assert remove_output(stranger, "final") is None and (stranger / "final" / "weights.bin").read_bytes() == b"mine"
+
+
 @pytest.mark.parametrize(("minutes_a_call", "saved"), [(61, ["step-1", "step-2", "step-3"]), (1, [])])
 def test_save_minutes_checkpoints_by_the_clock(tiny_llama, data, tmp_path, monkeypatch, minutes_a_call, saved):
     """--save-minutes 1 with a clock that moves 61 s (or 1 s) at each reading: a checkpoint after every step before
@@ -250,7 +297,7 @@ def test_the_grid_disk_plan_works_out_the_embedded_model(tofu_dir, tmp_path, cap
     capsys.readouterr()
     assert run_cli("bench", "schemes", "--recipe", recipe, "--schemes", "joint", "--task-ids", "1", "--seeds", "0",
                    "--out", tmp_path / "bench", "--dry-run") == 0
-    assert f"the 1 runs not done keep {538_060_032 / 2 ** 20:.2f} MiB" in capsys.readouterr().out
+    assert f"the 1 run not done keeps {538_060_032 / 2 ** 20:.2f} MiB" in capsys.readouterr().out
     bench = plan(str(recipe), "joint", "0", str(tmp_path / "bench"), [], None, False, "1")
     model, readable = starting_architecture(bench)
     assert (model, readable) == (None, True)

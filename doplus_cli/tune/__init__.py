@@ -39,7 +39,7 @@ from typing import Any
 
 from doplus_cli.bench.adapters import BenchAdapter, adapter_of
 from doplus_cli.bench.schemes.planning import absolute_paths, config_of, differences, plain, split_pair
-from doplus_cli.bench.schemes.running import Signals, Stopped, remove_checkpoints
+from doplus_cli.bench.schemes.running import Signals, Stopped, remove_output
 from doplus_cli.config import (
     EXCLUSIVE_OPTIONS,
     TrainConfig,
@@ -324,7 +324,7 @@ class Worker:
                   + (f" (again: trial {trial_name(retry)} was interrupted)" if retry is not None else "")
                   + f" (log: {log})")
         error = self.run_and_tell(trial, name, values, log)
-        size = remove_checkpoints(self.tune.out / "trials" / name)  # an ended trial never resumes from one
+        size = remove_output(self.tune.out / "trials" / name, "checkpoints")  # an ended trial never resumes from one
         if size is not None:
             self._say(name, f"removed its checkpoints ({size / 1e9:.2f} GB)")
         return error

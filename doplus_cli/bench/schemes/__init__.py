@@ -104,7 +104,7 @@ def run_schemes_bench(recipe: str, schemes: str, seeds: str, out: str | None, se
                       say: Callable[[str], None], task_ids: str | None = None,
                       keep_checkpoints: bool = False, summarize_from: str = "final", run_index: int | None = None,
                       summarize: bool = False, tuned: tuple[dict[str, dict[str, Any]], str] | None = None,
-                      parallel: int = 1) -> dict[str, Any] | None:
+                      parallel: int = 1, remove_final: bool = False) -> dict[str, Any] | None:
     """Plan and check everything, run what is missing (every run, `parallel` at a time, or run `run_index` alone),
     then write the tables and figures when every run is done (or `summarize`: from those that are); return
     SCHEMES.json, or None when the tables wait for runs still to be done."""
@@ -112,7 +112,7 @@ def run_schemes_bench(recipe: str, schemes: str, seeds: str, out: str | None, se
                  tuned)
     if run_index is not None:
         check_run_index(bench, run_index)
-    runner = Runner(bench, say, num_processes, fsdp, keep_checkpoints)
+    runner = Runner(bench, say, num_processes, fsdp, keep_checkpoints, remove_final)
     with run_guard():  # a signal from the start stops it (bench/schemes/running.py)
         if run_index is None and not summarize:  # one sequential bench per folder; workers hold only their runs
             hold(bench.out, "doplus bench schemes")
@@ -125,7 +125,8 @@ def run_schemes_bench(recipe: str, schemes: str, seeds: str, out: str | None, se
             runner.run_index(run_index)
         else:
             if parallel > 1:
-                _, workers = planned_disk(bench, grid_states(bench), *starting_architecture(bench), keep_checkpoints)
+                _, workers = planned_disk(bench, grid_states(bench), *starting_architecture(bench), keep_checkpoints,
+                                          remove_final)
                 if warning := parallel_words(parallel, workers):
                     say(f"warning: {warning}")
             tasks = f" x {len(bench.task_ids)} forget tasks" if task_ids is not None else ""
@@ -185,7 +186,7 @@ def planned_steps_words(bench: Bench, task: int | None) -> str:
 
 
 def schemes_dry_run(bench: Bench, num_processes: int | None, fsdp: bool, keep_checkpoints: bool = False,
-                    parallel: int = 1) -> str:
+                    parallel: int = 1, remove_final: bool = False) -> str:
     """`bench schemes --dry-run`: the bench's own checks (made by `plan`), its folder's, and what its runs would
     check before their model loads, once per forget task (the data, the fields the loss and the evaluation need)
     and once for the model; then the grid, as text. Nothing run or written."""
@@ -217,16 +218,17 @@ def schemes_dry_run(bench: Bench, num_processes: int | None, fsdp: bool, keep_ch
         plan.open()
         label = "data" if task is None else f"data of forget task {task}"
         lines.append(f"{label}: checked ({planned_steps_words(bench, task)})")
-    words, workers = planned_disk(bench, states, model, readable, keep_checkpoints)
+    words, workers = planned_disk(bench, states, model, readable, keep_checkpoints, remove_final)
     lines += [words] + [line for line in [parallel_words(parallel, workers)] if line]
     return "\n".join(lines)
 
 
-def disk_words(bench: Bench, states: list[RunState], model: str | None, keep_checkpoints: bool
-               ) -> tuple[str, int | None]:
+def disk_words(bench: Bench, states: list[RunState], model: str | None, keep_checkpoints: bool,
+               remove_final: bool = False) -> tuple[str, int | None]:
     """The grid's disk plan, in words, and how many runs at once the free space where OUT is takes (None: any
     number): what one run of each scheme holds at most while it trains (its checkpoints, which it removes when it
-    ends unless --keep-checkpoints), beside the final models of the runs not done yet."""
+    ends unless --keep-checkpoints), beside the final models of the runs not done yet (none with --remove-final:
+    each run removes its own once it is evaluated)."""
     from doplus_cli.commands import command_named
     from doplus_cli.engine.memory_plan import build_plan, bytes_text, disk_plan, free_bytes, model_plan, visible_gpu_gib
 
@@ -240,15 +242,23 @@ def disk_words(bench: Bench, states: list[RunState], model: str | None, keep_che
             disks[label] = disk_plan(config, build_plan(config, model_plan(config, plan), plan, cuda),
                                      bench.adapter.planned_steps(run.config))
     left = [s for s in states if s.state != "done"]
-    finals = sum(disks[label_of[s.run.name]].final for s in left)
+    finals = 0 if remove_final else sum(disks[label_of[s.run.name]].final for s in left)
     training = max(d.held * d.checkpoint for d in disks.values())
     if keep_checkpoints:  # each run leaves its newest --keep-last checkpoints (every one without it)
         finals += sum(disks[label_of[s.run.name]].checkpoint * disks[label_of[s.run.name]].kept for s in left)
     free = free_bytes(bench.out)
 
-    holds = ", ".join(f"{label} {bytes_text(d.held * d.checkpoint)}" for label, d in disks.items())
-    kept = "keeps its final/ and its checkpoints (--keep-checkpoints)" if keep_checkpoints else \
-        "keeps its final/ and removes its checkpoints when it ends"
+    scheme_of = {label_of[run.name]: run.scheme for run in bench.runs}
+    sizes: dict[str, dict[str, int]] = {}  # each scheme's, one entry for its sweep values where they agree
+    for label, d in disks.items():
+        sizes.setdefault(scheme_of[label], {})[label] = d.held * d.checkpoint
+    holds = ", ".join(f"{scheme} {bytes_text(next(iter(by.values())))}" if len(set(by.values())) == 1 else
+                      ", ".join(f"{label} {bytes_text(size)}" for label, size in by.items())
+                      for scheme, by in sizes.items())
+    final = "removes its final/ once it is evaluated (--remove-final)" if remove_final else "keeps its final/"
+    kept = f"{final} and keeps its checkpoints (--keep-checkpoints)" if keep_checkpoints else \
+        f"{final} and removes its checkpoints when it ends"
+    runs_left = f"{len(left)} run{'s' if len(left) != 1 else ''} not done"
     if training == 0:
         at_once = f"{'fits' if finals <= free else 'does not fit'}, with any number of runs at once"
         workers = None if finals <= free else 0
@@ -256,8 +266,13 @@ def disk_words(bench: Bench, states: list[RunState], model: str | None, keep_che
         workers = int((free - finals) // training) if free > finals else 0
         at_once = (f"{workers} runs at once fit (--parallel, --run-index workers)" if workers > 1 else
                    "1 run at a time fits" if workers == 1 else "not even one run at a time fits")
+        if workers == 0 and not remove_final and free >= training:
+            at_once += (f" while every final/ is kept; with --remove-final (each run's final/ goes once it is "
+                        f"evaluated) {int(free // training)} at once")
     return (f"disk plan (an estimate): a run {kept}; while it trains its checkpoints take at most: {holds}; "
-            f"the {len(left)} runs not done keep {bytes_text(finals)}; {bytes_text(free)} free where {bench.out} "
+            f"the {runs_left} keep{'s' if len(left) == 1 else ''} "
+            f"{'no model once evaluated' if remove_final and not finals else bytes_text(finals)}; "
+            f"{bytes_text(free)} free where {bench.out} "
             f"is: {at_once}"), workers
 
 
@@ -281,12 +296,12 @@ def starting_architecture(bench: Bench) -> tuple[str | None, bool]:
     return model, check_model(model)[1]
 
 
-def planned_disk(bench: Bench, states: list[RunState], model: str | None, readable: bool, keep_checkpoints: bool
-                 ) -> tuple[str, int | None]:
+def planned_disk(bench: Bench, states: list[RunState], model: str | None, readable: bool, keep_checkpoints: bool,
+                 remove_final: bool = False) -> tuple[str, int | None]:
     """`disk_words` for `model` (`starting_architecture`), or a line saying it cannot be worked out."""
     if not readable:
         return "disk plan: not worked out (it needs the model's config.json, which is not here)", None
-    return disk_words(bench, states, model, keep_checkpoints)
+    return disk_words(bench, states, model, keep_checkpoints, remove_final)
 
 
 def list_grid(bench: Bench) -> list[RunState]:

@@ -62,15 +62,18 @@ class Signals:
                 process.send_signal(number)
 
 
-def remove_checkpoints(run_folder: Path) -> int | None:
-    """Remove a finished run's `checkpoints/` (the run wrote it: its record lists it); the bytes it held, or None
-    when it has none. The folder is renamed out of sight first: a kill mid-removal leaves nothing that looks like
-    a checkpoint."""
-    folder = run_folder / "checkpoints"
-    if not folder.is_dir():
+def remove_output(run_folder: Path, name: str) -> int | None:
+    """Remove a finished run's `checkpoints/` or `final/`, only where the run's record lists it (the run wrote it);
+    the bytes it held, or None when there is none to remove. The folder is renamed out of sight first: a kill
+    mid-removal leaves nothing under its name that looks whole."""
+    from doplus_cli.ownership import read
+
+    folder = run_folder / name
+    record = read(run_folder)
+    if not folder.is_dir() or record is None or name not in record["entries"]:
         return None
     size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-    aside = run_folder / ".checkpoints.removing"
+    aside = run_folder / f".{name}.removing"
     shutil.rmtree(aside, ignore_errors=True)
     with writing(folder):
         os.replace(folder, aside)
@@ -82,9 +85,9 @@ class Runner:
     """Runs each command as a subprocess with its output appended to the run's log, one at a time."""
 
     def __init__(self, bench: Bench, say: Callable[[str], None], num_processes: int | None, fsdp: bool,
-                 keep_checkpoints: bool = False) -> None:
+                 keep_checkpoints: bool = False, remove_final: bool = False) -> None:
         self.bench, self._print, self.num_processes, self.fsdp = bench, say, num_processes, fsdp
-        self.keep_checkpoints = keep_checkpoints
+        self.keep_checkpoints, self.remove_final = keep_checkpoints, remove_final
         self.signals = Signals()
         self._worker = threading.local()  # a --parallel worker's additions to its runs' environment
         self._lock = threading.Lock()
@@ -205,7 +208,7 @@ class Runner:
         report = completed_report(run.folder)
         if report is not None and kind.evaluation(run.folder, report) is not None:
             self._say(label, "skipped: finished and evaluated")
-            self._remove_checkpoints(run, label)
+            self._tidy(run, label)
             return
         failure_record(run).unlink(missing_ok=True)  # a new attempt: the last one's failure is history
         try:
@@ -221,16 +224,21 @@ class Runner:
         except RunError as error:  # listed as failed (--list-runs) until an attempt starts again
             record_failure(run, str(error))
             raise
-        self._remove_checkpoints(run, label)
+        self._tidy(run, label)
 
-    def _remove_checkpoints(self, run: Run, label: str) -> None:
+    def _tidy(self, run: Run, label: str) -> None:
         """A finished and evaluated run's checkpoints go (only an unfinished run resumes from one), so the disk a
-        bench needs stays about one run's checkpoints; `--keep-checkpoints` keeps them."""
-        if self.keep_checkpoints:
-            return
-        size = remove_checkpoints(run.folder)
-        if size is not None:
-            self._say(label, f"removed its checkpoints ({size / 1e9:.2f} GB; --keep-checkpoints keeps them)")
+        bench needs stays about one run's checkpoints; `--keep-checkpoints` keeps them. With `--remove-final` its
+        final/ goes too (the tables read the run's evaluation, not its model), for sweeps whose models would not
+        fit on the disk together."""
+        if not self.keep_checkpoints:
+            size = remove_output(run.folder, "checkpoints")
+            if size is not None:
+                self._say(label, f"removed its checkpoints ({size / 1e9:.2f} GB; --keep-checkpoints keeps them)")
+        if self.remove_final:
+            size = remove_output(run.folder, "final")
+            if size is not None:
+                self._say(label, f"removed its final model ({size / 1e9:.2f} GB; --remove-final)")
 
     def _train(self, run: Run, label: str) -> dict[str, Any]:
         command = [sys.executable, "-m", "doplus_cli", self.bench.adapter.command, "--recipe", str(run.recipe_path),
