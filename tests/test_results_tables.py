@@ -617,3 +617,62 @@ def test_a_rules_table_by_hand():
         "| paper | 0.017 ± 0.001 | 1.000 ± 0.000 | 5,688 lr | 70 and 69 of 72 | 2,082,131 and 2,137,805 |",
         "| safeguarded | 0.020 ± 0.000 | 1.000 ± 0.000 | 5.8 lr | 0 and 0 of 72 | 0 and 0 |",
     ]
+
+
+def _relearned(scheme: str, task: int, taken: float, rouge: float, steps: int, stop_when: str | None = None
+               ) -> dict[str, Any]:
+    run = record(f"{'matched' if stop_when else 'grid'}/{scheme}-t{task}", scheme, 0,
+                 {"UFE": 60.0 + task, "MU": 20.0 + task, "forget_Q_A_ROUGE": rouge}, step=steps)
+    run["task"] = task
+    run["settings"]["set"] = {"stop_when": stop_when} if stop_when else {}
+    run["attacks"] = {"relearn-k50": {"UFE": 60.0 + task - taken, "UFE taken back": taken}}
+    tables.check_record(run)
+    return run
+
+
+def test_the_matched_forgetting_table_and_its_words_by_the_rule():
+    """Three tasks: DO+ stopped at its bound takes back 25, 27, 26 UFE points against Alternate's 23, 24, 22 (d =
+    2, 3, 4: every task positive and the interval above 0, so "shallower"); unmatched DO+ takes back 30, 22, 26
+    (d = 7, -2, 4: the signs disagree, so no difference). Task 3's run that never met its bound is named and
+    left out of the matched difference, and then the two tasks left decide."""
+    def runs(third_rouge: float) -> list[dict[str, Any]]:
+        return [_relearned("doplus", 1, 25.0, 0.0096, 120, "forget_Q_A_ROUGE<=0.0214"),
+                _relearned("doplus", 2, 27.0, 0.0150, 84, "forget_Q_A_ROUGE<=0.0200"),
+                _relearned("doplus", 3, 26.0, third_rouge, 192, "forget_Q_A_ROUGE<=0.0300"),
+                *(_relearned("alternate", t, back, 0.02, 96) for t, back in ((1, 23.0), (2, 24.0), (3, 22.0))),
+                *(_relearned("doplus", t, back, 0.1, 96) for t, back in ((1, 30.0), (2, 22.0), (3, 26.0)))]
+
+    lines = tables.matched_table(runs(0.0250))
+    assert lines[2] == ("| 1 | 0.0214 | 120 | 0.0096 | 61.00 / 61.00 | 21.00 / 21.00 | 25.00 / 23.00 | +2.00 | "
+                        "30.00 | +7.00 |")
+    d = [2.0, 3.0, 4.0]
+    half = 4.302652729911275 * statistics.stdev(d) / math.sqrt(3)
+    assert lines[6] == (f"At matched forgetting: DualOptim+'s forgetting is shallower than Alternate's (mean +3.00 "
+                        f"UFE points, 95% t interval [+{3 - half:.2f}, +{3 + half:.2f}], 3 of 3 tasks agree in "
+                        "sign).")
+    u = [7.0, -2.0, 4.0]
+    u_half = 4.302652729911275 * statistics.stdev(u) / math.sqrt(3)
+    detectable = (4.302652729911275 + 1.0606601717798212) * statistics.stdev(u) / math.sqrt(3)  # t(0.80, 2)
+    assert lines[8] == (f"Unmatched, at step 96: 3 tasks detect no difference (mean +3.00 UFE points, 95% t "
+                        f"interval [{tables.minus(f'{3 - u_half:+.2f}')}, +{3 + u_half:.2f}], 2 of 3 tasks agree in "
+                        f"sign; the smallest difference they detect at their spread is {detectable:.2f}).")
+
+    lines = tables.matched_table(runs(0.0400))  # task 3 never reached 0.0300 in 192 steps
+    assert lines[4].startswith("| 3 | 0.0300 | 192 (not matched) | 0.0400 |") and "| | 26.00 | +4.00 |" in lines[4]
+    assert lines[6].startswith("At matched forgetting: 2 tasks detect no difference (mean +2.50 UFE points")
+    assert lines[-1] == "Not matched within the schedule: forget task 3."
+    with pytest.raises(UserError, match="forget task 1 has no grid run of alternate"):
+        tables.matched_table([r for r in runs(0.02) if r["run"] != "grid/alternate-t1"])
+
+
+def test_the_matched_control_kept_in_docs_data_converts_to_what_the_table_reads():
+    """The committed control on forget task 1: its run, named after its folder, carries its bound, the steps it
+    trained and the UFE relearning took back, as its SCHEMES.json holds them."""
+    summary = json.loads((DATA / "tofu_matched_t1" / "SCHEMES.json").read_text())
+    (run,) = tables.records_from_bench_folder(summary, "tofu_matched_t1/SCHEMES.json")
+    tables.check_record(run)
+    values = summary["runs"]["doplus-t1-s0"]
+    assert run["run"] == "tofu_matched_t1/doplus-t1-s0" and run["task"] == 1
+    assert tables._bound(run) == 0.0214 and run["settings"]["steps"] == values["steps"]
+    assert tables._taken_back(run) == values["values"]["UFE taken back by relearn-k50"]
+    assert tables.final_metrics(run)["forget_Q_A_ROUGE"] == values["values"]["forget_Q_A_ROUGE"] <= 0.0214

@@ -278,6 +278,17 @@ def records_from_schemes(summary: dict[str, Any], source: str) -> list[dict[str,
     return records
 
 
+def records_from_bench_folder(summary: dict[str, Any], source: str) -> list[dict[str, Any]]:
+    """The records of the SCHEMES.json of a bench folder kept in docs/data (FOLDER/SCHEMES.json, its provenance in
+    docs/data/README.md): `records_from_schemes`'s, each run named FOLDER/RUN, unique among the folders of one runs
+    file."""
+    folder = Path(source).parent.name
+    records = records_from_schemes(summary, source)
+    for record in records:
+        record["run"] = f"{folder}/{record['run']}"
+    return records
+
+
 def records_from_tune(summary: dict[str, Any], source: str) -> list[dict[str, Any]]:
     """One record per trial of a TUNE.json. The trial's settings are the study's recipe with its --set values and
     the trial's parameters applied (as `doplus tune` builds each trial's recipe); its evaluations are the objective
@@ -427,7 +438,8 @@ def records_from_speed(output: dict[str, Any], source: str) -> list[dict[str, An
 
 
 CONVERTERS: dict[str, Callable[[dict[str, Any], str], list[dict[str, Any]]]] = {
-    "schemes": records_from_schemes, "kept-schemes": records_from_kept_schemes, "tune": records_from_tune,
+    "schemes": records_from_schemes, "bench-folder": records_from_bench_folder,
+    "kept-schemes": records_from_kept_schemes, "tune": records_from_tune,
     "stability": records_from_stability, "speed": records_from_speed, "precision": records_from_precision,
     "evaluation": records_from_evaluation}
 
@@ -879,6 +891,86 @@ WHITEBOX_TABLES: dict[str, Table] = {
     "tofu_protocol_whitebox_paired": Table("tofu_protocol_whitebox", lambda records: paired_table(
         records, "doplus", ("alternate", "dualoptim"), WHITEBOX_TAKEN)),
 }
+
+
+def _bound(record: dict[str, Any]) -> float | None:
+    """R_T of a matched-forgetting run: the value of its `--set stop_when=forget_Q_A_ROUGE<=R_T`."""
+    rule = (record["settings"].get("set") or {}).get("stop_when")
+    match = re.fullmatch(r"\s*forget_Q_A_ROUGE\s*<=\s*(\S+)\s*", rule or "")
+    return float(match.group(1)) if match else None
+
+
+def _taken_back(record: dict[str, Any]) -> Any:
+    return ((record["attacks"] or {}).get(RELEARN) or {}).get("UFE taken back")
+
+
+def _matched_words(name: str, result: Any, n_tasks: int) -> str:
+    """The pre-registered rule for the words, applied (results.md, "Slower or shallower?")."""
+    if result.low is None:
+        return (f"{name}: {n_tasks} task{'s' if n_tasks != 1 else ''}, mean difference "
+                f"{minus(f'{result.mean:+.2f}')} UFE points; one task gives no interval, so no difference is "
+                "detected")
+    words = (f"mean {minus(f'{result.mean:+.2f}')} UFE points, 95% t interval [{minus(f'{result.low:+.2f}')}, "
+             f"{minus(f'{result.high:+.2f}')}], {result.agree} of {result.n} tasks agree in sign")
+    every = result.agree == result.n
+    if every and result.low > 0:
+        return f"{name}: DualOptim+'s forgetting is shallower than Alternate's ({words})"
+    if every and result.high < 0:
+        return f"{name}: DualOptim+'s forgetting is deeper than Alternate's ({words})"
+    return (f"{name}: {result.n} tasks detect no difference ({words}; the smallest difference they detect at "
+            f"their spread is {result.detectable:.2f})")
+
+
+def matched_table(records: Sequence[dict[str, Any]]) -> list[str]:
+    """The matched-forgetting control, per forget task: DualOptim+ (default rule) run until its forget ROUGE-L is
+    at or below R_T (its record's stop_when), beside the white-box grid's Alternate and DualOptim+ runs at step 96
+    (the records without stop_when); the UFE relearning takes back from each and the paired differences d_T
+    (DualOptim+ − Alternate), then the answer in words by the rule fixed with the protocol: over the matched
+    tasks, "shallower" ("deeper") only when every d_T is positive (negative) and the 95% t interval of their mean
+    excludes 0; the same for the unmatched DualOptim+ beside it. A task whose run never reached R_T is named
+    and left out of the matched difference."""
+    from doplus_cli.bench.paired import paired
+
+    matched = {r["task"]: r for r in records if r["scheme"] == "doplus" and _bound(r) is not None}
+    grid = {(r["scheme"], r["task"]): r for r in records if _bound(r) is None}
+    lines = [row(("forget task", "bound R_T", "DO+ ended at step", "DO+ forget ROUGE-L", "UFE: DO+ / Alternate",
+                  "MU: DO+ / Alternate", "taken back: DO+ / Alternate", "d_T", "unmatched DO+ (step 96): taken back",
+                  "d_T unmatched")),
+             row(("---:",) * 10)]
+    d, d_unmatched, unmet = [], [], []
+    for task in sorted(matched):
+        run, alternate, unmatched = matched[task], grid.get(("alternate", task)), grid.get(("doplus", task))
+        if alternate is None or unmatched is None:
+            raise UserError(f"the matched-forgetting table: forget task {task} has no grid run of "
+                            f"{'alternate' if alternate is None else 'doplus'} to compare with")
+        scores, bound = final_metrics(run), _bound(run)
+        reached = scores["forget_Q_A_ROUGE"] <= bound
+        back, back_alternate, back_unmatched = _taken_back(run), _taken_back(alternate), _taken_back(unmatched)
+        if reached:
+            d.append((back, back_alternate))
+        else:
+            unmet.append(task)
+        d_unmatched.append((back_unmatched, back_alternate))
+        lines.append(row((
+            str(task), f"{bound:.4f}", f"{run['settings']['steps']}" + ("" if reached else " (not matched)"),
+            f"{scores['forget_Q_A_ROUGE']:.4f}",
+            f"{scores['UFE']:.2f} / {final_metrics(alternate)['UFE']:.2f}",
+            f"{scores['MU']:.2f} / {final_metrics(alternate)['MU']:.2f}",
+            f"{back:.2f} / {back_alternate:.2f}", minus(f"{back - back_alternate:+.2f}") if reached else "",
+            f"{back_unmatched:.2f}", minus(f"{back_unmatched - back_alternate:+.2f}"))))
+    at_matched = (_matched_words("At matched forgetting", paired(*zip(*d)), len(d)) if d else
+                  "At matched forgetting: no task reached its bound")
+    unmatched_words = _matched_words("Unmatched, at step 96", paired(*zip(*d_unmatched)), len(d_unmatched))
+    lines += ["", at_matched + ".", "", unmatched_words + "."]
+    if unmet:
+        lines += ["", f"Not matched within the schedule: forget task{'s' if len(unmet) > 1 else ''} "
+                      f"{', '.join(map(str, unmet))}."]
+    return lines
+
+
+# The matched-forgetting control's table (results.md, "Slower or shallower?"): it joins TABLES with its runs file,
+# records/tofu_matched.jsonl (the three controls' SCHEMES.json and the white-box grid's), when every run is in.
+MATCHED_TABLES: dict[str, Table] = {"tofu_matched": Table("tofu_matched", matched_table)}
 TABLES: dict[str, Table] = {
     "real_world_mini_tune_first_6": Table("real_world_mini_tune", lambda records: tune_trials_table(
         records, ("doplus", "alternate"), "lr", ROUGES, range(0, 6), range(0, 6), trial_column=False)),
