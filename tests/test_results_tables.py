@@ -676,3 +676,48 @@ def test_the_matched_control_kept_in_docs_data_converts_to_what_the_table_reads(
     assert tables._bound(run) == 0.0214 and run["settings"]["steps"] == values["steps"]
     assert tables._taken_back(run) == values["values"]["UFE taken back by relearn-k50"]
     assert tables.final_metrics(run)["forget_Q_A_ROUGE"] == values["values"]["forget_Q_A_ROUGE"] <= 0.0214
+
+
+def _swept(scheme: str, lr: float, task: int, seed: int, ovr: float) -> dict[str, Any]:
+    run = record(f"{scheme}-lr={lr:g}-t{task}-s{seed}", scheme, seed, {"OVR": ovr, "UFE": ovr + 10, "MU": ovr - 10})
+    run["task"] = task
+    run["settings"]["sweep_value"] = lr
+    tables.check_record(run)
+    return run
+
+
+def test_the_learning_rate_grid_tables_by_hand():
+    """Alternate at 40, 50, 30 and DO+ at 45, 48, 44 over three learning rates, each pair (task, seed) offset by
+    e alike at every rate, DO+ at its best rate by d more (d sums to 0): both are best at 2e-4; Alternate loses 15
+    there against the mean of the others in every pair and DO+ 3.5 + d, so Alternate − DO+ = 11.5 − d, an
+    interval above 0 (Alternate more sensitive); at the best rates DO+ − Alternate = −2 + d on OVR."""
+    e, d = [0.0, 1.0, -1.0, 0.5, -0.5, 2.0], [0.0, 1.0, -1.0, 0.5, -0.5, 0.0]
+    pairs = [(task, seed) for task in (1, 2) for seed in (0, 1, 2)]
+    runs = []
+    for scheme, means in (("alternate", (40.0, 50.0, 30.0)), ("doplus", (45.0, 48.0, 44.0))):
+        for lr, mean in zip((1e-4, 2e-4, 4e-4), means):
+            for i, (task, seed) in enumerate(pairs):
+                extra = d[i] if scheme == "doplus" and lr == 2e-4 else 0.0
+                runs.append(_swept(scheme, lr, task, seed, mean + e[i] + extra))
+    t975, t80 = 2.5705818366147395, 0.9195443263600424  # Student's t, 5 degrees of freedom
+    sd, n = statistics.stdev(d), math.sqrt(6)
+
+    section = tables.STABILITY_TABLES["tofu_stability_sensitivity"].render(runs)
+    assert section[0].startswith("**Sensitivity to lr, by OVR**")
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in section if line.startswith("| ")}
+    assert rows["Alternate"][1:5] == ["0.0002", f"{50 + statistics.mean(e):.3g}", "15", "20"]
+    assert rows["DO+"][1:5] == ["0.0002", f"{48 + statistics.mean(e):.3g}", "3.5", "4"]
+    words = next(line for line in section if line.startswith("- "))
+    assert words.startswith(f"- Alternate is more sensitive than DO+ on OVR (loss difference +11.5, 95% CI "
+                            f"[{11.5 - t975 * sd / n:+.3g}, {11.5 + t975 * sd / n:+.3g}], 6 of 6 pairs agree)")
+
+    best = tables.STABILITY_TABLES["tofu_stability_best"].render(runs)
+    assert best[0] == "| Method | OVR | UFE | MU |"
+    doplus = [line for line in best if line.startswith("| DO+ (lr 0.0002) |")][0].split(" | ")
+    values = [48 + x + y for x, y in zip(e, d)]
+    assert doplus[1] == f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
+    line = next(line for line in best if line.startswith("- OVR, DO+ − Alternate at their best lr: "))
+    assert line == (f"- OVR, DO+ − Alternate at their best lr: −2.00 [{tables.minus(f'{-2 - t975 * sd / n:+.2f}')}, "
+                    f"{tables.minus(f'{-2 + t975 * sd / n:+.2f}')}], 6 of 6 pairs agree; the pairs detect "
+                    f"{(t975 + t80) * sd / n:.2f} or more.")
+    assert "- OVR, DO+ − DO at their best lr: 0 pairs, too few for an interval." in best

@@ -893,6 +893,77 @@ WHITEBOX_TABLES: dict[str, Table] = {
 }
 
 
+def _sweep_value(record: dict[str, Any]) -> Any:
+    return record["settings"].get("sweep_value")
+
+
+def sensitivity_section(records: Sequence[dict[str, Any]], metric: str, key: str = "lr") -> list[str]:
+    """A sweep's sensitivity by `metric` (higher is better) as `bench schemes` works it out and words it
+    (doplus_cli.bench.sensitivity: each scheme's best value from its means, its loss away from it per (task,
+    seed) pair, the loss one step either side, the seed spread at each value, and each pair of schemes' paired
+    loss difference and seed-spread reading, by the rule docs/benchmarks.md writes down)."""
+    from doplus_cli.bench.sensitivity import render, sensitivity
+
+    rows: dict[tuple[str, Any], list[str]] = {}
+    runs = {}
+    for record in records:
+        rows.setdefault((record["scheme"], _sweep_value(record)), []).append(record["run"])
+        runs[record["run"]] = {"values": final_metrics(record), "task_id": record["task"], "seed": record["seed"]}
+    found = sensitivity([{"scheme": scheme, "sweep_value": value, "runs": names}
+                         for (scheme, value), names in rows.items()], runs, [(metric, metric, True)],
+                        {scheme: scheme_label(scheme) for scheme, _ in rows})
+    return render(found, key)[1:]
+
+
+def best_value(runs: Sequence[dict[str, Any]], metric: str) -> Any:
+    """The sweep value with the highest mean of `metric` over the runs there (the first of equals, in order)."""
+    means: dict[Any, list[float]] = {}
+    for record in runs:
+        means.setdefault(_sweep_value(record), []).append(final_metrics(record)[metric])
+    return max(means, key=lambda value: statistics.mean(means[value]))
+
+
+def best_value_table(records: Sequence[dict[str, Any]], metric: str, columns: Sequence[Column],
+                     comparisons: Sequence[tuple[str, str]], key: str = "lr") -> list[str]:
+    """Each scheme at its own best sweep value (`best_value` by `metric`): the columns' mean ± std over its (task,
+    seed) pairs there; then, for each (A, B) of `comparisons`, A − B on `metric` pair by pair, each scheme at its
+    own best value: the mean, its 95% t interval, the pairs that agree in sign and the smallest difference the
+    pairs detect at their spread."""
+    from doplus_cli.bench.paired import paired
+
+    schemes = by_scheme(records)
+    best = {scheme: best_value(runs, metric) for scheme, runs in schemes.items()}
+    at_best = {scheme: [r for r in runs if _sweep_value(r) == best[scheme]] for scheme, runs in schemes.items()}
+    lines = mean_std_table([r for runs in at_best.values() for r in runs], columns, label=lambda scheme, _: (
+        f"{scheme_label(scheme)} ({key} {best[scheme]:g})"))
+    lines.append("")
+    for a, b in comparisons:
+        x = {(r["task"], r["seed"]): final_metrics(r)[metric] for r in at_best.get(a, [])}
+        y = {(r["task"], r["seed"]): final_metrics(r)[metric] for r in at_best.get(b, [])}
+        shared = sorted(set(x) & set(y), key=lambda p: (p[0] is None, p))
+        result = paired([x[p] for p in shared], [y[p] for p in shared])
+        what = f"- {metric}, {scheme_label(a)} − {scheme_label(b)} at their best {key}: "
+        if result.low is None:
+            lines.append(what + f"{result.n} pair{'s' if result.n != 1 else ''}, too few for an interval.")
+        else:
+            lines.append(what + f"{minus(f'{result.mean:+.2f}')} [{minus(f'{result.low:+.2f}')}, "
+                                f"{minus(f'{result.high:+.2f}')}], {result.agree} of {result.n} pairs agree; the "
+                                f"pairs detect {result.detectable:.2f} or more.")
+    return lines
+
+
+STABILITY_COLUMNS = (Column("OVR", "OVR", ".2f"), Column("UFE", "UFE", ".2f"), Column("MU", "MU", ".2f"))
+STABILITY_COMPARISONS = (("doplus", "alternate"), ("doplus", "dualoptim"), ("doplus-paper", "alternate"),
+                         ("doplus-paper", "dualoptim"))
+# The learning-rate grid's tables (results.md, "Is DualOptim+ less sensitive to the learning rate?"): they join
+# TABLES with their runs file, records/tofu_stability.jsonl (the grid's SCHEMES.json), when its runs are in.
+STABILITY_TABLES: dict[str, Table] = {
+    "tofu_stability_sensitivity": Table("tofu_stability", lambda records: sensitivity_section(records, "OVR")),
+    "tofu_stability_best": Table("tofu_stability", lambda records: best_value_table(
+        records, "OVR", STABILITY_COLUMNS, STABILITY_COMPARISONS)),
+}
+
+
 def _bound(record: dict[str, Any]) -> float | None:
     """R_T of a matched-forgetting run: the value of its `--set stop_when=forget_Q_A_ROUGE<=R_T`."""
     rule = (record["settings"].get("set") or {}).get("stop_when")
