@@ -300,6 +300,28 @@ def test_the_model_comes_back_as_it_went_and_the_fit_is_deterministic(control):
     assert model.training
 
 
+def test_the_fit_shows_its_steps_in_a_batch_log(control):
+    """Without a terminal (a job's log), the fit's steps come as lines: at the start, every 5%, and at the end, also
+    when max_seconds ends it early (the task then ends at the steps made)."""
+    import io
+
+    from rich.console import Console
+
+    from doplus_cli.progress import progress_bar
+
+    for settings, last in ((SoftPromptSettings(steps=20), "20/20 (100%)"),
+                           (SoftPromptSettings(steps=20, max_seconds=1e-9), "1/1 (100%)")):
+        log = io.StringIO()
+        progress = progress_bar(Console(file=log, force_terminal=False, width=200))
+        with progress:
+            fit = fit_soft_prompt(control["locked"], control["formatter"], FACTS[:6], settings, seed=0,
+                                  progress=progress)
+        lines = [line for line in log.getvalue().splitlines() if line.startswith("soft prompt (embedding attack):")]
+        assert lines[0] == "soft prompt (embedding attack): 0/20" and last in lines[-1] and "done in" in lines[-1]
+        # one line a step (each is 5% of 20); stopped after one: that step's line, then the end
+        assert len(lines) == (21 if fit.steps == 20 else 3), lines
+
+
 def test_max_seconds_stops_the_optimisation_and_says_so(control):
     reading = embedding_attack(attack_input(control["locked"], control["formatter"], max_seconds=1e-9))
     assert reading.details["steps"] == 1 and reading.details["steps_requested"] == 100

@@ -258,7 +258,7 @@ def attack_input(context: SuiteContext, suite: str, base, attack: str) -> Attack
     sets = qa_sets(context.config, suite)
     return AttackInput(context.model, context.tokenizer, context.formatter, sets[0].samples, sets[1].samples
                        if len(sets) > 1 else [], base, context.config.seed, context.config.batch_size,
-                       dict(context.config.attack_options.get(attack, {})))
+                       dict(context.config.attack_options.get(attack, {})), context.progress)
 
 
 def edited_copy(context: SuiteContext, attack: str, base) -> tuple[Any, dict[str, Any]]:

@@ -98,7 +98,8 @@ def environment(device: torch.device, world_size: int, effective_batch: int, see
         device_name = torch.cuda.get_device_name(device)
     else:
         threads = torch.get_num_threads()
-        device_name = f"CPU ({platform.processor() or platform.machine()}, {threads} thread{'s' if threads != 1 else ''})"
+        device_name = (f"CPU ({platform.processor() or platform.machine()}, {threads} "
+                       f"thread{'s' if threads != 1 else ''})")
     return {
         "python": sys.version.split()[0],
         "platform": platform.platform(),

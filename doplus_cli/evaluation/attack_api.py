@@ -29,6 +29,7 @@ class AttackInput:
     seed: int = 0
     batch_size: int = 16
     options: dict[str, Any] = field(default_factory=dict)  # the attack's own settings (e.g. prune's fraction)
+    progress: Any = None  # the evaluation's progress display (doplus_cli.progress), for attacks that take long
 
 
 @dataclass

@@ -298,14 +298,15 @@ def initial_soft_prompt(model, tokenizer, settings: SoftPromptSettings, seed: in
 
 
 def fit_soft_prompt(model, formatter: PromptFormatter, pairs: list[tuple[str, str]], settings: SoftPromptSettings,
-                    seed: int = 0, batch_size: int = 16) -> SoftPromptFit:
+                    seed: int = 0, batch_size: int = 16, progress=None) -> SoftPromptFit:
     """Adam on the soft prompt alone, minimising the mean over rows of each row's mean answer-token NLL over
     `pairs` (teacher forcing). All rows make every step when they fit in `batch_size`; otherwise each step takes the
     next `batch_size` rows of a shuffle drawn from a generator seeded with `seed` (a new shuffle each pass). Stops
     after `settings.steps` steps, or after the first step that ends past `settings.max_seconds`.
 
     The model is frozen for the optimisation (`requires_grad` off, evaluation mode) and handed back as it came:
-    its parameters' `requires_grad`, their `.grad` (never written) and its training mode."""
+    its parameters' `requires_grad`, their `.grad` (never written) and its training mode. With `progress` (the
+    evaluation's display) the steps show as a task: a bar on a terminal, a line every 5% in a log."""
     rows = _scored_rows(formatter, pairs)
     frozen = [(parameter, parameter.requires_grad) for parameter in model.parameters()]
     was_training = model.training
@@ -316,6 +317,8 @@ def fit_soft_prompt(model, formatter: PromptFormatter, pairs: list[tuple[str, st
     losses: list[float] = []
     stopped = None
     started = time.perf_counter()
+    task = progress.add_task("soft prompt (embedding attack)", total=settings.steps, status="") \
+        if progress is not None else None
     try:
         for parameter, _ in frozen:
             parameter.requires_grad_(False)
@@ -333,10 +336,14 @@ def fit_soft_prompt(model, formatter: PromptFormatter, pairs: list[tuple[str, st
                 loss.backward()
                 optimizer.step()
                 losses.append(float(loss.detach()))
+                if task is not None:
+                    progress.advance(task)
                 elapsed = time.perf_counter() - started
                 if settings.max_seconds is not None and elapsed >= settings.max_seconds and step + 1 < settings.steps:
                     stopped = (f"max_seconds ({settings.max_seconds:g} s) reached after {step + 1} of "
                                f"{settings.steps} steps")
+                    if task is not None:  # the task ends where the optimisation did
+                        progress.update(task, total=step + 1)
                     break
     finally:
         for parameter, flag in frozen:
@@ -366,7 +373,7 @@ def embedding_attack(inp: AttackInput) -> Reading:
     questions, answers = [q for q, _ in held], [a for _, a in held]
     model, formatter = inp.model, inp.formatter
 
-    fit = fit_soft_prompt(model, formatter, train, settings, inp.seed, inp.batch_size)
+    fit = fit_soft_prompt(model, formatter, train, settings, inp.seed, inp.batch_size, inp.progress)
     unattacked_generations, _ = greedy_generate(model, formatter, questions, settings.max_new_tokens, inp.batch_size)
     unattacked = {"probability": metrics.probability(mean_token_nlls(model, formatter, held, inp.batch_size)),
                   "rouge": _mean_rouge(unattacked_generations, answers)}
