@@ -236,11 +236,16 @@ def test_a_trial_writes_no_checkpoints_along_the_way_unless_asked(recipe, tmp_pa
 
 def test_a_trial_that_ended_leaves_no_checkpoints(recipe, tmp_path, monkeypatch):
     """A trial never resumes once it has ended (an interrupted one runs again from its start), so its checkpoints
-    go when it ends complete, pruned or failed: a study of N trials does not keep N runs' optimizer states."""
+    go when it ends complete, pruned or failed: a study of N trials does not keep N runs' optimizer states. Each
+    trial's run records what it writes (as `doplus unlearn` does): only a recorded checkpoints/ is removed."""
+    from doplus_cli import ownership
     from doplus_cli.errors import RunError
 
     def trial(tune, trial, chosen, signals, log):
-        step = tune.out / "trials" / f"{trial.number:04d}" / "checkpoints" / "step-3"
+        folder = tune.out / "trials" / f"{trial.number:04d}"
+        folder.mkdir(parents=True, exist_ok=True)  # the study holds the folder (its lock) while the trial runs
+        ownership.begin(folder, "doplus unlearn", ["checkpoints", "final"], overwrite=False)
+        step = folder / "checkpoints" / "step-3"
         step.mkdir(parents=True)
         (step / "optimizer.pt").write_bytes(b"0" * 4096)
         (step.parents[1] / "final").mkdir()
