@@ -553,29 +553,42 @@ def mean_std_table(records: Sequence[dict[str, Any]], columns: Sequence[Column |
     return lines
 
 
+def paired_runs(first: Sequence[dict[str, Any]], second: Sequence[dict[str, Any]],
+                value: Callable[[dict[str, Any]], Any]) -> Any:
+    """`value` of `first`'s runs − `second`'s over the (forget task, seed) pairs where both have one, in order of
+    the pairs: the differences, their mean, 95% t interval and sign agreement (doplus_cli.bench.paired)."""
+    from doplus_cli.bench.paired import paired
+
+    a = {(r["task"], r["seed"]): value(r) for r in first}
+    b = {(r["task"], r["seed"]): value(r) for r in second}
+    pairs = sorted((k for k in set(a) & set(b) if a[k] is not None and b[k] is not None),
+                   key=lambda pair: (pair[0] is None, pair))
+    return paired([a[k] for k in pairs], [b[k] for k in pairs])
+
+
+def interval(result: Any, spec: str) -> tuple[str, str, str]:
+    """A paired result's mean and the two ends of its interval, each by `spec`, a negative sign as U+2212."""
+    return tuple(minus(format(v, spec)) for v in (result.mean, result.low, result.high))
+
+
 def paired_table(records: Sequence[dict[str, Any]], first: str, others: Sequence[str],
                  columns: Sequence[Column]) -> list[str]:
     """Per column, `first` − each of `others` over the forget tasks (and seeds) both ran: the mean difference, its
     95% t interval and how many pairs agree with its sign (doplus_cli.bench.paired), n the number of pairs."""
-    from doplus_cli.bench.paired import paired
-
     runs = by_scheme(records)
     lines = [row(["What is taken back", *(f"{scheme_label(first)} − {scheme_label(o)}" for o in others)]),
              row(["---", *("---:" for _ in others)])]
     for column in columns:
         cells = [column.label]
         for other in others:
-            a = {(r["task"], r["seed"]): column.value(r) for r in runs.get(first, [])}
-            b = {(r["task"], r["seed"]): column.value(r) for r in runs.get(other, [])}
-            pairs = sorted(k for k in set(a) & set(b) if a[k] is not None and b[k] is not None)
-            result = paired([a[k] for k in pairs], [b[k] for k in pairs])
+            result = paired_runs(runs.get(first, []), runs.get(other, []), column.value)
             if result.mean is None:
                 cells.append("n/a")
             elif result.low is None:
                 cells.append(f"{minus(format(result.mean, column.spec))} (n = {result.n})")
             else:
-                cells.append(f"{minus(format(result.mean, column.spec))} [{minus(format(result.low, column.spec))}, "
-                             f"{minus(format(result.high, column.spec))}], {result.agree}/{result.n} agree")
+                mean, low, high = interval(result, column.spec)
+                cells.append(f"{mean} [{low}, {high}], {result.agree}/{result.n} agree")
         lines.append(row(cells))
     return lines
 
@@ -929,8 +942,6 @@ def best_value_table(records: Sequence[dict[str, Any]], metric: str, columns: Se
     seed) pairs there; then, for each (A, B) of `comparisons`, A − B on `metric` pair by pair, each scheme at its
     own best value: the mean, its 95% t interval, the pairs that agree in sign and the smallest difference the
     pairs detect at their spread."""
-    from doplus_cli.bench.paired import paired
-
     schemes = by_scheme(records)
     best = {scheme: best_value(runs, metric) for scheme, runs in schemes.items()}
     at_best = {scheme: [r for r in runs if _sweep_value(r) == best[scheme]] for scheme, runs in schemes.items()}
@@ -938,17 +949,14 @@ def best_value_table(records: Sequence[dict[str, Any]], metric: str, columns: Se
         f"{scheme_label(scheme)} ({key} {best[scheme]:g})"))
     lines.append("")
     for a, b in comparisons:
-        x = {(r["task"], r["seed"]): final_metrics(r)[metric] for r in at_best.get(a, [])}
-        y = {(r["task"], r["seed"]): final_metrics(r)[metric] for r in at_best.get(b, [])}
-        shared = sorted(set(x) & set(y), key=lambda p: (p[0] is None, p))
-        result = paired([x[p] for p in shared], [y[p] for p in shared])
+        result = paired_runs(at_best.get(a, []), at_best.get(b, []), lambda r: final_metrics(r).get(metric))
         what = f"- {metric}, {scheme_label(a)} − {scheme_label(b)} at their best {key}: "
         if result.low is None:
             lines.append(what + f"{result.n} pair{'s' if result.n != 1 else ''}, too few for an interval.")
         else:
-            lines.append(what + f"{minus(f'{result.mean:+.2f}')} [{minus(f'{result.low:+.2f}')}, "
-                                f"{minus(f'{result.high:+.2f}')}], {result.agree} of {result.n} pairs agree; the "
-                                f"pairs detect {result.detectable:.2f} or more.")
+            mean, low, high = interval(result, "+.2f")
+            lines.append(what + f"{mean} [{low}, {high}], {result.agree} of {result.n} pairs agree; the pairs "
+                                f"detect {result.detectable:.2f} or more.")
     return lines
 
 
@@ -981,8 +989,9 @@ def _matched_words(name: str, result: Any, n_tasks: int) -> str:
         return (f"{name}: {n_tasks} task{'s' if n_tasks != 1 else ''}, mean difference "
                 f"{minus(f'{result.mean:+.2f}')} UFE points; one task gives no interval, so no difference is "
                 "detected")
-    words = (f"mean {minus(f'{result.mean:+.2f}')} UFE points, 95% t interval [{minus(f'{result.low:+.2f}')}, "
-             f"{minus(f'{result.high:+.2f}')}], {result.agree} of {result.n} tasks agree in sign")
+    mean, low, high = interval(result, "+.2f")
+    words = (f"mean {mean} UFE points, 95% t interval [{low}, {high}], {result.agree} of {result.n} tasks agree in "
+             "sign")
     every = result.agree == result.n
     if every and result.low > 0:
         return f"{name}: DualOptim+'s forgetting is shallower than Alternate's ({words})"

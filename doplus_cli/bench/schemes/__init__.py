@@ -258,7 +258,7 @@ def disk_words(bench: Bench, states: list[RunState], model: str | None, keep_che
     final = "removes its final/ once it is evaluated (--remove-final)" if remove_final else "keeps its final/"
     kept = f"{final} and keeps its checkpoints (--keep-checkpoints)" if keep_checkpoints else \
         f"{final} and removes its checkpoints when it ends"
-    runs_left = f"{len(left)} run{'s' if len(left) != 1 else ''} not done"
+    runs_left = f"{len(left)} run not done keeps" if len(left) == 1 else f"{len(left)} runs not done keep"
     if training == 0:
         at_once = f"{'fits' if finals <= free else 'does not fit'}, with any number of runs at once"
         workers = None if finals <= free else 0
@@ -270,8 +270,7 @@ def disk_words(bench: Bench, states: list[RunState], model: str | None, keep_che
             at_once += (f" while every final/ is kept; with --remove-final (each run's final/ goes once it is "
                         f"evaluated) {int(free // training)} at once")
     return (f"disk plan (an estimate): a run {kept}; while it trains its checkpoints take at most: {holds}; "
-            f"the {runs_left} keep{'s' if len(left) == 1 else ''} "
-            f"{'no model once evaluated' if remove_final and not finals else bytes_text(finals)}; "
+            f"the {runs_left} {'no model once evaluated' if remove_final and not finals else bytes_text(finals)}; "
             f"{bytes_text(free)} free where {bench.out} "
             f"is: {at_once}"), workers
 

@@ -24,6 +24,7 @@ from doplus_cli.errors import RunError, UserError, writing
 from doplus_cli.lifecycle import FolderInUse, holding, in_use
 from doplus_cli.lifecycle import environment as lifecycle_environment
 from doplus_cli.ownership import RECORD_NAME
+from doplus_cli.ownership import read as read_record
 
 
 class Stopped(UserError):
@@ -66,10 +67,8 @@ def remove_output(run_folder: Path, name: str) -> int | None:
     """Remove a finished run's `checkpoints/` or `final/`, only where the run's record lists it (the run wrote it);
     the bytes it held, or None when there is none to remove. The folder is renamed out of sight first: a kill
     mid-removal leaves nothing under its name that looks whole."""
-    from doplus_cli.ownership import read
-
     folder = run_folder / name
-    record = read(run_folder)
+    record = read_record(run_folder)
     if not folder.is_dir() or record is None or name not in record["entries"]:
         return None
     size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
