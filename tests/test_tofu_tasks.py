@@ -375,6 +375,14 @@ def test_evaluate_logs_progress_without_a_terminal_and_reports_its_compute_floor
     linears = sum(type(m) is torch.nn.Linear for m in AutoModelForCausalLM.from_pretrained(tiny_llama).modules())
     report = (out / "report.md").read_text()
     assert linears > 0 and "Compute floor:" in report
+    # the command's peak memory: the evaluation ran in this process, whose peak RSS can only have grown since
+    if not torch.cuda.is_available():
+        import resource
+
+        peak_now = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+        assert compute["peak_memory_kind"] == "process_peak_rss"
+        assert 0 < compute["peak_memory_gb"] <= peak_now
+        assert f"Peak memory {compute['peak_memory_gb']:.2f} GB (the process's peak RSS)." in report
     if torch.cuda.is_available():  # the evaluation ran on the GPU: oneDNN's packed linear and the decoder's
         # compiled attention are the CPU's kernels (seen on an H100: 0 layers packed)
         assert compute["packed_linear_layers"] == 0 and compute["decode_attention_calls"] == 0

@@ -275,4 +275,8 @@ def floor_line(compute: dict[str, Any]) -> str:
                  "ran the compiled decoding kernel on in-place KV buffers.")
     for name, reason in (compute.get("eager_fallbacks") or {}).items():
         line += f" The {name} kernel ran as eager code: compiling it failed ({reason})."
+    if compute.get("peak_memory_gb") is not None:
+        what = {"process_peak_rss": "the process's peak RSS",
+                "cuda_max_allocated": "torch's maximum allocated"}.get(compute.get("peak_memory_kind"), "")
+        line += f" Peak memory {compute['peak_memory_gb']:.2f} GB" + (f" ({what})." if what else ".")
     return line

@@ -212,6 +212,9 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
                                           command["dtype"], packed, decoding.KERNEL.compiled_calls - decode_calls,
                                           kernels.fallbacks(), linear_kernel(model))
         record["compute"]["kernel_gflops_measured"] = measured
+        from doplus_cli.engine.outputs import peak_memory_gb
+
+        record["compute"]["peak_memory_gb"], record["compute"]["peak_memory_kind"] = peak_memory_gb(parameter.device)
     if config.attacks and attack_when is not None and not attack_when(record):
         record["config"]["attacks"] = None
     elif config.attacks:
