@@ -510,6 +510,56 @@ def test_a_precision_table_by_hand():
     ]
 
 
+def _timed_evaluation(protocol: str, peak: float | None) -> dict[str, Any]:
+    def one_set(name, n, generation, scoring):
+        return {"name": name, "n": n, "seconds": {"generation": generation, "scoring": scoring, "judges": 0.01}}
+
+    compute = {"tokens": {"prompt": 100, "generated": 50, "teacher_forced": 250, "total": 400}, "parameters": 10,
+               "kernel_gflops": {"matmul": 400.0, "onednn_packed_linear": 500.0},
+               "floor_kernel": "onednn_packed_linear", "matmul_gflops": 400.0, "matmul_dtype": "float32",
+               "floor_s": 174.84, "wall_s": 313.21, "ratio": 313.21 / 174.84}
+    if peak is not None:
+        compute.update(peak_memory_gb=peak, peak_memory_kind="process_peak_rss")
+    return {"command": f"doplus evaluate --split forget10 --protocol {protocol}", "seed": 0, "version": "0.2.0",
+            "commit": "abc1234", "machine": "2 cores", "output": {
+                "model": "SmolLM2", "config": {"split": "forget10", "task_id": 1, "protocol": protocol,
+                                               "batch_size": 64},
+                "compute": compute, "seconds": {"tofu": 300.0}, "sections": [{"suite": "tofu", "sets": [
+                    one_set("forget", 400, 40.25, 90.5), one_set("retain", 400, 41.0, 80.0),
+                    one_set("real_authors", 100, 10.0, 7.0), one_set("world_facts", 117, 13.4, 6.0)],
+                    "summary": {"MU": 34.954, "UFE": 66.466, "TFE": None, "forget_fluency": None,
+                                "forget_fluency_missing": "not available"}}]}}
+
+
+def test_a_timed_evaluation_converts_to_one_record_and_its_table_by_hand():
+    """An eval.json of `doplus evaluate` kept with its provenance: the protocol names the run, the questions per
+    set are settings, generation and scoring are summed over the sets, and the table gives the floor over its
+    kernel's rate; a peak memory the record lacks (an older eval.json) reads n/a, as does a missing aggregate."""
+    first = tables.records_from_eval_compute(_timed_evaluation("doplus", 3.94), "eval_speed_doplus.json")[0]
+    second = tables.records_from_eval_compute(_timed_evaluation("paper", None), "eval_speed_paper.json")[0]
+    for converted in (first, second):
+        tables.check_record(converted)
+    assert (first["run"], first["scheme"], first["task"]) == ("doplus", "evaluation", 1)
+    assert first["settings"]["questions"] == {"forget": 400, "retain": 400, "real_authors": 100, "world_facts": 117}
+    assert first["resources"]["generation_s"] == 40.25 + 41.0 + 10.0 + 13.4
+    assert first["resources"]["scoring_s"] == 90.5 + 80.0 + 7.0 + 6.0
+    assert first["evaluations"] == [{"step": 0, "metrics": {"MU": 34.954, "UFE": 66.466}}]
+    assert first["diagnostics"]["tokens_total"] == 400
+    assert tables.eval_speed_table([first, second]) == [
+        "| protocol | questions (forget + retain + real authors + world facts) | wall, model load included | "
+        "generation | scoring | floor (product rate) | wall / floor | peak memory | MU | UFE | TFE |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| doplus | 400 + 400 + 100 + 117 | 313.2 s | 104.7 s | 183.5 s | 174.8 s (500 GFLOP/s) | 1.79 | 3.9 GB | "
+        "34.95 | 66.47 | n/a |",
+        "| paper | 400 + 400 + 100 + 117 | 313.2 s | 104.7 s | 183.5 s | 174.8 s (500 GFLOP/s) | 1.79 | n/a | "
+        "34.95 | 66.47 | n/a |",
+    ]
+    untimed = _timed_evaluation("doplus", 1.0)
+    del untimed["output"]["compute"]["floor_s"]
+    with pytest.raises(UserError, match="eval_speed_doplus.json: not a timed evaluation"):
+        tables.records_from_eval_compute(untimed, "eval_speed_doplus.json")
+
+
 def test_a_bench_output_without_its_provenance_is_refused_by_name():
     output = _precision_output()
     del output["commit"]

@@ -226,6 +226,7 @@ SOURCES: dict[str, list[tuple[str, str]]] = {
                        ("kept-schemes", "multitask_demo_180_SCHEMES.json")],
     "safety_demo": [("evaluation", "safety_demo_start.json"), ("kept-schemes", "safety_demo_SCHEMES.json")],
     "quickstart_rules": [("kept-schemes", "quickstart_rules_SCHEMES.json")],
+    "eval_speed": [("evaluation-compute", "eval_speed_doplus.json"), ("evaluation-compute", "eval_speed_paper.json")],
 }
 RESOURCE_KEYS = ("train_time_s", "peak_memory_gb", "optimizer_state_bytes")
 RUN_FACTS = ("model", "steps", "device", "world_size", "evaluation", "evaluated_during_training")
@@ -437,11 +438,45 @@ def records_from_speed(output: dict[str, Any], source: str) -> list[dict[str, An
     return records
 
 
+SET_LABELS = {"forget": "forget", "retain": "retain", "real_authors": "real authors", "world_facts": "world facts"}
+
+
+def records_from_eval_compute(output: dict[str, Any], source: str) -> list[dict[str, Any]]:
+    """One record of a `doplus evaluate` timed as a whole: its eval.json kept under `output` beside the command and
+    its provenance (PROVENANCE). The run is the protocol's name; the split, task, questions per set, model and
+    dtype are the settings; the summary's numbers its one evaluation (step 0); the wall time (model load
+    included), the generation and scoring seconds summed over the sets, the compute floor and the peak memory the
+    resources; the tokens through the model the diagnostics."""
+    result = kept_output(output, source)
+    config, compute = result["config"], result["compute"]
+    sections = [section for section in result["sections"] if section.get("suite") == "tofu"]
+    if len(sections) != 1 or "floor_s" not in compute:
+        raise UserError(f"{source}: not a timed evaluation of the TOFU suite (its eval.json needs one tofu section "
+                        "and the command's compute floor)")
+    section = sections[0]
+    sets = section["sets"]
+    metrics = {key: value for key, value in section["summary"].items()
+               if _is_number(value) and not isinstance(value, bool) and math.isfinite(value)}
+    kernel = compute["floor_kernel"]
+    resources = {"wall_s": compute["wall_s"], "floor_s": compute["floor_s"], "ratio": compute["ratio"],
+                 "floor_kernel": kernel, "floor_gflops": compute["kernel_gflops"][kernel],
+                 "generation_s": sum(entry["seconds"]["generation"] for entry in sets),
+                 "scoring_s": sum(entry["seconds"]["scoring"] for entry in sets),
+                 "peak_memory_gb": compute.get("peak_memory_gb"), "peak_memory_kind": compute.get("peak_memory_kind")}
+    settings = {"split": config["split"], "task_id": config["task_id"], "protocol": config["protocol"],
+                "batch_size": config.get("batch_size"), "model": result["model"], "dtype": compute["matmul_dtype"],
+                "questions": {entry["name"]: entry["n"] for entry in sets}}
+    record = _bench_record(output, source, "", config["protocol"], "evaluation", settings, resources,
+                           {f"tokens_{key}": value for key, value in compute["tokens"].items()})
+    record.update(source=f"{source}#/output", task=config["task_id"], evaluations=[{"step": 0, "metrics": metrics}])
+    return [record]
+
+
 CONVERTERS: dict[str, Callable[[dict[str, Any], str], list[dict[str, Any]]]] = {
     "schemes": records_from_schemes, "bench-folder": records_from_bench_folder,
     "kept-schemes": records_from_kept_schemes, "tune": records_from_tune,
     "stability": records_from_stability, "speed": records_from_speed, "precision": records_from_precision,
-    "evaluation": records_from_evaluation}
+    "evaluation": records_from_evaluation, "evaluation-compute": records_from_eval_compute}
 
 
 def convert(data: Path = DATA, out: Path | None = None) -> list[Path]:
@@ -782,6 +817,27 @@ def precision_table(records: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def eval_speed_table(records: Sequence[dict[str, Any]]) -> list[str]:
+    """One row per timed `doplus evaluate` (records_from_eval_compute), in the runs file's order: the questions per
+    set, the wall time with the model's load, generation and scoring summed over the sets, the compute floor with
+    the product rate it is over, wall / floor, the peak memory, and the aggregates the evaluation gave."""
+    lines = [row(("protocol", "questions (" + " + ".join(SET_LABELS.values()) + ")", "wall, model load included",
+                  "generation", "scoring", "floor (product rate)", "wall / floor", "peak memory", "MU", "UFE",
+                  "TFE")), row(("---", "---") + ("---:",) * 9)]
+    for record in records:
+        values, questions = record["resources"], record["settings"]["questions"]
+        metrics = final_metrics(record)
+        memory = values.get("peak_memory_gb")
+        lines.append(row((record["run"], " + ".join(str(questions.get(name, 0)) for name in SET_LABELS),
+                          f"{values['wall_s']:.1f} s", f"{values['generation_s']:.1f} s",
+                          f"{values['scoring_s']:.1f} s",
+                          f"{values['floor_s']:.1f} s ({values['floor_gflops']:.0f} GFLOP/s)", f"{values['ratio']:.2f}",
+                          "n/a" if memory is None else f"{memory:.1f} GB",
+                          *(f"{metrics[key]:.2f}" if metrics.get(key) is not None else "n/a"
+                            for key in ("MU", "UFE", "TFE")))))
+    return lines
+
+
 MULTITASK_DEMO = (Column("math", "math (exact)", ".2f"), Column("choice", "choice", ".2f"),
                   Column("code", "code (edit_sim)", ".2f"), Column("average", "average", ".2f"),
                   Column("optimizer_state_bytes", "optimizer states (GB)", ".2f", resource=True, scale=1e9))
@@ -1065,6 +1121,7 @@ TABLES: dict[str, Table] = {
     "multitask_demo": Table("multitask_demo", lambda records: per_run_table(records, MULTITASK_DEMO)),
     "safety_demo": Table("safety_demo", safety_demo_table),
     "quickstart_rules": Table("quickstart_rules", rules_table),
+    "eval_speed": Table("eval_speed", eval_speed_table),
 }
 
 START = re.compile(r"^<!-- table: (?P<name>\S+) \(generated by [^\n]*\) -->$", re.M)
