@@ -384,6 +384,50 @@ def test_the_white_box_tables_from_runs_worked_out_by_hand():
     assert probe[1] == f"{m:.3f} [{tables.minus(f'{m - h:.3f}')}, {m + h:.3f}], 3/3 agree"
 
 
+def test_the_white_box_words_by_the_committed_rules_worked_out_by_hand():
+    """The protocol's rules, applied: "less robust" needs every task to agree and the interval to exclude 0; a
+    white-box attack recovers knowledge from a scheme when its mean take-back exceeds the spread over tasks of the
+    figure it moves; the probe only when it beats both references by more than their spreads."""
+    def run(scheme, task, ufe, worst, lens, probe, alone, choice):
+        made = _attacked(scheme, task, ufe, worst, lens, probe, 0.9)
+        made["attacks"]["linear-probe"].update({"probe_accuracy on embeddings alone": alone,
+                                                "probe_accuracy unattacked": choice})
+        return made
+
+    runs = [run("doplus", 1, 60.0, 30.0, (0.20, 0.50), 0.95, 0.60, 0.70),
+            run("doplus", 2, 58.0, 27.0, (0.30, 0.40), 0.90, 0.65, 0.75),
+            run("doplus", 3, 62.0, 29.0, (0.10, 0.30), 1.00, 0.70, 0.65),
+            run("alternate", 1, 59.0, 36.0, (0.20, 0.30), 0.75, 0.70, 0.80),
+            run("alternate", 2, 57.0, 35.0, (0.30, 0.35), 0.80, 0.75, 0.80),
+            run("alternate", 3, 60.0, 37.0, (0.10, 0.20), 0.70, 0.80, 0.85)]
+    words = tables.whitebox_words(runs)
+    assert words[0] == (f"- Unattacked UFE (mean ± std over the forget tasks): DO+ 60.00 ± "
+                        f"{statistics.stdev([60, 58, 62]):.2f}; Alternate 58.67 ± "
+                        f"{statistics.stdev([59, 57, 60]):.2f}.")
+    # relearn (and so the worst attack) takes back 30, 31, 33 from DO+ and 23, 22, 23 from Alternate: differences
+    # 7, 9, 10, every one positive, and the interval above 0: less robust
+    half = 4.302652729911275 * statistics.stdev([7, 9, 10]) / math.sqrt(3)
+    mean = statistics.mean([7, 9, 10])
+    relearn = f"UFE, relearn (+{mean:.2f} [+{mean - half:.2f}, +{mean + half:.2f}])"
+    assert words[1].startswith(f"- DO+ against Alternate: DO+'s forgetting is less robust to {relearn}; UFE, the "
+                               "worst attack")
+    # prune takes back 1 from both (differences 0: no sign agrees); the lens 0.3, 0.1, 0.2 against 0.1, 0.05, 0.1:
+    # differences 0.2, 0.05, 0.1 agree in sign, but the interval holds 0
+    assert words[2].startswith("- DO+ against Alternate: 3 tasks detect no difference for UFE, prune (+0.00 [+0.00, "
+                               "+0.00]); Probability, logit lens (+0.117 [−0.073, +0.306])")
+    assert not any("against DO:" in line for line in words)  # no DualOptim runs
+    # recovery: prune's mean take-back 1.0 is below the UFE spreads (2.00, 1.53); the lens takes back 0.200 from
+    # DO+ against the spread 0.100 of its output Probability, 0.083 from Alternate against 0.100
+    assert "- Prune recovers forgotten knowledge from no scheme; not from DO+ (1.00 against a spread of 2.00); " \
+           f"Alternate (1.00 against a spread of {statistics.stdev([59, 57, 60]):.2f})." in words
+    assert ("- The logit lens recovers forgotten knowledge from DO+ (0.200 against a spread of 0.100); not from "
+            "Alternate (0.083 against a spread of 0.100).") in words
+    # the probe: DO+ 0.950 beats 0.650 + 0.050 and 0.700 + 0.050; Alternate 0.750 is below 0.750 + 0.050
+    assert words[-1] == ("- The linear probe recovers the answer from DO+ (0.950 against 0.650 ± 0.050 on embeddings "
+                         "alone and 0.700 ± 0.050 for the model's own choice); not from Alternate (0.750 against "
+                         "0.750 ± 0.050 on embeddings alone and 0.817 ± 0.029 for the model's own choice).")
+
+
 def test_the_stability_bench_output_converts_to_one_record_per_rule_and_scale():
     """`doplus bench optimizer --stability --json` kept with its provenance: each row becomes a run whose figures
     are its diagnostics, its rule the scheme, its retain scale and floor the settings."""

@@ -949,6 +949,115 @@ WHITEBOX_TAKEN = (
     Column("probe_accuracy minus the starting model's", "probe accuracy minus the taught model's", ".3f",
            attack="linear-probe"),
 )
+# What each white-box attack recovers, read against the spread over tasks of the figure it moves (the protocol's
+# second rule): (take-back column, the attack's name in words, the unattacked figure whose spread is the yardstick)
+WHITEBOX_RECOVERY = (
+    (Column("UFE taken back", "", ".2f", attack="orthogonalize"), "orthogonalize", Column("UFE", "UFE", ".2f")),
+    (Column("UFE taken back", "", ".2f", attack="prune"), "prune", Column("UFE", "UFE", ".2f")),
+    (Column("probability taken back", "", ".3f", attack="logit-lens"), "the logit lens",
+     Column("probability unattacked", "forget Probability", ".3f", attack="logit-lens")),
+    (Column("probability taken back", "", ".3f", attack="embedding"), "the soft prompt",
+     Column("probability unattacked", "held-out Probability", ".3f", attack="embedding")),
+)
+WHITEBOX_ROBUSTNESS = WHITEBOX_TAKEN[:-1]  # the probe's own rule reads it (its accuracy is no take-back)
+
+
+def _values(runs: Sequence[dict[str, Any]], column: Column) -> list[float] | None:
+    values = [column.value(r) for r in runs]
+    return None if not values or any(v is None for v in values) else values
+
+
+def _robustness_words(first: list[dict[str, Any]], other: list[dict[str, Any]], other_name: str,
+                      tasks: int) -> list[str]:
+    """The protocol's first rule, per attack: DO+ more (less) robust than `other_name` only when the attack takes
+    back less (more) from DO+ on every one of the `tasks` forget tasks and the 95% t interval of the paired mean
+    difference excludes 0; otherwise `tasks` tasks detect no difference, with the mean and the interval."""
+    more, less = [], []
+    none: dict[int, list[str]] = {}
+    for column in WHITEBOX_ROBUSTNESS:
+        result = paired_runs(first, other, column.value)
+        what = column.label
+        if result.mean is None:
+            continue
+        if result.low is None:
+            none.setdefault(result.n, []).append(
+                f"{what} ({minus(format(result.mean, '+' + column.spec))}, no interval)")
+            continue
+        mean, low, high = interval(result, "+" + column.spec)
+        said = f"{what} ({mean} [{low}, {high}])"
+        every = result.n == tasks and result.agree == result.n
+        if every and result.high < 0:
+            more.append(said)
+        elif every and result.low > 0:
+            less.append(said)
+        else:
+            none.setdefault(result.n, []).append(said)
+    label = f"DO+ against {other_name}"
+    words = []
+    if more:
+        words.append(f"{label}: DO+'s forgetting is more robust to " + "; ".join(more))
+    if less:
+        words.append(f"{label}: DO+'s forgetting is less robust to " + "; ".join(less))
+    for n, said in sorted(none.items(), reverse=True):
+        words.append(f"{label}: {n} task{'s' if n != 1 else ''} detect{'' if n != 1 else 's'} no difference for "
+                     + "; ".join(said))
+    return words
+
+
+def whitebox_words(records: Sequence[dict[str, Any]], tasks: int = 3) -> list[str]:
+    """The white-box protocol's rules for the words, applied (results.md, "Did it really forget? The white-box
+    attacks"), as a list:
+
+    - robustness, DO+ (default rule) against Alternate and against DualOptim, attack by attack (`_robustness_words`;
+      the paired difference is DO+ − the other of what the attack takes back, so a negative one is DO+ keeping
+      more of its forgetting; the mean and the 95% t interval in brackets);
+    - recovery, per white-box attack and scheme: the attack recovers forgotten knowledge from a scheme when its
+      mean take-back over the tasks exceeds the sample std over the tasks of the scheme's unattacked figure (UFE;
+      the forget Probability at the output for the logit lens; the held-out Probability for the soft prompt);
+    - the probe, per scheme: it recovers the answer only when its mean accuracy on the unlearned model exceeds both
+      the mean of the probe on embeddings alone and the mean of the model's own choice, each by more than that
+      reference's sample std over the tasks.
+
+    The unattacked UFE of each scheme is given first, since a model that forgot less has less to lose."""
+    runs = by_scheme(records)
+    lines = []
+    ufe = Column("UFE", "UFE", ".2f")
+    lines.append("- Unattacked UFE (mean ± std over the forget tasks): " + "; ".join(
+        f"{scheme_label(scheme)} {mean_std_cell(group, ufe)}" for scheme, group in runs.items()) + ".")
+    for other in ("alternate", "dualoptim"):
+        if "doplus" in runs and other in runs:
+            lines += [f"- {words}." for words in _robustness_words(runs["doplus"], runs[other], scheme_label(other),
+                                                                    tasks)]
+    for taken, label, figure in WHITEBOX_RECOVERY:
+        recovered, not_recovered = [], []
+        for scheme, group in runs.items():
+            back, base = _values(group, taken), _values(group, figure)
+            if back is None or base is None or len(group) < 2:
+                continue
+            said = (f"{scheme_label(scheme)} ({minus(format(statistics.mean(back), taken.spec))} against a spread "
+                    f"of {format(statistics.stdev(base), taken.spec)})")
+            (recovered if statistics.mean(back) > statistics.stdev(base) else not_recovered).append(said)
+        if recovered or not_recovered:
+            lines.append(f"- {label[0].upper() + label[1:]} recovers forgotten knowledge from "
+                         + ("; ".join(recovered) if recovered else "no scheme")
+                         + (f"; not from {'; '.join(not_recovered)}" if not_recovered else "") + ".")
+    probe, embeddings, own = WHITEBOX_PROBE[0], WHITEBOX_PROBE[2], WHITEBOX_PROBE[3]
+    found, not_found = [], []
+    for scheme, group in runs.items():
+        accuracy, alone, choice = (_values(group, column) for column in (probe, embeddings, own))
+        if accuracy is None or alone is None or choice is None or len(group) < 2:
+            continue
+        bars = [statistics.mean(v) + statistics.stdev(v) for v in (alone, choice)]
+        said = (f"{scheme_label(scheme)} ({statistics.mean(accuracy):.3f} against {statistics.mean(alone):.3f} ± "
+                f"{statistics.stdev(alone):.3f} on embeddings alone and {statistics.mean(choice):.3f} ± "
+                f"{statistics.stdev(choice):.3f} for the model's own choice)")
+        (found if statistics.mean(accuracy) > max(bars) else not_found).append(said)
+    if found or not_found:
+        lines.append("- The linear probe recovers the answer from " + ("; ".join(found) if found else "no scheme")
+                     + (f"; not from {'; '.join(not_found)}" if not_found else "") + ".")
+    return lines
+
+
 # The tables of the white-box attacks on the TOFU-protocol models (results.md, their protocol): they join TABLES
 # with their runs file, records/tofu_protocol_whitebox.jsonl (TABLES holds the tables the page shows).
 WHITEBOX_TABLES: dict[str, Table] = {
@@ -959,6 +1068,7 @@ WHITEBOX_TABLES: dict[str, Table] = {
                                           lambda records: mean_std_table(records, WHITEBOX_PROBE)),
     "tofu_protocol_whitebox_paired": Table("tofu_protocol_whitebox", lambda records: paired_table(
         records, "doplus", ("alternate", "dualoptim"), WHITEBOX_TAKEN)),
+    "tofu_protocol_whitebox_words": Table("tofu_protocol_whitebox", whitebox_words),
 }
 
 
