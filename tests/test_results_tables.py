@@ -428,6 +428,78 @@ def test_the_white_box_words_by_the_committed_rules_worked_out_by_hand():
                          "0.750 ± 0.050 on embeddings alone and 0.817 ± 0.029 for the model's own choice).")
 
 
+def _curved(scheme: str, task: int, points: list[tuple[float, float]], ovr: float) -> dict[str, Any]:
+    """A run whose record holds its (UFE, MU) curve: the starting model, one evaluation during training, the last."""
+    (u0, m0), (u1, m1), (u2, m2) = points
+    made = record(f"{scheme}-t{task}", scheme, 0, {}, evaluations=[
+        {"step": 0, "metrics": {"UFE": u0, "MU": m0}}, {"step": None, "metrics": {"UFE": u1, "MU": m1}},
+        {"step": 96, "metrics": {"UFE": u2, "MU": m2, "OVR": ovr, "TFE": 98.0, "forget_Q_A_ROUGE": 0.05}}])
+    made["task"] = task
+    tables.check_record(made)
+    return made
+
+
+def _rectangles(points: list[tuple[float, float]], x_ref: float) -> float:
+    """The area these rising-UFE, falling-MU points dominate above (x_ref, 0), rectangle by rectangle."""
+    area, left = 0.0, x_ref
+    for x, y in points:
+        if x > left:
+            area, left = area + (x - left) * y, x
+    return area
+
+
+def test_the_federated_learning_and_ablation_sections_worked_out_by_hand():
+    """The re-run's sections: the paired OVR difference in the bench's words, the envelope's area and dominance
+    over the runs of one forget task, and the ablations read at the FL runs' own levels, by the bench's rule."""
+    doplus = [_curved("doplus", 1, [(20, 45), (40, 40), (60, 30)], 50.0),
+              _curved("doplus", 2, [(20, 45), (38, 43), (58, 36)], 52.0),
+              _curved("doplus", 3, [(20, 45), (42, 39), (62, 28)], 48.0)]
+    scaffold = [_curved("scaffold", 1, [(20, 45), (35, 42), (55, 35)], 53.0),
+                _curved("scaffold", 2, [(20, 45), (36, 41), (57, 33)], 54.0),
+                _curved("scaffold", 3, [(20, 45), (34, 42), (56, 34)], 52.0)]
+    ablation = _curved("doplus-after-delta", 1, [(20, 45), (30, 44), (50, 40)], 51.0)
+    records = [*scaffold, ablation, *doplus]  # any order: the sections put DO+ first
+    label = tables.scheme_label("scaffold")
+    # OVR: DO+ − SCAFFOLD = −3, −2, −4: mean −3, sd 1, the interval −3 ± t(0.975, 2)/√3 excludes 0
+    half = 4.302652729911275 / math.sqrt(3)
+    words = tables.fl_paired_section(records)
+    assert words[0].startswith(f"- {label} is better than DO+ on OVR (mean -3, 95% CI [{-3 - half:+.3g}, "
+                               f"{-3 + half:+.3g}], 3 of 3 pairs agree")
+    # the envelope's area over the mean start (20, 0), task by task
+    areas_doplus = [_rectangles(c, 20) for c in ([(40, 40), (60, 30)], [(38, 43), (58, 36)], [(42, 39), (62, 28)])]
+    areas_scaffold = [_rectangles(c, 20) for c in ([(35, 42), (55, 35)], [(36, 41), (57, 33)], [(34, 42), (56, 34)])]
+    assert areas_doplus == [1400.0, 1494.0, 1418.0] and areas_scaffold == [1330.0, 1349.0, 1336.0]
+    differences = [a - b for a, b in zip(areas_doplus, areas_scaffold)]  # 70, 145, 82
+    mean, sd = statistics.mean(differences), statistics.stdev(differences)
+    low = mean - 4.302652729911275 * sd / math.sqrt(3)
+    detectable = (4.302652729911275 + 1.0606601717798212) * sd / math.sqrt(3)  # t(0.975, 2) + t(0.80, 2)
+    area_words = next(line for line in words if "envelope's area" in line)
+    # every task favours DO+, but the interval holds 0: no difference is called
+    assert low < 0 and area_words == (
+        f"- no difference detected between DO+ and {label} on the envelope's area (mean {mean:+.3g}, 95% CI "
+        f"[{low:+.3g}, {mean + (mean - low):+.3g}], 3 of 3 pairs agree); the grid detects a mean difference of "
+        f"about {detectable:.3g} or more.")
+    # task 2: DO+'s points (38, 43) and (58, 36) beat SCAFFOLD's (36, 41) and (57, 33); tasks 1 and 3 cross
+    tradeoff = tables.fl_tradeoff_section(records)
+    assert (f"- DO+ against {label}, over 3 forget tasks: DO+'s envelope dominates in 1, {label}'s in 0, they "
+            "coincide in 0 and cross in 2.") in tradeoff
+    area_row = f"| DO+ | {statistics.mean(areas_doplus):.1f} ± {statistics.stdev(areas_doplus):.1f} (3 runs) |"
+    assert area_row in tradeoff
+    # the ablation at the FL runs' levels: 1/4, 1/2, 3/4 of the way from the mean start 20 to the median final
+    # UFE 57.5 (of 60, 58, 62, 55, 57, 56): 29.4, 38.8, 48.1; its curve crosses them between (20, 45), (30, 44)
+    # and between (30, 44), (50, 40)
+    levels = [round(20 + f * 37.5, 1) for f in (0.25, 0.5, 0.75)]
+    assert levels == [29.4, 38.8, 48.1]
+    mu = [45 - (levels[0] - 20) / 10, 44 - 4 * (levels[1] - 30) / 20, 44 - 4 * (levels[2] - 30) / 20]
+    table = tables.ablation_table(records)
+    assert table[0] == ("| DualOptim+, forget task 1 | UFE ↑ | TFE ↑ | MU ↑ | OVR ↑ | forget ROUGE-L ↓ | MU at UFE = "
+                        "29.4 | MU at UFE = 38.8 | MU at UFE = 48.1 | envelope area |")
+    assert table[2].startswith("| DO+ | 60.00 | 98.00 | 30.00 | 50.00 | 0.050 |")
+    assert table[3] == (f"| {tables.scheme_label('doplus-after-delta')} | 50.00 | 98.00 | 40.00 | 51.00 | 0.050 | "
+                        f"{mu[0]:.2f} | {mu[1]:.2f} | {mu[2]:.2f} | {_rectangles([(30, 44), (50, 40)], 20):.1f} |")
+    assert len(table) == 4  # only task 1's runs: DO+'s and the ablation's
+
+
 def test_the_stability_bench_output_converts_to_one_record_per_rule_and_scale():
     """`doplus bench optimizer --stability --json` kept with its provenance: each row becomes a run whose figures
     are its diagnostics, its rule the scheme, its retain scale and floor the settings."""

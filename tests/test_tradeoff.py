@@ -149,4 +149,4 @@ def test_the_summary_gives_each_row_its_runs_areas_and_says_which_envelope_domin
     summary["dominance"] = dominance_between(rows, facts, summary["curves"])
     assert summary["dominance"][0]["first"] == 1 and summary["dominance"][0]["pairs"] == 1
     text = "\n".join(render(summary, "seeds"))
-    assert "| A | 1760.0 (1 runs) |" in text and "A's envelope dominates in 1, B's in 0" in text
+    assert "| A | 1760.0 (1 run) |" in text and "A's envelope dominates in 1, B's in 0" in text

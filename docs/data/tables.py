@@ -1072,6 +1072,127 @@ WHITEBOX_TABLES: dict[str, Table] = {
 }
 
 
+# The federated-learning baselines and the base-state ablations, re-run (results.md, "The paper's other
+# comparisons"): the FL bench's runs and the white-box grid's DualOptim+ runs, both rules, in one runs file.
+FL_SCHEMES = ("doplus", "doplus-paper", "scaffold", "fedcm", "local-adam")
+ABLATION_SCHEMES = ("doplus", "doplus-before-delta", "doplus-after-delta", "doplus-grad-minus-delta")
+FL_COLUMNS = (
+    Column("UFE", "UFE ↑", ".2f"), Column("TFE", "TFE ↑", ".2f"), Column("MU", "MU ↑", ".2f"),
+    Column("OVR", "OVR ↑", ".2f"), Column("forget_Q_A_ROUGE", "forget ROUGE-L ↓", ".3f"),
+    Column("retain_Q_A_ROUGE", "retain ROUGE-L ↑", ".3f"),
+    Column("optimizer_state_bytes", "optimizer states (GB) ↓", ".2f", resource=True, scale=1e9, spread=False),
+)
+
+
+def _in_order(records: Sequence[dict[str, Any]], schemes: Sequence[str]) -> list[dict[str, Any]]:
+    """The records of `schemes`, scheme by scheme in that order, each scheme's in forget-task order."""
+    return sorted((r for r in records if r["scheme"] in schemes),
+                  key=lambda r: (schemes.index(r["scheme"]), r["task"] is None, r["task"] or 0, r["seed"] or 0))
+
+
+def curve(record: dict[str, Any]) -> list[tuple[float, float]]:
+    """A run's (UFE, MU) curve as its record keeps it: the starting model, each evaluation during training and
+    the last, in that order (`records_from_schemes`)."""
+    return [(e["metrics"]["UFE"], e["metrics"]["MU"]) for e in record["evaluations"]
+            if e["metrics"].get("UFE") is not None and e["metrics"].get("MU") is not None]
+
+
+def _tradeoff(records: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """`bench.tradeoff.summarise_tradeoff` over the records' curves, one row per scheme (its label)."""
+    from doplus_cli.bench.tradeoff import summarise_tradeoff
+
+    runs = {r["run"]: {"start": None, "evals": [{"step": i, "UFE": u, "MU": m} for i, (u, m) in enumerate(curve(r))]}
+            for r in records}
+    return summarise_tradeoff(runs, [(scheme_label(s), [r["run"] for r in group])
+                                     for s, group in by_scheme(records).items()])
+
+
+def fl_tradeoff_section(records: Sequence[dict[str, Any]]) -> list[str]:
+    """The trade-off along the curves as `bench schemes` computes it (levels by its rule from these runs; the area
+    each run's Pareto envelope dominates), then for DO+ (default rule) against each other scheme, over the runs of
+    the same forget task: how often one envelope dominates the other."""
+    from doplus_cli.bench.tradeoff import dominance_counts, render
+
+    ordered = _in_order(records, FL_SCHEMES)
+    found = _tradeoff(ordered)
+    if found is None:
+        return ["No run has a curve."]
+    lines = render(found, "the forget tasks")[2:]  # its own heading dropped: the page's section is the heading
+    runs = by_scheme(ordered)
+    for other in FL_SCHEMES[1:]:
+        if "doplus" in runs and other in runs:
+            counts = dominance_counts({(r["task"], r["seed"]): curve(r) for r in runs["doplus"]},
+                                      {(r["task"], r["seed"]): curve(r) for r in runs[other]})
+            tasks = f"{counts['pairs']} forget task{'s' if counts['pairs'] != 1 else ''}"
+            lines.append(f"- DO+ against {scheme_label(other)}, over {tasks}: DO+'s envelope "
+                         f"dominates in {counts['first']}, {scheme_label(other)}'s in {counts['second']}, they "
+                         f"coincide in {counts['equal']} and cross in {counts['cross']}.")
+    return lines
+
+
+def fl_paired_section(records: Sequence[dict[str, Any]]) -> list[str]:
+    """DO+ (default rule) − each other scheme, over the forget tasks both ran: OVR, MU and UFE at the end and the
+    area the envelope dominates (`_tradeoff`'s, one reference point for every run), each in words by the bench's
+    rule (better only when the 95% t interval excludes 0; doplus_cli.bench.paired.reading)."""
+    from doplus_cli.bench.paired import reading
+
+    ordered = _in_order(records, FL_SCHEMES)
+    found = _tradeoff(ordered)
+    areas = found["areas"] if found else {}
+    runs = by_scheme(ordered)
+    lines = []
+    for other in FL_SCHEMES[1:]:
+        if "doplus" not in runs or other not in runs:
+            continue
+        for key, label in (("OVR", "OVR"), ("MU", "MU"), ("UFE", "UFE"), ("area", "the envelope's area")):
+            def value(record, key=key):
+                return areas.get(record["run"]) if key == "area" else final_metrics(record).get(key)
+
+            result = paired_runs(runs["doplus"], runs[other], value)
+            if result.mean is None:
+                continue
+            lines.append(f"- {reading('DO+', scheme_label(other), label, True, result)}.")
+    return lines
+
+
+def ablation_table(records: Sequence[dict[str, Any]]) -> list[str]:
+    """The base-state ablations beside DO+'s run of the same forget task (task 1): the last evaluation's UFE, TFE,
+    MU, OVR and forget ROUGE-L, MU at the FL runs' matched UFE levels (the bench's rule, from the FL runs' curves,
+    so that the two tables read the same levels) and the area the envelope dominates over the FL runs' reference
+    point."""
+    from doplus_cli.bench.tradeoff import at_level, dominated_area
+
+    found = _tradeoff(_in_order(records, FL_SCHEMES))
+    levels = found["ufe_levels"] if found else []
+    x_ref = found["area_reference"][0] if found else None
+    ablations = [r for r in _in_order(records, ABLATION_SCHEMES) if r["task"] == 1]
+    lines = [row(("DualOptim+, forget task 1", "UFE ↑", "TFE ↑", "MU ↑", "OVR ↑", "forget ROUGE-L ↓",
+                  *(f"MU at UFE = {level:.1f}" for level in levels), "envelope area")),
+             row(("---",) + ("---:",) * (6 + len(levels)))]
+    for record in ablations:
+        values = final_metrics(record)
+        points = curve(record)
+        crossings = [at_level(points, level, False) for level in levels]
+        lines.append(row((scheme_label(record["scheme"]),
+                          *(f"{values[key]:.2f}" if values.get(key) is not None else "n/a"
+                            for key in ("UFE", "TFE", "MU", "OVR")),
+                          f"{values['forget_Q_A_ROUGE']:.3f}" if values.get("forget_Q_A_ROUGE") is not None else "n/a",
+                          *(f"{c.value:.2f}" if c.status == "reached" else c.status for c in crossings),
+                          "n/a" if x_ref is None else f"{dominated_area(points, x_ref):.1f}")))
+    return lines
+
+
+# They join TABLES with their runs file, records/tofu_protocol_fl.jsonl (the FL and ablation benches' SCHEMES.json
+# and the white-box grid's), when every run is in.
+FL_TABLES: dict[str, Table] = {
+    "tofu_protocol_fl": Table("tofu_protocol_fl", lambda records: mean_std_table(_in_order(records, FL_SCHEMES),
+                                                                                FL_COLUMNS)),
+    "tofu_protocol_fl_tradeoff": Table("tofu_protocol_fl", fl_tradeoff_section),
+    "tofu_protocol_fl_paired": Table("tofu_protocol_fl", fl_paired_section),
+    "tofu_protocol_ablations": Table("tofu_protocol_fl", ablation_table),
+}
+
+
 def _sweep_value(record: dict[str, Any]) -> Any:
     return record["settings"].get("sweep_value")
 

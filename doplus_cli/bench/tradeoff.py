@@ -223,7 +223,7 @@ def render(tradeoff: dict[str, Any], over: str) -> list[str]:
         area = row["area"]
         value = "n/a" if area["mean"] is None else f"{area['mean']:.1f}" + (
             f" ± {area['std']:.1f}" if area["std"] is not None else "")
-        lines.append(f"| {row['label']} | {value} ({area['runs']} runs) |")
+        lines.append(f"| {row['label']} | {value} ({area['runs']} run{'s' if area['runs'] != 1 else ''}) |")
     lines.append("")
     for entry in tradeoff.get("dominance", []):
         lines.append(f"- {entry['a']} against {entry['b']}, over {entry['pairs']} runs of the same forget task and "
