@@ -887,3 +887,33 @@ def test_the_learning_rate_grid_tables_by_hand():
                     f"{tables.minus(f'{-2 + t975 * sd / n:+.2f}')}], 6 of 6 pairs agree; the pairs detect "
                     f"{(t975 + t80) * sd / n:.2f} or more.")
     assert "- OVR, DO+ − DO at their best lr: 0 pairs, too few for an interval." in best
+
+
+def test_the_main_learning_rate_section_pairs_the_grid_with_scaffolds_own_bench_by_hand():
+    """At 2e-4 (the main protocol's rate, written 0.0002 by one bench and 2e-4 by another): the grid's runs there
+    and SCAFFOLD's, benched without the sweep; the other rates stay out. SCAFFOLD − DO+ on OVR = 1 + f per pair
+    (f sums to 0), an interval above 0: SCAFFOLD better; DO+ − Alternate = f, an interval around 0: none."""
+    pairs = [(task, seed) for task in (1, 2) for seed in (0, 1, 2)]
+    f = [0.5, -0.5, 0.8, -0.8, 0.25, -0.25]
+    runs = []
+    for i, (task, seed) in enumerate(pairs):
+        runs += [_swept("alternate", 0.0002, task, seed, 50.0 + i), _swept("doplus", 2e-4, task, seed, 50.0 + i + f[i]),
+                 _swept("alternate", 6.3e-4, task, seed, 10.0), _swept("doplus", 6.3e-4, task, seed, 90.0)]
+        scaffold = _swept("scaffold", 2e-4, task, seed, 51.0 + i + 2 * f[i])
+        scaffold["settings"]["sweep_value"] = None  # its own bench, at the recipe's lr
+        runs.append(scaffold)
+    section = tables.STABILITY_TABLES["tofu_stability_main_lr"].render(runs)
+    assert section[0] == "| Method | OVR | UFE | MU |"
+    ovr = [50.0 + i for i in range(6)]
+    assert section[2] == (f"| Alternate | {statistics.mean(ovr):.2f} ± {statistics.stdev(ovr):.2f} | "
+                          f"{statistics.mean(ovr) + 10:.2f} ± {statistics.stdev(ovr):.2f} | "
+                          f"{statistics.mean(ovr) - 10:.2f} ± {statistics.stdev(ovr):.2f} |")  # 6.3e-4 left out
+    t975, n = 2.5705818366147395, math.sqrt(6)
+    half = t975 * statistics.stdev(f) / n
+    label = tables.scheme_label("scaffold")
+    assert (f"- {label} is better than DO+ on OVR (mean +1, 95% CI [{1 - half:+.3g}, {1 + half:+.3g}], 6 of 6 "
+            "pairs agree).") in section
+    difference = next(line for line in section if line.startswith("- no difference detected between DO+ and "
+                                                                   "Alternate on OVR"))
+    assert f"95% CI [{-half:+.3g}, {half:+.3g}]" in difference
+    assert not any("DO+ (paper rule)" in line for line in section)  # no runs of it: no comparison

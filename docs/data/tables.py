@@ -1247,15 +1247,46 @@ def best_value_table(records: Sequence[dict[str, Any]], metric: str, columns: Se
     return lines
 
 
+def at_value_section(records: Sequence[dict[str, Any]], value: float, columns: Sequence[Column],
+                     comparisons: Sequence[tuple[str, str]], key: str = "lr") -> list[str]:
+    """The runs at one sweep value (`value`, to a relative 1e-9) and the runs of schemes benched without the sweep
+    at that value (SCAFFOLD's own bench: no sweep value): each scheme's columns, mean ± std over its (task, seed)
+    pairs, then for each (A, B) of `comparisons`, A − B on each column pair by pair, in the bench's words (better
+    only when the 95% t interval excludes 0; doplus_cli.bench.paired.reading)."""
+    from doplus_cli.bench.paired import reading
+
+    def here(record: dict[str, Any]) -> bool:
+        at = _sweep_value(record)
+        return at is None or math.isclose(float(at), value, rel_tol=1e-9)
+
+    chosen = [r for r in records if here(r)]
+    lines = mean_std_table(chosen, columns)
+    lines.append("")
+    runs = by_scheme(chosen)
+    for a, b in comparisons:
+        if a not in runs or b not in runs:
+            continue
+        for column in columns:
+            result = paired_runs(runs[a], runs[b], column.value)
+            lines.append(f"- {reading(scheme_label(a), scheme_label(b), column.label, True, result)}.")
+    return lines
+
+
 STABILITY_COLUMNS = (Column("OVR", "OVR", ".2f"), Column("UFE", "UFE", ".2f"), Column("MU", "MU", ".2f"))
 STABILITY_COMPARISONS = (("doplus", "alternate"), ("doplus", "dualoptim"), ("doplus-paper", "alternate"),
                          ("doplus-paper", "dualoptim"))
+# at the main protocol's learning rate: the same, DO+'s two rules, and SCAFFOLD (its own bench) against each
+MAIN_LR = 2e-4
+MAIN_LR_COMPARISONS = (*STABILITY_COMPARISONS, ("doplus", "doplus-paper"), ("scaffold", "alternate"),
+                       ("scaffold", "dualoptim"), ("scaffold", "doplus"), ("scaffold", "doplus-paper"))
 # The learning-rate grid's tables (results.md, "Is DualOptim+ less sensitive to the learning rate?"): they join
 # TABLES with their runs file, records/tofu_stability.jsonl (the grid's SCHEMES.json), when its runs are in.
 STABILITY_TABLES: dict[str, Table] = {
     "tofu_stability_sensitivity": Table("tofu_stability", lambda records: sensitivity_section(records, "OVR")),
     "tofu_stability_best": Table("tofu_stability", lambda records: best_value_table(
         records, "OVR", STABILITY_COLUMNS, STABILITY_COMPARISONS)),
+    "tofu_stability_main_lr": Table("tofu_stability", lambda records: at_value_section(
+        records, MAIN_LR, STABILITY_COLUMNS, MAIN_LR_COMPARISONS)),
 }
 
 
