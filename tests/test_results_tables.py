@@ -462,7 +462,7 @@ def test_the_federated_learning_and_ablation_sections_worked_out_by_hand():
     label = tables.scheme_label("scaffold")
     # OVR: DO+ − SCAFFOLD = −3, −2, −4: mean −3, sd 1, the interval −3 ± t(0.975, 2)/√3 excludes 0
     half = 4.302652729911275 / math.sqrt(3)
-    words = tables.fl_paired_section(records)
+    words = tables.FL_TABLES["tofu_protocol_fl_paired"].render(records)
     assert words[0].startswith(f"- {label} is better than DO+ on OVR (mean -3, 95% CI [{-3 - half:+.3g}, "
                                f"{-3 + half:+.3g}], 3 of 3 pairs agree")
     # the envelope's area over the mean start (20, 0), task by task
@@ -480,7 +480,7 @@ def test_the_federated_learning_and_ablation_sections_worked_out_by_hand():
         f"[{low:+.3g}, {mean + (mean - low):+.3g}], 3 of 3 pairs agree); the grid detects a mean difference of "
         f"about {detectable:.3g} or more.")
     # task 2: DO+'s points (38, 43) and (58, 36) beat SCAFFOLD's (36, 41) and (57, 33); tasks 1 and 3 cross
-    tradeoff = tables.fl_tradeoff_section(records)
+    tradeoff = tables.FL_TABLES["tofu_protocol_fl_tradeoff"].render(records)
     assert (f"- DO+ against {label}, over 3 forget tasks: DO+'s envelope dominates in 1, {label}'s in 0, they "
             "coincide in 0 and cross in 2.") in tradeoff
     area_row = f"| DO+ | {statistics.mean(areas_doplus):.1f} ± {statistics.stdev(areas_doplus):.1f} (3 runs) |"
@@ -491,7 +491,7 @@ def test_the_federated_learning_and_ablation_sections_worked_out_by_hand():
     levels = [round(20 + f * 37.5, 1) for f in (0.25, 0.5, 0.75)]
     assert levels == [29.4, 38.8, 48.1]
     mu = [45 - (levels[0] - 20) / 10, 44 - 4 * (levels[1] - 30) / 20, 44 - 4 * (levels[2] - 30) / 20]
-    table = tables.ablation_table(records)
+    table = tables.FL_TABLES["tofu_protocol_ablations"].render(records)
     assert table[0] == ("| DualOptim+, forget task 1 | UFE ↑ | TFE ↑ | MU ↑ | OVR ↑ | forget ROUGE-L ↓ | MU at UFE = "
                         "29.4 | MU at UFE = 38.8 | MU at UFE = 48.1 | envelope area |")
     assert table[2].startswith("| DO+ | 60.00 | 98.00 | 30.00 | 50.00 | 0.050 |")
@@ -917,3 +917,21 @@ def test_the_main_learning_rate_section_pairs_the_grid_with_scaffolds_own_bench_
                                                                    "Alternate on OVR"))
     assert f"95% CI [{-half:+.3g}, {half:+.3g}]" in difference
     assert not any("DO+ (paper rule)" in line for line in section)  # no runs of it: no comparison
+
+
+def test_the_main_protocol_tables_read_the_white_box_grid_in_the_pages_order():
+    """The TOFU-protocol benchmark's tables from the white-box grid's runs: the schemes in the page's order
+    whatever the records' order, DO+'s envelope against each other scheme, and DO+ − Alternate in the bench's
+    words (OVR −3, −2, −4 as in the FL case: Alternate better)."""
+    doplus = [_curved("doplus", t, [(20, 45), (40, 40), (60, 30)], ovr) for t, ovr in ((1, 50.0), (2, 52.0), (3, 48.0))]
+    alternate = [_curved("alternate", t, [(20, 45), (35, 42), (55, 35)], ovr)
+                 for t, ovr in ((1, 53.0), (2, 54.0), (3, 52.0))]
+    records = [*doplus, *alternate]
+    table = tables.MAIN_TABLES["tofu_protocol_main"].render(records)
+    assert [line.split(" | ")[0] for line in table[2:]] == ["| Alternate", "| DO+"]
+    tradeoff = tables.MAIN_TABLES["tofu_protocol_main_tradeoff"].render(records)
+    assert ("- DO+ against Alternate, over 3 forget tasks: DO+'s envelope dominates in 0, Alternate's in 0, they "
+            "coincide in 0 and cross in 3.") in tradeoff
+    paired = tables.MAIN_TABLES["tofu_protocol_main_paired"].render(records)
+    assert paired[0].startswith("- Alternate is better than DO+ on OVR (mean -3, ")
+    assert len(paired) == 4  # OVR, MU, UFE and the area, for the one comparison both schemes ran

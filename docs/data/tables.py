@@ -1107,51 +1107,54 @@ def _tradeoff(records: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
                                      for s, group in by_scheme(records).items()])
 
 
-def fl_tradeoff_section(records: Sequence[dict[str, Any]]) -> list[str]:
-    """The trade-off along the curves as `bench schemes` computes it (levels by its rule from these runs; the area
-    each run's Pareto envelope dominates), then for DO+ (default rule) against each other scheme, over the runs of
-    the same forget task: how often one envelope dominates the other."""
+def tradeoff_section(records: Sequence[dict[str, Any]], schemes: Sequence[str], first: str | None = None) -> list[str]:
+    """The trade-off along the curves of the runs of `schemes` as `bench schemes` computes it (levels by its rule
+    from these runs; the area each run's Pareto envelope dominates), then for `first` (by default the first
+    scheme) against each other, over the runs of the same forget task and seed: how often one envelope dominates
+    the other."""
     from doplus_cli.bench.tradeoff import dominance_counts, render
 
-    ordered = _in_order(records, FL_SCHEMES)
+    ordered = _in_order(records, schemes)
     found = _tradeoff(ordered)
     if found is None:
         return ["No run has a curve."]
     lines = render(found, "the forget tasks")[2:]  # its own heading dropped: the page's section is the heading
     runs = by_scheme(ordered)
-    for other in FL_SCHEMES[1:]:
-        if "doplus" in runs and other in runs:
-            counts = dominance_counts({(r["task"], r["seed"]): curve(r) for r in runs["doplus"]},
+    first = first or schemes[0]
+    for other in schemes:
+        if other != first and first in runs and other in runs:
+            counts = dominance_counts({(r["task"], r["seed"]): curve(r) for r in runs[first]},
                                       {(r["task"], r["seed"]): curve(r) for r in runs[other]})
+            a, b = scheme_label(first), scheme_label(other)
             tasks = f"{counts['pairs']} forget task{'s' if counts['pairs'] != 1 else ''}"
-            lines.append(f"- DO+ against {scheme_label(other)}, over {tasks}: DO+'s envelope "
-                         f"dominates in {counts['first']}, {scheme_label(other)}'s in {counts['second']}, they "
-                         f"coincide in {counts['equal']} and cross in {counts['cross']}.")
+            lines.append(f"- {a} against {b}, over {tasks}: {a}'s envelope dominates in {counts['first']}, {b}'s in "
+                         f"{counts['second']}, they coincide in {counts['equal']} and cross in {counts['cross']}.")
     return lines
 
 
-def fl_paired_section(records: Sequence[dict[str, Any]]) -> list[str]:
-    """DO+ (default rule) − each other scheme, over the forget tasks both ran: OVR, MU and UFE at the end and the
-    area the envelope dominates (`_tradeoff`'s, one reference point for every run), each in words by the bench's
-    rule (better only when the 95% t interval excludes 0; doplus_cli.bench.paired.reading)."""
+def paired_section(records: Sequence[dict[str, Any]], schemes: Sequence[str],
+                   comparisons: Sequence[tuple[str, str]]) -> list[str]:
+    """For each (A, B) of `comparisons`, A − B over the forget tasks (and seeds) both ran: OVR, MU and UFE at the
+    end and the area the envelope dominates (`_tradeoff`'s over the runs of `schemes`, one reference point for
+    every run), each in words by the bench's rule (better only when the 95% t interval excludes 0;
+    doplus_cli.bench.paired.reading)."""
     from doplus_cli.bench.paired import reading
 
-    ordered = _in_order(records, FL_SCHEMES)
+    ordered = _in_order(records, schemes)
     found = _tradeoff(ordered)
     areas = found["areas"] if found else {}
     runs = by_scheme(ordered)
     lines = []
-    for other in FL_SCHEMES[1:]:
-        if "doplus" not in runs or other not in runs:
+    for a, b in comparisons:
+        if a not in runs or b not in runs:
             continue
         for key, label in (("OVR", "OVR"), ("MU", "MU"), ("UFE", "UFE"), ("area", "the envelope's area")):
             def value(record, key=key):
                 return areas.get(record["run"]) if key == "area" else final_metrics(record).get(key)
 
-            result = paired_runs(runs["doplus"], runs[other], value)
-            if result.mean is None:
-                continue
-            lines.append(f"- {reading('DO+', scheme_label(other), label, True, result)}.")
+            result = paired_runs(runs[a], runs[b], value)
+            if result.mean is not None:
+                lines.append(f"- {reading(scheme_label(a), scheme_label(b), label, True, result)}.")
     return lines
 
 
@@ -1187,9 +1190,32 @@ def ablation_table(records: Sequence[dict[str, Any]]) -> list[str]:
 FL_TABLES: dict[str, Table] = {
     "tofu_protocol_fl": Table("tofu_protocol_fl", lambda records: mean_std_table(_in_order(records, FL_SCHEMES),
                                                                                 FL_COLUMNS)),
-    "tofu_protocol_fl_tradeoff": Table("tofu_protocol_fl", fl_tradeoff_section),
-    "tofu_protocol_fl_paired": Table("tofu_protocol_fl", fl_paired_section),
+    "tofu_protocol_fl_tradeoff": Table("tofu_protocol_fl", lambda records: tradeoff_section(records, FL_SCHEMES)),
+    "tofu_protocol_fl_paired": Table("tofu_protocol_fl", lambda records: paired_section(
+        records, FL_SCHEMES, [("doplus", other) for other in FL_SCHEMES[1:]])),
     "tofu_protocol_ablations": Table("tofu_protocol_fl", ablation_table),
+}
+
+
+# The TOFU-protocol benchmark's own tables (results.md, its first section), from the white-box grid's runs: the same
+# recipe, schemes, forget tasks and seed, trained again; the attacks of their last evaluation change no figure here.
+MAIN_SCHEMES = ("joint", "alternate", "dualoptim", "doplus", "doplus-paper")
+MAIN_COLUMNS = (
+    Column("UFE", "UFE ↑", ".2f"), Column("TFE", "TFE ↑", ".2f"), Column("MU", "MU ↑", ".2f"),
+    Column("OVR", "OVR ↑", ".2f"), Column("model_utility", "model_utility ↑", ".3f"),
+    Column("forget_Q_A_ROUGE", "forget ROUGE-L ↓", ".3f"), Column("retain_Q_A_ROUGE", "retain ROUGE-L ↑", ".3f"),
+    Column("optimizer_state_bytes", "optimizer states (GB) ↓", ".2f", resource=True, scale=1e9, spread=False),
+)
+MAIN_COMPARISONS = (("doplus", "alternate"), ("doplus", "dualoptim"), ("doplus-paper", "alternate"),
+                    ("doplus-paper", "dualoptim"), ("doplus", "doplus-paper"), ("dualoptim", "alternate"))
+# They join TABLES with the white-box tables' runs file when the grid's 15 runs are in.
+MAIN_TABLES: dict[str, Table] = {
+    "tofu_protocol_main": Table("tofu_protocol_whitebox", lambda records: mean_std_table(
+        _in_order(records, MAIN_SCHEMES), MAIN_COLUMNS)),
+    "tofu_protocol_main_tradeoff": Table("tofu_protocol_whitebox", lambda records: tradeoff_section(
+        records, MAIN_SCHEMES, first="doplus")),
+    "tofu_protocol_main_paired": Table("tofu_protocol_whitebox", lambda records: paired_section(
+        records, MAIN_SCHEMES, MAIN_COMPARISONS)),
 }
 
 
