@@ -935,3 +935,40 @@ def test_the_main_protocol_tables_read_the_white_box_grid_in_the_pages_order():
     paired = tables.MAIN_TABLES["tofu_protocol_main_paired"].render(records)
     assert paired[0].startswith("- Alternate is better than DO+ on OVR (mean -3, ")
     assert len(paired) == 4  # OVR, MU, UFE and the area, for the one comparison both schemes ran
+
+
+def test_the_mini_benchmarks_tables_by_hand():
+    """A loss sweep: one row per (loss, scheme) in the order the losses come, and the paired words per loss; the
+    real-world bench: a lower forget ROUGE-L is the better one; the update similarity comes from diagnostics."""
+    runs = []
+    for loss, shift in (("SimNPO+GD", 0.0), ("RMU+EMBED", -20.0)):
+        for seed, e in ((0, 0.0), (1, 1.0), (2, -1.0)):
+            for scheme, ovr in (("doplus", 40.0), ("alternate", 44.0)):
+                made = record(f"{scheme}-{loss}-s{seed}", scheme, seed, {
+                    "OVR": ovr + shift + e + (seed if scheme == "doplus" else 0), "MU": 20.0, "UFE": 50.0,
+                    "forget_Q_A_ROUGE": 0.4})
+                made["settings"]["sweep_value"] = loss
+                runs.append(made)
+    table = tables.MINI_TABLES["mini_tofu_losses"].render(runs)
+    assert table[0] == "| scheme | loss | forget ROUGE-L ↓ | MU ↑ | UFE ↑ | OVR ↑ |"
+    assert [tuple(line.split(" | ")[:2]) for line in table[2:]] == [
+        ("| Alternate", "SimNPO+GD"), ("| DO+", "SimNPO+GD"), ("| Alternate", "RMU+EMBED"), ("| DO+", "RMU+EMBED")]
+    assert table[3].endswith(f"| {statistics.mean([40, 42, 41]):.2f} ± {statistics.stdev([40, 42, 41]):.2f} |")
+    words = tables.MINI_TABLES["mini_tofu_losses_paired"].render(runs)
+    # DO+ − Alternate on OVR: −4, −3, −2 at either loss: mean −3, sd 1
+    half = 4.302652729911275 / math.sqrt(3)
+    for loss in ("SimNPO+GD", "RMU+EMBED"):
+        assert (f"- loss = {loss}: Alternate is better than DO+ on OVR (mean -3, 95% CI [{-3 - half:+.3g}, "
+                f"{-3 + half:+.3g}], 3 of 3 pairs agree).") in words
+    assert not any("envelope" in line for line in words)  # no curves: no area
+
+    world = []
+    for seed, forget in ((0, 0.02), (1, 0.03), (2, 0.01)):
+        for scheme, offset in (("doplus", 0.0), ("alternate", 0.05)):
+            made = record(f"{scheme}-s{seed}", scheme, seed, {"forget_rouge": forget + offset, "retain_rouge": 0.5})
+            made["diagnostics"]["update_cosine"] = 0.2
+            world.append(made)
+    paired = tables.MINI_TABLES["real_world_mini_paired"].render(world)
+    assert paired[0].startswith("- DO+ is better than Alternate on forget ROUGE-L (mean -0.05, ")
+    cosine = tables.Column("update_cosine", "", ".3f", diagnostic=True)
+    assert [cosine.value(r) for r in world] == [0.2] * 6

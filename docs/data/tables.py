@@ -534,10 +534,13 @@ class Column:
     scale: float = 1.0
     spread: bool = True
     attack: str | None = None  # the value of this attack in the run's `attacks` (`split_key`'s names)
+    diagnostic: bool = False  # a value of the run's `diagnostics` (the update similarity, step sizes)
 
     def value(self, record: dict[str, Any]) -> Any:
         if self.attack is not None:
             return ((record["attacks"] or {}).get(self.attack) or {}).get(self.key)
+        if self.diagnostic:
+            return record["diagnostics"].get(self.key)
         return (record["resources"] if self.resource else final_metrics(record)).get(self.key)
 
 
@@ -1132,12 +1135,16 @@ def tradeoff_section(records: Sequence[dict[str, Any]], schemes: Sequence[str], 
     return lines
 
 
-def paired_section(records: Sequence[dict[str, Any]], schemes: Sequence[str],
-                   comparisons: Sequence[tuple[str, str]]) -> list[str]:
-    """For each (A, B) of `comparisons`, A − B over the forget tasks (and seeds) both ran: OVR, MU and UFE at the
-    end and the area the envelope dominates (`_tradeoff`'s over the runs of `schemes`, one reference point for
-    every run), each in words by the bench's rule (better only when the 95% t interval excludes 0;
-    doplus_cli.bench.paired.reading)."""
+SCORES = (("OVR", "OVR", True), ("MU", "MU", True), ("UFE", "UFE", True), ("area", "the envelope's area", True))
+
+
+def paired_section(records: Sequence[dict[str, Any]], schemes: Sequence[str], comparisons: Sequence[tuple[str, str]],
+                   metrics: Sequence[tuple[str, str, bool]] = SCORES) -> list[str]:
+    """For each (A, B) of `comparisons`, A − B over the forget tasks and seeds both ran, for each of `metrics`
+    (key, label, higher is better; by default OVR, MU and UFE at the end and the area the envelope dominates,
+    `_tradeoff`'s over the runs of `schemes`, one reference point for every run), each in words by the bench's
+    rule (better only when the 95% t interval excludes 0; doplus_cli.bench.paired.reading). A metric no pair has
+    (no curves: no area) is left out."""
     from doplus_cli.bench.paired import reading
 
     ordered = _in_order(records, schemes)
@@ -1148,13 +1155,36 @@ def paired_section(records: Sequence[dict[str, Any]], schemes: Sequence[str],
     for a, b in comparisons:
         if a not in runs or b not in runs:
             continue
-        for key, label in (("OVR", "OVR"), ("MU", "MU"), ("UFE", "UFE"), ("area", "the envelope's area")):
+        for key, label, higher in metrics:
             def value(record, key=key):
                 return areas.get(record["run"]) if key == "area" else final_metrics(record).get(key)
 
             result = paired_runs(runs[a], runs[b], value)
             if result.mean is not None:
-                lines.append(f"- {reading(scheme_label(a), scheme_label(b), label, True, result)}.")
+                lines.append(f"- {reading(scheme_label(a), scheme_label(b), label, higher, result)}.")
+    return lines
+
+
+def swept_table(records: Sequence[dict[str, Any]], schemes: Sequence[str], columns: Sequence[Column],
+                key: str) -> list[str]:
+    """One row per (sweep value, scheme), the values in the order they first appear and the schemes in `schemes`'
+    order: each column's mean ± std over the seeds."""
+    values = list(dict.fromkeys(_sweep_value(r) for r in records))
+    lines = [row(["scheme", key, *(c.label for c in columns)]), row(["---", "---", *("---:" for _ in columns)])]
+    for value in values:
+        for scheme, runs in by_scheme(_in_order([r for r in records if _sweep_value(r) == value], schemes)).items():
+            lines.append(row([scheme_label(scheme), str(value), *(mean_std_cell(runs, c) for c in columns)]))
+    return lines
+
+
+def swept_paired(records: Sequence[dict[str, Any]], schemes: Sequence[str], comparisons: Sequence[tuple[str, str]],
+                 key: str, metrics: Sequence[tuple[str, str, bool]] = SCORES) -> list[str]:
+    """`paired_section` at each sweep value apart (a pair is the same seed at the same value), each line led by
+    the value."""
+    lines = []
+    for value in dict.fromkeys(_sweep_value(r) for r in records):
+        lines += [f"- {key} = {value}: {line[2:]}" for line in paired_section(
+            [r for r in records if _sweep_value(r) == value], schemes, comparisons, metrics)]
     return lines
 
 
@@ -1216,6 +1246,47 @@ MAIN_TABLES: dict[str, Table] = {
         records, MAIN_SCHEMES, first="doplus")),
     "tofu_protocol_main_paired": Table("tofu_protocol_whitebox", lambda records: paired_section(
         records, MAIN_SCHEMES, MAIN_COMPARISONS)),
+}
+
+
+# The mini benchmarks, run again (results.md, "The mini benchmarks"): their train times ran beside other runs on
+# shared cores, so they stay in the records and out of the tables.
+MINI_TOFU_SCHEMES = ("joint", "alternate", "dualoptim", "dualoptim-8bit", "doplus", "doplus-8bit")
+MINI_TOFU_COLUMNS = (
+    Column("UFE", "UFE ↑", ".2f"), Column("TFE", "TFE ↑", ".2f"), Column("MU", "MU ↑", ".2f"),
+    Column("OVR", "OVR ↑", ".2f"), Column("model_utility", "model_utility ↑", ".3f"),
+    Column("peak_memory_gb", "peak memory (GB) ↓", ".2f", resource=True),
+    Column("optimizer_state_bytes", "optimizer states (GB) ↓", ".2f", resource=True, scale=1e9, spread=False),
+    Column("update_cosine", "update cos (2nd half)", ".3f", diagnostic=True),
+)
+MINI_TOFU_COMPARISONS = (("doplus", "alternate"), ("doplus", "dualoptim"), ("dualoptim", "alternate"),
+                         ("dualoptim-8bit", "dualoptim"), ("doplus-8bit", "doplus"))
+LOSS_SCHEMES = ("alternate", "dualoptim", "doplus")
+LOSS_COLUMNS = (Column("forget_Q_A_ROUGE", "forget ROUGE-L ↓", ".3f"), Column("MU", "MU ↑", ".2f"),
+                Column("UFE", "UFE ↑", ".2f"), Column("OVR", "OVR ↑", ".2f"))
+REAL_WORLD_SCHEMES = ("alternate", "dualoptim", "doplus", "doplus-8bit")
+REAL_WORLD_COLUMNS = (
+    Column("forget_rouge", "forget ROUGE-L ↓", ".3f"), Column("retain_rouge", "retain ROUGE-L ↑", ".3f"),
+    Column("peak_memory_gb", "peak memory (GB) ↓", ".2f", resource=True),
+    Column("optimizer_state_bytes", "optimizer states (GB) ↓", ".2f", resource=True, scale=1e9, spread=False),
+)
+REAL_WORLD_METRICS = (("forget_rouge", "forget ROUGE-L", False), ("retain_rouge", "retain ROUGE-L", True))
+# They join TABLES with their runs files (records/mini_tofu.jsonl, mini_tofu_losses.jsonl, real_world_mini.jsonl,
+# each a bench folder's SCHEMES.json) when the runs are in.
+MINI_TABLES: dict[str, Table] = {
+    "mini_tofu": Table("mini_tofu", lambda records: mean_std_table(_in_order(records, MINI_TOFU_SCHEMES),
+                                                                  MINI_TOFU_COLUMNS)),
+    "mini_tofu_paired": Table("mini_tofu", lambda records: paired_section(records, MINI_TOFU_SCHEMES,
+                                                                          MINI_TOFU_COMPARISONS)),
+    "mini_tofu_losses": Table("mini_tofu_losses", lambda records: swept_table(records, LOSS_SCHEMES, LOSS_COLUMNS,
+                                                                              "loss")),
+    "mini_tofu_losses_paired": Table("mini_tofu_losses", lambda records: swept_paired(
+        records, LOSS_SCHEMES, (("doplus", "alternate"), ("doplus", "dualoptim")), "loss")),
+    "real_world_mini": Table("real_world_mini", lambda records: mean_std_table(
+        _in_order(records, REAL_WORLD_SCHEMES), REAL_WORLD_COLUMNS)),
+    "real_world_mini_paired": Table("real_world_mini", lambda records: paired_section(
+        records, REAL_WORLD_SCHEMES, (("doplus", "alternate"), ("doplus", "dualoptim"), ("doplus-8bit", "doplus")),
+        REAL_WORLD_METRICS)),
 }
 
 
