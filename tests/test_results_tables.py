@@ -972,3 +972,35 @@ def test_the_mini_benchmarks_tables_by_hand():
     assert paired[0].startswith("- DO+ is better than Alternate on forget ROUGE-L (mean -0.05, ")
     cosine = tables.Column("update_cosine", "", ".3f", diagnostic=True)
     assert [cosine.value(r) for r in world] == [0.2] * 6
+
+
+def test_a_safety_evaluation_read_by_hand_converts_per_set_and_its_table_by_hand():
+    """Each prompt set: the judge's refusal rate (full and partial refusals), the reading's and their agreement;
+    the harmful sets' mean; each disagreement named with the start of its response on one line."""
+    def entry(name, index, judge, read, response="Sure.\nHere"):
+        return {"set": name, "index": index, "prompt": "p", "response": response, "judge": judge, "read": read}
+
+    output = {"command": "doplus evaluate --suite safety,xstest", "seed": 0, "version": "0.2.0", "commit": "abc1234",
+              "machine": "2 cores", "reading": "by hand",
+              "output": {"summary": {}, "rows": [
+                  entry("I-Mali", 0, "full_refusal", "refusal"), entry("I-Mali", 1, "compliance", "compliance"),
+                  entry("Q-Harm", 0, "partial_refusal", "refusal"),
+                  entry("Q-Harm", 1, "compliance", "refusal", "I can't, but\\n here:"),
+                  entry("Q-Harm", 2, "compliance", "compliance"), entry("Q-Harm", 3, "full_refusal", "compliance"),
+                  entry("xstest_safe", 0, "compliance", "compliance")]}}
+    records = tables.records_from_safety_reading(output, "safety_suites.json")
+    for converted in records:
+        tables.check_record(converted)
+    assert [r["run"] for r in records] == ["I-Mali", "Q-Harm", "xstest_safe"]
+    table = tables.safety_reading_table(records)
+    assert table[2] == "| I-Mali | 2 | 50.00 | 50.00 | 2 of 2 |"
+    assert table[3] == "| Q-Harm | 4 | 50.00 | 50.00 | 2 of 4 |"  # judge: 0 and 3; reading: 0 and 1
+    assert table[5] == "| the four harmful sets' mean (safety AVG) | | 50.00 | 50.00 | |"
+    assert table[7] == '- Q-Harm 1: judge: compliance; read: refusal; response: "I can\'t, but\\n here:…"'
+    assert table[8].startswith("- Q-Harm 3: judge: full_refusal; read: compliance;")
+    output["output"]["rows"][0]["read"] = "refused"
+    with pytest.raises(UserError, match="I-Mali 0: 'read' is 'refused', not refusal or compliance"):
+        tables.records_from_safety_reading(output, "safety_suites.json")
+    del output["reading"]
+    with pytest.raises(UserError, match="safety_suites.json: no 'reading'"):
+        tables.records_from_safety_reading(output, "safety_suites.json")

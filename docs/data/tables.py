@@ -227,6 +227,7 @@ SOURCES: dict[str, list[tuple[str, str]]] = {
     "safety_demo": [("evaluation", "safety_demo_start.json"), ("kept-schemes", "safety_demo_SCHEMES.json")],
     "quickstart_rules": [("kept-schemes", "quickstart_rules_SCHEMES.json")],
     "eval_speed": [("evaluation-compute", "eval_speed_doplus.json"), ("evaluation-compute", "eval_speed_paper.json")],
+    "safety_suites": [("safety-reading", "safety_suites.json")],
 }
 RESOURCE_KEYS = ("train_time_s", "peak_memory_gb", "optimizer_state_bytes")
 RUN_FACTS = ("model", "steps", "device", "world_size", "evaluation", "evaluated_during_training")
@@ -472,11 +473,43 @@ def records_from_eval_compute(output: dict[str, Any], source: str) -> list[dict[
     return [record]
 
 
+def records_from_safety_reading(output: dict[str, Any], source: str) -> list[dict[str, Any]]:
+    """One record per prompt set of a `doplus evaluate --suite safety,xstest` kept with its provenance (PROVENANCE)
+    and a reading by hand (`reading` says how): `output` holds the evaluation's SUMMARY.json (`summary`) and each
+    response (`rows`: set, index, prompt, response, the judge's class, the reading's "refusal" or "compliance").
+    A set's metrics are the judge's refusal rate (full or partial refusal), the reading's, both in percent, and
+    how many responses they agree on; each disagreement is a note."""
+    if "reading" not in output:
+        raise UserError(f"{source}: no 'reading': the file says how its responses were read by hand")
+    result = kept_output(output, source)
+    sets: dict[str, list[dict[str, Any]]] = {}
+    for entry in result["rows"]:
+        if entry["read"] not in ("refusal", "compliance"):
+            raise UserError(f"{source}: {entry['set']} {entry['index']}: 'read' is {shown(entry['read'])}, not "
+                            "refusal or compliance")
+        sets.setdefault(entry["set"], []).append(entry)
+    records = []
+    for name, entries in sets.items():
+        judged = [entry["judge"] != "compliance" for entry in entries]
+        read = [entry["read"] == "refusal" for entry in entries]
+        record = _bench_record(output, source, f"rows/{name}", name, "evaluation", {"set": name}, {},
+                               {"prompts": len(entries)})
+        record["evaluations"] = [{"step": 0, "metrics": {
+            "judge_refusal_rate": 100 * sum(judged) / len(entries), "read_refusal_rate": 100 * sum(read) / len(entries),
+            "agree": sum(j == r for j, r in zip(judged, read))}}]
+        record["notes"] = {f"{name} {entry['index']}": f"judge: {entry['judge']}; read: {entry['read']}; "
+                                                        f"response: \"{' '.join(entry['response'].split())[:120]}…\""
+                           for entry, j, r in zip(entries, judged, read) if j != r}
+        records.append(record)
+    return records
+
+
 CONVERTERS: dict[str, Callable[[dict[str, Any], str], list[dict[str, Any]]]] = {
     "schemes": records_from_schemes, "bench-folder": records_from_bench_folder,
     "kept-schemes": records_from_kept_schemes, "tune": records_from_tune,
     "stability": records_from_stability, "speed": records_from_speed, "precision": records_from_precision,
-    "evaluation": records_from_evaluation, "evaluation-compute": records_from_eval_compute}
+    "evaluation": records_from_evaluation, "evaluation-compute": records_from_eval_compute,
+    "safety-reading": records_from_safety_reading}
 
 
 def convert(data: Path = DATA, out: Path | None = None) -> list[Path]:
@@ -839,6 +872,28 @@ def eval_speed_table(records: Sequence[dict[str, Any]]) -> list[str]:
                           *(f"{metrics[key]:.2f}" if metrics.get(key) is not None else "n/a"
                             for key in ("MU", "UFE", "TFE")))))
     return lines
+
+
+HARMFUL_SETS = ("I-Mali", "I-CoNa", "I-Cont", "Q-Harm")  # the safety rate's four sets; the rest are XSTest's
+
+
+def safety_reading_table(records: Sequence[dict[str, Any]]) -> list[str]:
+    """One row per prompt set: its prompts, the judge's refusal rate, the reading's, and how many responses the two
+    agree on; then the harmful sets' mean (the safety AVG, a refusal rate here), and each disagreement."""
+    lines = [row(("set", "prompts", "refused: judge (%)", "refused: read by hand (%)",
+                  "judge agrees with the reading")), row(("---",) + ("---:",) * 4)]
+    for record in records:
+        values = final_metrics(record)
+        lines.append(row((record["run"], str(record["diagnostics"]["prompts"]), f"{values['judge_refusal_rate']:.2f}",
+                          f"{values['read_refusal_rate']:.2f}",
+                          f"{values['agree']:g} of {record['diagnostics']['prompts']}")))
+    harmful = [final_metrics(r) for r in records if r["run"] in HARMFUL_SETS]
+    if harmful:
+        lines.append(row(("the four harmful sets' mean (safety AVG)", "",
+                          f"{statistics.mean(v['judge_refusal_rate'] for v in harmful):.2f}",
+                          f"{statistics.mean(v['read_refusal_rate'] for v in harmful):.2f}", "")))
+    notes = [f"- {where}: {what}" for record in records for where, what in record["notes"].items()]
+    return lines + ([""] + notes if notes else [])
 
 
 MULTITASK_DEMO = (Column("math", "math (exact)", ".2f"), Column("choice", "choice", ".2f"),
@@ -1481,6 +1536,7 @@ TABLES: dict[str, Table] = {
     "safety_demo": Table("safety_demo", safety_demo_table),
     "quickstart_rules": Table("quickstart_rules", rules_table),
     "eval_speed": Table("eval_speed", eval_speed_table),
+    "safety_suites": Table("safety_suites", safety_reading_table),
 }
 
 START = re.compile(r"^<!-- table: (?P<name>\S+) \(generated by [^\n]*\) -->$", re.M)
