@@ -1004,3 +1004,39 @@ def test_a_safety_evaluation_read_by_hand_converts_per_set_and_its_table_by_hand
     del output["reading"]
     with pytest.raises(UserError, match="safety_suites.json: no 'reading'"):
         tables.records_from_safety_reading(output, "safety_suites.json")
+
+
+def test_the_same_bench_run_two_ways_converts_and_its_table_by_hand():
+    """One record per way and run, named WAY/RUN; the table gives each way's command wall time and each run's wall
+    time and peak memory, and counts the runs whose every score is the same in both ways."""
+    def schemes(wall, knowmem):
+        def one(scheme, value):
+            return {"scheme": scheme, "seed": 0, "sweep_value": None, "task_id": None, "model": "m", "steps": 16,
+                    "device": "CPU", "world_size": 1, "peak_memory_kind": "process_peak_rss", "evaluation": "e",
+                    "wall_time_s": wall, "evaluated_during_training": False,
+                    "values": {"knowmem": value, "train_time_s": wall / 2, "peak_memory_gb": 3.0,
+                               "optimizer_state_bytes": 8}, "notes": {}}
+
+        return {"kind": "unlearn", "recipe": "r.yaml", "set": {},
+                "columns": [{"key": "knowmem", "role": "score"}, {"key": "train_time_s", "role": "resource"}],
+                "runs": {"joint-s0": one("joint", 0.5), "doplus-s0": one("doplus", knowmem)}}
+
+    output = {"command": "doplus bench schemes ...", "seed": 0, "version": "0.2.0", "commit": "abc1234",
+              "machine": "2 cores", "output": {
+                  "sequential": {"command": "doplus bench schemes A", "wall_s": 508.4, "schemes": schemes(250.0, 0.25)},
+                  "parallel": {"command": "doplus bench schemes A --parallel 2", "wall_s": 401.0,
+                               "schemes": schemes(390.0, 0.25)}}}
+    records = tables.records_from_parallel(output, "parallel.json")
+    for converted in records:
+        tables.check_record(converted)
+    assert [r["run"] for r in records] == ["sequential/joint-s0", "sequential/doplus-s0", "parallel/joint-s0",
+                                           "parallel/doplus-s0"]
+    assert records[2]["settings"]["way_wall_s"] == 401.0 and records[2]["commit"] == "abc1234"
+    table = tables.parallel_table(records)
+    assert table[0] == "| bench | command's wall time | joint-s0: wall, peak memory | doplus-s0: wall, peak memory |"
+    assert table[2] == "| `doplus bench schemes A` | 508 s | 250 s, 3.00 GB | 250 s, 3.00 GB |"
+    assert table[3] == "| `doplus bench schemes A --parallel 2` | 401 s | 390 s, 3.00 GB | 390 s, 3.00 GB |"
+    assert table[-1] == "Scores the same run for run in every way: 2 of 2 runs."
+    output["output"]["parallel"]["schemes"]["runs"]["doplus-s0"]["values"]["knowmem"] = 0.26
+    assert tables.parallel_table(tables.records_from_parallel(output, "parallel.json"))[-1] == (
+        "Scores the same run for run in every way: 1 of 2 runs.")
