@@ -1032,6 +1032,8 @@ WHITEBOX_READING = (
           Column("rouge", "", ".3f", attack="embedding")),
     Arrow("relearn held-out ROUGE-L", Column("held-out rouge", "", ".3f", attack="unattacked"),
           Column("held-out rouge", "", ".3f", attack=RELEARN)),
+    Arrow("relearn held-out Probability", Column("held-out probability", "", ".3f", attack="unattacked"),
+          Column("held-out probability", "", ".3f", attack=RELEARN)),
 )
 WHITEBOX_PROBE = (
     Column("probe_accuracy", "probe, unlearned model", ".3f", attack="linear-probe"),
@@ -1165,6 +1167,8 @@ WHITEBOX_TABLES: dict[str, Table] = {
                                             lambda records: mean_std_table(records, WHITEBOX_READING)),
     "tofu_protocol_whitebox_probe": Table("tofu_protocol_whitebox",
                                           lambda records: mean_std_table(records, WHITEBOX_PROBE)),
+    "tofu_protocol_whitebox_taken": Table("tofu_protocol_whitebox",
+                                          lambda records: mean_std_table(records, WHITEBOX_TAKEN)),
     "tofu_protocol_whitebox_paired": Table("tofu_protocol_whitebox", lambda records: paired_table(
         records, "doplus", ("alternate", "dualoptim"), WHITEBOX_TAKEN)),
     "tofu_protocol_whitebox_words": Table("tofu_protocol_whitebox", whitebox_words),
