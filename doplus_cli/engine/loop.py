@@ -40,6 +40,7 @@ from doplus_cli.engine.schedule import JOINT, linear_warmup_schedule, objective_
 from doplus_cli.engine.selection import BEST, Selection, selection_for, stop_rule_for
 from doplus_cli.engine.similarity import UpdateSimilarity
 from doplus_cli.errors import RunError, UserError, worker_exit_code
+from doplus_cli.evaluation.compute import peak_memory_gb
 from doplus_cli.files import save_figure
 from doplus_cli.lifecycle import StopRequest
 from doplus_cli.lora import LoraSettings, adapter_norms, apply_lora, final_model
@@ -412,7 +413,7 @@ def train(run: Run, config: TrainConfig, plan: Plan, console: Console, stop: Sto
             update = _step_diagnostics(run, objective)
             run.scheduler.step()
             run.optimizer.zero_grad(set_to_none=True)
-            peak, _ = outputs.peak_memory_gb(run.accelerator.device)
+            peak, _ = peak_memory_gb(run.accelerator.device)
             record = {"step": step + 1, "objective": objective, **terms, "lr": lr, "grad_norm": grad_norm,
                       **update, "seconds": time.perf_counter() - step_started, "peak_memory_gb": peak}
             log.step(record)
@@ -517,7 +518,7 @@ def finish(run: Run, config: TrainConfig, plan: Plan, measured_after: dict[str, 
     final, trained_dtype, lora_report = _save_final(run, config, full_weights)
     cycle = frequencies(run.objectives)
     records = run.metrics.records
-    peak, peak_kind = outputs.peak_memory_gb(run.accelerator.device)
+    peak, peak_kind = peak_memory_gb(run.accelerator.device)
     world = run.accelerator.num_processes
     report = {
         "status": "completed",

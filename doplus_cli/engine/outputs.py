@@ -75,16 +75,6 @@ def save_final(model: torch.nn.Module, tokenizer, out: Path, state_dict: dict | 
     return final
 
 
-def peak_memory_gb(device: torch.device) -> tuple[float, str]:
-    """(peak memory in GB, what was measured): CUDA peak allocated, or the process's peak RSS on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9, "cuda_max_allocated"
-    import resource
-
-    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss_kb * 1024 / 1e9, "process_peak_rss"
-
-
 def _version(package: str) -> str | None:
     try:
         return metadata.version(package)

@@ -20,6 +20,9 @@ own forward where it cannot run; the record and the report say which kernel ran 
 The floor is over the fastest product kernel measured, since a floor that the evaluation can beat is none (on
 CPUs where oneDNN's packed linear runs at twice MKL's rate, a floor over torch's matmul is one the evaluation
 beats). The record keeps the ratio over torch's matmul beside it.
+
+`peak_memory_gb` is the process's peak memory as a run's report and an evaluation's record give it; it sits here,
+below the engine, so that both the evaluation and the training loop read the same measure.
 """
 
 from __future__ import annotations
@@ -227,6 +230,17 @@ def matmul_gflops(dtype: torch.dtype = torch.float32, device: str | torch.device
             best, spent = min(best, elapsed), spent + elapsed
         rates[name] = 2 * size**3 / best / 1e9
     return rates
+
+
+def peak_memory_gb(device: torch.device) -> tuple[float, str]:
+    """(peak memory in GB, what was measured): CUDA peak allocated, or the process's peak RSS on CPU. A run's report
+    and an evaluation's compute section both give it."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9, "cuda_max_allocated"
+    import resource
+
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss_kb * 1024 / 1e9, "process_peak_rss"
 
 
 def compute_floor(tokens: TokenCount, parameters: int, rates: dict[str, float], wall_s: float, dtype: str,

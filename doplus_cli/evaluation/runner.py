@@ -21,7 +21,7 @@ from doplus_cli.config import list_value
 from doplus_cli.data.formatting import check_prompt_template
 from doplus_cli.errors import UserError, writing
 from doplus_cli.evaluation.attacks import ATTACKS, QA_SUITES, parse_attack_options, parse_attacks, parse_relearn_steps
-from doplus_cli.evaluation.compute import compute_floor, linear_kernel, matmul_gflops, packed_linears
+from doplus_cli.evaluation.compute import compute_floor, linear_kernel, matmul_gflops, packed_linears, peak_memory_gb
 from doplus_cli.evaluation.muse import check_muse_data
 from doplus_cli.evaluation.privacy import read_holdout, read_retain_logs
 from doplus_cli.evaluation.protocol import get_protocol
@@ -212,8 +212,6 @@ def evaluate_model(model, tokenizer, config: EvalConfig, out: Path, model_name: 
                                           command["dtype"], packed, decoding.KERNEL.compiled_calls - decode_calls,
                                           kernels.fallbacks(), linear_kernel(model))
         record["compute"]["kernel_gflops_measured"] = measured
-        from doplus_cli.engine.outputs import peak_memory_gb
-
         record["compute"]["peak_memory_gb"], record["compute"]["peak_memory_kind"] = peak_memory_gb(parameter.device)
     if config.attacks and attack_when is not None and not attack_when(record):
         record["config"]["attacks"] = None
