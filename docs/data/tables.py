@@ -1177,13 +1177,17 @@ WHITEBOX_TABLES: dict[str, Table] = {
 
 # The federated-learning baselines and the base-state ablations, re-run (results.md, "The paper's other
 # comparisons"): the FL bench's runs and the white-box grid's DualOptim+ runs, both rules, in one runs file.
+# Columns the TOFU-protocol tables share: the four aggregates, and the optimizer states' size
+SCORE_COLUMNS = (Column("UFE", "UFE ↑", ".2f"), Column("TFE", "TFE ↑", ".2f"), Column("MU", "MU ↑", ".2f"),
+                 Column("OVR", "OVR ↑", ".2f"))
+STATES_COLUMN = Column("optimizer_state_bytes", "optimizer states (GB) ↓", ".2f", resource=True, scale=1e9,
+                       spread=False)
 FL_SCHEMES = ("doplus", "doplus-paper", "scaffold", "fedcm", "local-adam")
 ABLATION_SCHEMES = ("doplus", "doplus-before-delta", "doplus-after-delta", "doplus-grad-minus-delta")
 FL_COLUMNS = (
-    Column("UFE", "UFE ↑", ".2f"), Column("TFE", "TFE ↑", ".2f"), Column("MU", "MU ↑", ".2f"),
-    Column("OVR", "OVR ↑", ".2f"), Column("forget_Q_A_ROUGE", "forget ROUGE-L ↓", ".3f"),
+    *SCORE_COLUMNS, Column("forget_Q_A_ROUGE", "forget ROUGE-L ↓", ".3f"),
     Column("retain_Q_A_ROUGE", "retain ROUGE-L ↑", ".3f"),
-    Column("optimizer_state_bytes", "optimizer states (GB) ↓", ".2f", resource=True, scale=1e9, spread=False),
+    STATES_COLUMN,
 )
 
 
@@ -1331,10 +1335,9 @@ FL_TABLES: dict[str, Table] = {
 # recipe, schemes, forget tasks and seed, trained again; the attacks of their last evaluation change no figure here.
 MAIN_SCHEMES = ("joint", "alternate", "dualoptim", "doplus", "doplus-paper")
 MAIN_COLUMNS = (
-    Column("UFE", "UFE ↑", ".2f"), Column("TFE", "TFE ↑", ".2f"), Column("MU", "MU ↑", ".2f"),
-    Column("OVR", "OVR ↑", ".2f"), Column("model_utility", "model_utility ↑", ".3f"),
+    *SCORE_COLUMNS, Column("model_utility", "model_utility ↑", ".3f"),
     Column("forget_Q_A_ROUGE", "forget ROUGE-L ↓", ".3f"), Column("retain_Q_A_ROUGE", "retain ROUGE-L ↑", ".3f"),
-    Column("optimizer_state_bytes", "optimizer states (GB) ↓", ".2f", resource=True, scale=1e9, spread=False),
+    STATES_COLUMN,
 )
 MAIN_COMPARISONS = (("doplus", "alternate"), ("doplus", "dualoptim"), ("doplus-paper", "alternate"),
                     ("doplus-paper", "dualoptim"), ("doplus", "doplus-paper"), ("dualoptim", "alternate"))
@@ -1353,10 +1356,9 @@ MAIN_TABLES: dict[str, Table] = {
 # shared cores, so they stay in the records and out of the tables.
 MINI_TOFU_SCHEMES = ("joint", "alternate", "dualoptim", "dualoptim-8bit", "doplus", "doplus-8bit")
 MINI_TOFU_COLUMNS = (
-    Column("UFE", "UFE ↑", ".2f"), Column("TFE", "TFE ↑", ".2f"), Column("MU", "MU ↑", ".2f"),
-    Column("OVR", "OVR ↑", ".2f"), Column("model_utility", "model_utility ↑", ".3f"),
+    *SCORE_COLUMNS, Column("model_utility", "model_utility ↑", ".3f"),
     Column("peak_memory_gb", "peak memory (GB) ↓", ".2f", resource=True),
-    Column("optimizer_state_bytes", "optimizer states (GB) ↓", ".2f", resource=True, scale=1e9, spread=False),
+    STATES_COLUMN,
     Column("update_cosine", "update cos (2nd half)", ".3f", diagnostic=True),
 )
 MINI_TOFU_COMPARISONS = (("doplus", "alternate"), ("doplus", "dualoptim"), ("dualoptim", "alternate"),
@@ -1368,7 +1370,7 @@ REAL_WORLD_SCHEMES = ("alternate", "dualoptim", "doplus", "doplus-8bit")
 REAL_WORLD_COLUMNS = (
     Column("forget_rouge", "forget ROUGE-L ↓", ".3f"), Column("retain_rouge", "retain ROUGE-L ↑", ".3f"),
     Column("peak_memory_gb", "peak memory (GB) ↓", ".2f", resource=True),
-    Column("optimizer_state_bytes", "optimizer states (GB) ↓", ".2f", resource=True, scale=1e9, spread=False),
+    STATES_COLUMN,
 )
 REAL_WORLD_METRICS = (("forget_rouge", "forget ROUGE-L", False), ("retain_rouge", "retain ROUGE-L", True))
 # They join TABLES with their runs files (records/mini_tofu.jsonl, mini_tofu_losses.jsonl, real_world_mini.jsonl,
