@@ -1472,6 +1472,8 @@ def at_value_section(records: Sequence[dict[str, Any]], value: float, columns: S
 
 
 STABILITY_COLUMNS = (Column("OVR", "OVR", ".2f"), Column("UFE", "UFE", ".2f"), Column("MU", "MU", ".2f"))
+# DualOptim+'s two rules first, so that each comparison reads as the protocol states it: DualOptim+ minus the other
+STABILITY_ORDER = ("doplus", "doplus-paper", "alternate", "dualoptim")
 STABILITY_COMPARISONS = (("doplus", "alternate"), ("doplus", "dualoptim"), ("doplus-paper", "alternate"),
                          ("doplus-paper", "dualoptim"))
 # at the main protocol's learning rate: the same, DO+'s two rules, and SCAFFOLD (its own bench) against each
@@ -1481,7 +1483,8 @@ MAIN_LR_COMPARISONS = (*STABILITY_COMPARISONS, ("doplus", "doplus-paper"), ("sca
 # The learning-rate grid's tables (results.md, "Is DualOptim+ less sensitive to the learning rate?"): they join
 # TABLES with their runs file, records/tofu_stability.jsonl (the grid's SCHEMES.json), when its runs are in.
 STABILITY_TABLES: dict[str, Table] = {
-    "tofu_stability_sensitivity": Table("tofu_stability", lambda records: sensitivity_section(records, "OVR")),
+    "tofu_stability_sensitivity": Table("tofu_stability", lambda records: sensitivity_section(
+        _in_order(records, STABILITY_ORDER), "OVR")),
     "tofu_stability_best": Table("tofu_stability", lambda records: best_value_table(
         records, "OVR", STABILITY_COLUMNS, STABILITY_COMPARISONS)),
     "tofu_stability_main_lr": Table("tofu_stability", lambda records: at_value_section(
