@@ -1040,3 +1040,36 @@ def test_the_same_bench_run_two_ways_converts_and_its_table_by_hand():
     output["output"]["parallel"]["schemes"]["runs"]["doplus-s0"]["values"]["knowmem"] = 0.26
     assert tables.parallel_table(tables.records_from_parallel(output, "parallel.json"))[-1] == (
         "Scores the same run for run in every way: 1 of 2 runs.")
+
+
+def test_the_taught_models_evaluation_heads_the_mini_muse_table_with_its_cost_by_hand():
+    """A kept evaluation with its cost beside it converts to a `before training` record whose resources are that
+    cost; the MUSE table puts its scores first (no spread, no state size), the per-seed line lists each scheme's
+    VerbMem in seed order, and the cost line prints the kept figures with the file's provenance."""
+    summary = {"forget_verbmem_ROUGE": 0.4669, "forget_knowmem_ROUGE": 0.6111, "retain_knowmem_ROUGE": 0.5556,
+               "muse_privleak": -18.506, "muse_note": "text is left out"}
+    kept = {**PROVENANCE, "output": summary,
+            "compute": {"wall_s": 16.07, "suite_s": 8.98, "peak_memory_gb": 2.092,
+                        "peak_memory_kind": "process_peak_rss"}}
+    (start,) = tables.records_from_evaluation(kept, "T.json")
+    tables.check_record(start)
+    assert start["resources"] == {"wall_s": 16.07, "suite_s": 8.98, "peak_memory_gb": 2.092,
+                                  "peak_memory_kind": "process_peak_rss", "machine": "2 cores"}
+    (plain,) = tables.records_from_evaluation({**PROVENANCE, "output": summary}, "T.json")
+    assert plain["resources"] == {"machine": "2 cores"}  # no cost kept: none made up
+
+    def run(scheme: str, seed: int, verbmem: float) -> dict[str, Any]:
+        return record(f"{scheme}-s{seed}", scheme, seed, {"forget_verbmem_ROUGE": verbmem, "forget_knowmem_ROUGE": 0.5,
+                                                          "retain_knowmem_ROUGE": 0.5, "muse_privleak": 10.0},
+                      resources={"optimizer_state_bytes": 1_080_000_000})
+
+    runs = [start, run("doplus", 1, 0.424), run("doplus", 0, 0.437), run("joint", 0, 0.368), run("joint", 1, 0.274)]
+    table = tables.TABLES["muse_mini"].render(runs)
+    assert table[2] == "| taught model | 0.467 | 0.611 | 0.556 | −18.5 | |"
+    verbmem = [0.424, 0.437]
+    assert table[3].startswith(f"| DO+ | {statistics.mean(verbmem):.3f} ± {statistics.stdev(verbmem):.3f} |")
+    assert tables.TABLES["muse_mini_per_seed"].render(runs) == [
+        "Per seed (0, 1), VerbMem forget: DO+ 0.437, 0.424; Joint 0.368, 0.274."]
+    assert tables.TABLES["muse_mini_cost"].render(runs) == [
+        "16.1 s wall with the model's load (9.0 s in the suite), 2.09 GB peak resident memory; doplus 0.2.0 at "
+        "commit abc1234, 2 cores."]

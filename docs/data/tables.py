@@ -216,7 +216,7 @@ def metric_at(record: dict[str, Any], step: int, metric: str) -> Any:
 SOURCES: dict[str, list[tuple[str, str]]] = {
     "tofu_protocol": [("schemes", "tofu_protocol_task3_SCHEMES.json")],
     "tofu_protocol_whitebox": [("bench-folder", "tofu_protocol_whitebox/SCHEMES.json")],
-    "muse_mini": [("schemes", "muse_mini_SCHEMES.json")],
+    "muse_mini": [("evaluation", "muse_mini_taught.json"), ("schemes", "muse_mini_SCHEMES.json")],
     "real_world_mini_tune": [("tune", "tune_real_world_mini_doplus.json"),
                              ("tune", "tune_real_world_mini_alternate.json")],
     "mini_tofu_pruner": [("tune", "tune_mini_tofu_pruner_none.json"), ("tune", "tune_mini_tofu_pruner_median.json")],
@@ -374,15 +374,23 @@ def records_from_kept_schemes(output: dict[str, Any], source: str) -> list[dict[
     return records
 
 
+# What a kept evaluation may add beside its SUMMARY.json (`compute`): the wall time with the model's load, the
+# suites' own seconds, and the peak memory with its kind (from its eval.json)
+EVALUATION_COST = ("wall_s", "suite_s", "peak_memory_gb", "peak_memory_kind")
+
+
 def records_from_evaluation(output: dict[str, Any], source: str) -> list[dict[str, Any]]:
     """One record of a `doplus evaluate` of a starting model: its SUMMARY.json kept under `output` beside the
-    command and its provenance (PROVENANCE). Its scheme is "before training", its one evaluation (step 0) every
-    number of the summary; the bench tables take their rates in percent, so a rate of the safety suites (a
-    fraction in SUMMARY.json) becomes a percentage, as `bench schemes` shows it."""
+    command and its provenance (PROVENANCE), and optionally its cost under `compute` (EVALUATION_COST, the
+    record's resources). Its scheme is "before training", its one evaluation (step 0) every number of the
+    summary; the bench tables take their rates in percent, so a rate of the safety suites (a fraction in
+    SUMMARY.json) becomes a percentage, as `bench schemes` shows it."""
     summary = kept_output(output, source)
     metrics = {key: 100 * value if key in PERCENT_RATES else value for key, value in summary.items()
                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)}
-    record = _bench_record(output, source, "", "starting-model", "before training", {}, {}, {})
+    compute = output.get("compute") or {}  # the evaluation's own timing, when the file keeps it beside
+    resources = {key: compute[key] for key in EVALUATION_COST if key in compute}
+    record = _bench_record(output, source, "", "starting-model", "before training", {}, resources, {})
     record.update(source=f"{source}#/output", evaluations=[{"step": 0, "metrics": metrics}])
     return [record]
 
@@ -984,6 +992,38 @@ def safety_demo_table(records: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def muse_table(records: Sequence[dict[str, Any]]) -> list[str]:
+    """The taught model's row (its own evaluation, scores only), then each scheme's mean ± std over its seeds."""
+    start = [r for r in records if r["scheme"] == "before training"]
+    lines = mean_std_table([r for r in records if r["scheme"] != "before training"], MUSE_COLUMNS)
+    for record in start:
+        values = final_metrics(record)
+        lines.insert(2, row(["taught model", *("" if c.resource or values.get(c.key) is None
+                                               else minus(format(values[c.key], c.spec)) for c in MUSE_COLUMNS)]))
+    return lines
+
+
+def per_seed_line(records: Sequence[dict[str, Any]], column: Column) -> list[str]:
+    """One line: `column` run by run, each scheme's values in seed order (the runs of a bench, not its start)."""
+    runs = by_scheme(sorted((r for r in records if r["scheme"] != "before training"), key=lambda r: r["seed"]))
+    seeds = sorted({r["seed"] for group in runs.values() for r in group})
+    return [f"Per seed ({', '.join(map(str, seeds))}), {column.label.rstrip(' ↑↓')}: " + "; ".join(
+        f"{scheme_label(scheme)} {', '.join(minus(format(column.value(r), column.spec)) for r in group)}"
+        for scheme, group in runs.items()) + "."]
+
+
+def evaluation_cost(records: Sequence[dict[str, Any]]) -> list[str]:
+    """The cost of the starting model's evaluation, as its record keeps it (records_from_evaluation)."""
+    lines = []
+    for record in records:
+        cost = record["resources"]
+        if record["scheme"] == "before training" and "wall_s" in cost:
+            lines.append(f"{cost['wall_s']:.1f} s wall with the model's load ({cost['suite_s']:.1f} s in the suite), "
+                         f"{cost['peak_memory_gb']:.2f} GB peak resident memory; doplus {record['version']} at commit "
+                         f"{record['commit']}, {cost['machine']}.")
+    return lines
+
+
 def rules_table(records: Sequence[dict[str, Any]]) -> list[str]:
     """DualOptim+'s two rules on one recipe (the quickstart): each rule's ROUGE-L mean ± std over its seeds, then
     its step diagnostics seed by seed (the run's update sizes over every objective): the largest single-element
@@ -1579,7 +1619,9 @@ TABLES: dict[str, Table] = {
         records, ("doplus", "alternate"), "lr", ROUGES, range(6, sys.maxsize), range(sys.maxsize),
         trial_column=True)),
     "mini_tofu_pruner": Table("mini_tofu_pruner", lambda records: pruner_table(records, "lr", ("none", "median"))),
-    "muse_mini": Table("muse_mini", lambda records: mean_std_table(records, MUSE_COLUMNS)),
+    "muse_mini": Table("muse_mini", muse_table),
+    "muse_mini_per_seed": Table("muse_mini", lambda records: per_seed_line(records, MUSE_COLUMNS[0])),
+    "muse_mini_cost": Table("muse_mini", evaluation_cost),
     "optimizer_stability": Table("optimizer_stability", stability_table),
     "optimizer_speed_cpu": Table("optimizer_speed_cpu", speed_table),
     "precision": Table("precision", precision_table),
