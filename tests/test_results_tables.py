@@ -1073,3 +1073,14 @@ def test_the_taught_models_evaluation_heads_the_mini_muse_table_with_its_cost_by
     assert tables.TABLES["muse_mini_cost"].render(runs) == [
         "16.1 s wall with the model's load (9.0 s in the suite), 2.09 GB peak resident memory; doplus 0.2.0 at "
         "commit abc1234, 2 cores."]
+
+
+def test_the_taught_models_line_reads_each_tasks_curve_start_by_hand():
+    """Each run's step-0 evaluation is its task's taught model: one UFE per task, one MU for all; runs of a task
+    that disagree show both values rather than one picked."""
+    runs = [_curved(scheme, task, [(ufe, 45.66), (30, 42), (40, 40)], 50.0)
+            for scheme in ("doplus", "alternate") for task, ufe in ((1, 17.52), (2, 14.09), (3, 14.58))]
+    assert tables.MAIN_TABLES["tofu_protocol_start"].render(runs) == [
+        "The taught model: MU 45.7; UFE 17.5, 14.1, 14.6 on forget tasks 1, 2, 3."]
+    runs[0]["evaluations"][0]["metrics"]["UFE"] = 18.0
+    assert tables.start_line(runs)[0].endswith("UFE 17.5 or 18.0, 14.1, 14.6 on forget tasks 1, 2, 3.")

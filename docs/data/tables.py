@@ -1201,7 +1201,7 @@ def whitebox_words(records: Sequence[dict[str, Any]], tasks: int = 3) -> list[st
 
 
 # The tables of the white-box attacks on the TOFU-protocol models (results.md, their protocol): they join TABLES
-# with their runs file, records/tofu_protocol_whitebox.jsonl (TABLES holds the tables the page shows).
+# with their runs file, records/tofu_protocol_whitebox.jsonl.
 WHITEBOX_TABLES: dict[str, Table] = {
     "tofu_protocol_whitebox": Table("tofu_protocol_whitebox", lambda records: mean_std_table(records, WHITEBOX_UFE)),
     "tofu_protocol_whitebox_reading": Table("tofu_protocol_whitebox",
@@ -1382,8 +1382,27 @@ MAIN_COLUMNS = (
 )
 MAIN_COMPARISONS = (("doplus", "alternate"), ("doplus", "dualoptim"), ("doplus-paper", "alternate"),
                     ("doplus-paper", "dualoptim"), ("doplus", "doplus-paper"), ("dualoptim", "alternate"))
-# They join TABLES with the white-box tables' runs file when the grid's 15 runs are in.
+def start_line(records: Sequence[dict[str, Any]]) -> list[str]:
+    """The taught model's MU and, per forget task, its UFE: each run's step-0 evaluation (the curve's start, the
+    same model for every run of a task), one value per task; several values where runs disagree."""
+    found: dict[str, dict[Any, set[float]]] = {"MU": {}, "UFE": {}}
+    for record in records:
+        first = record["evaluations"][0]
+        if first["step"] == 0:
+            for key in found:
+                if first["metrics"].get(key) is not None:
+                    found[key].setdefault(record["task"], set()).add(round(first["metrics"][key], 1))
+    if not found["UFE"]:
+        return ["No run has its starting model's evaluation."]
+    mu = sorted({v for values in found["MU"].values() for v in values})
+    tasks = sorted(found["UFE"], key=lambda t: (t is None, t))
+    ufe = ", ".join(" or ".join(f"{v:.1f}" for v in sorted(found["UFE"][t])) for t in tasks)
+    return [f"The taught model: MU {' or '.join(f'{v:.1f}' for v in mu)}; UFE {ufe} on forget task"
+            f"{'s' if len(tasks) > 1 else ''} {', '.join(map(str, tasks))}."]
+
+
 MAIN_TABLES: dict[str, Table] = {
+    "tofu_protocol_start": Table("tofu_protocol_whitebox", start_line),
     "tofu_protocol_main": Table("tofu_protocol_whitebox", lambda records: mean_std_table(
         _in_order(records, MAIN_SCHEMES), MAIN_COLUMNS)),
     "tofu_protocol_main_tradeoff": Table("tofu_protocol_whitebox", lambda records: tradeoff_section(
