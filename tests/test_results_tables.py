@@ -1084,3 +1084,64 @@ def test_the_taught_models_line_reads_each_tasks_curve_start_by_hand():
         "The taught model: MU 45.7; UFE 17.5, 14.1, 14.6 on forget tasks 1, 2, 3."]
     runs[0]["evaluations"][0]["metrics"]["UFE"] = 18.0
     assert tables.start_line(runs)[0].endswith("UFE 17.5 or 18.0, 14.1, 14.6 on forget tasks 1, 2, 3.")
+
+
+def _nine_points(scheme: str, task: int, points: list[tuple[float, float]]) -> dict[str, Any]:
+    """A run evaluated every 12 of 96 steps: the starting model, seven evaluations during training, the last."""
+    made = record(f"{scheme}-t{task}", scheme, 0, {}, evaluations=[
+        {"step": 0, "metrics": {"UFE": points[0][0], "MU": points[0][1]}},
+        *({"step": None, "metrics": {"UFE": u, "MU": m}} for u, m in points[1:-1]),
+        {"step": 96, "metrics": {"UFE": points[-1][0], "MU": points[-1][1], "OVR": 50.0}}])
+    made["task"] = task
+    tables.check_record(made)
+    return made
+
+
+def test_the_whole_curve_bench_and_its_three_point_reading_worked_out_by_hand():
+    """Alternate's curve is a straight line from (20, 45) to (60, 30 + 0.3k) on task k; DO+ bulges early, to
+    (35, 44) and (50, 42), then dips at step 48 to (40, 30) before ending at (64, 30.5 + 0.5k). Read at every point,
+    DO+'s envelope covers Alternate's on every task and its area is larger on every task, by more than the
+    interval; read at the start, step 48 and the end only (the main protocol's three points), DO+'s dip hides its
+    bulge: the envelopes cross and the areas differ by −8, +8, +24, which no interval separates."""
+    alternate, doplus = [], []
+    for k, task in enumerate((1, 2, 3)):
+        line = [(20.0 + 5 * i, 45 - 15 * (5 * i) / 40) for i in range(8)] + [(60.0, 30 + 0.3 * k)]
+        bulge = [(20.0, 45.0), (35.0, 44.0), (50.0, 42.0), (55.0, 38.0), (40.0, 30.0), (50.0, 35.0), (58.0, 33.0),
+                 (60.0, 32.0), (64.0, 30.5 + 0.5 * k)]
+        alternate.append(_nine_points("alternate", task, line))
+        doplus.append(_nine_points("doplus", task, bulge))
+    records = [*alternate, *doplus]
+    # the envelopes by hand: Alternate's line is its own envelope; DO+'s drops its dip (40, 30) and (50, 35)
+    full_doplus = [_rectangles([(35, 44), (50, 42), (55, 38), (58, 33), (60, 32), (64, 30.5 + 0.5 * k)], 20)
+                   for k in range(3)]
+    full_alternate = [_rectangles([(20 + 5 * i, 45 - 15 * (5 * i) / 40) for i in range(1, 8)] + [(60, 30 + 0.3 * k)],
+                                  20) for k in range(3)]
+    assert full_doplus == [1765.0, 1767.0, 1769.0] and full_alternate == [1462.5, 1464.0, 1465.5]
+    # the three-point reading: (20, 45), the step-48 evaluation (the 4th during training), the end; DO+'s (40, 30)
+    # lies under its end (64, 30.5 + 0.5k), so its envelope is the start and the end
+    chord_doplus = [_rectangles([(64, 30.5 + 0.5 * k)], 20) for k in range(3)]
+    chord_alternate = [_rectangles([(40, 37.5), (60, 30 + 0.3 * k)], 20) for k in range(3)]
+    assert [a - b for a, b in zip(chord_doplus, chord_alternate)] == [-8.0, 8.0, 24.0]
+    t975 = 4.302652729911275
+
+    full = tables.CURVES_TABLES["tofu_curves_tradeoff"].render(records)
+    assert (f"| DO+ | {statistics.mean(full_doplus):.1f} ± {statistics.stdev(full_doplus):.1f} (3 runs) |") in full
+    assert ("- DO+ against Alternate, over 3 forget tasks: DO+'s envelope dominates in 3, Alternate's in 0, they "
+            "coincide in 0 and cross in 0.") in full
+    differences = [a - b for a, b in zip(full_doplus, full_alternate)]  # 302.5, 303, 303.5
+    half = t975 * statistics.stdev(differences) / math.sqrt(3)
+    (paired_full,) = tables.CURVES_TABLES["tofu_curves_paired"].render(records)
+    assert paired_full == (f"- DO+ is better than Alternate on the envelope's area (mean +303, 95% CI "
+                           f"[{303 - half:+.3g}, {303 + half:+.3g}], 3 of 3 pairs agree).")
+
+    chord = tables.CURVES_TABLES["tofu_curves_chord"].render(records)
+    assert (f"| DO+ | {statistics.mean(chord_doplus):.1f} ± {statistics.stdev(chord_doplus):.1f} (3 runs) |") in chord
+    assert ("- DO+ against Alternate, over 3 forget tasks: DO+'s envelope dominates in 0, Alternate's in 0, they "
+            "coincide in 0 and cross in 3.") in chord
+    (paired_chord,) = tables.CURVES_TABLES["tofu_curves_chord_paired"].render(records)
+    half = t975 * 16 / math.sqrt(3)  # the differences −8, 8, 24: mean 8, sd 16
+    assert paired_chord.startswith(f"- no difference detected between DO+ and Alternate on the envelope's area "
+                                   f"(mean +8, 95% CI [{8 - half:+.3g}, {8 + half:+.3g}], 2 of 3 pairs agree)")
+    # a run without the step-48 evaluation (a shorter curve) is read as it is
+    short = _curved("doplus", 4, [(20, 45), (30, 40), (50, 35)], 50.0)
+    assert tables.thinned([short], 12, 48) == [short]

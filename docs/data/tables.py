@@ -1412,6 +1412,43 @@ MAIN_TABLES: dict[str, Table] = {
 }
 
 
+# The trade-off along whole curves (results.md, its protocol): the TOFU-protocol recipe evaluated every 12 steps on
+# 20 questions a set, read at every point and again at the main protocol's three (the start, step 48, step 96).
+CURVE_SCHEMES = ("alternate", "dualoptim", "doplus", "doplus-paper")
+CURVE_COMPARISONS = (("doplus", "alternate"), ("doplus", "dualoptim"), ("doplus-paper", "alternate"),
+                     ("doplus-paper", "dualoptim"), ("doplus", "doplus-paper"))
+CURVE_EVERY, CHORD_STEP = 12, 48
+AREA = (("area", "the envelope's area", True),)
+
+
+def thinned(records: Sequence[dict[str, Any]], every: int, step: int) -> list[dict[str, Any]]:
+    """The records with each curve read only at its start, at the evaluation of `step` and at its end: what a
+    protocol evaluating every `step` steps would have measured of the same runs. A record keeps its evaluations
+    during training in step order without their steps (`records_from_schemes`), every `every` steps, so the one
+    of `step` is the (step / every)-th. A run without that evaluation is left as it is."""
+    kept = []
+    for record in records:
+        evaluations = record["evaluations"]
+        during = [e for e in evaluations[1:-1] if e["step"] is None]
+        index = step // every - 1
+        if evaluations and evaluations[0]["step"] == 0 and 0 <= index < len(during):
+            record = {**record, "evaluations": [evaluations[0], during[index], evaluations[-1]]}
+        kept.append(record)
+    return kept
+
+
+CURVES_TABLES: dict[str, Table] = {
+    "tofu_curves_tradeoff": Table("tofu_curves", lambda records: tradeoff_section(
+        records, CURVE_SCHEMES, first="doplus")),
+    "tofu_curves_paired": Table("tofu_curves", lambda records: paired_section(
+        records, CURVE_SCHEMES, CURVE_COMPARISONS, AREA)),
+    "tofu_curves_chord": Table("tofu_curves", lambda records: tradeoff_section(
+        thinned(records, CURVE_EVERY, CHORD_STEP), CURVE_SCHEMES, first="doplus")),
+    "tofu_curves_chord_paired": Table("tofu_curves", lambda records: paired_section(
+        thinned(records, CURVE_EVERY, CHORD_STEP), CURVE_SCHEMES, CURVE_COMPARISONS, AREA)),
+}
+
+
 # The mini benchmarks, run again (results.md, "The mini benchmarks"): their train times ran beside other runs on
 # shared cores, so they stay in the records and out of the tables.
 MINI_TOFU_SCHEMES = ("joint", "alternate", "dualoptim", "dualoptim-8bit", "doplus", "doplus-8bit")
