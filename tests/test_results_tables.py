@@ -1145,3 +1145,25 @@ def test_the_whole_curve_bench_and_its_three_point_reading_worked_out_by_hand():
     # a run without the step-48 evaluation (a shorter curve) is read as it is
     short = _curved("doplus", 4, [(20, 45), (30, 40), (50, 35)], 50.0)
     assert tables.thinned([short], 12, 48) == [short]
+
+
+def test_the_same_runs_trained_twice_side_by_side_by_hand():
+    """Task 3's runs of the first benchmark beside the grid's runs of the same scheme and task (named
+    tofu_protocol_whitebox/RUN): each score as first / second and the largest absolute difference; a scheme or task
+    the other has not run is left out, and the rows follow the page's scheme order."""
+    def run(name: str, scheme: str, task: int, ufe: float, rouge: float) -> dict[str, Any]:
+        made = record(name, scheme, 0, {"UFE": ufe, "MU": 35.8556, "OVR": 57.3594, "forget_Q_A_ROUGE": rouge})
+        made["task"] = task
+        return made
+
+    records = [run("alternate-t3-s0", "alternate", 3, 59.0256, 0.0175),
+               run("doplus-t3-s0", "doplus", 3, 53.6100, 0.1300),
+               run("tofu_protocol_whitebox/doplus-t3-s0", "doplus", 3, 53.6100, 0.1322),
+               run("tofu_protocol_whitebox/alternate-t3-s0", "alternate", 3, 59.0256, 0.0175),
+               run("tofu_protocol_whitebox/alternate-t1-s0", "alternate", 1, 58.0, 0.02)]
+    lines = tables.MAIN_TABLES["tofu_protocol_reproduced"].render(records)
+    assert lines[0] == ("| scheme, forget task | UFE: 0.1.0 / 0.2.0 | MU: 0.1.0 / 0.2.0 | OVR: 0.1.0 / 0.2.0 | "
+                        "forget ROUGE-L: 0.1.0 / 0.2.0 | largest difference |")
+    assert lines[2:] == [
+        "| Alternate, 3 | 59.03 / 59.03 | 35.86 / 35.86 | 57.36 / 57.36 | 0.0175 / 0.0175 | 0 |",
+        "| DO+, 3 | 53.61 / 53.61 | 35.86 / 35.86 | 57.36 / 57.36 | 0.1300 / 0.1322 | 0.0022 |"]

@@ -216,6 +216,8 @@ def metric_at(record: dict[str, Any], step: int, metric: str) -> Any:
 SOURCES: dict[str, list[tuple[str, str]]] = {
     "tofu_protocol": [("schemes", "tofu_protocol_task3_SCHEMES.json")],
     "tofu_protocol_whitebox": [("bench-folder", "tofu_protocol_whitebox/SCHEMES.json")],
+    "tofu_protocol_reproduced": [("schemes", "tofu_protocol_task3_SCHEMES.json"),
+                                 ("bench-folder", "tofu_protocol_whitebox/SCHEMES.json")],
     "muse_mini": [("evaluation", "muse_mini_taught.json"), ("schemes", "muse_mini_SCHEMES.json")],
     "real_world_mini_tune": [("tune", "tune_real_world_mini_doplus.json"),
                              ("tune", "tune_real_world_mini_alternate.json")],
@@ -1401,7 +1403,30 @@ def start_line(records: Sequence[dict[str, Any]]) -> list[str]:
             f"{'s' if len(tasks) > 1 else ''} {', '.join(map(str, tasks))}."]
 
 
+REPRODUCED = (("UFE", ".2f"), ("MU", ".2f"), ("OVR", ".2f"), ("forget_Q_A_ROUGE", ".4f"))
+
+
+def reproduced_table(records: Sequence[dict[str, Any]]) -> list[str]:
+    """The same recipe, scheme, forget task and seed trained twice, by the first run of the benchmark (doplus 0.1.0,
+    its task-3 SCHEMES.json) and by the white-box grid (doplus 0.2.0, its runs named tofu_protocol_whitebox/RUN):
+    per scheme, each final score as first / second, and the largest absolute difference over them."""
+    first = {(r["scheme"], r["task"]): r for r in records if not r["run"].startswith("tofu_protocol_whitebox/")}
+    second = {(r["scheme"], r["task"]): r for r in records if r["run"].startswith("tofu_protocol_whitebox/")}
+    lines = [row(("scheme, forget task", *(f"{key if key != 'forget_Q_A_ROUGE' else 'forget ROUGE-L'}: 0.1.0 / 0.2.0"
+                                           for key, _ in REPRODUCED), "largest difference")),
+             row(("---",) + ("---:",) * (len(REPRODUCED) + 1))]
+    for key in sorted(first, key=lambda k: (MAIN_SCHEMES.index(k[0]) if k[0] in MAIN_SCHEMES else 99, k[1] or 0)):
+        if key not in second:
+            continue
+        a, b = final_metrics(first[key]), final_metrics(second[key])
+        cells = [f"{format(a[m], spec)} / {format(b[m], spec)}" for m, spec in REPRODUCED]
+        largest = max(abs(a[m] - b[m]) for m, _ in REPRODUCED)
+        lines.append(row((f"{scheme_label(key[0])}, {key[1]}", *cells, f"{largest:.2g}")))
+    return lines
+
+
 MAIN_TABLES: dict[str, Table] = {
+    "tofu_protocol_reproduced": Table("tofu_protocol_reproduced", reproduced_table),
     "tofu_protocol_start": Table("tofu_protocol_whitebox", start_line),
     "tofu_protocol_main": Table("tofu_protocol_whitebox", lambda records: mean_std_table(
         _in_order(records, MAIN_SCHEMES), MAIN_COLUMNS)),
