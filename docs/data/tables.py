@@ -988,10 +988,15 @@ def safety_demo_table(records: Sequence[dict[str, Any]]) -> list[str]:
     lines = mean_std_table(runs, SAFETY_DEMO, "scheme (steps)", lambda scheme, members: (
         f"{scheme_label(scheme)} ({', '.join(map(str, sorted({r['settings']['steps'] for r in members})))})"))
     for record in start:
-        values = final_metrics(record)
-        lines.insert(2, row(["before training", *("" if c.resource or values.get(c.key) is None
-                                                  else format(values[c.key], c.spec) for c in SAFETY_DEMO)]))
+        lines.insert(2, start_row("before training", record, SAFETY_DEMO))
     return lines
+
+
+def start_row(label: str, record: dict[str, Any], columns: Sequence[Column]) -> str:
+    """A starting model's row of a mean ± std table: its own scores, no spread, nothing under a resource."""
+    values = final_metrics(record)
+    return row([label, *("" if c.resource or values.get(c.key) is None else minus(format(values[c.key], c.spec))
+                         for c in columns)])
 
 
 def muse_table(records: Sequence[dict[str, Any]]) -> list[str]:
@@ -999,9 +1004,7 @@ def muse_table(records: Sequence[dict[str, Any]]) -> list[str]:
     start = [r for r in records if r["scheme"] == "before training"]
     lines = mean_std_table([r for r in records if r["scheme"] != "before training"], MUSE_COLUMNS)
     for record in start:
-        values = final_metrics(record)
-        lines.insert(2, row(["taught model", *("" if c.resource or values.get(c.key) is None
-                                               else minus(format(values[c.key], c.spec)) for c in MUSE_COLUMNS)]))
+        lines.insert(2, start_row("taught model", record, MUSE_COLUMNS))
     return lines
 
 
@@ -1451,11 +1454,10 @@ def thinned(records: Sequence[dict[str, Any]], every: int, step: int) -> list[di
     protocol evaluating every `step` steps would have measured of the same runs. A record keeps its evaluations
     during training in step order without their steps (`records_from_schemes`), every `every` steps, so the one
     of `step` is the (step / every)-th. A run without that evaluation is left as it is."""
-    kept = []
+    kept, index = [], step // every - 1
     for record in records:
         evaluations = record["evaluations"]
         during = [e for e in evaluations[1:-1] if e["step"] is None]
-        index = step // every - 1
         if evaluations and evaluations[0]["step"] == 0 and 0 <= index < len(during):
             record = {**record, "evaluations": [evaluations[0], during[index], evaluations[-1]]}
         kept.append(record)
