@@ -842,6 +842,31 @@ def test_the_matched_control_kept_in_docs_data_converts_to_what_the_table_reads(
     assert tables._bound(run) == 0.0214 and run["settings"]["steps"] == values["steps"]
     assert tables._taken_back(run) == values["values"]["UFE taken back by relearn-k50"]
     assert tables.final_metrics(run)["forget_Q_A_ROUGE"] == values["values"]["forget_Q_A_ROUGE"] <= 0.0214
+    provenance = json.loads((DATA / "tofu_matched_t1" / "PROVENANCE.json").read_text())
+    assert (run["version"], run["commit"]) == (provenance["version"], provenance["commit"]) == ("0.2.0", "752652e")
+    assert run["settings"]["command"] == provenance["command"] and "--out bench/tofu_matched_t1" in run["settings"]["command"]
+    assert run["resources"]["machine"] == provenance["machine"]
+
+
+def test_a_bench_folder_without_its_provenance_is_one_line_naming_the_file(tmp_path):
+    """A bench folder's records carry the version and commit that ran it, so a folder whose PROVENANCE.json is
+    missing, not JSON, or lacks a field stops the conversion with one line naming the file (and the field)."""
+    summary = json.loads((DATA / "tofu_matched_t1" / "SCHEMES.json").read_text())
+    folder = tmp_path / "tofu_matched_t1"
+    folder.mkdir()
+    with pytest.raises(UserError, match=r"tofu_matched_t1/PROVENANCE.json: a bench folder's provenance is not"):
+        tables.records_from_bench_folder(summary, "tofu_matched_t1/SCHEMES.json", tmp_path)
+    (folder / "PROVENANCE.json").write_text("{not json")
+    with pytest.raises(UserError, match=r"PROVENANCE.json: a bench folder's provenance is not readable JSON"):
+        tables.records_from_bench_folder(summary, "tofu_matched_t1/SCHEMES.json", tmp_path)
+    whole = {"command": "doplus bench schemes ...", "seed": "0", "version": "9.9.9", "commit": "abc1234",
+             "machine": "a test"}
+    (folder / "PROVENANCE.json").write_text(json.dumps({k: v for k, v in whole.items() if k != "commit"}))
+    with pytest.raises(UserError, match=r"PROVENANCE.json: no 'commit': a bench folder's PROVENANCE.json holds"):
+        tables.records_from_bench_folder(summary, "tofu_matched_t1/SCHEMES.json", tmp_path)
+    (folder / "PROVENANCE.json").write_text(json.dumps(whole))
+    (run,) = tables.records_from_bench_folder(summary, "tofu_matched_t1/SCHEMES.json", tmp_path)
+    assert (run["version"], run["commit"], run["resources"]["machine"]) == ("9.9.9", "abc1234", "a test")
 
 
 def _swept(scheme: str, lr: float, task: int, seed: int, ovr: float) -> dict[str, Any]:

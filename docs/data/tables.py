@@ -284,14 +284,27 @@ def records_from_schemes(summary: dict[str, Any], source: str) -> list[dict[str,
     return records
 
 
-def records_from_bench_folder(summary: dict[str, Any], source: str) -> list[dict[str, Any]]:
-    """The records of the SCHEMES.json of a bench folder kept in docs/data (FOLDER/SCHEMES.json, its provenance in
-    docs/data/README.md): `records_from_schemes`'s, each run named FOLDER/RUN, unique among the folders of one runs
-    file."""
-    folder = Path(source).parent.name
+def records_from_bench_folder(summary: dict[str, Any], source: str, data: Path | None = None) -> list[dict[str, Any]]:
+    """The records of the SCHEMES.json of a bench folder kept in `data` (docs/data by default): FOLDER/SCHEMES.json
+    beside FOLDER/PROVENANCE.json, which holds the bench's command, its --seeds, the doplus version and commit that
+    ran it and the machine (PROVENANCE but `output`). `records_from_schemes`'s records, each run named FOLDER/RUN
+    (unique among the folders of one runs file), with the version, commit, command and machine filled in."""
+    folder = Path(source).parent
+    path = (data or DATA) / folder / "PROVENANCE.json"
+    try:
+        provenance = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise UserError(f"{path}: a bench folder's provenance is not readable JSON ({error})") from None
+    missing = [key for key in PROVENANCE[:-1] if not isinstance(provenance, dict) or key not in provenance]
+    if missing:
+        raise UserError(f"{path}: no {shown(missing[0])}: a bench folder's PROVENANCE.json holds "
+                        f"{', '.join(PROVENANCE[:-1])}")
     records = records_from_schemes(summary, source)
     for record in records:
-        record["run"] = f"{folder}/{record['run']}"
+        record["run"] = f"{folder.name}/{record['run']}"
+        record.update(version=provenance["version"], commit=provenance["commit"])
+        record["settings"] = {"command": provenance["command"], **record["settings"]}
+        record["resources"]["machine"] = provenance["machine"]
     return records
 
 
@@ -548,7 +561,10 @@ def convert(data: Path = DATA, out: Path | None = None) -> list[Path]:
         records = []
         for kind, file in sources:
             summary = json.loads((data / file).read_text(encoding="utf-8"))
-            records += CONVERTERS[kind](summary, file)
+            if kind == "bench-folder":  # its provenance is a file beside the SCHEMES.json
+                records += records_from_bench_folder(summary, file, data)
+            else:
+                records += CONVERTERS[kind](summary, file)
         write_runs(out / f"{name}.jsonl", records)
         written.append(out / f"{name}.jsonl")
     return written
