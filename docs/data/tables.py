@@ -17,6 +17,7 @@ tune` TUNE.json files beside this script, copying values and never filling in on
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -302,9 +303,7 @@ def records_from_bench_folder(summary: dict[str, Any], source: str, data: Path |
     records = records_from_schemes(summary, source)
     for record in records:
         record["run"] = f"{folder.name}/{record['run']}"
-        record.update(version=provenance["version"], commit=provenance["commit"])
-        record["settings"] = {"command": provenance["command"], **record["settings"]}
-        record["resources"]["machine"] = provenance["machine"]
+        stamped(record, provenance)
     return records
 
 
@@ -383,10 +382,15 @@ def records_from_kept_schemes(output: dict[str, Any], source: str) -> list[dict[
     for record in records:
         record["run"] = f"{bench}/{record['run']}"  # unique among the benches of one runs file
         record["source"] = record["source"].replace("#/output#", "#/output")
-        record.update(version=output["version"], commit=output["commit"])
-        record["settings"] = {"command": output["command"], **record["settings"]}
-        record["resources"]["machine"] = output["machine"]
+        stamped(record, output)
     return records
+
+
+def stamped(record: dict[str, Any], provenance: dict[str, Any]) -> None:
+    """`record` given the version, commit, command and machine of the PROVENANCE that ran it."""
+    record.update(version=provenance["version"], commit=provenance["commit"])
+    record["settings"] = {"command": provenance["command"], **record["settings"]}
+    record["resources"]["machine"] = provenance["machine"]
 
 
 # What a kept evaluation may add beside its SUMMARY.json (`compute`): the wall time with the model's load, the
@@ -557,14 +561,13 @@ def convert(data: Path = DATA, out: Path | None = None) -> list[Path]:
     """Write every runs file of SOURCES from its sources in `data` (into `out`, data/records by default)."""
     out = out or data / "records"
     written = []
+    # a bench folder's provenance is a file beside its SCHEMES.json, read from the same `data`
+    converters = {**CONVERTERS, "bench-folder": functools.partial(records_from_bench_folder, data=data)}
     for name, sources in SOURCES.items():
         records = []
         for kind, file in sources:
             summary = json.loads((data / file).read_text(encoding="utf-8"))
-            if kind == "bench-folder":  # its provenance is a file beside the SCHEMES.json
-                records += records_from_bench_folder(summary, file, data)
-            else:
-                records += CONVERTERS[kind](summary, file)
+            records += converters[kind](summary, file)
         write_runs(out / f"{name}.jsonl", records)
         written.append(out / f"{name}.jsonl")
     return written
@@ -1434,10 +1437,11 @@ def reproduced_table(records: Sequence[dict[str, Any]]) -> list[str]:
     lines = [row(("scheme, forget task", *(f"{key if key != 'forget_Q_A_ROUGE' else 'forget ROUGE-L'}: 0.1.0 / 0.2.0"
                                            for key, _ in REPRODUCED), "largest difference")),
              row(("---",) + ("---:",) * (len(REPRODUCED) + 1))]
-    for key in sorted(first, key=lambda k: (MAIN_SCHEMES.index(k[0]) if k[0] in MAIN_SCHEMES else 99, k[1] or 0)):
+    for record in _in_order(list(first.values()), MAIN_SCHEMES):
+        key = (record["scheme"], record["task"])
         if key not in second:
             continue
-        a, b = final_metrics(first[key]), final_metrics(second[key])
+        a, b = final_metrics(record), final_metrics(second[key])
         cells = [f"{format(a[m], spec)} / {format(b[m], spec)}" for m, spec in REPRODUCED]
         largest = max(abs(a[m] - b[m]) for m, _ in REPRODUCED)
         lines.append(row((f"{scheme_label(key[0])}, {key[1]}", *cells, f"{largest:.2g}")))
