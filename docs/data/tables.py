@@ -1525,8 +1525,9 @@ REAL_WORLD_COLUMNS = (
     STATES_COLUMN,
 )
 REAL_WORLD_METRICS = (("forget_rouge", "forget ROUGE-L", False), ("retain_rouge", "retain ROUGE-L", True))
-# They join TABLES with their runs files (records/mini_tofu.jsonl, mini_tofu_losses.jsonl, real_world_mini.jsonl,
-# each a bench folder's SCHEMES.json) when the runs are in.
+# The real-world ones are in TABLES (records/real_world_mini.jsonl, its bench folder); the mini TOFU ones join it
+# with their runs files (records/mini_tofu.jsonl, mini_tofu_losses.jsonl, each a bench folder's SCHEMES.json) when
+# their runs are in.
 MINI_TABLES: dict[str, Table] = {
     "mini_tofu": Table("mini_tofu", lambda records: mean_std_table(_in_order(records, MINI_TOFU_SCHEMES),
                                                                   MINI_TOFU_COLUMNS)),
@@ -1579,8 +1580,9 @@ def best_value_table(records: Sequence[dict[str, Any]], metric: str, columns: Se
     """Each scheme at its own best sweep value (`best_value` by `metric`): the columns' mean ± std over its (task,
     seed) pairs there; then, for each (A, B) of `comparisons`, A − B on `metric` pair by pair, each scheme at its
     own best value: the mean, its 95% t interval, the pairs that agree in sign and the smallest difference the
-    pairs detect at their spread."""
-    schemes = by_scheme(records)
+    pairs detect at their spread. A scheme benched without the sweep (no sweep value) has no best value and is left
+    out."""
+    schemes = by_scheme([r for r in records if _sweep_value(r) is not None])
     best = {scheme: best_value(runs, metric) for scheme, runs in schemes.items()}
     at_best = {scheme: [r for r in runs if _sweep_value(r) == best[scheme]] for scheme, runs in schemes.items()}
     lines = mean_std_table([r for runs in at_best.values() for r in runs], columns, label=lambda scheme, _: (
@@ -1637,9 +1639,8 @@ MAIN_LR_COMPARISONS = (*STABILITY_COMPARISONS, ("doplus", "doplus-paper"), ("sca
 STABILITY_TABLES: dict[str, Table] = {
     "tofu_stability_sensitivity": Table("tofu_stability", lambda records: sensitivity_section(
         _in_order(records, STABILITY_ORDER), "OVR")),
-    # SCAFFOLD's own bench ran at one rate (no sweep value): it has no best rate
     "tofu_stability_best": Table("tofu_stability", lambda records: best_value_table(
-        [r for r in records if _sweep_value(r) is not None], "OVR", STABILITY_COLUMNS, STABILITY_COMPARISONS)),
+        records, "OVR", STABILITY_COLUMNS, STABILITY_COMPARISONS)),
     "tofu_stability_main_lr": Table("tofu_stability", lambda records: at_value_section(
         records, MAIN_LR, STABILITY_COLUMNS, MAIN_LR_COMPARISONS)),
 }
